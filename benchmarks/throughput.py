@@ -1,0 +1,129 @@
+"""Offline throughput: N requests of random prompt ids through dabba's LLM.generate and through
+transformers' generate with static batches, side by side in one run (each in its own process,
+so peak RSS is per engine). Prints JSON.
+
+    python -m benchmarks.throughput --model DIR [--num-prompts 64 --input-len 256 --output-len 128]
+    python -m benchmarks.throughput --make-smollm-shaped /tmp/smollm   # writes the checkpoint first
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import time
+from typing import Any
+
+
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (num_prompts, input_len), generator=g).tolist()
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_dabba(args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
+    from dabba import LLM, SamplingParams
+
+    engine_kwargs = {"dtype": args["dtype"], "max_num_batched_tokens": args["max_num_batched_tokens"]}
+    if args["max_num_seqs"]:
+        engine_kwargs["max_num_seqs"] = args["max_num_seqs"]
+    llm = LLM(args["model"], **engine_kwargs)
+    params = SamplingParams(max_tokens=args["output_len"], temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"elapsed_s": elapsed, "num_output_tokens": num_out, "peak_rss_mib": peak_rss_mib(),
+            "num_preemptions": llm.llm_engine.scheduler.num_preemptions}
+
+
+def run_transformers(args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=getattr(torch, args["dtype"])).eval()
+    bs = args["hf_batch_size"]
+    kw = dict(max_new_tokens=args["output_len"], min_new_tokens=args["output_len"], do_sample=False, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(torch.tensor(prompts[:2]), max_new_tokens=4, do_sample=False)
+        start = time.perf_counter()
+        num_out = 0
+        for i in range(0, len(prompts), bs):
+            batch = torch.tensor(prompts[i:i + bs])  # equal lengths: no padding needed
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), **kw)
+            num_out += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+        elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "num_output_tokens": num_out, "peak_rss_mib": peak_rss_mib(), "batch_size": bs}
+
+
+def _child(fn_name: str, args: dict[str, Any], prompts: list[list[int]], queue: mp.Queue) -> None:
+    queue.put(globals()[fn_name](args, prompts))
+
+
+def run_isolated(fn_name: str, args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn_name, args, prompts, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+def summarize(result: dict[str, Any], num_prompts: int, input_len: int) -> dict[str, Any]:
+    t = result["elapsed_s"]
+    total = num_prompts * input_len + result["num_output_tokens"]
+    return {**result, "requests_per_s": num_prompts / t, "output_tokens_per_s": result["num_output_tokens"] / t,
+            "total_tokens_per_s": total / t}
+
+
+def make_smollm_shaped(out_dir: str) -> str:
+    from tools.tiny_checkpoint import make_checkpoint
+
+    make_checkpoint(out_dir, "LlamaForCausalLM", dtype="bfloat16", vocab_size=49152, hidden_size=576,
+                    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=100000.0)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="Hugging Face checkpoint directory")
+    parser.add_argument("--make-smollm-shaped", metavar="DIR", help="write a SmolLM2-135M-shaped random bf16 checkpoint to DIR and use it")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=0, help="0: dabba's default")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    if args.make_smollm_shaped:
+        args.model = make_smollm_shaped(args.make_smollm_shaped)
+    if not args.model:
+        parser.error("--model or --make-smollm-shaped is required")
+
+    import json as _json
+    from pathlib import Path
+
+    vocab_size = _json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+    opts = vars(args)
+    report: dict[str, Any] = {"workload": {k: opts[k] for k in ("model", "num_prompts", "input_len", "output_len", "dtype", "seed")}}
+    report["dabba"] = summarize(run_isolated("run_dabba", opts, prompts), args.num_prompts, args.input_len)
+    if not args.skip_transformers:
+        report["transformers"] = summarize(run_isolated("run_transformers", opts, prompts), args.num_prompts, args.input_len)
+        report["ratio_total_tokens_per_s"] = report["dabba"]["total_tokens_per_s"] / report["transformers"]["total_tokens_per_s"]
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

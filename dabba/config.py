@@ -1,0 +1,82 @@
+"""User-facing configuration: one frozen dataclass per concern, combined into EngineConfig.
+
+Every field carries its help text in ``metadata["help"]`` (the CLI builds its flags from it).
+Values derived at run time (the number of KV blocks) live in ``CacheLayout``, never here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _help(text: str, default: Any = dataclasses.MISSING) -> Any:
+    if default is dataclasses.MISSING:
+        return field(metadata={"help": text})
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _help("Path to a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).")
+    dtype: str = _help('Weights and activations dtype: "auto" (from config.json), "bfloat16", "float16", "float32".', "auto")
+    max_model_len: int | None = _help("Longest sequence (prompt + output) in tokens; default: the model's limit.", None)
+    device: str = _help('"auto" (CUDA if available, else CPU), "cpu" or "cuda".', "auto")
+    seed: int = _help("Seed for requests that sample without a seed of their own.", 0)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f'device must be "auto", "cpu" or "cuda[:N]", got {self.device!r}')
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _help("Tokens per KV-cache block.", 16)
+    kv_cache_memory: int | None = _help(
+        "Bytes for the KV cache; default: 30% of free memory, capped at what max_num_seqs "
+        "full-length sequences need.", None)
+    enable_prefix_caching: bool = _help("Share KV blocks of equal prompt prefixes between requests.", True)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _help("Most requests running in one step.", 256)
+    max_num_batched_tokens: int = _help("Token budget of one step (prefill chunks + decodes).", 4096)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Split flat options among the parts; an unknown option is an error, never ignored."""
+        parts = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig}
+        known = {f.name: part for part, klass in parts.items() for f in dataclasses.fields(klass)}
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
+        grouped: dict[str, dict[str, Any]] = {part: {} for part in parts}
+        for name, value in kwargs.items():
+            grouped[known[name]][name] = value
+        return cls(**{part: klass(**grouped[part]) for part, klass in parts.items()})

@@ -1,0 +1,104 @@
+"""The pool of fixed-size KV blocks: reference counts, the free queue, and the prefix-cache map."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from dabba.core.request import BlockHash
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None  # set once the block is full and cached
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class BlockPool:
+    """Owns every block.
+
+    Invariants (``check_integrity``):
+    - a block is in ``free_queue`` iff its ``ref_cnt`` is 0;
+    - the free queue is in eviction order: head is evicted first (LRU);
+    - ``cached[h]`` is the one block whose ``block_hash`` is h; a cached block with
+      ref_cnt 0 stays reusable by a prefix hit until it is taken from the free queue head.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free, or cached but used by nobody)."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take blocks from the head of the free queue, evicting their cached contents."""
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(num_blocks):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks, pulling unused ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks nobody uses join the queue tail in the order given."""
+        for block in ordered_blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Publish a full block under its chained hash; the first block with a hash keeps it."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is already cached; this one stays private
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+
+    def check_integrity(self) -> None:
+        num_used = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        assert num_used + len(self.free_queue) == self.num_blocks, (num_used, len(self.free_queue))
+        for b in self.blocks:
+            assert b.ref_cnt >= 0, b
+            assert (b.ref_cnt == 0) == (b.block_id in self.free_queue), b
+        for h, b in self.cached.items():
+            assert b.block_hash == h, b
+        assert sum(1 for b in self.blocks if b.block_hash is not None) == len(self.cached)

@@ -1,0 +1,47 @@
+"""The only two things that cross between core/ and worker/."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dabba.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen, or one resumed after preemption (sent whole again)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + any output so far
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit
+    num_output_tokens: int  # where output starts in token_ids (seeded sampling is keyed on it)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the worker holds; it already appended every token it sampled."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in batch order
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled token per request that reached the end of its known tokens this step."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)

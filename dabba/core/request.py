@@ -1,0 +1,111 @@
+"""A request as the scheduler sees it: token ids, progress, and its full-block hashes."""
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+import time
+from array import array
+from dataclasses import dataclass, field
+
+from dabba.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+BlockHash = bytes
+_arrival_counter = itertools.count()
+
+
+def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
+    """Chained hash of one full block: equal hashes mean equal whole prefixes, not just equal blocks."""
+    h = hashlib.sha256(parent or b"")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()[:16]
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence in flight.
+
+    Token layout (``all_token_ids = prompt_token_ids + output_token_ids``)::
+
+        | computed (KV in cache)  | to compute    | not yet known |
+        0              num_computed_tokens    num_tokens
+
+    A decode step computes the one token sampled last step, whose KV is not yet cached.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    block_size: int = 16
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
+    num_preemptions: int = 0
+    stop_reason: int | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        assert self.sampling_params.max_tokens is not None, "engine fills max_tokens on add"
+        return self.sampling_params.max_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        """Hash every block that became full; hashes only ever grow (tokens never change)."""
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if i else None
+            self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs]))
+
+    def sort_key(self) -> tuple[int, int]:
+        """Lower is served first: priority value, then arrival order (FCFS)."""
+        return (self.priority, self.arrival_seq)

@@ -1,0 +1,188 @@
+"""Continuous batching under one token budget per step (no prefill/decode phases).
+
+Each request's ``num_computed_tokens`` catches up with its ``num_tokens``. Every step the
+running requests are served first (in priority order), then waiting ones are admitted, until
+``max_num_batched_tokens`` or ``max_num_seqs`` is spent. Chunked prefill, prefix hits, mixed
+prefill+decode steps and resumed requests need no special case. When blocks run out, the
+lowest-priority (newest) running request is preempted by recompute.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from dabba.config import SchedulerConfig
+from dabba.core.kv_cache_manager import KVCacheManager, cdiv
+from dabba.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from dabba.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []  # sorted by Request.sort_key: the last is the first victim
+        self.finished_req_ids: set[str] = set()  # to tell the worker next step
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise ValueError if it could never run to completion."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("prompt must contain at least one token")
+        need = request.num_prompt_tokens + request.max_tokens
+        if need > self.max_model_len:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {need} "
+                f"exceeds max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
+            )
+        num_blocks = cdiv(need, self.kv_cache_manager.block_size)
+        if num_blocks > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"request needs {num_blocks} KV blocks but the cache has only "
+                f"{self.kv_cache_manager.num_blocks}; raise kv_cache_memory or lower max_tokens"
+            )
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None or request.status.is_finished:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.finished_req_ids.add(victim.request_id)
+                preempted = True
+                if victim is request:
+                    break
+                new_blocks = kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            out.scheduled_cached_reqs.append(
+                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
+            )
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # Admit waiting requests, unless this step already had to preempt (memory is tight).
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.pop(0)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=Request.sort_key)
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit,
+                    num_output_tokens=request.num_output_tokens,
+                )
+            )
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: drop its KV; it waits again with its output kept."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Advance progress, append sampled tokens, finish requests. Returns requests with new tokens."""
+        updated = []
+        for request_id, num_tokens in sched_out.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            if request.status.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += num_tokens
+            token_id = runner_out.sampled_token_ids.get(request_id)
+            if token_id is None:
+                continue  # a prefill chunk that has not reached the end of the prompt
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_hit_rate=kv.prefix_stats.hit_rate,
+            num_preemptions=self.num_preemptions,
+        )

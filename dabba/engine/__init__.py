@@ -1,0 +1,1 @@
+"""The engine loop, tokenizer and detokenization."""

@@ -1,0 +1,167 @@
+"""The synchronous engine: add requests, then step until done.
+
+step() = Scheduler.schedule -> ModelRunner.execute_model -> Scheduler.update_from_output -> outputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dabba.config import EngineConfig
+from dabba.core.kv_cache_manager import KVCacheManager
+from dabba.core.request import Request
+from dabba.core.scheduler import Scheduler, SchedulerStats
+from dabba.engine.tokenizer import Tokenizer
+from dabba.models.config import ArchConfig
+from dabba.outputs import CompletionOutput, RequestOutput
+from dabba.sampling_params import SamplingParams
+from dabba.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("dabba")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+PromptType = str | dict[str, Any]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> torch.dtype:
+    if dtype == "auto":
+        return _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+    return _DTYPES[dtype]
+
+
+def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
+    limit = arch.max_position_embeddings
+    if arch.sliding_window is not None and arch.sliding_window < limit:
+        limit = arch.sliding_window  # sliding-window attention is not implemented: stay inside the window
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} tokens")
+    return requested
+
+
+def load_generation_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        model_dir = Path(mc.model)
+        if not model_dir.is_dir():
+            raise ValueError(f"model={mc.model!r} is not a local directory; dabba loads Hugging Face checkpoint directories")
+        self.arch = ArchConfig.from_hf(model_dir)
+        self.tokenizer = Tokenizer(model_dir)
+        self.generation_config = load_generation_config(model_dir)
+        self.max_model_len = resolve_max_model_len(mc.max_model_len, self.arch)
+        self.eos_token_ids = self._eos_token_ids()
+
+        self.model_runner = ModelRunner(
+            str(model_dir), self.arch, resolve_dtype(mc.dtype, self.arch.torch_dtype), resolve_device(mc.device),
+            self.max_model_len, mc.seed,
+        )
+        cc = config.cache_config
+        self.cache_layout = self.model_runner.initialize_kv_cache(cc, config.scheduler_config.max_num_seqs)
+        self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.max_model_len)
+        self._prompts: dict[str, str | None] = {}
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        """generation_config's eos ids (config.json's when it has none), plus the tokenizer's eos."""
+        gen_eos = self.generation_config.get("eos_token_id", list(self.arch.eos_token_ids))
+        ids = set(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """Defaults from generation_config.json, as the checkpoint's authors meant them."""
+        gen = self.generation_config
+        temperature = gen.get("temperature", 1.0) if gen.get("do_sample", True) else 0.0
+        return SamplingParams(temperature=temperature)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
+        """Queue one request; raises ValueError (and queues nothing) if it is invalid or can never fit."""
+        text, token_ids = self._parse_prompt(prompt)
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=max(self.max_model_len - len(token_ids), 1))
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            block_size=self.kv_cache_manager.block_size,
+        )
+        self.scheduler.add_request(request)
+        self._prompts[request_id] = text
+
+    def _parse_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids contains ids outside [0, {self.arch.vocab_size}): {bad[:5]}")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+
+    def abort_request(self, request_id: str) -> None:
+        if self.scheduler.abort_request(request_id) is not None:
+            self._prompts.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the requests that finished in it."""
+        sched_out = self.scheduler.schedule()
+        runner_out = self.model_runner.execute_model(sched_out)
+        updated = self.scheduler.update_from_output(sched_out, runner_out)
+        return [self._make_output(r) for r in updated if r.status.is_finished]
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        params = request.sampling_params
+        completion = CompletionOutput(
+            index=0,
+            text=self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens),
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=self._prompts.pop(request.request_id, None),
+            prompt_token_ids=list(request.prompt_token_ids),
+            outputs=[completion],
+            finished=True,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()

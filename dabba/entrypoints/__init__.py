@@ -1,0 +1,1 @@
+"""Ways in: the Python LLM class and the command line."""

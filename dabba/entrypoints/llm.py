@@ -1,0 +1,74 @@
+"""The offline Python API: ``LLM(model).generate(prompts, params)``."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from dabba.config import EngineConfig
+from dabba.engine.llm_engine import LLMEngine, PromptType
+from dabba.engine.tokenizer import Tokenizer
+from dabba.outputs import RequestOutput
+from dabba.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a Hugging Face checkpoint directory and generate from batches of prompts.
+
+    Keyword options are those of EngineConfig's parts (dtype, max_model_len, block_size,
+    kv_cache_memory, enable_prefix_caching, max_num_seqs, max_num_batched_tokens, ...).
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.default_sampling_params()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+
+        engine = self.llm_engine
+        request_ids = [f"gen-{next(self._counter)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for request_id, prompt, p, prio in zip(request_ids, prompts, params, priorities):
+                engine.add_request(request_id, prompt, p, prio)
+                added.append(request_id)
+        except ValueError:
+            for request_id in added:  # all or nothing: leave no half-submitted batch behind
+                engine.abort_request(request_id)
+            raise
+
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            num_output_tokens = 0
+            while len(results) < len(prompts) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    results[out.request_id] = out
+                    num_output_tokens += len(out.outputs[0].token_ids)
+                    bar.update(1)
+                    bar.set_postfix(out_tok_s=f"{num_output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f}")
+        return [results[r] for r in request_ids]

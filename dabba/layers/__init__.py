@@ -1,0 +1,1 @@
+"""Building blocks of the model families; shapes in comments are per flat batch of tokens."""

@@ -1,0 +1,23 @@
+"""The attention layer: hands q/k/v to the step's backend with this layer's KV cache."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dabba.attention.backend import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_idx = layer_idx
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        ctx = get_forward_context()
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,56 @@
+"""Linear layers whose weights may arrive as several checkpoint tensors (q/k/v, gate/up)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, with W stored [out_features, in_features] as in the checkpoint.
+
+    A merged layer lists ``output_sizes`` and ``shard_ids``: the checkpoint's separate tensors
+    (say q_proj, k_proj, v_proj) are copied into consecutive row ranges of one weight, so one
+    GEMM serves them all. ``prefix`` is the layer's checkpoint name, for per-layer decisions.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        shard_ids: tuple | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(output_sizes)
+        self.shard_ids = shard_ids
+        self.prefix = prefix
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            target = param.data
+        else:
+            if self.shard_ids is None or shard_id not in self.shard_ids:
+                raise ValueError(f"{self.prefix}: unknown shard {shard_id!r}")
+            idx = self.shard_ids.index(shard_id)
+            start = sum(self.output_sizes[:idx])
+            target = param.data.narrow(0, start, self.output_sizes[idx])
+        if target.shape != loaded.shape:
+            raise ValueError(f"{self.prefix}: checkpoint tensor {tuple(loaded.shape)} != expected {tuple(target.shape)}")
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}"

@@ -1,0 +1,1 @@
+"""Model families as plain nn.Modules, their HF config normalisation and weight loading."""

@@ -1,0 +1,123 @@
+"""Normalise a Hugging Face config.json once, so model code never guesses defaults."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # q/k/v projections carry a bias (Qwen2 always; others per attention_bias)
+    o_bias: bool  # o_proj carries a bias (attention_bias in Llama/Mistral/Qwen3, never Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None
+    torch_dtype: str | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, model_dir: str | Path) -> "ArchConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{model_dir} has no config.json: is it a Hugging Face model directory?")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            remote = " (its config asks for remote code via auto_map, which dabba never runs)" if "auto_map" in cfg else ""
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}{remote}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is supported")
+        if cfg.get("mlp_bias"):
+            raise ValueError("unsupported config: mlp_bias=true")
+        if cfg.get("quantization_config"):
+            raise ValueError(f"unsupported quantization_config {cfg['quantization_config'].get('quant_method')!r}")
+
+        num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+
+        # transformers >= 5 writes rope_parameters (with rope_theta inside); older: rope_theta + rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("unsupported config: partial_rotary_factor != 1")
+        scaling = RopeScaling(
+            rope_type=rope_type,
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+        )
+
+        sliding_window = cfg.get("sliding_window")
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+            sliding_window = None
+
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding_window,
+            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def kv_bytes_per_token(self, dtype_size: int) -> int:
+        """K and V, every layer: 2 * L * n_kv_heads * head_dim * p."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_size

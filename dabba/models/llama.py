@@ -1,0 +1,158 @@
+"""Llama family: Llama, Mistral and Qwen2 (q/k/v bias) share this code.
+
+Weights arrive under the Hugging Face names; q/k/v and gate/up are merged into one GEMM each.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from dabba.layers.activation import SiluAndMul
+from dabba.layers.attention import Attention
+from dabba.layers.embedding import LMHead, VocabEmbedding
+from dabba.layers.layernorm import RMSNorm
+from dabba.layers.linear import Linear
+from dabba.layers.rotary import RotaryEmbedding
+from dabba.models.config import ArchConfig
+
+# checkpoint name fragment -> (merged parameter fragment, shard id)
+STACKED_PARAMS = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, prefix: str) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], shard_ids=(0, 1), prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(inter, [cfg.hidden_size], prefix=f"{prefix}.down_proj")
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer_idx: int, prefix: str) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(
+            cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias,
+            shard_ids=("q", "k", "v"), prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = Linear(self.q_size, [cfg.hidden_size], bias=cfg.o_bias, prefix=f"{prefix}.o_proj")
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook for families that normalise q/k per head before RoPE (Qwen3)."""
+        return q, k
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.norm_qk(q, k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer_idx: int, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(cfg, rotary, layer_idx, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_position: int, layer_cls: type[LlamaDecoderLayer], prefix: str = "model") -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(layer_cls(cfg, rotary, i, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, cfg: ArchConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_position, self.layer_cls)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in; fail loudly on unexpected or missing ones."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        unexpected = []
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # derived from the config, not a weight
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints store it anyway
+            target, shard_id = name, None
+            for fragment, (merged, sid) in STACKED_PARAMS.items():
+                if fragment in name:
+                    target, shard_id = name.replace(fragment, merged), sid
+                    break
+            param = params.get(target)
+            if param is None:
+                unexpected.append(name)
+                continue
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard_id)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint tensor {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(f"{target}#{shard_id}")
+        if unexpected:
+            raise ValueError(f"checkpoint has unexpected tensors: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+        expected = set()
+        for name, param in params.items():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            shard_ids = owner.shard_ids if isinstance(owner, Linear) and owner.shard_ids else (None,)
+            expected.update(f"{name}#{sid}" for sid in shard_ids)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")

@@ -1,0 +1,27 @@
+"""Qwen3: the Llama block plus a per-head RMSNorm on q and k before RoPE."""
+from __future__ import annotations
+
+import torch
+
+from dabba.layers.layernorm import RMSNorm
+from dabba.layers.rotary import RotaryEmbedding
+from dabba.models.config import ArchConfig
+from dabba.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer_idx: int, prefix: str) -> None:
+        super().__init__(cfg, rotary, layer_idx, prefix)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    layer_cls = Qwen3DecoderLayer

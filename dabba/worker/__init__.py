@@ -1,0 +1,1 @@
+"""Everything that owns tensors: the model, the KV cache, input preparation, sampling."""

@@ -1,0 +1,106 @@
+"""The worker's view of each request, and the flat input tensors built from it every step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dabba.attention.backend import CommonAttentionMetadata
+from dabba.core.outputs import SchedulerOutput
+from dabba.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    request_id: str
+    token_ids: list[int]  # prompt + outputs; the worker appends what it samples
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_prompt_tokens: int  # where the outputs start (also for resumed requests)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn: CommonAttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling_reqs]: last scheduled token of each request that samples
+    sampling_req_ids: list[str]  # requests that sample this step, in logits_indices order
+
+
+class RequestStates:
+    """Per-request state kept between steps; the scheduler sends only what changed."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, CachedRequestState] = {}
+
+    def update(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_req_ids:
+            self.states.pop(request_id, None)
+        for new in sched.scheduled_new_reqs:
+            self.states[new.request_id] = CachedRequestState(
+                request_id=new.request_id,
+                token_ids=list(new.token_ids),
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                num_prompt_tokens=len(new.token_ids) - new.num_output_tokens,
+            )
+        for cached in sched.scheduled_cached_reqs:
+            state = self.states[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def prepare_inputs(self, sched: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+        """Flatten all scheduled tokens of all requests into one batch::
+
+            request i contributes token_ids[num_computed : num_computed + num_scheduled]
+            at positions num_computed .. num_computed + num_scheduled - 1
+        """
+        req_ids = list(sched.num_scheduled_tokens)
+        num_sched = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        states = [self.states[r] for r in req_ids]
+        num_computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        seq_lens = num_computed + num_sched
+
+        # positions: for each token, its request's num_computed + its offset within the chunk
+        req_of_token = np.repeat(np.arange(len(req_ids)), num_sched)
+        positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req_of_token] + num_computed[req_of_token]
+
+        input_ids = np.empty(len(positions), dtype=np.int64)
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((len(req_ids), max_blocks), dtype=np.int64)
+        for i, s in enumerate(states):
+            input_ids[query_start_loc[i]:query_start_loc[i + 1]] = s.token_ids[num_computed[i]:seq_lens[i]]
+            block_table[i, : len(s.block_ids)] = s.block_ids
+        slot_mapping = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
+
+        # A request samples when this step reaches the end of its known tokens.
+        samples = np.array([seq_lens[i] == len(s.token_ids) for i, s in enumerate(states)], dtype=bool)
+        logits_indices = query_start_loc[1:][samples] - 1
+        return ModelInputs(
+            input_ids=torch.from_numpy(input_ids).to(device),
+            positions=torch.from_numpy(positions).to(device),
+            attn=CommonAttentionMetadata(
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                block_table=block_table,
+                slot_mapping=torch.from_numpy(slot_mapping).to(device),
+                block_size=block_size,
+                device=device,
+            ),
+            logits_indices=torch.from_numpy(logits_indices).to(device),
+            sampling_req_ids=[r for r, s in zip(req_ids, samples) if s],
+        )
+
+    def append_sampled(self, sampled: dict[str, int]) -> None:
+        for request_id, token_id in sampled.items():
+            self.states[request_id].token_ids.append(token_id)

@@ -1,0 +1,87 @@
+"""Runs one step: all scheduled tokens of all requests as one flat batch, one forward pass.
+
+prepare inputs -> forward (under forward_context) -> logits of sampling rows -> sample.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from dabba.attention.backend import forward_context
+from dabba.attention.torch_ref import TorchRefBackend
+from dabba.config import CacheConfig
+from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput
+from dabba.models.config import ArchConfig
+from dabba.models.loader import load_model
+from dabba.worker.input_batch import RequestStates
+from dabba.worker.memory import default_kv_cache_memory
+from dabba.worker.sampler import Sampler
+
+logger = logging.getLogger("dabba")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Derived at start-up from the memory budget; never written back into CacheConfig."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    kv_cache_memory: int  # the budget the blocks were carved from
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
+                 max_model_len: int, seed: int) -> None:
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        self.max_model_len = max_model_len
+        self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len)
+        self.backend = TorchRefBackend()
+        self.sampler = Sampler(device, seed)
+        self.requests = RequestStates()
+        self.kv_caches: list[torch.Tensor] = []
+        self.layout: CacheLayout | None = None
+
+    def initialize_kv_cache(self, cache_config: CacheConfig, max_num_seqs: int) -> CacheLayout:
+        bs = cache_config.block_size
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        bytes_per_block = self.arch.kv_bytes_per_token(elem) * bs
+        budget = cache_config.kv_cache_memory
+        if budget is None:
+            blocks_per_seq = -(-self.max_model_len // bs)
+            budget = default_kv_cache_memory(self.device, max_num_seqs * blocks_per_seq * bytes_per_block)
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes is less than one KV block ({bytes_per_block} bytes)")
+        shape = self.backend.kv_cache_shape(num_blocks, bs, self.arch.num_key_value_heads, self.arch.head_dim)
+        # Zeroed, not empty: padded gathers read unused slots, and 0 * NaN garbage would be NaN.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_hidden_layers)]
+        self.layout = CacheLayout(num_blocks, bs, bytes_per_block, budget)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB); holds %.2f concurrent sequences of max_model_len=%d",
+            num_blocks, bs, num_blocks * bytes_per_block / 2**20, num_blocks * bs / self.max_model_len, self.max_model_len,
+        )
+        return self.layout
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.requests.update(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput()
+        assert self.layout is not None, "initialize_kv_cache() first"
+        inputs = self.requests.prepare_inputs(sched, self.layout.block_size, self.device)
+        metadata = self.backend.build_metadata(inputs.attn)
+        with forward_context(self.backend, metadata, self.kv_caches):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
+        if not inputs.sampling_req_ids:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()  # [num_sampling, vocab]
+        states = [self.requests.states[r] for r in inputs.sampling_req_ids]
+        token_ids = self.sampler(logits, [s.sampling_params for s in states], [s.num_output_tokens for s in states])
+        sampled = dict(zip(inputs.sampling_req_ids, token_ids.tolist()))
+        self.requests.append_sampled(sampled)
+        return ModelRunnerOutput(sampled_token_ids=sampled)

@@ -1,0 +1,98 @@
+"""Write tiny random-weight Hugging Face checkpoints (and a small trained BPE tokenizer).
+
+No downloads: the tokenizer is trained on the docstrings of Python's standard library, the
+weights are random through `transformers` configs. Used by the tests and by the README's main
+job until the bundled demo model exists. Needs the dev extra (transformers).
+
+    python -m tools.tiny_checkpoint OUT_DIR [--arch LlamaForCausalLM]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + eos_token + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+STDLIB_MODULES = ("json", "os", "re", "collections", "functools", "itertools", "pathlib", "argparse", "logging",
+                  "typing", "dataclasses", "subprocess", "threading", "asyncio", "random", "string", "textwrap")
+
+
+def training_corpus() -> list[str]:
+    texts = []
+    for name in STDLIB_MODULES:
+        module = importlib.import_module(name)
+        texts.append(module.__doc__ or "")
+        for attr in sorted(dir(module)):
+            doc = getattr(getattr(module, attr, None), "__doc__", None)
+            if isinstance(doc, str):
+                texts.append(doc)
+    return texts
+
+
+def train_tokenizer(vocab_size: int = 1024):
+    """Byte-level BPE with <s>/</s> specials; BOS is prepended by the post-processor, as Llama's is."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(training_corpus(), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+    return tok
+
+
+ARCH_CONFIGS = {
+    "LlamaForCausalLM": "LlamaConfig",
+    "MistralForCausalLM": "MistralConfig",
+    "Qwen2ForCausalLM": "Qwen2Config",
+    "Qwen3ForCausalLM": "Qwen3Config",
+}
+
+
+def make_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", seed: int = 0,
+                    max_shard_size: str | None = None, dtype: str = "float32", **overrides: Any) -> Path:
+    """Save a random-weight model of ``arch`` with a trained tokenizer into ``out_dir``."""
+    import torch
+    import transformers
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+    params: dict[str, Any] = dict(
+        vocab_size=tok.get_vocab_size(), hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=512,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+    )
+    params.update(overrides)
+    config = getattr(transformers, ARCH_CONFIGS[arch])(**params)
+    config.architectures = [arch]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", default="LlamaForCausalLM", choices=sorted(ARCH_CONFIGS))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    print(make_checkpoint(args.out_dir, args.arch, dtype=args.dtype))
+
+
+if __name__ == "__main__":
+    main()
