@@ -7,15 +7,36 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
-def _help(text: str, default: Any = dataclasses.MISSING) -> Any:
+def parse_bytes(text: str | int) -> int:
+    """'4GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
+    t = text.strip().lower()
+    for suffix, scale in units.items():
+        if t.endswith(suffix):
+            number = t[: -len(suffix)].strip()
+            break
+    else:
+        number, scale = t, 1
+    try:
+        return int(float(number) * scale)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a size in bytes (examples: 4GiB, 512MiB, 1000000)") from None
+
+
+def _help(text: str, default: Any = dataclasses.MISSING, parse: Any = None) -> Any:
+    """A field whose help text (and optional CLI parser) travel in its metadata."""
+    metadata = {"help": text, **({"parse": parse} if parse else {})}
     if default is dataclasses.MISSING:
-        return field(metadata={"help": text})
-    return field(default=default, metadata={"help": text})
+        return field(metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -40,7 +61,7 @@ class CacheConfig:
     block_size: int = _help("Tokens per KV-cache block.", 16)
     kv_cache_memory: int | None = _help(
         "Bytes for the KV cache; default: 30% of free memory, capped at what max_num_seqs "
-        "full-length sequences need.", None)
+        "full-length sequences need. Accepts sizes such as 4GiB.", None, parse=parse_bytes)
     enable_prefix_caching: bool = _help("Share KV blocks of equal prompt prefixes between requests.", True)
 
     def __post_init__(self) -> None:
@@ -64,6 +85,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    PARTS: ClassVar[dict[str, type]] = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig}
+
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
@@ -71,7 +94,7 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         """Split flat options among the parts; an unknown option is an error, never ignored."""
-        parts = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig}
+        parts = cls.PARTS
         known = {f.name: part for part, klass in parts.items() for f in dataclasses.fields(klass)}
         unknown = sorted(set(kwargs) - set(known))
         if unknown:

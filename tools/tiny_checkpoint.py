@@ -9,6 +9,7 @@ job until the bundled demo model exists. Needs the dev extra (transformers).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 STDLIB_MODULES = ("json", "os", "re", "collections", "functools", "itertools", "pathlib", "argparse", "logging",
-                  "typing", "dataclasses", "subprocess", "threading", "asyncio", "random", "string", "textwrap")
+                  "dataclasses", "subprocess", "threading", "asyncio", "random", "string", "textwrap")
 
 
 def training_corpus() -> list[str]:
@@ -33,6 +34,7 @@ def training_corpus() -> list[str]:
     return texts
 
 
+@functools.lru_cache(maxsize=None)
 def train_tokenizer(vocab_size: int = 1024):
     """Byte-level BPE with <s>/</s> specials; BOS is prepended by the post-processor, as Llama's is."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

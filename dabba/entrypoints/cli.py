@@ -1,0 +1,84 @@
+"""The ``dabba`` command. Engine flags are generated from the config dataclasses, so every
+option has exactly one definition and one help text."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from typing import Any, Sequence
+
+from dabba.config import EngineConfig
+
+_SCALARS = {"int": int, "float": float, "str": str}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One --flag per config field (except ``model``, which is positional)."""
+    for part, klass in EngineConfig.PARTS.items():
+        group = parser.add_argument_group(part.replace("_", " "))
+        for f in dataclasses.fields(klass):
+            if f.name == "model":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "").replace("%", "%%")
+            type_name = str(f.type).replace(" | None", "")
+            if type_name == "bool":
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=f"{help_text} (default: {f.default})")
+            else:
+                parse = f.metadata.get("parse") or _SCALARS[type_name]
+                group.add_argument(flag, dest=f.name, type=parse, default=None, help=f"{help_text} (default: {f.default})")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the flags the user gave: unset ones keep the dataclass defaults."""
+    names = {f.name for klass in EngineConfig.PARTS.values() for f in dataclasses.fields(klass)} - {"model"}
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dabba import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+    outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
+    for out in outputs:
+        completion = out.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "text": completion.text, "token_ids": completion.token_ids,
+                              "finish_reason": completion.finish_reason}))
+        else:
+            print(f"{out.prompt}{completion.text}")
+            print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dabba", description="dabba: serve and run LLMs from Hugging Face checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts, no server")
+    gen.add_argument("model", help="Hugging Face checkpoint directory")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

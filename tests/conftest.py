@@ -1,0 +1,110 @@
+"""Tiny random-weight checkpoints of every supported family, written with `transformers` into a
+temporary directory once per session, plus greedy references computed by `transformers`."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from dabba import LLM, SamplingParams
+from dabba.outputs import RequestOutput
+from tools.tiny_checkpoint import make_checkpoint
+
+# Odd shapes on purpose: head_dim not 64, GQA ratios 1, 2 and 4, tied and untied, rope scaling.
+CHECKPOINTS = {
+    "llama": dict(arch="LlamaForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                  tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "mistral": dict(arch="MistralForCausalLM", num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                    tie_word_embeddings=True, max_shard_size="200KB"),
+    "qwen2": dict(arch="Qwen2ForCausalLM", hidden_size=96, num_attention_heads=6, num_key_value_heads=6, head_dim=16,
+                  tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "qwen3": dict(arch="Qwen3ForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=40,
+                  tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+# A wider init than transformers' default 0.02 makes the next token depend strongly on context,
+# so a wrong position, mask or block would change the greedy output.
+INIT_STD = 0.1
+
+PROMPT_LENS = (1, 2, 7, 16, 17, 33, 64, 100, 191, 300)
+NUM_NEW_TOKENS = 64
+
+
+@dataclass
+class Checkpoint:
+    name: str
+    path: Path
+    prompts: list[list[int]]  # token ids; the last two share a 150-token prefix with prompt 8
+    reference: list[list[int]]  # transformers' greedy continuation of each prompt
+
+
+def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    shared = prompts[8][:150]
+    prompts.append(shared + torch.randint(3, vocab_size, (40,), generator=g).tolist())
+    prompts.append(shared + torch.randint(3, vocab_size, (5,), generator=g).tolist())
+    return prompts
+
+
+def hf_greedy(model, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    out = []
+    with torch.inference_mode():
+        for p in prompts:  # one at a time: no padding to perturb the reference
+            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False, eos_token_id=None,
+                                 pad_token_id=2)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
+    from transformers import AutoModelForCausalLM
+
+    result = {}
+    for name, spec in CHECKPOINTS.items():
+        spec = dict(spec)
+        path = make_checkpoint(tmp_path_factory.mktemp(name), spec.pop("arch"), initializer_range=INIT_STD, **spec)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        prompts = make_prompts(model.config.vocab_size)
+        result[name] = Checkpoint(name, path, prompts, hf_greedy(model, prompts, NUM_NEW_TOKENS))
+    return result
+
+
+@pytest.fixture(params=sorted(CHECKPOINTS))
+def checkpoint(request, checkpoints) -> Checkpoint:
+    return checkpoints[request.param]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs(caplog):
+    caplog.set_level(logging.INFO, logger="dabba")
+
+
+def run_checked(llm: LLM, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+    """Drive the engine step by step, checking the KV cache's integrity after every step and
+    that every block is free once all requests are done. Outputs come back in input order."""
+    engine = llm.llm_engine
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, params):
+        engine.add_request(rid, prompt, p)
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = out
+        engine.kv_cache_manager.check_integrity()
+    pool = engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
+    assert not engine.kv_cache_manager.req_to_blocks
+    assert not engine.model_runner.requests.states or set(engine.model_runner.requests.states) <= set(ids)
+    return [results[r] for r in ids]
+
+
+def token_prompts(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in prompts]

@@ -1,0 +1,65 @@
+"""Greedy output equals transformers token for token, under every scheduling regime."""
+from __future__ import annotations
+
+import pytest
+
+from dabba import LLM, SamplingParams
+from tests.conftest import NUM_NEW_TOKENS, Checkpoint, run_checked, token_prompts
+
+GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0, ignore_eos=True)
+
+
+def assert_matches_reference(outputs, ckpt: Checkpoint) -> None:
+    for i, (out, ref) in enumerate(zip(outputs, ckpt.reference)):
+        assert out.outputs[0].token_ids == ref, f"{ckpt.name} prompt {i} (len {len(ckpt.prompts[i])}) diverges"
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_greedy_matches_transformers(checkpoint: Checkpoint) -> None:
+    llm = LLM(str(checkpoint.path), dtype="float32")
+    outputs = run_checked(llm, token_prompts(checkpoint.prompts), GREEDY)
+    assert_matches_reference(outputs, checkpoint)
+    # the two prompts sharing a 150-token prefix with another hit the prefix cache
+    assert llm.llm_engine.kv_cache_manager.prefix_stats.num_hit_tokens >= 2 * 144
+
+
+def test_greedy_without_prefix_caching(checkpoint: Checkpoint) -> None:
+    llm = LLM(str(checkpoint.path), dtype="float32", enable_prefix_caching=False)
+    outputs = run_checked(llm, token_prompts(checkpoint.prompts), GREEDY)
+    assert_matches_reference(outputs, checkpoint)
+    assert llm.llm_engine.kv_cache_manager.prefix_stats.num_hit_tokens == 0
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_with_chunked_prefill(checkpoint: Checkpoint, prefix_caching: bool) -> None:
+    llm = LLM(str(checkpoint.path), dtype="float32", max_num_batched_tokens=40, enable_prefix_caching=prefix_caching)
+    engine = llm.llm_engine
+    chunked = []
+    original = engine.model_runner.execute_model
+
+    def spy(sched):
+        chunked.extend(n for r, n in sched.num_scheduled_tokens.items() if 1 < n < len(checkpoint.prompts[int(r[1:])]))
+        assert sched.total_num_scheduled_tokens <= 40
+        return original(sched)
+
+    engine.model_runner.execute_model = spy
+    outputs = run_checked(llm, token_prompts(checkpoint.prompts), GREEDY)
+    assert_matches_reference(outputs, checkpoint)
+    assert chunked, "no prompt was split into chunks"
+
+
+def _bytes_per_block(path) -> int:
+    from dabba.models.config import ArchConfig
+
+    return ArchConfig.from_hf(path).kv_bytes_per_token(4) * 16  # float32, block_size 16
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_under_preemption(checkpoint: Checkpoint, prefix_caching: bool) -> None:
+    # 30 blocks: the longest request alone needs 23 (300 + 64 tokens), all together need ~150.
+    llm = LLM(str(checkpoint.path), dtype="float32", kv_cache_memory=30 * _bytes_per_block(checkpoint.path),
+              enable_prefix_caching=prefix_caching)
+    assert llm.llm_engine.kv_cache_manager.num_blocks == 30
+    outputs = run_checked(llm, token_prompts(checkpoint.prompts), GREEDY)
+    assert_matches_reference(outputs, checkpoint)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
