@@ -50,7 +50,8 @@ class Scheduler:
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {need} "
                 f"exceeds max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
             )
-        num_blocks = cdiv(need, self.kv_cache_manager.block_size)
+        # The last sampled token is never fed back, so it never needs a KV slot.
+        num_blocks = cdiv(need - 1, self.kv_cache_manager.block_size)
         if num_blocks > self.kv_cache_manager.num_blocks:
             raise ValueError(
                 f"request needs {num_blocks} KV blocks but the cache has only "
@@ -142,8 +143,8 @@ class Scheduler:
         """Advance progress, append sampled tokens, finish requests. Returns requests with new tokens."""
         updated = []
         for request_id, num_tokens in sched_out.num_scheduled_tokens.items():
-            request = self.requests[request_id]
-            if request.status.is_finished:  # aborted while the step ran
+            request = self.requests.get(request_id)
+            if request is None:  # aborted while the step ran
                 continue
             request.num_computed_tokens += num_tokens
             token_id = runner_out.sampled_token_ids.get(request_id)
