@@ -46,6 +46,7 @@ class ModelConfig:
     max_model_len: int | None = _help("Longest sequence (prompt + output) in tokens; default: the model's limit.", None)
     device: str = _help('"auto" (CUDA if available, else CPU), "cpu" or "cuda".', "auto")
     seed: int = _help("Seed for requests that sample without a seed of their own.", 0)
+    attention_backend: str = _help('"auto" (native CPU kernels on CPU, else the reference), "torch_ref" or "cpu".', "auto")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,14 +55,16 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f'device must be "auto", "cpu" or "cuda[:N]", got {self.device!r}')
+        if self.attention_backend not in ("auto", "torch_ref", "cpu"):
+            raise ValueError(f'attention_backend must be "auto", "torch_ref" or "cpu", got {self.attention_backend!r}')
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = _help("Tokens per KV-cache block.", 16)
     kv_cache_memory: int | None = _help(
-        "Bytes for the KV cache; default: 30% of free memory, capped at what max_num_seqs "
-        "full-length sequences need. Accepts sizes such as 4GiB.", None, parse=parse_bytes)
+        "Bytes for the KV cache; default: 30% of free RAM up to 4 GiB (80% of free GPU memory), "
+        "capped at what max_num_seqs full-length sequences need. Accepts sizes such as 4GiB.", None, parse=parse_bytes)
     enable_prefix_caching: bool = _help("Share KV blocks of equal prompt prefixes between requests.", True)
 
     def __post_init__(self) -> None:

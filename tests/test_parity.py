@@ -15,8 +15,9 @@ def assert_matches_reference(outputs, ckpt: Checkpoint) -> None:
         assert out.outputs[0].finish_reason == "length"
 
 
-def test_greedy_matches_transformers(checkpoint: Checkpoint) -> None:
-    llm = LLM(str(checkpoint.path), dtype="float32")
+@pytest.mark.parametrize("backend", ["torch_ref", "auto"])
+def test_greedy_matches_transformers(checkpoint: Checkpoint, backend: str) -> None:
+    llm = LLM(str(checkpoint.path), dtype="float32", attention_backend=backend)
     outputs = run_checked(llm, token_prompts(checkpoint.prompts), GREEDY)
     assert_matches_reference(outputs, checkpoint)
     # the two prompts sharing a 150-token prefix with another hit the prefix cache

@@ -36,6 +36,7 @@ class TorchRefMetadata:
     decode_token_idx: torch.Tensor | None  # [num_decodes]
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None  # [1, num_decodes, 1, max_blocks * block_size], True = padding
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillChunk]
 
 
@@ -49,7 +50,7 @@ class TorchRefBackend(AttentionBackend):
         starts = common.query_start_loc[:-1]
         is_decode = query_lens == 1
 
-        decode_token_idx = decode_block_table = decode_mask = None
+        decode_token_idx = decode_block_table = decode_mask = decode_seq_lens = None
         if is_decode.any():
             rows = np.nonzero(is_decode)[0]
             seq_lens = common.seq_lens[rows]
@@ -58,6 +59,7 @@ class TorchRefBackend(AttentionBackend):
             decode_block_table = torch.from_numpy(np.ascontiguousarray(common.block_table[rows, :num_blocks])).to(device)
             padding = np.arange(num_blocks * bs)[None, :] >= seq_lens[:, None]
             decode_mask = torch.from_numpy(padding).to(device)[None, :, None, :]
+            decode_seq_lens = torch.from_numpy(seq_lens).to(device)
 
         prefills = []
         for i in np.nonzero(~is_decode)[0]:
@@ -69,40 +71,60 @@ class TorchRefBackend(AttentionBackend):
                 positions = torch.arange(context_len, seq_len, device=device)
                 mask = torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
             prefills.append(PrefillChunk(start, start + q_len, context_len, block_ids, mask))
-        return TorchRefMetadata(common.slot_mapping, decode_token_idx, decode_block_table, decode_mask, prefills)
+        return TorchRefMetadata(common.slot_mapping, decode_token_idx, decode_block_table, decode_mask, decode_seq_lens,
+                                prefills)
 
-    def forward(self, q, k, v, kv_cache, metadata: TorchRefMetadata, scale: float) -> torch.Tensor:
-        key_cache, value_cache = kv_cache[0], kv_cache[1]  # [kv_heads, num_blocks, block_size, d]
+    # ---- layout-specific pieces (a backend with another cache layout overrides these) ----
+    def split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_cache[0], kv_cache[1]  # each [kv_heads, num_blocks, block_size, d]
+
+    def write_kv(self, key_cache, value_cache, k, v, metadata: TorchRefMetadata) -> None:
         num_kv_heads, _, _, head_dim = key_cache.shape
-        num_heads = q.shape[1]
-        # Write first: a request may read blocks another request fills in this same step.
         key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, metadata.slot_mapping, k.transpose(0, 1))
         value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, metadata.slot_mapping, v.transpose(0, 1))
+
+    def gather_context(self, key_cache, value_cache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks in table order -> [kv_heads, len(block_ids), block_size, d] keys and values."""
+        return key_cache.index_select(1, block_ids), value_cache.index_select(1, block_ids)
+
+    def decode(self, q, key_cache, value_cache, metadata: TorchRefMetadata, scale: float) -> torch.Tensor:
+        """Batched over decodes: [num_decodes, heads, d] -> [num_decodes, heads, d]."""
+        num_decodes, num_blocks = metadata.decode_block_table.shape
+        num_kv_heads, head_dim = value_cache.shape[0], value_cache.shape[-1]
+        kd, vd = self.gather_context(key_cache, value_cache, metadata.decode_block_table.flatten())
+        # [kv_heads, num_decodes, max_blocks * block_size, d]
+        kd = kd.view(num_kv_heads, num_decodes, -1, head_dim)
+        vd = vd.view(num_kv_heads, num_decodes, -1, head_dim)
+        # [num_decodes, heads, d] -> [kv_heads, num_decodes, heads per kv head, d]
+        qd = q.view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)
+        scores = torch.matmul(qd, kd.transpose(-1, -2)).float().mul_(scale)
+        scores.masked_fill_(metadata.decode_mask, float("-inf"))
+        od = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), vd)
+        return od.transpose(0, 1).reshape(q.shape)
+
+    # ---- the step -------------------------------------------------------------------------
+    def forward(self, q, k, v, kv_cache, metadata: TorchRefMetadata, scale: float) -> torch.Tensor:
+        key_cache, value_cache = self.split_cache(kv_cache)
+        num_kv_heads, head_dim = value_cache.shape[0], value_cache.shape[-1]
+        # Write first: a request may read blocks another request fills in this same step.
+        self.write_kv(key_cache, value_cache, k, v, metadata)
         out = torch.empty_like(q)
 
         if metadata.decode_token_idx is not None:
-            num_decodes, num_blocks = metadata.decode_block_table.shape
-            block_ids = metadata.decode_block_table.flatten()
-            # [kv_heads, num_decodes, max_blocks * block_size, d]
-            kd = key_cache.index_select(1, block_ids).view(num_kv_heads, num_decodes, -1, head_dim)
-            vd = value_cache.index_select(1, block_ids).view(num_kv_heads, num_decodes, -1, head_dim)
-            # [num_decodes, heads, d] -> [kv_heads, num_decodes, heads per kv head, d]
-            qd = q[metadata.decode_token_idx].view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)
-            scores = torch.matmul(qd, kd.transpose(-1, -2)).float().mul_(scale)
-            scores.masked_fill_(metadata.decode_mask, float("-inf"))
-            od = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), vd)
-            out[metadata.decode_token_idx] = od.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
+            out[metadata.decode_token_idx] = self.decode(q[metadata.decode_token_idx], key_cache, value_cache, metadata, scale)
 
         for p in metadata.prefills:
-            qp = q[p.start:p.end].transpose(0, 1)  # [heads, query_len, d]
+            # SDPA's CPU kernels want 4-D contiguous operands: [1, heads, query_len, d]
+            qp = q[p.start:p.end].transpose(0, 1).contiguous().unsqueeze(0)
             if p.context_len == 0:
-                kp = k[p.start:p.end].transpose(0, 1)
-                vp = v[p.start:p.end].transpose(0, 1)
+                kp = k[p.start:p.end].transpose(0, 1).contiguous().unsqueeze(0)
+                vp = v[p.start:p.end].transpose(0, 1).contiguous().unsqueeze(0)
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 seq_len = p.mask.shape[1]
-                kp = key_cache.index_select(1, p.block_ids).view(num_kv_heads, -1, head_dim)[:, :seq_len]
-                vp = value_cache.index_select(1, p.block_ids).view(num_kv_heads, -1, head_dim)[:, :seq_len]
+                kp, vp = self.gather_context(key_cache, value_cache, p.block_ids)
+                kp = kp.reshape(num_kv_heads, -1, head_dim)[None, :, :seq_len]
+                vp = vp.reshape(num_kv_heads, -1, head_dim)[None, :, :seq_len]
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
-            out[p.start:p.end] = op.transpose(0, 1)
+            out[p.start:p.end] = op[0].transpose(0, 1)
         return out

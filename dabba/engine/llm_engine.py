@@ -74,7 +74,7 @@ class LLMEngine:
 
         self.model_runner = ModelRunner(
             str(model_dir), self.arch, resolve_dtype(mc.dtype, self.arch.torch_dtype), resolve_device(mc.device),
-            self.max_model_len, mc.seed,
+            self.max_model_len, mc.seed, mc.attention_backend,
         )
         cc = config.cache_config
         self.cache_layout = self.model_runner.initialize_kv_cache(cc, config.scheduler_config.max_num_seqs)

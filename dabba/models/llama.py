@@ -14,7 +14,7 @@ from dabba.layers.attention import Attention
 from dabba.layers.embedding import LMHead, VocabEmbedding
 from dabba.layers.layernorm import RMSNorm
 from dabba.layers.linear import Linear
-from dabba.layers.rotary import RotaryEmbedding
+from dabba.layers.rotary import RotaryEmbedding, apply_rotary
 from dabba.models.config import ArchConfig
 
 # checkpoint name fragment -> (merged parameter fragment, shard id)
@@ -40,7 +40,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer_idx: int, prefix: str) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, prefix: str) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -52,36 +52,35 @@ class LlamaAttention(nn.Module):
             shard_ids=("q", "k", "v"), prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = Linear(self.q_size, [cfg.hidden_size], bias=cfg.o_bias, prefix=f"{prefix}.o_proj")
-        self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook for families that normalise q/k per head before RoPE (Qwen3)."""
         return q, k
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.norm_qk(q, k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer_idx: int, prefix: str) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, prefix: str) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(cfg, rotary, layer_idx, f"{prefix}.self_attn")
+        self.self_attn = self.attention_cls(cfg, layer_idx, f"{prefix}.self_attn")
         self.mlp = LlamaMLP(cfg, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -89,14 +88,15 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, max_position: int, layer_cls: type[LlamaDecoderLayer], prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(layer_cls(cfg, rotary, i, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(layer_cls(cfg, i, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        rope = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x)
+            x = layer(rope, x)
         return self.norm(x)
 
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 import torch
 
 from dabba.layers.layernorm import RMSNorm
-from dabba.layers.rotary import RotaryEmbedding
 from dabba.models.config import ArchConfig
 from dabba.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer_idx: int, prefix: str) -> None:
-        super().__init__(cfg, rotary, layer_idx, prefix)
+    def __init__(self, cfg: ArchConfig, layer_idx: int, prefix: str) -> None:
+        super().__init__(cfg, layer_idx, prefix)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from dabba.attention.backend import forward_context
-from dabba.attention.torch_ref import TorchRefBackend
+from dabba.attention.selector import get_attention_backend
 from dabba.config import CacheConfig
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput
 from dabba.models.config import ArchConfig
 from dabba.models.loader import load_model
 from dabba.worker.input_batch import RequestStates
-from dabba.worker.memory import default_kv_cache_memory
+from dabba.worker.memory import allocate_kv_cache, default_kv_cache_memory
 from dabba.worker.sampler import Sampler
 
 logger = logging.getLogger("dabba")
@@ -34,13 +34,13 @@ class CacheLayout:
 
 class ModelRunner:
     def __init__(self, model_dir: str, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
-                 max_model_len: int, seed: int) -> None:
+                 max_model_len: int, seed: int, attention_backend: str = "auto") -> None:
         self.arch = arch
         self.dtype = dtype
         self.device = device
         self.max_model_len = max_model_len
         self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len)
-        self.backend = TorchRefBackend()
+        self.backend = get_attention_backend(attention_backend, device)
         self.sampler = Sampler(device, seed)
         self.requests = RequestStates()
         self.kv_caches: list[torch.Tensor] = []
@@ -58,8 +58,7 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes is less than one KV block ({bytes_per_block} bytes)")
         shape = self.backend.kv_cache_shape(num_blocks, bs, self.arch.num_key_value_heads, self.arch.head_dim)
-        # Zeroed, not empty: padded gathers read unused slots, and 0 * NaN garbage would be NaN.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_hidden_layers)]
+        self.kv_caches = allocate_kv_cache(shape, self.arch.num_hidden_layers, self.dtype, self.device)
         self.layout = CacheLayout(num_blocks, bs, bytes_per_block, budget)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB); holds %.2f concurrent sequences of max_model_len=%d",

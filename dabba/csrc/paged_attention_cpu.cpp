@@ -1,0 +1,245 @@
+// Decode attention over the paged KV cache on the CPU, reading each K and V row once, straight
+// from its block (the reference backend gathers blocks into a padded copy, then reads it twice).
+//
+// Layout (the CPU backend's own, see dabba/attention/cpu.py):
+//   q            [num_seqs, num_heads, head_dim]
+//   key_cache    [num_kv_heads, num_blocks, head_dim, block_size]   keys transposed within a block
+//   value_cache  [num_kv_heads, num_blocks, block_size, head_dim]
+//   block_table  [num_seqs, max_blocks] int64
+//   seq_lens     [num_seqs] int64: context length, including the token being decoded
+//   out          [num_seqs, num_heads, head_dim]
+// Query head h uses kv head h / (num_heads / num_kv_heads) (grouped-query attention).
+//
+// With keys transposed, the scores of one query against a block's 16 keys are 16 lanes of one
+// vector, accumulated over head_dim with broadcast FMAs: no horizontal sums. Values keep rows
+// contiguous, so out += p * v_t runs along head_dim. Everything accumulates in float32.
+// The vector path needs block_size == 16 and head_dim % 16 == 0; other shapes take scalar loops.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint16_t vbits16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t vbits32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline vfloat load16(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+
+// 16 consecutive elements widened to float32 (bf16 -> f32 is a 16-bit shift).
+template <typename scalar_t>
+inline vfloat load16_as_float(const scalar_t* p) {
+  float tmp[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load16(tmp);
+}
+
+template <>
+inline vfloat load16_as_float<at::BFloat16>(const at::BFloat16* p) {
+  vbits16 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  vbits32 wide = __builtin_convertvector(bits, vbits32) << 16;
+  vfloat out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// exp(x) for x <= 0, vectorisable without -ffast-math: 2^n * e^r with |r| <= ln2/2 and a
+// degree-6 Taylor polynomial (relative error ~2e-7, below float32's rounding of the sum).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504f - 0.5f));
+  const float r = x - n * 0.693147181f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// In place: s[0..n) <- softmax(s[0..n)).
+inline void softmax_inplace(float* s, int64_t n) {
+  float max_score = s[0];
+  for (int64_t t = 1; t < n; ++t) max_score = std::max(max_score, s[t]);
+  float sum = 0.f;
+#pragma GCC ivdep
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_nonpositive(s[t] - max_score);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+}
+
+// Pull a whole block into cache ahead of use: blocks sit at scattered addresses, which the
+// hardware prefetcher cannot guess.
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+struct Shape {
+  int64_t num_heads, head_dim, num_kv_heads, num_blocks, block_size, group, max_blocks;
+};
+
+// scores[g * padded_len + t] = q_g . k_t for t < seq_len (q already scaled).
+template <typename scalar_t>
+void block_scores(const Shape& sh, const float* qf, const scalar_t* k_ptr, const int64_t* blocks,
+                  int64_t kvh, int64_t seq_len, int64_t padded_len, float* scores) {
+  const int64_t num_seq_blocks = (seq_len + sh.block_size - 1) / sh.block_size;
+  const bool vector_path = sh.block_size == kLanes;
+  const int64_t block_elems = sh.head_dim * sh.block_size;
+  for (int64_t j = 0; j < num_seq_blocks; ++j) {
+    const scalar_t* kb = k_ptr + (kvh * sh.num_blocks + blocks[j]) * block_elems;
+    if (j + 1 < num_seq_blocks)
+      prefetch_block(k_ptr + (kvh * sh.num_blocks + blocks[j + 1]) * block_elems, block_elems * sizeof(scalar_t));
+    for (int64_t g = 0; g < sh.group; ++g) {
+      const float* qg = qf + g * sh.head_dim;
+      float* dst = scores + g * padded_len + j * sh.block_size;
+      if (vector_path) {
+        vfloat acc = {};
+        for (int64_t d = 0; d < sh.head_dim; ++d) acc += qg[d] * load16_as_float(kb + d * kLanes);
+        store16(dst, acc);
+      } else {
+        for (int64_t t = 0; t < sh.block_size; ++t) dst[t] = 0.f;
+        for (int64_t d = 0; d < sh.head_dim; ++d)
+          for (int64_t t = 0; t < sh.block_size; ++t) dst[t] += qg[d] * static_cast<float>(kb[d * sh.block_size + t]);
+      }
+    }
+  }
+}
+
+// out_g = sum_t p[g, t] * v_t, one query head at a time, NC 16-float chunks of head_dim kept in
+// registers (NC = head_dim / 16, a template parameter so the accumulators are not spilled).
+template <typename scalar_t, int NC>
+void weighted_values(const Shape& sh, const float* probs, const scalar_t* v_ptr, const int64_t* blocks,
+                     int64_t kvh, int64_t seq_len, int64_t padded_len, float* out) {
+  for (int64_t g = 0; g < sh.group; ++g) {
+    const float* pg = probs + g * padded_len;
+    vfloat acc[NC] = {};
+    const int64_t block_elems = sh.block_size * sh.head_dim;
+    for (int64_t t = 0; t < seq_len; ++t) {
+      const int64_t block = blocks[t / sh.block_size];
+      const scalar_t* v_row = v_ptr + ((kvh * sh.num_blocks + block) * sh.block_size + t % sh.block_size) * sh.head_dim;
+      if (t % sh.block_size == 0 && t + sh.block_size < seq_len)
+        prefetch_block(v_ptr + (kvh * sh.num_blocks + blocks[t / sh.block_size + 1]) * block_elems,
+                       block_elems * sizeof(scalar_t));
+      const float p = pg[t];
+      for (int c = 0; c < NC; ++c) acc[c] += p * load16_as_float(v_row + c * kLanes);
+    }
+    for (int c = 0; c < NC; ++c) store16(out + g * sh.head_dim + c * kLanes, acc[c]);
+  }
+}
+
+template <typename scalar_t>
+void weighted_values_scalar(const Shape& sh, const float* probs, const scalar_t* v_ptr, const int64_t* blocks,
+                            int64_t kvh, int64_t seq_len, int64_t padded_len, float* out) {
+  std::fill(out, out + sh.group * sh.head_dim, 0.f);
+  for (int64_t t = 0; t < seq_len; ++t) {
+    const int64_t block = blocks[t / sh.block_size];
+    const scalar_t* v_row = v_ptr + ((kvh * sh.num_blocks + block) * sh.block_size + t % sh.block_size) * sh.head_dim;
+    for (int64_t g = 0; g < sh.group; ++g) {
+      const float p = probs[g * padded_len + t];
+      for (int64_t d = 0; d < sh.head_dim; ++d) out[g * sh.head_dim + d] += p * static_cast<float>(v_row[d]);
+    }
+  }
+}
+
+template <typename scalar_t>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_table,
+                           const at::Tensor& seq_lens, double scale) {
+  const Shape sh{q.size(1), q.size(2), key_cache.size(0), key_cache.size(1), key_cache.size(3),
+                 q.size(1) / key_cache.size(0), block_table.size(1)};
+  const int64_t num_seqs = q.size(0);
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
+  const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
+  const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+  const bool vector_values = sh.head_dim % kLanes == 0 && sh.head_dim / kLanes <= 8;
+
+  // One work item = one sequence x one kv head (the query heads of its group together).
+  at::parallel_for(0, num_seqs * sh.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(sh.group * sh.head_dim), acc(sh.group * sh.head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / sh.num_kv_heads, kvh = item % sh.num_kv_heads;
+      const int64_t seq_len = len_ptr[s];
+      const int64_t padded_len = (seq_len + sh.block_size - 1) / sh.block_size * sh.block_size;
+      const int64_t* blocks = bt_ptr + s * sh.max_blocks;
+      scores.resize(sh.group * padded_len);
+      for (int64_t g = 0; g < sh.group; ++g) {
+        const scalar_t* src = q_ptr + (s * sh.num_heads + kvh * sh.group + g) * sh.head_dim;
+        for (int64_t d = 0; d < sh.head_dim; ++d) qf[g * sh.head_dim + d] = static_cast<float>(src[d]) * fscale;
+      }
+      block_scores(sh, qf.data(), k_ptr, blocks, kvh, seq_len, padded_len, scores.data());
+      for (int64_t g = 0; g < sh.group; ++g) softmax_inplace(scores.data() + g * padded_len, seq_len);
+      if (!vector_values) {
+        weighted_values_scalar(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data());
+      } else {
+        switch (sh.head_dim / kLanes) {
+          case 1: weighted_values<scalar_t, 1>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+          case 2: weighted_values<scalar_t, 2>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+          case 3: weighted_values<scalar_t, 3>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+          case 4: weighted_values<scalar_t, 4>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+          case 5: weighted_values<scalar_t, 5>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+          case 6: weighted_values<scalar_t, 6>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+          case 7: weighted_values<scalar_t, 7>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+          default: weighted_values<scalar_t, 8>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+        }
+      }
+      for (int64_t g = 0; g < sh.group; ++g) {
+        scalar_t* dst = out_ptr + (s * sh.num_heads + kvh * sh.group + g) * sh.head_dim;
+        for (int64_t d = 0; d < sh.head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * sh.head_dim + d]);
+      }
+    }
+  });
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_table,
+                            const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(key_cache.size(0) == value_cache.size(0) && key_cache.size(1) == value_cache.size(1) &&
+              key_cache.size(2) == value_cache.size(3) && key_cache.size(3) == value_cache.size(2),
+              "key_cache must be value_cache with each block transposed");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "operands must be contiguous");
+  TORCH_CHECK(q.size(1) % key_cache.size(0) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.size(2) == value_cache.size(3), "head_dim mismatch");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 indices");
+  TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "indices must be contiguous");
+  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtype mismatch");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_table, seq_lens, scale);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dabba_cpu, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, Tensor seq_lens, float scale) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+}
