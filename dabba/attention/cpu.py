@@ -2,37 +2,19 @@
 
 Its cache layout differs in one way: keys are stored transposed within each block
 ([kv_heads, num_blocks, head_dim, block_size]), so the kernel's dot products of a query with a
-block's keys run along contiguous memory (see csrc/paged_attention_cpu.cpp). The kernel is built
-on first use with torch's C++ extension loader (g++ and ninja) and cached; if it cannot be
-built, the engine falls back to the reference backend.
+block's keys run along contiguous memory (see csrc/paged_attention_cpu.cpp). Short prefill chunks
+are attended with two batched matmuls, which beat SDPA's CPU kernel there. The kernel is built
+on first use (see dabba/native.py); if it cannot be built, the engine uses the reference backend.
 """
 from __future__ import annotations
-
-import functools
-import logging
-from pathlib import Path
 
 import torch
 
 from dabba.attention.torch_ref import TorchRefBackend, TorchRefMetadata
 
-logger = logging.getLogger("dabba")
-
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
-
-
-@functools.lru_cache(maxsize=None)
-def load_cpu_ops() -> bool:
-    """Build (first time, ~20 s) or load the native CPU kernels; False if that is impossible here."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        load(name="dabba_cpu", sources=[str(CSRC / "paged_attention_cpu.cpp")], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-        return True
-    except Exception as e:  # no compiler, no ninja, unsupported platform: the reference still works
-        logger.warning("native CPU attention kernel unavailable (%s); using the reference backend", e)
-        return False
+# Prefill chunks whose score matrix (heads x query_len x seq_len) is at most this many elements
+# take the matmul path; larger ones go to SDPA, which never materialises the scores.
+MATMUL_PREFILL_MAX_SCORES = 8 * 2**20
 
 
 class CpuBackend(TorchRefBackend):
@@ -54,3 +36,16 @@ class CpuBackend(TorchRefBackend):
         torch.ops.dabba_cpu.paged_decode_attention(out, q.contiguous(), key_cache, value_cache,
                                                    metadata.decode_block_table, metadata.decode_seq_lens, scale)
         return out
+
+    def prefill(self, q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        num_heads, query_len, head_dim = q.shape
+        num_kv_heads, seq_len, _ = k.shape
+        if num_heads * query_len * seq_len > MATMUL_PREFILL_MAX_SCORES:
+            return super().prefill(q, k, v, mask, scale)
+        if mask is None:
+            mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril_()
+        # [heads, L, d] -> [kv_heads, heads per kv head * L, d]: one matmul per kv head
+        scores = torch.matmul(q.view(num_kv_heads, -1, head_dim), k.transpose(1, 2)).float().mul_(scale)
+        scores = scores.view(num_kv_heads, -1, query_len, seq_len).masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, -1, seq_len)
+        return torch.matmul(probs, v).view(num_heads, query_len, head_dim)

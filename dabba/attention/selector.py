@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 from dabba.attention.backend import AttentionBackend
-from dabba.attention.cpu import CpuBackend, load_cpu_ops
+from dabba.attention.cpu import CpuBackend
 from dabba.attention.torch_ref import TorchRefBackend
+from dabba.native import load_cpu_ops
 
 BACKENDS = ("auto", "torch_ref", "cpu")
 

@@ -102,6 +102,14 @@ class TorchRefBackend(AttentionBackend):
         od = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), vd)
         return od.transpose(0, 1).reshape(q.shape)
 
+    def prefill(self, q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """One request's chunk: q [heads, query_len, d], k/v [kv_heads, seq_len, d] -> like q.
+        ``mask`` [query_len, seq_len] is True where a query may attend; None means plain causal."""
+        # SDPA's CPU kernels want 4-D operands.
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+                                             scale=scale, enable_gqa=True)
+        return out[0]
+
     # ---- the step -------------------------------------------------------------------------
     def forward(self, q, k, v, kv_cache, metadata: TorchRefMetadata, scale: float) -> torch.Tensor:
         key_cache, value_cache = self.split_cache(kv_cache)
@@ -114,17 +122,14 @@ class TorchRefBackend(AttentionBackend):
             out[metadata.decode_token_idx] = self.decode(q[metadata.decode_token_idx], key_cache, value_cache, metadata, scale)
 
         for p in metadata.prefills:
-            # SDPA's CPU kernels want 4-D contiguous operands: [1, heads, query_len, d]
-            qp = q[p.start:p.end].transpose(0, 1).contiguous().unsqueeze(0)
+            qp = q[p.start:p.end].transpose(0, 1).contiguous()  # [heads, query_len, d]
             if p.context_len == 0:
-                kp = k[p.start:p.end].transpose(0, 1).contiguous().unsqueeze(0)
-                vp = v[p.start:p.end].transpose(0, 1).contiguous().unsqueeze(0)
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+                kp = k[p.start:p.end].transpose(0, 1).contiguous()  # [kv_heads, query_len, d]
+                vp = v[p.start:p.end].transpose(0, 1).contiguous()
             else:
                 seq_len = p.mask.shape[1]
                 kp, vp = self.gather_context(key_cache, value_cache, p.block_ids)
-                kp = kp.reshape(num_kv_heads, -1, head_dim)[None, :, :seq_len]
-                vp = vp.reshape(num_kv_heads, -1, head_dim)[None, :, :seq_len]
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
-            out[p.start:p.end] = op[0].transpose(0, 1)
+                kp = kp.reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+                vp = vp.reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+            out[p.start:p.end] = self.prefill(qp, kp, vp, p.mask, scale).transpose(0, 1)
         return out

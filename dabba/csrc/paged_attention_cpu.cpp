@@ -60,7 +60,7 @@ inline vfloat load16_as_float<at::BFloat16>(const at::BFloat16* p) {
 // exp(x) for x <= 0, vectorisable without -ffast-math: 2^n * e^r with |r| <= ln2/2 and a
 // degree-6 Taylor polynomial (relative error ~2e-7, below float32's rounding of the sum).
 inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
+  x = x < -87.0f ? -87.0f : x;  // a select (vectorised with -fno-trapping-math); fmaxf is not
   const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504f - 0.5f));
   const float r = x - n * 0.693147181f;
   float p = 1.f / 720.f;
@@ -238,7 +238,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY(dabba_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, float scale) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));

@@ -1,10 +1,12 @@
-"""RMSNorm, computed as transformers does (float32 statistics, cast back, then weight), with
-PyTorch's fused rms_norm kernel for the float32 part (2.5x faster on CPU than the op chain)."""
+"""RMSNorm as transformers computes it (float32 statistics, rounded to the model dtype, then
+scaled), optionally fused with the residual add that precedes it in every decoder layer."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dabba.native import native_rows
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +15,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, with ``residual``: residual <- x + residual, returns (norm(residual), residual).
+
+        The fused form may reuse ``x`` and ``residual``'s storage: callers pass tensors they own.
+        """
+        if native_rows(x) and (residual is None or residual.is_contiguous()):
+            if residual is None:
+                out = torch.empty_like(x)
+                torch.ops.dabba_cpu.rms_norm(out, x, self.weight, self.eps)
+                return out
+            torch.ops.dabba_cpu.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, round to the model dtype, then scale: the reference's rounding order.
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from dabba.models.config import RopeScaling
+from dabba.native import load_cpu_ops
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -42,11 +43,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Once per step, shared by every layer: [num_tokens, 1, head_dim] each, in the model dtype."""
-        return self.cos_cache[positions].to(dtype).unsqueeze(1), self.sin_cache[positions].to(dtype).unsqueeze(1)
+        """Once per step, shared by every layer: [num_tokens, head_dim] each, in the model dtype."""
+        return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
+    """q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim].
+
+    On CPU the native kernel rotates in place (q and k may be views into the fused qkv output).
+    """
     cos, sin = cos_sin
+    if q.device.type == "cpu" and q.stride(-1) == 1 and k.stride(-1) == 1 and load_cpu_ops():
+        torch.ops.dabba_cpu.rotary_embedding(q, k, cos, sin)
+        return q, k
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

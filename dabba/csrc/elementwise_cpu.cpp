@@ -1,0 +1,226 @@
+// Fused element-wise kernels for the CPU: RMSNorm (optionally with the residual add before it),
+// SiLU-and-mul, and rotary embedding. Each is one pass over memory where PyTorch's op chain
+// makes four to six, and each rounds to the model dtype exactly where transformers' op chain
+// does, so bf16 results match the reference bit for bit, not just to within a tolerance.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+}
+
+// float <-> storage type. bf16 conversions are written on the bits so loops vectorise.
+template <typename scalar_t>
+struct Cvt {
+  static inline float load(scalar_t x) { return static_cast<float>(x); }
+  static inline scalar_t store(float x) { return static_cast<scalar_t>(x); }
+};
+
+template <>
+struct Cvt<at::BFloat16> {
+  static inline float load(at::BFloat16 x) { return bf16_bits_to_float(x.x); }
+  static inline at::BFloat16 store(float f) { return at::BFloat16(float_to_bf16_bits(f), at::BFloat16::from_bits()); }
+};
+
+// Round a float to the storage type and back: the rounding the reference applies between ops.
+template <typename scalar_t>
+inline float round_to(float x) {
+  return Cvt<scalar_t>::load(Cvt<scalar_t>::store(x));
+}
+
+// exp(x) for x <= 0 (see paged_attention_cpu.cpp): vectorisable, relative error ~2e-7.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;  // a select (vectorised with -fno-trapping-math); fmaxf is not
+  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504f - 0.5f));
+  const float r = x - n * 0.693147181f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// One row: out = weight * round(x * rsqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm.
+template <typename scalar_t>
+inline void rms_norm_row(scalar_t* out, const scalar_t* x, const scalar_t* weight, int64_t n, float eps) {
+  float sum_sq = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = Cvt<scalar_t>::load(x[i]);
+    sum_sq += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) {
+    const float normed = round_to<scalar_t>(Cvt<scalar_t>::load(x[i]) * inv);
+    out[i] = Cvt<scalar_t>::store(Cvt<scalar_t>::load(weight[i]) * normed);
+  }
+}
+
+// y <- round(x + y)
+template <typename scalar_t>
+inline void add_row(scalar_t* __restrict y, const scalar_t* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = Cvt<scalar_t>::store(Cvt<scalar_t>::load(x[i]) + Cvt<scalar_t>::load(y[i]));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, hidden] tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden] of x's dtype");
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == x.scalar_type(), "bad out");
+  const int64_t rows = x.size(0), n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) rms_norm_row(op + r * n, xp + r * n, wp, n, static_cast<float>(eps));
+    });
+  });
+}
+
+// residual <- round(x + residual); x <- rms_norm(residual). The add rounds to the model dtype
+// first, as `hidden = residual + hidden` does in the reference.
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "residual must match x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* xr = xp + r * n;
+        scalar_t* rr = rp + r * n;
+        add_row(rr, xr, n);
+        rms_norm_row(xr, rr, wp, n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+inline float silu(float g) {
+  const float e = exp_nonpositive(-__builtin_fabsf(g));  // exp(-|g|) never overflows
+  return (g >= 0.f ? g : g * e) / (1.f + e);
+}
+
+// One row; kept out of the parallel lambda, where GCC does not vectorise loops.
+template <typename scalar_t>
+__attribute__((noinline)) void silu_and_mul_row(scalar_t* __restrict out, const scalar_t* __restrict gate, const scalar_t* __restrict up,
+                             int64_t d) {
+  for (int64_t i = 0; i < d; ++i)
+    out[i] = Cvt<scalar_t>::store(round_to<scalar_t>(silu(Cvt<scalar_t>::load(gate[i]))) * Cvt<scalar_t>::load(up[i]));
+}
+
+// bf16 on raw bits: GCC does not vectorise loads of the BFloat16 struct in this loop.
+template <>
+__attribute__((noinline)) void silu_and_mul_row<at::BFloat16>(at::BFloat16* __restrict out, const at::BFloat16* __restrict gate,
+                                           const at::BFloat16* __restrict up, int64_t d) {
+  const uint16_t* __restrict g = reinterpret_cast<const uint16_t*>(gate);
+  const uint16_t* __restrict u = reinterpret_cast<const uint16_t*>(up);
+  uint16_t* __restrict o = reinterpret_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < d; ++i) {
+    const float s = bf16_bits_to_float(float_to_bf16_bits(silu(bf16_bits_to_float(g[i]))));
+    o[i] = float_to_bf16_bits(s * bf16_bits_to_float(u[i]));
+  }
+}
+
+// out = round(silu(gate)) * up, with x = [gate | up] along the last dimension.
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x must be contiguous [rows, 2 * d]");
+  const int64_t rows = x.size(0), d = x.size(1) / 2;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == d && out.is_contiguous() &&
+              out.scalar_type() == x.scalar_type(), "bad out");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gate = xp + r * 2 * d;
+        scalar_t* out_row = op + r * d;
+        silu_and_mul_row(out_row, gate, gate + d, d);
+      }
+    });
+  });
+}
+
+// In place on q [tokens, heads, d] and k [tokens, kv_heads, d] (rows may be strided views of a
+// fused qkv output): x <- round(x * cos) + round(rotate_half(x) * sin), cos/sin [tokens, d].
+template <typename scalar_t>
+void rotate_rows(at::Tensor& x, const scalar_t* cos, const scalar_t* sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  scalar_t* xp = x.data_ptr<scalar_t>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    float buf[1024];
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* c = cos + t * d;
+      const scalar_t* s = sin + t * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* row = xp + t * token_stride + h * head_stride;
+        for (int64_t i = 0; i < d; ++i) buf[i] = Cvt<scalar_t>::load(row[i]);
+        for (int64_t i = 0; i < d; ++i) {
+          const float rotated = i < half ? -buf[i + half] : buf[i - half];
+          const float a = round_to<scalar_t>(buf[i] * Cvt<scalar_t>::load(c[i]));
+          const float b = round_to<scalar_t>(rotated * Cvt<scalar_t>::load(s[i]));
+          row[i] = Cvt<scalar_t>::store(a + b);
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2), "bad q/k shapes");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q/k rows must be contiguous along head_dim");
+  TORCH_CHECK(q.size(2) % 2 == 0 && q.size(2) <= 1024, "head_dim must be even and at most 1024");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == q.size(0) && cos.size(-1) == q.size(2),
+              "cos/sin must be contiguous [tokens, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == q.scalar_type() && sin.scalar_type() == q.scalar_type() &&
+              k.scalar_type() == q.scalar_type(), "dtype mismatch");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
+    rotate_rows<scalar_t>(q, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
+    rotate_rows<scalar_t>(k, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(fused_add_rms_norm));
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
+  m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(rotary_embedding));
+}
