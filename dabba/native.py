@@ -31,6 +31,11 @@ def load_cpu_ops() -> bool:
         return False
 
 
+def use_cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a CPU tensor and the native kernels are here (layout checks are the caller's)."""
+    return x.device.type == "cpu" and load_cpu_ops()
+
+
 def native_rows(x: torch.Tensor) -> bool:
     """Whether a [rows, features] tensor can go to the native row kernels."""
-    return x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous() and load_cpu_ops()
+    return x.dim() == 2 and x.is_contiguous() and use_cpu_kernels(x)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dabba import LLM, SamplingParams
 from tests.conftest import NUM_NEW_TOKENS, Checkpoint, run_checked, token_prompts
@@ -22,6 +23,28 @@ def test_greedy_matches_transformers(checkpoint: Checkpoint, backend: str) -> No
     assert_matches_reference(outputs, checkpoint)
     # the two prompts sharing a 150-token prefix with another hit the prefix cache
     assert llm.llm_engine.kv_cache_manager.prefix_stats.num_hit_tokens >= 2 * 144
+
+
+def test_greedy_in_plain_pytorch(checkpoint: Checkpoint, monkeypatch) -> None:
+    """Where the native kernels cannot be built, every layer falls back to plain PyTorch."""
+    from dabba import native
+
+    monkeypatch.setattr(native, "load_cpu_ops", lambda: False)
+    llm = LLM(str(checkpoint.path), dtype="float32")
+    assert type(llm.llm_engine.model_runner.backend).__name__ == "TorchRefBackend"
+    calls = []
+    monkeypatch.setattr(torch.ops, "dabba_cpu", _Recorder(calls), raising=False)
+    assert_matches_reference(run_checked(llm, token_prompts(checkpoint.prompts), GREEDY), checkpoint)
+    assert not calls, f"native kernels ran: {sorted(set(calls))}"
+
+
+class _Recorder:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def __getattr__(self, name: str):
+        self.calls.append(name)
+        raise AssertionError(f"torch.ops.dabba_cpu.{name} called with native kernels disabled")
 
 
 def test_greedy_without_prefix_caching(checkpoint: Checkpoint) -> None:

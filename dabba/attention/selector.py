@@ -6,7 +6,7 @@ import torch
 from dabba.attention.backend import AttentionBackend
 from dabba.attention.cpu import CpuBackend
 from dabba.attention.torch_ref import TorchRefBackend
-from dabba.native import load_cpu_ops
+from dabba import native
 
 BACKENDS = ("auto", "torch_ref", "cpu")
 
@@ -18,9 +18,9 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' needs device cpu, not {device.type}")
-        if not load_cpu_ops():
+        if not native.load_cpu_ops():
             raise ValueError("attention_backend='cpu' but its kernel could not be built (see the log)")
         return CpuBackend()
-    if device.type == "cpu" and load_cpu_ops():
+    if device.type == "cpu" and native.load_cpu_ops():
         return CpuBackend()
     return TorchRefBackend()

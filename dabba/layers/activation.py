@@ -5,13 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dabba.native import native_rows
+from dabba import native
 
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, 2 * intermediate] = gate | up  ->  [num_tokens, intermediate]
-        if native_rows(x):
+        if native.native_rows(x):
             out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
             torch.ops.dabba_cpu.silu_and_mul(out, x)
             return out

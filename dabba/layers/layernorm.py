@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dabba.native import native_rows
+from dabba import native
 
 
 class RMSNorm(nn.Module):
@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
 
         The fused form may reuse ``x`` and ``residual``'s storage: callers pass tensors they own.
         """
-        if native_rows(x) and (residual is None or residual.is_contiguous()):
+        if native.native_rows(x) and (residual is None or residual.is_contiguous()):
             if residual is None:
                 out = torch.empty_like(x)
                 torch.ops.dabba_cpu.rms_norm(out, x, self.weight, self.eps)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dabba.models.config import RopeScaling
-from dabba.native import load_cpu_ops
+from dabba import native
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -53,7 +53,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, 
     On CPU the native kernel rotates in place (q and k may be views into the fused qkv output).
     """
     cos, sin = cos_sin
-    if q.device.type == "cpu" and q.stride(-1) == 1 and k.stride(-1) == 1 and load_cpu_ops():
+    if q.stride(-1) == 1 and k.stride(-1) == 1 and native.use_cpu_kernels(q):
         torch.ops.dabba_cpu.rotary_embedding(q, k, cos, sin)
         return q, k
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
