@@ -71,3 +71,4 @@ def test_rotary_in_place_on_strided_views(dtype) -> None:
         torch.testing.assert_close(q, ref_q, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(k, ref_k, atol=1e-6, rtol=1e-6)
     assert torch.equal(v, v_before), "rotating q/k must not touch v"
+
