@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -13,19 +15,9 @@
 
 namespace {
 
-inline float bf16_bits_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
-}
+using dabba::bf16_bits_to_float;
+using dabba::exp_nonpositive;
+using dabba::float_to_bf16_bits;
 
 // float <-> storage type. bf16 conversions are written on the bits so loops vectorise.
 template <typename scalar_t>
@@ -44,24 +36,6 @@ struct Cvt<at::BFloat16> {
 template <typename scalar_t>
 inline float round_to(float x) {
   return Cvt<scalar_t>::load(Cvt<scalar_t>::store(x));
-}
-
-// exp(x) for x <= 0 (see paged_attention_cpu.cpp): vectorisable, relative error ~2e-7.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;  // a select (vectorised with -fno-trapping-math); fmaxf is not
-  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504f - 0.5f));
-  const float r = x - n * 0.693147181f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // One row: out = weight * round(x * rsqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm.
@@ -132,25 +106,11 @@ inline float silu(float g) {
   return (g >= 0.f ? g : g * e) / (1.f + e);
 }
 
-// One row; kept out of the parallel lambda, where GCC does not vectorise loops.
 template <typename scalar_t>
-__attribute__((noinline)) void silu_and_mul_row(scalar_t* __restrict out, const scalar_t* __restrict gate, const scalar_t* __restrict up,
+inline void silu_and_mul_row(scalar_t* __restrict out, const scalar_t* __restrict gate, const scalar_t* __restrict up,
                              int64_t d) {
   for (int64_t i = 0; i < d; ++i)
     out[i] = Cvt<scalar_t>::store(round_to<scalar_t>(silu(Cvt<scalar_t>::load(gate[i]))) * Cvt<scalar_t>::load(up[i]));
-}
-
-// bf16 on raw bits: GCC does not vectorise loads of the BFloat16 struct in this loop.
-template <>
-__attribute__((noinline)) void silu_and_mul_row<at::BFloat16>(at::BFloat16* __restrict out, const at::BFloat16* __restrict gate,
-                                           const at::BFloat16* __restrict up, int64_t d) {
-  const uint16_t* __restrict g = reinterpret_cast<const uint16_t*>(gate);
-  const uint16_t* __restrict u = reinterpret_cast<const uint16_t*>(up);
-  uint16_t* __restrict o = reinterpret_cast<uint16_t*>(out);
-  for (int64_t i = 0; i < d; ++i) {
-    const float s = bf16_bits_to_float(float_to_bf16_bits(silu(bf16_bits_to_float(g[i]))));
-    o[i] = float_to_bf16_bits(s * bf16_bits_to_float(u[i]));
-  }
 }
 
 // out = round(silu(gate)) * up, with x = [gate | up] along the last dimension.

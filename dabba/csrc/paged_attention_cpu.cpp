@@ -18,12 +18,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
+
+using dabba::exp_nonpositive;
 
 constexpr int64_t kLanes = 16;
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
@@ -55,25 +59,6 @@ inline vfloat load16_as_float<at::BFloat16>(const at::BFloat16* p) {
   vfloat out;
   std::memcpy(&out, &wide, sizeof(out));
   return out;
-}
-
-// exp(x) for x <= 0, vectorisable without -ffast-math: 2^n * e^r with |r| <= ln2/2 and a
-// degree-6 Taylor polynomial (relative error ~2e-7, below float32's rounding of the sum).
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;  // a select (vectorised with -fno-trapping-math); fmaxf is not
-  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504f - 0.5f));
-  const float r = x - n * 0.693147181f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // In place: s[0..n) <- softmax(s[0..n)).

@@ -1,0 +1,43 @@
+// Scalar helpers shared by dabba's CPU kernels, written so that GCC vectorises loops that call
+// them (compile with -O3 -fno-trapping-math; see dabba/native.py).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace dabba {
+
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+}
+
+// exp(x) for x <= 0: 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (relative
+// error ~2e-7, below float32's rounding of a softmax sum). libm's expf does not vectorise here.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;  // a select (vectorised with -fno-trapping-math); fmaxf is not
+  const int32_t n = static_cast<int32_t>(x * 1.44269504f - 0.5f);
+  const float r = x - static_cast<float>(n) * 0.693147181f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+}  // namespace dabba
