@@ -81,9 +81,16 @@ def checkpoint(request, checkpoints) -> Checkpoint:
     return checkpoints[request.param]
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logs(caplog):
-    caplog.set_level(logging.INFO, logger="dabba")
+@pytest.fixture
+def dabba_log():
+    """Records dabba's log lines (its logger does not propagate to the root logger)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("dabba")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
 
 
 def run_checked(llm: LLM, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:

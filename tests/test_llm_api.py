@@ -160,6 +160,15 @@ def test_priority_orders_admission(llama) -> None:
     assert order == ["high", "mid", "low"]
 
 
+def test_kv_cache_plan_is_logged(llama, dabba_log) -> None:
+    from tests.test_parity import _bytes_per_block
+
+    LLM(str(llama.path), dtype="float32", kv_cache_memory=100 * _bytes_per_block(llama.path), max_model_len=320)
+    lines = [r.getMessage() for r in dabba_log]
+    assert any("100 blocks of 16 tokens" in m and "holds 5.00 concurrent sequences of max_model_len=320" in m
+               for m in lines), lines
+
+
 def test_progress_bar(llm, llama, capsys) -> None:
     llm.generate(token_prompts(llama.prompts[:3]), greedy(4), use_tqdm=True)
     assert "Generating" in capsys.readouterr().err

@@ -5,6 +5,7 @@ prepare inputs -> forward (under forward_context) -> logits of sampling rows -> 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +40,13 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.max_model_len = max_model_len
+        start = time.perf_counter()
         self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len)
         self.backend = get_attention_backend(attention_backend, device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("Loaded %s (%.1f MiB of weights, %s) on %s in %.1f s; attention backend %s", arch.architecture,
+                    weight_bytes / 2**20, str(dtype).removeprefix("torch."), device, time.perf_counter() - start,
+                    type(self.backend).__name__)
         self.sampler = Sampler(device, seed)
         self.requests = RequestStates()
         self.kv_caches: list[torch.Tensor] = []
