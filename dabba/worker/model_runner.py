@@ -54,8 +54,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, cache_config: CacheConfig, max_num_seqs: int) -> CacheLayout:
         bs = cache_config.block_size
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        bytes_per_block = self.arch.kv_bytes_per_token(elem) * bs
+        bytes_per_block = self.arch.kv_bytes_per_token(self.dtype.itemsize) * bs
         budget = cache_config.kv_cache_memory
         if budget is None:
             blocks_per_seq = -(-self.max_model_len // bs)
