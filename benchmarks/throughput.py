@@ -14,6 +14,8 @@ import resource
 import time
 from typing import Any
 
+from dabba.config import parse_bytes
+
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     import torch
@@ -32,6 +34,8 @@ def run_dabba(args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
     engine_kwargs = {"dtype": args["dtype"], "max_num_batched_tokens": args["max_num_batched_tokens"]}
     if args["max_num_seqs"]:
         engine_kwargs["max_num_seqs"] = args["max_num_seqs"]
+    if args["kv_cache_memory"]:
+        engine_kwargs["kv_cache_memory"] = parse_bytes(args["kv_cache_memory"])
     llm = LLM(args["model"], **engine_kwargs)
     params = SamplingParams(max_tokens=args["output_len"], temperature=0, ignore_eos=True)
     # Warm-up on the workload's own shapes (one-time kernel setup and allocations); reversed
@@ -107,6 +111,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=0, help="0: dabba's default")
+    parser.add_argument("--kv-cache-memory", default=None, help="dabba's KV budget, e.g. 1GiB (default: the engine's)")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
