@@ -5,12 +5,29 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    logprob: float  # from the model's raw distribution (before temperature and penalties)
+    rank: int  # 1 = the most likely token
+    decoded_token: str
+
+
+# One position: token id -> Logprob, holding the chosen (or prompt) token and the top N.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (eos or a stop token), "length", "abort"; None while running
-    stop_reason: int | str | None = None  # the stop token id that ended it, None for eos/length
+    finish_reason: str | None  # "stop" (eos, a stop token or string), "length", "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for eos/length
+    logprobs: list[PositionLogprobs] | None = None  # one per generated token, when asked
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -21,3 +38,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # None for the first prompt token

@@ -1,38 +1,100 @@
-"""How one request wants its tokens chosen and when it stops."""
+"""How one request wants its tokens chosen and when it stops (the fields vLLM and the OpenAI API
+use, with the same meanings)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 
+def _check(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass
 class SamplingParams:
-    """Per-request generation settings; invalid values raise ValueError naming the field.
+    """Per-request generation settings; an invalid value raises ValueError naming the field and
+    its allowed range.
 
-    temperature 0 means greedy. With a ``seed``, the k-th sampled token depends only on
-    (seed, k, the model's logits), so the result does not depend on what else is batched.
+    Processing order each step (as in vLLM): logprobs are taken from the model's raw logits;
+    then logit_bias, the min_tokens ban on stop tokens, repetition/frequency/presence
+    penalties; then temperature (0 = greedy), top_k, top_p, min_p (in transformers' order);
+    then sampling. With a ``seed``, the k-th sampled token depends only on (seed, k, logits),
+    so the result does not depend on what else is batched.
     """
 
     n: int = 1
     temperature: float = 1.0
+    top_k: int = -1  # -1: all tokens
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled token's)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (plus the prompt token's)
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
+        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+               "-1 (disabled) or an integer >= 1", self.top_k)
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               "a number > 0", self.repetition_penalty)
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", "a dict of token id -> bias", self.logit_bias)
+            for token_id, bias in self.logit_bias.items():
+                _check(_is_int(token_id) and token_id >= 0, "logit_bias", "keyed by token ids >= 0", token_id)
+                _check(_is_number(bias) and -100 <= bias <= 100, "logit_bias", "biases in [-100, 100]", bias)
+        _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+               "an integer >= 1 or None", self.max_tokens)
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "a list of token ids >= 0", self.stop_token_ids)
         self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= 20), name, "None or an integer in [0, 20]", value)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids are only checkable once the model is known."""
+        bad = [t for t in (self.logit_bias or {}) if t >= vocab_size]
+        _check(not bad, "logit_bias", f"keyed by token ids in [0, {vocab_size})", bad)
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        _check(not bad, "stop_token_ids", f"token ids in [0, {vocab_size})", bad)

@@ -50,8 +50,8 @@ class KVCacheManager:
         At most ``num_tokens - 1`` tokens may come from the cache: the last token must be
         computed to give the logits of the next one.
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt token's hidden state computed
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:

@@ -16,6 +16,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit
     num_output_tokens: int  # where output starts in token_ids (seeded sampling is keyed on it)
+    eos_token_ids: frozenset[int] = frozenset()  # banned with the stop tokens before min_tokens
 
 
 @dataclass
@@ -41,7 +42,20 @@ class SchedulerOutput:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position, from the model's raw distribution: the chosen (or
+    prompt) token first, then the top N; ``rank`` is the chosen token's (1 = most likely)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
 class ModelRunnerOutput:
     """Sampled token per request that reached the end of its known tokens this step."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request -> (position of the first prompt token covered, one entry per covered prompt token)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

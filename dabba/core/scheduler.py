@@ -121,6 +121,7 @@ class Scheduler:
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit,
                     num_output_tokens=request.num_output_tokens,
+                    eos_token_ids=request.eos_token_ids,
                 )
             )
             out.num_scheduled_tokens[request.request_id] = num_new
@@ -159,14 +160,23 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_output_tokens <= params.min_tokens:
+            return None  # stop tokens do not count before min_tokens (the sampler bans them too)
         if not params.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
         return None
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Finish from outside the step (a stop string matched in the text)."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.status.is_finished:
+            request.stop_reason = stop_reason
+            self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request in self.running:

@@ -14,11 +14,12 @@ import torch
 
 from dabba.config import EngineConfig
 from dabba.core.kv_cache_manager import KVCacheManager
-from dabba.core.request import Request
+from dabba.core.request import Request, RequestStatus
 from dabba.core.scheduler import Scheduler, SchedulerStats
+from dabba.engine.output_processor import OutputProcessor
 from dabba.engine.tokenizer import Tokenizer
 from dabba.models.config import ArchConfig
-from dabba.outputs import CompletionOutput, RequestOutput
+from dabba.outputs import RequestOutput
 from dabba.sampling_params import SamplingParams
 from dabba.worker.model_runner import ModelRunner
 
@@ -80,7 +81,7 @@ class LLMEngine:
         self.cache_layout = self.model_runner.initialize_kv_cache(cc, config.scheduler_config.max_num_seqs)
         self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.max_model_len)
-        self._prompts: dict[str, str | None] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
 
     def _eos_token_ids(self) -> frozenset[int]:
         """generation_config's eos ids (config.json's when it has none), plus the tokenizer's eos."""
@@ -93,27 +94,45 @@ class LLMEngine:
     def default_sampling_params(self) -> SamplingParams:
         """Defaults from generation_config.json, as the checkpoint's authors meant them."""
         gen = self.generation_config
-        temperature = gen.get("temperature", 1.0) if gen.get("do_sample", True) else 0.0
-        return SamplingParams(temperature=temperature)
+        if not gen.get("do_sample", True):
+            return SamplingParams(temperature=0.0)
+        keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+        return SamplingParams(**{k: gen[k] for k in keys if gen.get(k) is not None})
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
-        """Queue one request; raises ValueError (and queues nothing) if it is invalid or can never fit."""
+        """Queue one prompt (n samples of it); raises ValueError, and queues nothing, if it is
+        invalid or can never fit."""
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._parse_prompt(prompt)
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        params.check_vocab(self.arch.vocab_size)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max(self.max_model_len - len(token_ids), 1))
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            priority=priority,
-            block_size=self.kv_cache_manager.block_size,
-        )
-        self.scheduler.add_request(request)
-        self._prompts[request_id] = text
+        children = []
+        for i in range(params.n):
+            # n samples = n requests: the prompt's full blocks are shared through the prefix cache.
+            child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            children.append(Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=token_ids,
+                sampling_params=child_params,
+                eos_token_ids=self.eos_token_ids,
+                priority=priority,
+                block_size=self.kv_cache_manager.block_size,
+            ))
+        added = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child)
+        except ValueError:
+            for child in added:
+                self.scheduler.abort_request(child.request_id)
+            raise
+        self.output_processor.add_request(request_id, text, params, children)
 
     def _parse_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -131,37 +150,28 @@ class LLMEngine:
         raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
 
     def abort_request(self, request_id: str) -> None:
-        if self.scheduler.abort_request(request_id) is not None:
-            self._prompts.pop(request_id, None)
+        for child_id in self.output_processor.child_ids(request_id):
+            self.scheduler.abort_request(child_id)
+        self.output_processor.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the current output of every prompt that got new tokens (its
+        ``finished`` flag says whether all its samples are done)."""
         sched_out = self.scheduler.schedule()
         runner_out = self.model_runner.execute_model(sched_out)
         updated = self.scheduler.update_from_output(sched_out, runner_out)
-        return [self._make_output(r) for r in updated if r.status.is_finished]
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        params = request.sampling_params
-        completion = CompletionOutput(
-            index=0,
-            text=self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens),
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=self._prompts.pop(request.request_id, None),
-            prompt_token_ids=list(request.prompt_token_ids),
-            outputs=[completion],
-            finished=True,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
+        self.output_processor.add_prompt_logprobs(runner_out.prompt_logprobs)
+        parents: dict[str, str] = {}  # parent id -> one of its updated children
+        for request in updated:
+            stop = self.output_processor.update(request, runner_out.logprobs.get(request.request_id))
+            if stop is not None:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+            parents.setdefault(self.output_processor.sample_of[request.request_id][0].request_id, request.request_id)
+        return [self.output_processor.make_output(child_id) for child_id in parents.values()]
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

@@ -48,6 +48,11 @@ class Tokenizer:
         return template
 
     @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        """The underlying `tokenizers` object (for DecodeStream)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -67,8 +67,10 @@ class LLM:
             num_output_tokens = 0
             while len(results) < len(prompts) and engine.has_unfinished_requests():
                 for out in engine.step():
+                    if not out.finished:
+                        continue
                     results[out.request_id] = out
-                    num_output_tokens += len(out.outputs[0].token_ids)
+                    num_output_tokens += sum(len(o.token_ids) for o in out.outputs)
                     bar.update(1)
                     bar.set_postfix(out_tok_s=f"{num_output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f}")
         return [results[r] for r in request_ids]

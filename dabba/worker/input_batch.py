@@ -19,6 +19,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     num_prompt_tokens: int  # where the outputs start (also for resumed requests)
+    eos_token_ids: frozenset[int] = frozenset()
 
     @property
     def num_output_tokens(self) -> int:
@@ -51,6 +52,7 @@ class RequestStates:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 num_prompt_tokens=len(new.token_ids) - new.num_output_tokens,
+                eos_token_ids=new.eos_token_ids,
             )
         for cached in sched.scheduled_cached_reqs:
             state = self.states[cached.request_id]

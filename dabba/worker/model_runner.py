@@ -13,14 +13,17 @@ import torch
 from dabba.attention.backend import forward_context
 from dabba.attention.selector import get_attention_backend
 from dabba.config import CacheConfig
-from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput
+from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from dabba.models.config import ArchConfig
 from dabba.models.loader import load_model
-from dabba.worker.input_batch import RequestStates
+from dabba.worker.input_batch import ModelInputs, RequestStates
 from dabba.worker.memory import allocate_kv_cache, default_kv_cache_memory
 from dabba.worker.sampler import Sampler
+from dabba.worker.sampling_metadata import build_sampling_metadata
 
 logger = logging.getLogger("dabba")
+
+PROMPT_LOGPROBS_ROWS = 256  # prompt rows turned into full-vocabulary logits at once
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,45 @@ class ModelRunner:
         metadata = self.backend.build_metadata(inputs.attn)
         with forward_context(self.backend, metadata, self.kv_caches):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
+        output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden))
         if not inputs.sampling_req_ids:
-            return ModelRunnerOutput()
+            return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()  # [num_sampling, vocab]
         states = [self.requests.states[r] for r in inputs.sampling_req_ids]
-        token_ids = self.sampler(logits, [s.sampling_params for s in states], [s.num_output_tokens for s in states])
-        sampled = dict(zip(inputs.sampling_req_ids, token_ids.tolist()))
-        self.requests.append_sampled(sampled)
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        sampler_out = self.sampler(logits, build_sampling_metadata(states, self.arch.vocab_size, self.device))
+        output.sampled_token_ids = dict(zip(inputs.sampling_req_ids, sampler_out.sampled.tolist()))
+        if sampler_out.logprobs is not None:
+            ids, lps, ranks = (sampler_out.logprob_token_ids.tolist(), sampler_out.logprobs.tolist(),
+                               sampler_out.sampled_ranks.tolist())
+            for i, state in enumerate(states):
+                n = state.sampling_params.logprobs
+                if n is not None:
+                    output.logprobs[state.request_id] = TokenLogprobs(ids[i][: n + 1], lps[i][: n + 1], ranks[i])
+        self.requests.append_sampled(output.sampled_token_ids)
+        return output
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor) -> dict:
+        """For requests asking prompt_logprobs, the logprob of each prompt token this step's chunk
+        predicts: the token at position p + 1 from the hidden state at position p."""
+        result = {}
+        for i, (request_id, num_scheduled) in enumerate(sched.num_scheduled_tokens.items()):
+            state = self.requests.states[request_id]
+            n = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens  # position of the chunk's first token
+            num_rows = min(num_scheduled, state.num_prompt_tokens - 1 - start)
+            if n is None or num_rows <= 0:
+                continue
+            first_row = int(inputs.attn.query_start_loc[i])
+            targets = torch.tensor(state.token_ids[start + 1:start + 1 + num_rows], device=self.device)
+            entries = []
+            for lo in range(0, num_rows, PROMPT_LOGPROBS_ROWS):  # bound the [rows, vocab] logits
+                hi = min(lo + PROMPT_LOGPROBS_ROWS, num_rows)
+                lp = self.model.compute_logits(hidden[first_row + lo:first_row + hi]).float().log_softmax(dim=-1)
+                target_lp = lp.gather(1, targets[lo:hi, None])
+                top_lp, top_ids = lp.topk(n, dim=-1)
+                ranks = ((lp > target_lp).sum(dim=-1) + 1).tolist()
+                ids = torch.cat([targets[lo:hi, None], top_ids], dim=1).tolist()
+                lps = torch.cat([target_lp, top_lp], dim=1).tolist()
+                entries += [TokenLogprobs(a, b, r) for a, b, r in zip(ids, lps, ranks)]
+            result[request_id] = (start + 1, entries)
+        return result

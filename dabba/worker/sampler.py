@@ -1,9 +1,14 @@
-"""Turn the last-token logits of every sampling request into token ids: one call per step."""
+"""Turn the last-token logits of every sampling request into token ids: one call per step for
+the whole batch, every per-request setting a tensor row, no Python loop over the vocabulary.
+
+Order (vLLM's): raw logprobs -> logit_bias -> min_tokens ban -> penalties -> greedy argmax |
+temperature -> top_k -> top_p -> min_p (transformers' warper order and boundary rules) -> sample.
+"""
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from dabba.sampling_params import SamplingParams
+import torch
 
 _MASK64 = (1 << 63) - 1
 
@@ -14,25 +19,123 @@ def step_seed(seed: int, output_index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + 1) & _MASK64
 
 
+@dataclass
+class SamplingMetadata:
+    """Per-row settings of the requests sampling this step ([num_reqs] unless noted)."""
+
+    temperature: torch.Tensor  # 0 for greedy rows
+    top_k: torch.Tensor | None  # int64; vocab size where disabled; None if no row uses it
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    presence_penalty: torch.Tensor | None  # these four are None unless some row uses penalties
+    frequency_penalty: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None
+    output_counts: torch.Tensor | None  # [num_reqs, vocab] float: occurrences in the output so far
+    prompt_mask: torch.Tensor | None  # [num_reqs, vocab] bool: token occurs in the prompt
+    bias_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) for logit_bias
+    bias_value: torch.Tensor | None
+    banned_index: tuple[torch.Tensor, torch.Tensor] | None  # stop tokens banned before min_tokens
+    seeds: list[int | None]
+    output_indices: list[int]  # how many tokens each request has generated so far
+    num_logprobs: list[int | None]  # top-N per row, None = no logprobs
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [num_reqs] int64
+    # Rows that asked for logprobs: [num_reqs, 1 + max N] ids and logprobs, the sampled token
+    # first, then the top N; and the sampled token's rank (1 = most likely).
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """repetition (prompt or output tokens: divide positive logits, multiply negative ones),
+    then frequency (times the count) and presence (once), on output tokens only."""
+    counts = md.output_counts
+    seen = counts > 0
+    rep = md.repetition_penalty[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen | md.prompt_mask, penalised, logits)
+    return logits - md.frequency_penalty[:, None] * counts - md.presence_penalty[:, None] * seen
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    # transformers: remove scores below the k-th largest (ties with it stay)
+    k_max = int(top_k.max())
+    kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(max=k_max) - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    # transformers: ascending sort; drop the tail whose cumulative mass is <= 1 - p; keep the top token
+    sorted_logits, order = logits.sort(dim=-1)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cumulative <= (1 - top_p)[:, None]
+    remove[:, -1] = False
+    return logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    # transformers: drop tokens whose probability is below min_p times the top probability
+    probs = logits.softmax(dim=-1)
+    remove = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(remove, float("-inf"))
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> torch.Tensor:
-        # logits: [num_reqs, vocab] float32 -> [num_reqs] int64
-        greedy_ids = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            return greedy_ids
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        # logits: [num_reqs, vocab] float32, the model's own
+        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in md.num_logprobs) else None
+
+        if md.bias_index is not None:
+            logits = logits.index_put(md.bias_index, md.bias_value, accumulate=True)
+        if md.banned_index is not None:
+            logits = logits.index_put(md.banned_index, torch.tensor(float("-inf"), device=logits.device))
+        if md.output_counts is not None:
+            logits = apply_penalties(logits, md)
+
+        sampled = logits.argmax(dim=-1)
+        if not md.all_greedy:
+            sampled = torch.where(md.temperature == 0, sampled, self._sample(logits, md))
+        out = SamplerOutput(sampled=sampled)
+        if raw_logprobs is not None:
+            self._gather_logprobs(raw_logprobs, out, md)
+        return out
+
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        temperature = torch.where(md.temperature == 0, 1.0, md.temperature)
+        logits = logits / temperature[:, None]
+        if md.top_k is not None:
+            logits = apply_top_k(logits, md.top_k)
+        if md.top_p is not None:
+            logits = apply_top_p(logits, md.top_p)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one noise row per request.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, p in enumerate(params):
-            if p.seed is not None and not p.greedy:
-                gen = torch.Generator(device=logits.device).manual_seed(step_seed(p.seed, output_indices[i]))
+        for i, seed in enumerate(md.seeds):
+            if seed is not None:
+                gen = torch.Generator(device=logits.device).manual_seed(step_seed(seed, md.output_indices[i]))
                 noise[i].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        return torch.where(is_greedy, greedy_ids, sampled)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _gather_logprobs(raw_logprobs: torch.Tensor, out: SamplerOutput, md: SamplingMetadata) -> None:
+        max_n = max(n for n in md.num_logprobs if n is not None)
+        sampled_lp = raw_logprobs.gather(1, out.sampled[:, None])
+        top_lp, top_ids = raw_logprobs.topk(max_n, dim=-1) if max_n else (sampled_lp[:, :0], out.sampled[:, None][:, :0])
+        out.logprob_token_ids = torch.cat([out.sampled[:, None], top_ids], dim=1)
+        out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
+        out.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1

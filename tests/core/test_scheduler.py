@@ -164,7 +164,7 @@ def test_one_request_prefills_then_decodes_until_max_tokens():
     out, updated = run_step(scheduler, worker)
     assert out.scheduled_new_reqs == [
         NewRequestData("a", a.prompt_token_ids, a.sampling_params, block_ids=[0, 1], num_computed_tokens=0,
-                       num_output_tokens=0)]
+                       num_output_tokens=0, eos_token_ids=frozenset({EOS}))]
     assert out.scheduled_cached_reqs == []
     assert out.num_scheduled_tokens == {"a": 6}
     assert out.finished_req_ids == set()
@@ -366,7 +366,7 @@ def test_the_newest_request_is_preempted_and_resumed_with_its_output_kept():
     assert out.finished_req_ids == {"a"}
     assert out.scheduled_new_reqs == [
         NewRequestData("b", b.prompt_token_ids + [1000, 1001], b.sampling_params, block_ids=[2, 3, 1],
-                       num_computed_tokens=4, num_output_tokens=2)]
+                       num_computed_tokens=4, num_output_tokens=2, eos_token_ids=frozenset({EOS}))]
     assert out.num_scheduled_tokens == {"b": 5}
     assert (kv.prefix_stats.num_queried_tokens, kv.prefix_stats.num_hit_tokens) == (7 + 7 + 9, 4)
     assert b.num_cached_tokens == 0  # the hit at first scheduling
@@ -453,7 +453,7 @@ def test_a_request_that_is_itself_the_newest_preempts_itself():
     out, _ = run_step(scheduler, worker)
     assert out.scheduled_new_reqs == [
         NewRequestData("b", b.prompt_token_ids + [1000, 1001], b.sampling_params, block_ids=[2, 3, 1],
-                       num_computed_tokens=4, num_output_tokens=2)]
+                       num_computed_tokens=4, num_output_tokens=2, eos_token_ids=frozenset({EOS}))]
     run_to_completion(scheduler, worker)
     assert b.output_token_ids == [1000, 1001, 1002, 1003]
     assert scheduler.num_preemptions == 1

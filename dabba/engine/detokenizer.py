@@ -1,0 +1,65 @@
+"""Token deltas -> text deltas, and stop strings.
+
+``tokenizers``' DecodeStream emits text only once the bytes decoded so far form whole UTF-8
+characters, so a character split across byte-level BPE tokens never shows up as U+FFFD, and
+the pieces concatenate to the full decode. Stop strings are searched only where a new piece
+could complete one, and the last ``len(longest stop) - 1`` characters are held back from
+streamed text while they could still turn out to be the start of a stop string.
+"""
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from dabba.engine.tokenizer import Tokenizer
+from dabba.sampling_params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self.token_ids: list[int] = []
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.stopped = False
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Decode new tokens; returns the stop string if one is now complete (the text is then
+        cut before it, or after it with include_stop_str_in_output)."""
+        for token_id in new_token_ids:
+            if self.stopped:
+                break
+            self.token_ids.append(token_id)
+            piece = self.stream.step(self.tokenizer.hf_tokenizer, token_id)
+            if not piece:
+                continue
+            search_from = max(0, len(self.text) - self.hold_back)
+            self.text += piece
+            match = self._find_stop(search_from)
+            if match is not None:
+                index, stop = match
+                self.text = self.text[: index + (len(stop) if self.include_stop else 0)]
+                self.stopped = True
+                return stop
+        return None
+
+    def _find_stop(self, search_from: int) -> tuple[int, str] | None:
+        best = None
+        for stop in self.stop:
+            index = self.text.find(stop, search_from)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        return best
+
+    def output_text(self, finished: bool) -> str:
+        """All text once finished; while running, all but what might still become a stop string."""
+        if finished and not self.stopped:
+            # Flush bytes the stream still holds (an unfinished character at the very end
+            # decodes to U+FFFD, as in a full decode).
+            self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        if finished or not self.stop:
+            return self.text
+        return self.text[: max(len(self.text) - self.hold_back, 0)]

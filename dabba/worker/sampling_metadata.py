@@ -1,0 +1,64 @@
+"""Per-step sampling tensors, built from the requests that sample this step."""
+from __future__ import annotations
+
+import torch
+
+from dabba.worker.input_batch import CachedRequestState
+from dabba.worker.sampler import SamplingMetadata
+
+
+def _pairs(rows_and_ids: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, ids = zip(*rows_and_ids)
+    return torch.tensor(rows, device=device), torch.tensor(ids, device=device)
+
+
+def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int, device: torch.device) -> SamplingMetadata:
+    params = [s.sampling_params for s in states]
+    sampling = [not p.greedy for p in params]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    top_k = top_p = min_p = None
+    if any(s and p.top_k > 0 for s, p in zip(sampling, params)):
+        top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], device=device)
+    if any(s and p.top_p < 1 for s, p in zip(sampling, params)):
+        top_p = column([p.top_p for p in params])
+    if any(s and p.min_p > 0 for s, p in zip(sampling, params)):
+        min_p = column([p.min_p for p in params])
+
+    presence = frequency = repetition = counts = prompt_mask = None
+    if any(p.uses_penalties for p in params):
+        presence = column([p.presence_penalty for p in params])
+        frequency = column([p.frequency_penalty for p in params])
+        repetition = column([p.repetition_penalty for p in params])
+        counts = torch.zeros(len(states), vocab_size, device=device)
+        prompt_mask = torch.zeros(len(states), vocab_size, dtype=torch.bool, device=device)
+        out_rows = [i for i, s in enumerate(states) for _ in range(s.num_output_tokens)]
+        if out_rows:
+            out_ids = [t for s in states for t in s.token_ids[s.num_prompt_tokens:]]
+            counts.index_put_((torch.tensor(out_rows, device=device), torch.tensor(out_ids, device=device)),
+                              torch.ones(len(out_ids), device=device), accumulate=True)
+        prompt_mask[_pairs([(i, t) for i, s in enumerate(states) for t in s.token_ids[:s.num_prompt_tokens]], device)] = True
+
+    bias_index = bias_value = None
+    biases = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    if biases:
+        bias_index = _pairs([(i, t) for i, t, _ in biases], device)
+        bias_value = column([b for _, _, b in biases])
+
+    # Before min_tokens, the tokens that would stop the request cannot be sampled.
+    banned = [(i, t) for i, (s, p) in enumerate(zip(states, params)) if s.num_output_tokens < p.min_tokens
+              for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(s.eos_token_ids)))]
+
+    return SamplingMetadata(
+        temperature=column([p.temperature for p in params]),
+        top_k=top_k, top_p=top_p, min_p=min_p,
+        presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+        output_counts=counts, prompt_mask=prompt_mask,
+        bias_index=bias_index, bias_value=bias_value,
+        banned_index=_pairs(banned, device) if banned else None,
+        seeds=[p.seed if not p.greedy else None for p in params],
+        output_indices=[s.num_output_tokens for s in states],
+        num_logprobs=[p.logprobs for p in params],
+    )
