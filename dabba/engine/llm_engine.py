@@ -97,7 +97,10 @@ class LLMEngine:
         if not gen.get("do_sample", True):
             return SamplingParams(temperature=0.0)
         keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-        return SamplingParams(**{k: gen[k] for k in keys if gen.get(k) is not None})
+        defaults = {k: gen[k] for k in keys if gen.get(k) is not None}
+        if defaults.get("top_k") == 0:  # transformers' "disabled"
+            defaults["top_k"] = -1
+        return SamplingParams(**defaults)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
