@@ -171,11 +171,13 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         return None
 
-    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
-        """Finish from outside the step (a stop string matched in the text)."""
-        request = self.requests.get(request_id)
-        if request is not None and not request.status.is_finished:
-            request.stop_reason = stop_reason
+    def finish_request(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Finish from outside the step (a stop string matched in the text). If the same token
+        already finished it (max_tokens), the stop string still names the reason, as in vLLM."""
+        request.stop_reason = stop_reason
+        if request.status.is_finished:
+            request.status = status
+        else:
             self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

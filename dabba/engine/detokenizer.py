@@ -26,9 +26,10 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stopped = False
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], check_stop: bool = True) -> str | None:
         """Decode new tokens; returns the stop string if one is now complete (the text is then
-        cut before it, or after it with include_stop_str_in_output)."""
+        cut before it, or after it with include_stop_str_in_output). With ``check_stop`` False
+        (before min_tokens) stop strings are not looked for."""
         for token_id in new_token_ids:
             if self.stopped:
                 break
@@ -38,7 +39,7 @@ class IncrementalDetokenizer:
                 continue
             search_from = max(0, len(self.text) - self.hold_back)
             self.text += piece
-            match = self._find_stop(search_from)
+            match = self._find_stop(search_from) if check_stop else None
             if match is not None:
                 index, stop = match
                 self.text = self.text[: index + (len(stop) if self.include_stop else 0)]

@@ -172,7 +172,7 @@ class LLMEngine:
         for request in updated:
             stop = self.output_processor.update(request, runner_out.logprobs.get(request.request_id))
             if stop is not None:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
             parents.setdefault(self.output_processor.sample_of[request.request_id][0].request_id, request.request_id)
         return [self.output_processor.make_output(child_id) for child_id in parents.values()]
 

@@ -78,7 +78,9 @@ class OutputProcessor:
         if logprobs is not None and sample.logprobs is not None:
             sample.logprobs.append(self._position(logprobs))
             sample.cumulative_logprob += logprobs.logprobs[0]
-        return sample.detokenizer.update(request.output_token_ids[-1:])
+        # Like stop tokens, stop strings do not count before min_tokens.
+        check_stop = request.num_output_tokens > request.sampling_params.min_tokens
+        return sample.detokenizer.update(request.output_token_ids[-1:], check_stop)
 
     def make_output(self, request_id: str) -> RequestOutput:
         """The prompt's output now (all samples); forgets the prompt once every sample finished."""

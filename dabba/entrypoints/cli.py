@@ -54,6 +54,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dabba.config import EngineConfig
+    from dabba.engine.llm_engine import LLMEngine
+    from dabba.entrypoints.openai.api_server import serve
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
+    serve(engine, args.served_model_name or args.model, args.host, args.port, args.api_key)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A terminal chat that streams the reply as it is generated; an empty line or EOF ends it."""
+    from dabba import SamplingParams
+    from dabba.config import EngineConfig
+    from dabba.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    turn = 0
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        engine.add_request(f"chat-{turn}", {"prompt": text, "prompt_token_ids": engine.tokenizer.encode(
+            text, add_special_tokens=False)}, params)
+        printed, reply = 0, ""
+        print("assistant> ", end="", flush=True)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                reply = out.outputs[0].text
+                print(reply[printed:], end="", flush=True)
+                printed = len(reply)
+        print()
+        messages.append({"role": "assistant", "content": reply})
+        turn += 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dabba", description="dabba: serve and run LLMs from Hugging Face checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +110,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    srv.add_argument("model", help="Hugging Face checkpoint directory")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="chat in the terminal, the reply streamed as it is generated")
+    chat.add_argument("model", help="Hugging Face checkpoint directory")
+    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--max-tokens", type=int, default=256, help="longest reply (default: 256)")
+    chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 

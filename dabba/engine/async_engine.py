@@ -1,0 +1,189 @@
+"""The engine loop in one background thread, each request streaming through its own asyncio
+queue. Only the engine thread touches LLMEngine: requests to add or abort reach it through a
+thread-safe queue and take effect before its next step, so a cancelled request's blocks are
+freed on the next step and a bad request never disturbs the others."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from dabba.engine.llm_engine import LLMEngine, PromptType
+from dabba.engine.metrics import EngineMetrics
+from dabba.outputs import RequestOutput
+from dabba.sampling_params import SamplingParams
+
+logger = logging.getLogger("dabba")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    num_prompt_tokens_counted: bool = False
+    num_tokens: int = 0
+
+    def put(self, item: object) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class RequestStream:
+    """A request's outputs as they come. Leaving the iteration before the request finished
+    (client gone, task cancelled) aborts it; its blocks are freed on the engine's next step."""
+
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str, queue: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:
+                self.abort()
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.metrics = EngineMetrics(model_name)
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="dabba-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop -----------------------------------------------------
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        """Queue a request; returns once the engine accepted it, or raises its ValueError."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        accepted: asyncio.Future = loop.create_future()
+        self._commands.put(("add", request_id, prompt, params, priority, stream, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return RequestStream(self, request_id, stream.queue)
+
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params, priority)
+        async for out in stream:
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        """Abort what is in flight and stop the loop."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=30)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                block = not self.engine.has_unfinished_requests()
+                self._apply_commands(block)
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self._publish(outputs)
+                self.metrics.observe_scheduler(self.engine.get_stats())
+        except BaseException as e:  # the loop is dead: fail every stream rather than hang them
+            logger.exception("engine loop failed")
+            self.error = e
+            for stream in self._streams.values():
+                stream.put(EngineDeadError(f"the engine loop failed: {e!r}"))
+            self._streams.clear()
+            return
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            stream.put(EngineDeadError("the server is shutting down"))
+        self._streams.clear()
+
+    def _apply_commands(self, block: bool) -> None:
+        while True:
+            try:
+                command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if command[0] == "add":
+                _, request_id, prompt, params, priority, stream, accepted = command
+                try:
+                    self.engine.add_request(request_id, prompt, params, priority)
+                except Exception as e:  # rejected: only this request learns about it
+                    stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
+                    continue
+                self._streams[request_id] = stream
+                stream.loop.call_soon_threadsafe(_set_result, accepted, None)
+            elif command[0] == "abort":
+                self.engine.abort_request(command[1])
+                self._streams.pop(command[1], None)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            num_tokens = sum(len(o.token_ids) for o in out.outputs)
+            if not stream.num_prompt_tokens_counted:
+                self.metrics.prompt_tokens.inc(len(out.prompt_token_ids) * len(out.outputs))
+                stream.num_prompt_tokens_counted = True
+            self.metrics.generation_tokens.inc(num_tokens - stream.num_tokens)
+            if stream.first_token is None and num_tokens:
+                stream.first_token = now
+                self.metrics.time_to_first_token.observe(now - stream.arrival)
+            stream.num_tokens = num_tokens
+            if out.finished:
+                self.metrics.e2e_request_latency.observe(now - stream.arrival)
+                per_sample = max(len(o.token_ids) for o in out.outputs)
+                if per_sample > 1 and stream.first_token is not None:
+                    self.metrics.time_per_output_token.observe((now - stream.first_token) / (per_sample - 1))
+                del self._streams[out.request_id]
+            stream.put(out)
+
+
+def _set_result(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,45 @@
+"""Prometheus metrics of one engine: queue sizes, KV-cache use, prefix-cache hits, preemptions,
+token counters and latency histograms (time to first token, per output token, end to end)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dabba.core.scheduler import SchedulerStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("dabba:num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = gauge("dabba:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_cache_usage = gauge("dabba:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)")
+        self.prefix_cache_hit_rate = gauge("dabba:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up")
+        self.num_preemptions = counter("dabba:num_preemptions", "Requests preempted (KV blocks ran out)")
+        self.prompt_tokens = counter("dabba:prompt_tokens", "Prompt tokens of requests that finished prefill")
+        self.generation_tokens = counter("dabba:generation_tokens", "Tokens generated")
+        self.time_to_first_token = histogram("dabba:time_to_first_token_seconds", "Arrival to first output token")
+        self.time_per_output_token = histogram("dabba:time_per_output_token_seconds", "Mean gap between output tokens of a request")
+        self.e2e_request_latency = histogram("dabba:e2e_request_latency_seconds", "Arrival to finish")
+        self._preemptions_seen = 0
+
+    def observe_scheduler(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
+        self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = stats.num_preemptions

@@ -1,0 +1,341 @@
+"""Between the OpenAI protocol and the engine: prompts, SamplingParams, responses and SSE
+streams. Handlers stay thin; nothing here touches tensors or the scheduler."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from dabba.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from dabba.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                               ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessageOut,
+                                               ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                               CompletionResponse, ErrorInfo, ErrorResponse, SamplingFields,
+                                               TokenLogprob, TopLogprob, UsageInfo, random_id)
+from dabba.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from dabba.sampling_params import SamplingParams
+
+logger = logging.getLogger("dabba")
+
+
+class OpenAIError(Exception):
+    """An error the client made (or one to show it), with its HTTP status and OpenAI type."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status)
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams errors start with the field name ("top_p must be ...")."""
+    first = message.split(" ", 1)[0]
+    return first if first.isidentifier() else None
+
+
+@dataclass
+class _Choice:
+    """Streaming progress of one choice (prompt i, sample j)."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    finished: bool = False
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+
+    # ---- shared ---------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        try:
+            logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        except ValueError:
+            raise OpenAIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+        optional = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                    if getattr(req, name) is not None}
+        try:
+            return SamplingParams(
+                n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                logit_bias=logit_bias or None, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+                stop_token_ids=req.stop_token_ids or [], skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, **optional,
+            )
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param=_param_of(str(e))) from None
+
+    async def _start(self, request_ids: list[str], prompts: list[Any], params: SamplingParams,
+                     priority: int) -> list[RequestStream]:
+        """Queue every prompt before answering: a rejected one is a 400 for the whole call,
+        even when streaming, and leaves nothing running."""
+        streams: list[RequestStream] = []
+        try:
+            for request_id, prompt in zip(request_ids, prompts):
+                streams.append(await self.engine.add_request(request_id, prompt, params, priority))
+        except BaseException as e:
+            for stream in streams:
+                stream.abort()
+            if isinstance(e, ValueError):
+                raise OpenAIError(400, str(e), param=_param_of(str(e))) from None
+            raise
+        return streams
+
+    async def _finals(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
+        """Wait for every stream's last output; a client that hangs up aborts them all."""
+        async def last(stream: RequestStream) -> RequestOutput:
+            out = None
+            async for out in stream:
+                pass
+            return out
+
+        task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        while not task.done():
+            done, _ = await asyncio.wait([task], timeout=0.1)
+            if not done and await raw.is_disconnected():
+                task.cancel()
+                for stream in streams:
+                    stream.abort()
+                raise OpenAIError(499, "client disconnected")
+        return task.result()
+
+    async def _merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several prompts as they come, tagged with the prompt's index."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in streams[i]:
+                    await queue.put((i, out))
+            except EngineDeadError as e:
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for stream in streams:  # leaving early (client gone) aborts every prompt's request
+                stream.abort()
+
+    def _streaming(self, events: AsyncIterator[dict]) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield f"data: {json.dumps(event)}\n\n"
+            except OpenAIError as e:
+                yield f"data: {json.dumps(ErrorResponse(error=ErrorInfo(message=e.message, type=e.type, param=e.param, code=e.code)).model_dump())}\n\n"
+            except Exception:  # a bug or a dead engine: say so without leaking internals
+                logger.exception("stream failed")
+                error = ErrorInfo(message="internal error while streaming", type="server_error")
+                yield f"data: {json.dumps(ErrorResponse(error=error).model_dump())}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- /v1/completions ------------------------------------------------------------------
+    def _completion_prompts(self, req: CompletionRequest) -> list[Any]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": list(p)}]
+        if p and all(isinstance(x, str) for x in p):
+            return list(p)
+        if p and all(isinstance(x, list) for x in p):
+            return [{"prompt_token_ids": x} for x in p]
+        raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        if req.suffix is not None:
+            raise OpenAIError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise OpenAIError(400, "best_of is not supported (use n)", param="best_of")
+        prompts = self._completion_prompts(req)
+        params = self.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs,
+                                      req.logprobs if req.echo and req.logprobs is not None else None)
+        base_id = random_id("cmpl")
+        ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        streams = await self._start(ids, prompts, params, req.priority)
+        if req.stream:
+            return self._streaming(self._completion_events(req, base_id, streams, params))
+        outs = await self._finals(streams, raw)
+        choices = []
+        for i, out in enumerate(outs):
+            for o in out.outputs:
+                text, logprobs = o.text, None
+                if req.echo:
+                    text = self._prompt_text(out) + text
+                if req.logprobs is not None:
+                    logprobs = self._completion_logprobs(out, o, req.echo)
+                choices.append(CompletionChoice(index=i * params.n + o.index, text=text, logprobs=logprobs,
+                                                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        return JSONResponse(CompletionResponse(id=base_id, model=self.served_model_name, choices=choices,
+                                               usage=_usage(outs)).model_dump())
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+
+    def _completion_logprobs(self, out: RequestOutput, o: CompletionOutput, echo: bool,
+                             start_token: int = 0, text_offset: int = 0) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        positions: list[tuple[int, PositionLogprobs | None]] = []
+        if echo and start_token == 0:
+            positions += list(zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)))
+        positions += list(zip(o.token_ids, o.logprobs or []))[start_token:]
+        offset = text_offset
+        for token_id, position in positions:
+            token = self._token_text(token_id)
+            lp.tokens.append(token)
+            lp.text_offset.append(offset)
+            offset += len(token)
+            if position is None:
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                continue
+            lp.token_logprobs.append(position[token_id].logprob)
+            lp.top_logprobs.append({p.decoded_token: p.logprob for p in position.values()})
+        return lp
+
+    async def _completion_events(self, req: CompletionRequest, base_id: str, streams: list[RequestStream],
+                                 params: SamplingParams) -> AsyncIterator[dict]:
+        progress: dict[int, _Choice] = {}
+        last: dict[int, RequestOutput] = {}
+        async for i, out in self._merged(streams):
+            last[i] = out
+            for o in out.outputs:
+                index = i * params.n + o.index
+                state = progress.setdefault(index, _Choice())
+                if state.finished:
+                    continue
+                text = o.text[state.text_sent:]
+                if req.echo and state.text_sent == 0 and state.tokens_sent == 0:
+                    text = self._prompt_text(out) + text
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._completion_logprobs(out, o, req.echo and state.tokens_sent == 0, state.tokens_sent)
+                finish = o.finish_reason
+                if not text and finish is None and len(o.token_ids) == state.tokens_sent:
+                    continue
+                state.text_sent, state.tokens_sent, state.finished = len(o.text), len(o.token_ids), finish is not None
+                yield CompletionResponse(id=base_id, model=self.served_model_name, choices=[
+                    CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
+                                     stop_reason=o.stop_reason)]).model_dump(exclude_none=False)
+        if req.stream_options and req.stream_options.include_usage:
+            yield CompletionResponse(id=base_id, model=self.served_model_name, choices=[],
+                                     usage=_usage([last[i] for i in sorted(last)])).model_dump()
+
+    # ---- /v1/chat/completions -------------------------------------------------------------
+    def chat_prompt(self, messages: list, add_generation_prompt: bool) -> dict:
+        conversation = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):  # content parts: text only
+                if any(part.get("type") != "text" for part in content):
+                    raise OpenAIError(400, "only text content parts are supported", param="messages")
+                content = "".join(part.get("text", "") for part in content)
+            conversation.append({"role": m.role, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="messages") from None
+        except Exception as e:  # a template that raises on this conversation
+            raise OpenAIError(400, f"chat template failed: {e}", param="messages") from None
+        # The template writes the special tokens itself.
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        prompt = self.chat_prompt(req.messages, req.add_generation_prompt)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = req.top_logprobs if req.top_logprobs is not None else 0
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        params = self.sampling_params(req, max_tokens, top if req.logprobs else None)
+        request_id = random_id("chatcmpl")
+        streams = await self._start([request_id], [prompt], params, req.priority)
+        if req.stream:
+            return self._streaming(self._chat_events(req, request_id, streams, params))
+        (out,) = await self._finals(streams, raw)
+        choices = [ChatChoice(index=o.index, message=ChatMessageOut(content=o.text),
+                              logprobs=self._chat_logprobs(o, 0, top) if req.logprobs else None,
+                              finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
+        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                                   usage=_usage([out])).model_dump())
+
+    def _chat_logprobs(self, o: CompletionOutput, start: int, num_top: int) -> ChatLogprobs:
+        content = []
+        for token_id, position in list(zip(o.token_ids, o.logprobs or []))[start:]:
+            token = self._token_text(token_id)
+            top = sorted(position.values(), key=lambda p: p.rank)
+            content.append(TokenLogprob(token=token, logprob=position[token_id].logprob, bytes=list(token.encode()),
+                                        top_logprobs=[TopLogprob(token=p.decoded_token, logprob=p.logprob,
+                                                                 bytes=list(p.decoded_token.encode()))
+                                                      for p in top if p.rank <= num_top]))
+        return ChatLogprobs(content=content)
+
+    async def _chat_events(self, req: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
+                           params: SamplingParams) -> AsyncIterator[dict]:
+        def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> dict:
+            return ChatCompletionChunk(id=request_id, model=self.served_model_name,
+                                       choices=[choice] if choice else [], usage=usage).model_dump()
+
+        progress = {i: _Choice() for i in range(params.n)}
+        for i in range(params.n):
+            yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+        last = None
+        async for _, out in self._merged(streams):
+            last = out
+            for o in out.outputs:
+                state = progress[o.index]
+                if state.finished:
+                    continue
+                text = o.text[state.text_sent:]
+                finish = o.finish_reason
+                if not text and finish is None:
+                    continue
+                logprobs = self._chat_logprobs(o, state.tokens_sent, params.logprobs or 0) if req.logprobs else None
+                state.text_sent, state.tokens_sent, state.finished = len(o.text), len(o.token_ids), finish is not None
+                yield chunk(ChatStreamChoice(index=o.index, delta=ChatDelta(content=text), logprobs=logprobs,
+                                             finish_reason=finish, stop_reason=o.stop_reason))
+        if req.stream_options and req.stream_options.include_usage and last is not None:
+            yield chunk(None, _usage([last]))
+
+
+def _usage(outs: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
