@@ -197,11 +197,23 @@ def test_64_concurrent_streams_finish_correctly(server, reference) -> None:
                                                  stream=True, extra_body={"ignore_eos": True})
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
-    async def main() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-        return await asyncio.gather(*(one(client, PROMPTS[i % 4]) for i in range(64)))
+    async def bad(client: openai.AsyncOpenAI, i: int) -> str:
+        kwargs = [dict(top_p=7), dict(max_tokens=10_000), dict(extra_body={"logit_bias": {"-4": 1}})][i % 3]
+        try:
+            await client.completions.create(model=MODEL, prompt="x", stream=True, **{"max_tokens": 4, **kwargs})
+        except openai.BadRequestError:
+            return "rejected"
+        return "accepted"
 
-    texts = asyncio.run(main())
+    async def main() -> tuple[list[str], list[str]]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+        good = [one(client, PROMPTS[i % 4]) for i in range(64)]
+        rejected = [bad(client, i) for i in range(9)]  # interleaved with the good ones: they must not disturb them
+        results = await asyncio.gather(*good, *rejected)
+        return results[:64], results[64:]
+
+    texts, rejected = asyncio.run(main())
+    assert rejected == ["rejected"] * 9
     assert texts == [reference[PROMPTS[i % 4]] for i in range(64)]
     assert metric(server, "dabba:generation_tokens_total") - before == 64 * 24
     wait_idle(server)
