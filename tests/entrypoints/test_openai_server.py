@@ -236,3 +236,25 @@ def test_a_client_that_disconnects_leaves_nothing_running(server) -> None:
                    headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.1)
     wait_idle(server)
     assert metric(server, "dabba:generation_tokens_total") - before < 480, "it ran to the end instead"
+
+
+def test_streaming_several_prompts_and_samples(server) -> None:
+    kwargs = dict(model=MODEL, prompt=PROMPTS[:2], max_tokens=10, n=2, temperature=1.0, seed=3, logprobs=1)
+    full = server.client.completions.create(**kwargs)
+    texts: dict[int, str] = {}
+    tokens: dict[int, int] = {}
+    for chunk in server.client.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            tokens[c.index] = tokens.get(c.index, 0) + len(c.logprobs.tokens)
+    assert sorted(texts) == [0, 1, 2, 3]  # prompt i, sample j -> index 2 * i + j
+    assert texts == {c.index: c.text for c in full.choices}
+    assert tokens == {c.index: len(c.logprobs.tokens) for c in full.choices}
+
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, n=2, seed=5, temperature=1.0)
+    full = server.client.chat.completions.create(**chat)
+    streamed: dict[int, str] = {}
+    for chunk in server.client.chat.completions.create(stream=True, **chat):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert streamed == {c.index: c.message.content for c in full.choices}
