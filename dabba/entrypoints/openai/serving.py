@@ -211,6 +211,8 @@ class OpenAIServing:
 
     def _completion_logprobs(self, out: RequestOutput, o: CompletionOutput, echo: bool,
                              start_token: int = 0, text_offset: int = 0) -> CompletionLogprobs:
+        """OpenAI's legacy shape, from token ``start_token`` of the output (the prompt first
+        when echoing); ``text_offset`` is where that token's text starts in the choice's text."""
         lp = CompletionLogprobs()
         positions: list[tuple[int, PositionLogprobs | None]] = []
         if echo and start_token == 0:
@@ -246,14 +248,16 @@ class OpenAIServing:
                     text = self._prompt_text(out) + text
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self._completion_logprobs(out, o, req.echo and state.tokens_sent == 0, state.tokens_sent)
+                    first = state.tokens_sent == 0
+                    offset = state.text_sent + (len(self._prompt_text(out)) if req.echo and not first else 0)
+                    logprobs = self._completion_logprobs(out, o, req.echo and first, state.tokens_sent, offset)
                 finish = o.finish_reason
                 if not text and finish is None and len(o.token_ids) == state.tokens_sent:
                     continue
                 state.text_sent, state.tokens_sent, state.finished = len(o.text), len(o.token_ids), finish is not None
                 yield CompletionResponse(id=base_id, model=self.served_model_name, choices=[
                     CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
-                                     stop_reason=o.stop_reason)]).model_dump(exclude_none=False)
+                                     stop_reason=o.stop_reason)]).model_dump()
         if req.stream_options and req.stream_options.include_usage:
             yield CompletionResponse(id=base_id, model=self.served_model_name, choices=[],
                                      usage=_usage([last[i] for i in sorted(last)])).model_dump()
