@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+# The small model dabba trains itself (tools/train_demo_model.py), shipped in the package: the
+# default MODEL of `dabba serve`, `generate` and `chat`.
+DEMO_MODEL = str(Path(__file__).resolve().parent / "assets" / "demo")
 
 
 def parse_bytes(text: str | int) -> int:

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from dabba.config import EngineConfig
+from dabba.config import DEMO_MODEL, EngineConfig
 
 _SCALARS = {"int": int, "float": float, "str": str}
 
@@ -55,19 +55,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from dabba.config import EngineConfig
     from dabba.engine.llm_engine import LLMEngine
     from dabba.entrypoints.openai.api_server import serve
 
     engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
-    serve(engine, args.served_model_name or args.model, args.host, args.port, args.api_key)
+    name = args.served_model_name or ("demo" if args.model == DEMO_MODEL else args.model)
+    serve(engine, name, args.host, args.port, args.api_key)
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """A terminal chat that streams the reply as it is generated; an empty line or EOF ends it."""
     from dabba import SamplingParams
-    from dabba.config import EngineConfig
     from dabba.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
@@ -102,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dabba", description="dabba: serve and run LLMs from Hugging Face checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one or more prompts, no server")
-    gen.add_argument("model", help="Hugging Face checkpoint directory")
+    gen.add_argument("model", nargs="?", default=DEMO_MODEL,
+                     help="Hugging Face checkpoint directory (default: the bundled demo model)")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    srv.add_argument("model", help="Hugging Face checkpoint directory")
+    srv.add_argument("model", nargs="?", default=DEMO_MODEL,
+                     help="Hugging Face checkpoint directory (default: the bundled demo model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -121,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="chat in the terminal, the reply streamed as it is generated")
-    chat.add_argument("model", help="Hugging Face checkpoint directory")
+    chat.add_argument("model", nargs="?", default=DEMO_MODEL,
+                     help="Hugging Face checkpoint directory (default: the bundled demo model)")
     chat.add_argument("--system", default=None, help="a system message")
     chat.add_argument("--max-tokens", type=int, default=256, help="longest reply (default: 256)")
     chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
