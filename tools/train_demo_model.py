@@ -145,6 +145,9 @@ def main() -> None:
                                    pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
+    # transformers 5 writes the template to chat_template.jinja; older readers look in tokenizer_config.json
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**tok_config, "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
     train_ids = torch.tensor(encode_documents(tok, train_docs))
     test_ids = torch.tensor(encode_documents(tok, test_docs))
     print(f"tokens: train {len(train_ids):,}, held-out {len(test_ids):,}; vocab {tok.get_vocab_size()}")
