@@ -51,6 +51,7 @@ class ModelConfig:
     max_model_len: int | None = _help("Longest sequence (prompt + output) in tokens; default: the model's limit.", None)
     device: str = _help('"auto" (CUDA if available, else CPU), "cpu" or "cuda".', "auto")
     seed: int = _help("Seed for requests that sample without a seed of their own.", 0)
+    quantization: str | None = _help('Weight quantization at load time: "int8" (per channel) or "int4" (groups of 128), round to nearest.', None)
     attention_backend: str = _help('"auto" (native CPU kernels on CPU, else the reference), "torch_ref" or "cpu".', "auto")
 
     def __post_init__(self) -> None:
@@ -60,6 +61,8 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f'device must be "auto", "cpu" or "cuda[:N]", got {self.device!r}')
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f'quantization must be "int8", "int4" or None, got {self.quantization!r}')
         if self.attention_backend not in ("auto", "torch_ref", "cpu"):
             raise ValueError(f'attention_backend must be "auto", "torch_ref" or "cpu", got {self.attention_backend!r}')
 

@@ -20,6 +20,7 @@ from dabba.engine.output_processor import OutputProcessor
 from dabba.engine.tokenizer import Tokenizer
 from dabba.models.config import ArchConfig
 from dabba.outputs import RequestOutput
+from dabba.quantization.base import QuantConfig
 from dabba.sampling_params import SamplingParams
 from dabba.worker.model_runner import ModelRunner
 
@@ -76,6 +77,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(
             str(model_dir), self.arch, resolve_dtype(mc.dtype, self.arch.torch_dtype), resolve_device(mc.device),
             self.max_model_len, mc.seed, mc.attention_backend,
+            QuantConfig(mc.quantization) if mc.quantization else None,
         )
         cc = config.cache_config
         self.cache_layout = self.model_runner.initialize_kv_cache(cc, config.scheduler_config.max_num_seqs)

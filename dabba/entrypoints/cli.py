@@ -97,6 +97,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_perplexity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dabba import LLM
+    from dabba.evaluation import perplexity
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    result = perplexity(llm, Path(args.data).read_text(), args.max_length, args.stride)
+    print(json.dumps({"model": args.model, "data": args.data,
+                      "quantization": getattr(args, "quantization", None), **result.to_dict()}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dabba", description="dabba: serve and run LLMs from Hugging Face checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    ev = sub.add_parser("eval", help="evaluate a model").add_subparsers(dest="metric", required=True)
+    ppl = ev.add_parser("perplexity", help="perplexity on a text file, in sliding windows; prints JSON")
+    ppl.add_argument("model", nargs="?", default=DEMO_MODEL,
+                     help="Hugging Face checkpoint directory (default: the bundled demo model)")
+    ppl.add_argument("--data", required=True, help="a UTF-8 text file")
+    ppl.add_argument("--max-length", type=int, default=256, help="tokens per window (default: 256)")
+    ppl.add_argument("--stride", type=int, default=128, help="tokens between window starts (default: 128)")
+    add_engine_args(ppl)
+    ppl.set_defaults(func=cmd_eval_perplexity)
     return parser
 
 

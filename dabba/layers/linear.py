@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from dabba.quantization.base import QuantConfig, UnquantizedLinearMethod
 
 
 class Linear(nn.Module):
@@ -12,6 +13,8 @@ class Linear(nn.Module):
     A merged layer lists ``output_sizes`` and ``shard_ids``: the checkpoint's separate tensors
     (say q_proj, k_proj, v_proj) are copied into consecutive row ranges of one weight, so one
     GEMM serves them all. ``prefix`` is the layer's checkpoint name, for per-layer decisions.
+    With a ``quant_config`` the layer's method repacks the loaded weight once
+    (process_weights_after_loading) and computes every forward from the packed form.
     """
 
     def __init__(
@@ -21,6 +24,7 @@ class Linear(nn.Module):
         bias: bool = False,
         shard_ids: tuple | None = None,
         prefix: str = "",
+        quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
@@ -35,6 +39,7 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.quant_method = quant_config.get_linear_method(self) if quant_config else UnquantizedLinearMethod()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:
@@ -50,7 +55,7 @@ class Linear(nn.Module):
         target.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}"

@@ -16,6 +16,7 @@ from dabba.layers.layernorm import RMSNorm
 from dabba.layers.linear import Linear
 from dabba.layers.rotary import RotaryEmbedding, apply_rotary
 from dabba.models.config import ArchConfig
+from dabba.quantization.base import QuantConfig
 
 # checkpoint name fragment -> (merged parameter fragment, shard id)
 STACKED_PARAMS = {
@@ -28,11 +29,12 @@ STACKED_PARAMS = {
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, prefix: str) -> None:
+    def __init__(self, cfg: ArchConfig, prefix: str, quant_config: QuantConfig | None) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], shard_ids=(0, 1), prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = Linear(inter, [cfg.hidden_size], prefix=f"{prefix}.down_proj")
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], shard_ids=(0, 1), prefix=f"{prefix}.gate_up_proj",
+                                   quant_config=quant_config)
+        self.down_proj = Linear(inter, [cfg.hidden_size], prefix=f"{prefix}.down_proj", quant_config=quant_config)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +42,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_idx: int, prefix: str) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, prefix: str, quant_config: QuantConfig | None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -49,9 +51,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
             cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias,
-            shard_ids=("q", "k", "v"), prefix=f"{prefix}.qkv_proj",
+            shard_ids=("q", "k", "v"), prefix=f"{prefix}.qkv_proj", quant_config=quant_config,
         )
-        self.o_proj = Linear(self.q_size, [cfg.hidden_size], bias=cfg.o_bias, prefix=f"{prefix}.o_proj")
+        self.o_proj = Linear(self.q_size, [cfg.hidden_size], bias=cfg.o_bias, prefix=f"{prefix}.o_proj",
+                             quant_config=quant_config)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,10 +75,10 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
-    def __init__(self, cfg: ArchConfig, layer_idx: int, prefix: str) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, prefix: str, quant_config: QuantConfig | None) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(cfg, layer_idx, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp")
+        self.self_attn = self.attention_cls(cfg, layer_idx, f"{prefix}.self_attn", quant_config)
+        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", quant_config)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -93,11 +96,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, max_position: int, layer_cls: type[LlamaDecoderLayer], prefix: str = "model") -> None:
+    def __init__(self, cfg: ArchConfig, max_position: int, layer_cls: type[LlamaDecoderLayer],
+                 quant_config: QuantConfig | None, prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(layer_cls(cfg, i, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, i, f"{prefix}.layers.{i}", quant_config)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -113,10 +118,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     layer_cls = LlamaDecoderLayer
 
-    def __init__(self, cfg: ArchConfig, max_position: int) -> None:
+    def __init__(self, cfg: ArchConfig, max_position: int, quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_position, self.layer_cls)
+        self.model = LlamaModel(cfg, max_position, self.layer_cls, quant_config)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)

@@ -15,6 +15,7 @@ from torch import nn
 
 from dabba.models.config import ArchConfig
 from dabba.models.registry import get_model_class
+from dabba.quantization.base import QuantConfig
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -50,7 +51,8 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_position: int) -> nn.Module:
+def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_position: int,
+               quant_config: QuantConfig | None = None) -> nn.Module:
     model_dir = Path(model_dir)
     files = find_weight_files(model_dir)
     model_cls = get_model_class(arch.architecture)
@@ -58,8 +60,12 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(arch, max_position)
+            model = model_cls(arch, max_position, quant_config)
     finally:
         torch.set_default_dtype(previous)
     model.load_weights(iterate_weights(files))
+    for module in model.modules():  # repack (or quantize) once, never per forward
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()

@@ -5,12 +5,13 @@ import torch
 
 from dabba.layers.layernorm import RMSNorm
 from dabba.models.config import ArchConfig
+from dabba.quantization.base import QuantConfig
 from dabba.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, cfg: ArchConfig, layer_idx: int, prefix: str) -> None:
-        super().__init__(cfg, layer_idx, prefix)
+    def __init__(self, cfg: ArchConfig, layer_idx: int, prefix: str, quant_config: QuantConfig | None) -> None:
+        super().__init__(cfg, layer_idx, prefix, quant_config)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 

@@ -16,6 +16,7 @@ from dabba.config import CacheConfig
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from dabba.models.config import ArchConfig
 from dabba.models.loader import load_model
+from dabba.quantization.base import QuantConfig
 from dabba.worker.input_batch import ModelInputs, RequestStates
 from dabba.worker.memory import allocate_kv_cache, default_kv_cache_memory
 from dabba.worker.sampler import Sampler
@@ -38,17 +39,21 @@ class CacheLayout:
 
 class ModelRunner:
     def __init__(self, model_dir: str, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
-                 max_model_len: int, seed: int, attention_backend: str = "auto") -> None:
+                 max_model_len: int, seed: int, attention_backend: str = "auto",
+                 quant_config: QuantConfig | None = None) -> None:
         self.arch = arch
         self.dtype = dtype
         self.device = device
         self.max_model_len = max_model_len
         start = time.perf_counter()
-        self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len)
+        self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len, quant_config=quant_config)
         self.backend = get_attention_backend(attention_backend, device)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("Loaded %s (%.1f MiB of weights, %s) on %s in %.1f s; attention backend %s", arch.architecture,
-                    weight_bytes / 2**20, str(dtype).removeprefix("torch."), device, time.perf_counter() - start,
+        # parameters plus quantized weight buffers; RoPE tables are not weights
+        tensors = [*self.model.parameters(), *(b for n, b in self.model.named_buffers() if "rotary" not in n)]
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        logger.info("Loaded %s (%.1f MiB of weights, %s%s) on %s in %.1f s; attention backend %s", arch.architecture,
+                    self.weight_bytes / 2**20, str(dtype).removeprefix("torch."),
+                    f", {quant_config.method}" if quant_config else "", device, time.perf_counter() - start,
                     type(self.backend).__name__)
         self.sampler = Sampler(device, seed)
         self.requests = RequestStates()

@@ -1,0 +1,1 @@
+"""Weight quantization: a method object per linear layer (create, process after loading, apply)."""

@@ -1,0 +1,115 @@
+"""Round-to-nearest quantization: the formulas, and the INT8/INT4 linear methods.
+
+    scale s = (r_max - r_min) / (2^b - 1)
+    asymmetric: zero z = round(-r_min / s), q = clamp(round(w / s) + z, 0, 2^b - 1), w ~ (q - z) * s
+    symmetric:  r_min = -r_max = -max|w|,   q = clamp(round(w / s), -2^(b-1), 2^(b-1) - 1), w ~ q * s
+
+On CPU the methods use PyTorch's weight-packed kernels (``_weight_int8pack_mm`` and the int4
+"tinygemm" ``_weight_int4pack_mm_for_cpu``); elsewhere they dequantize and multiply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dabba.quantization.base import LinearMethod
+
+
+@dataclass
+class QuantizedWeight:
+    q: torch.Tensor  # [out, in] int32 codes
+    scale: torch.Tensor  # [out, in / group_size] float32
+    zero: torch.Tensor  # [out, in / group_size] int32 (0 when symmetric)
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        out, k = self.q.shape
+        g = self.group_size
+        w = (self.q.view(out, k // g, g) - self.zero[..., None]).float() * self.scale[..., None]
+        return w.view(out, k)
+
+
+def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> QuantizedWeight:
+    """w: [out, in] -> codes per group of ``group_size`` input channels (group_size = in: per channel)."""
+    out, k = w.shape
+    if k % group_size:
+        raise ValueError(f"in_features ({k}) must be a multiple of group_size ({group_size})")
+    wg = w.float().view(out, k // group_size, group_size)
+    if symmetric:
+        r_max = wg.abs().amax(-1)
+        scale = (2 * r_max / (2**bits - 1)).clamp(min=1e-10)
+        zero = torch.zeros_like(scale, dtype=torch.int32)
+        q = torch.clamp(torch.round(wg / scale[..., None]), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    else:
+        r_min, r_max = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)  # keep 0 exactly representable
+        scale = ((r_max - r_min) / (2**bits - 1)).clamp(min=1e-10)
+        zero = torch.round(-r_min / scale).to(torch.int32)
+        q = torch.clamp(torch.round(wg / scale[..., None]) + zero[..., None], 0, 2**bits - 1)
+    return QuantizedWeight(q.to(torch.int32).view(out, k), scale, zero, group_size)
+
+
+def _drop_weight(layer: nn.Module) -> None:
+    del layer.weight
+    layer.register_parameter("weight", None)
+
+
+class Int8RTNMethod(LinearMethod):
+    """Symmetric INT8, one scale per output channel."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.data
+        qw = quantize(w, 8, w.shape[1], symmetric=True)
+        _drop_weight(layer)
+        layer.register_buffer("qweight", qw.q.to(torch.int8), persistent=False)  # [out, in]
+        layer.register_buffer("scales", qw.scale[:, 0].to(w.dtype), persistent=False)  # [out]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, layer.scales)
+        else:
+            y = F.linear(x2, layer.qweight.to(x.dtype) * layer.scales[:, None])
+        if bias is not None:
+            y = y + bias
+        return y.view(*shape[:-1], -1)
+
+
+class Int4RTNMethod(LinearMethod):
+    """Asymmetric INT4 with integer zero points, one (scale, zero) per group of input channels."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.data
+        qw = quantize(w, 4, self.group_size, symmetric=False)
+        _drop_weight(layer)
+        if w.device.type == "cpu":
+            # tinygemm computes (q - 8) * scale + zero: its zero is (8 - z) * s.
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q, 1)
+            scale_zero = torch.stack([qw.scale, (8 - qw.zero).float() * qw.scale], dim=-1)  # [out, groups, 2]
+            layer.register_buffer("qweight", packed, persistent=False)
+            layer.register_buffer("scales_and_zeros", scale_zero.transpose(0, 1).contiguous().to(w.dtype),
+                                  persistent=False)  # [groups, out, 2]
+        else:
+            layer.register_buffer("qweight", qw.q.to(torch.uint8), persistent=False)
+            layer.register_buffer("scales", qw.scale.to(w.dtype), persistent=False)
+            layer.register_buffer("zeros", qw.zero.to(torch.uint8), persistent=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, self.group_size, layer.scales_and_zeros)
+        else:
+            out, k = layer.qweight.shape
+            g = self.group_size
+            w = (layer.qweight.view(out, k // g, g).to(x.dtype) - layer.zeros[..., None].to(x.dtype)) * layer.scales[..., None]
+            y = F.linear(x2, w.view(out, k))
+        if bias is not None:
+            y = y + bias
+        return y.view(*shape[:-1], -1)
