@@ -70,14 +70,21 @@ def run_transformers(args: dict[str, Any], prompts: list[list[int]]) -> dict[str
     return {"elapsed_s": elapsed, "num_output_tokens": num_out, "peak_rss_mib": peak_rss_mib(), "batch_size": bs}
 
 
-def _child(fn_name: str, args: dict[str, Any], prompts: list[list[int]], queue: mp.Queue) -> None:
-    queue.put(globals()[fn_name](args, prompts))
+def _child(module: str, fn_name: str, args: dict[str, Any], prompts: list[list[int]], queue: mp.Queue) -> None:
+    import importlib
+
+    queue.put(getattr(importlib.import_module(module), fn_name)(args, prompts))
 
 
-def run_isolated(fn_name: str, args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
+def run_isolated(fn_name: str, args: dict[str, Any], prompts: list[list[int]], module: str | None = None) -> dict[str, Any]:
+    """Run ``module.fn_name(args, prompts)`` in a fresh process (its own peak RSS); the caller's
+    module by default."""
+    import inspect
+
+    module = module or inspect.getmodule(inspect.stack()[1].frame).__spec__.name
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(fn_name, args, prompts, queue))
+    proc = ctx.Process(target=_child, args=(module, fn_name, args, prompts, queue))
     proc.start()
     result = queue.get()
     proc.join()

@@ -51,7 +51,7 @@ class ModelConfig:
     max_model_len: int | None = _help("Longest sequence (prompt + output) in tokens; default: the model's limit.", None)
     device: str = _help('"auto" (CUDA if available, else CPU), "cpu" or "cuda".', "auto")
     seed: int = _help("Seed for requests that sample without a seed of their own.", 0)
-    quantization: str | None = _help('Weight quantization at load time: "int8" (per channel) or "int4" (groups of 128), round to nearest.', None)
+    quantization: str | None = _help('Weight quantization at load time: "int8" (per channel) or "int4" (groups of 128; 64 or 32 where 128 does not tile a layer), round to nearest.', None)
     attention_backend: str = _help('"auto" (native CPU kernels on CPU, else the reference), "torch_ref" or "cpu".', "auto")
 
     def __post_init__(self) -> None:

@@ -33,7 +33,8 @@ class QuantConfig:
     """Round-to-nearest weight-only quantization applied at load time.
 
     int8: symmetric, per output channel. int4: asymmetric with an integer zero point, per group
-    of ``group_size`` input channels. Scale s = (r_max - r_min) / (2^bits - 1).
+    of ``group_size`` input channels (64 or 32 for a layer whose width the group does not tile).
+    Scale s = (r_max - r_min) / (2^bits - 1).
     """
 
     method: str
@@ -50,6 +51,9 @@ class QuantConfig:
 
         if self.method == "int8":
             return Int8RTNMethod()
-        if layer.in_features % self.group_size:  # a layer the groups do not tile stays unquantized
-            return UnquantizedLinearMethod()
-        return Int4RTNMethod(self.group_size)
+        # Groups must tile the layer's input width (SmolLM's 576 is not a multiple of 128):
+        # fall back to smaller groups, or leave the layer unquantized.
+        for group_size in (self.group_size, 64, 32):
+            if layer.in_features % group_size == 0 and group_size <= self.group_size:
+                return Int4RTNMethod(group_size)
+        return UnquantizedLinearMethod()
