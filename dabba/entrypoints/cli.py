@@ -110,48 +110,44 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_command(sub, name: str, help_text: str, func) -> argparse.ArgumentParser:
+    """A subcommand that runs a model: MODEL (default: the demo model) plus every engine flag."""
+    cmd = sub.add_parser(name, help=help_text)
+    cmd.add_argument("model", nargs="?", default=DEMO_MODEL,
+                     help="Hugging Face checkpoint directory (default: the bundled demo model)")
+    cmd.set_defaults(func=func)
+    return cmd
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dabba", description="dabba: serve and run LLMs from Hugging Face checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for one or more prompts, no server")
-    gen.add_argument("model", nargs="?", default=DEMO_MODEL,
-                     help="Hugging Face checkpoint directory (default: the bundled demo model)")
+    gen = _model_command(sub, "generate", "generate text for one or more prompts, no server", cmd_generate)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    add_engine_args(gen)
-    gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    srv.add_argument("model", nargs="?", default=DEMO_MODEL,
-                     help="Hugging Face checkpoint directory (default: the bundled demo model)")
+    srv = _model_command(sub, "serve", "serve the model over an OpenAI-compatible HTTP API", cmd_serve)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
-    add_engine_args(srv)
-    srv.set_defaults(func=cmd_serve)
 
-    chat = sub.add_parser("chat", help="chat in the terminal, the reply streamed as it is generated")
-    chat.add_argument("model", nargs="?", default=DEMO_MODEL,
-                     help="Hugging Face checkpoint directory (default: the bundled demo model)")
+    chat = _model_command(sub, "chat", "chat in the terminal, the reply streamed as it is generated", cmd_chat)
     chat.add_argument("--system", default=None, help="a system message")
     chat.add_argument("--max-tokens", type=int, default=256, help="longest reply (default: 256)")
     chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
-    add_engine_args(chat)
-    chat.set_defaults(func=cmd_chat)
 
     ev = sub.add_parser("eval", help="evaluate a model").add_subparsers(dest="metric", required=True)
-    ppl = ev.add_parser("perplexity", help="perplexity on a text file, in sliding windows; prints JSON")
-    ppl.add_argument("model", nargs="?", default=DEMO_MODEL,
-                     help="Hugging Face checkpoint directory (default: the bundled demo model)")
+    ppl = _model_command(ev, "perplexity", "perplexity on a text file, in sliding windows; prints JSON",
+                         cmd_eval_perplexity)
     ppl.add_argument("--data", required=True, help="a UTF-8 text file")
     ppl.add_argument("--max-length", type=int, default=256, help="tokens per window (default: 256)")
     ppl.add_argument("--stride", type=int, default=128, help="tokens between window starts (default: 128)")
-    add_engine_args(ppl)
-    ppl.set_defaults(func=cmd_eval_perplexity)
+    for cmd in (gen, srv, chat, ppl):
+        add_engine_args(cmd)
     return parser
 
 
