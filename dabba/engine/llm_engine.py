@@ -74,10 +74,14 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(mc.max_model_len, self.arch)
         self.eos_token_ids = self._eos_token_ids()
 
+        if self.arch.quantization_config and mc.quantization:
+            raise ValueError(f"quantization={mc.quantization!r}: this checkpoint is already quantized "
+                             f"({self.arch.quantization_config.get('quant_method')})")
+        quant_config = (QuantConfig.from_checkpoint(self.arch.quantization_config) if self.arch.quantization_config
+                        else QuantConfig(mc.quantization) if mc.quantization else None)
         self.model_runner = ModelRunner(
             str(model_dir), self.arch, resolve_dtype(mc.dtype, self.arch.torch_dtype), resolve_device(mc.device),
-            self.max_model_len, mc.seed, mc.attention_backend,
-            QuantConfig(mc.quantization) if mc.quantization else None,
+            self.max_model_len, mc.seed, mc.attention_backend, quant_config,
         )
         cc = config.cache_config
         self.cache_layout = self.model_runner.initialize_kv_cache(cc, config.scheduler_config.max_num_seqs)

@@ -32,24 +32,41 @@ class Linear(nn.Module):
         self.out_features = sum(output_sizes)
         self.shard_ids = shard_ids
         self.prefix = prefix
-        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.quant_method = quant_config.get_linear_method(self) if quant_config else UnquantizedLinearMethod()
+        self.quant_method.create_weights(self)  # `weight`, or a checkpoint format's packed tensors
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.quant_method = quant_config.get_linear_method(self) if quant_config else UnquantizedLinearMethod()
+
+    def add_param(self, name: str, tensor: torch.Tensor, output_dim: int | None = 0, output_pack: int = 1) -> None:
+        """A loadable tensor; ``output_dim`` is the axis holding outputs (None: not split across
+        merged shards), ``output_pack`` how many outputs one element along it packs."""
+        param = nn.Parameter(tensor, requires_grad=False)
+        param.weight_loader = self.weight_loader
+        param.output_dim, param.output_pack = output_dim, output_pack
+        self.register_parameter(name, param)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None:
+        output_dim = getattr(param, "output_dim", 0)
+        if output_dim is None and shard_id is not None:  # shared by every shard (GPTQ's g_idx)
+            loaded_by = getattr(param, "loaded_by", set())
+            if loaded_by and not torch.equal(param.data, loaded.to(param.dtype)):
+                raise ValueError(f"{self.prefix}: shards {sorted(map(str, loaded_by))} and {shard_id!r} disagree "
+                                 "on a tensor they must share")
+            param.loaded_by = loaded_by | {shard_id}
+        if shard_id is None or output_dim is None:
             target = param.data
         else:
             if self.shard_ids is None or shard_id not in self.shard_ids:
                 raise ValueError(f"{self.prefix}: unknown shard {shard_id!r}")
             idx = self.shard_ids.index(shard_id)
-            start = sum(self.output_sizes[:idx])
-            target = param.data.narrow(0, start, self.output_sizes[idx])
+            pack = getattr(param, "output_pack", 1)
+            start, size = sum(self.output_sizes[:idx]), self.output_sizes[idx]
+            if start % pack or size % pack:
+                raise ValueError(f"{self.prefix}: shard {shard_id!r} does not align with the packing of {pack}")
+            target = param.data.narrow(output_dim, start // pack, size // pack)
         if target.shape != loaded.shape:
             raise ValueError(f"{self.prefix}: checkpoint tensor {tuple(loaded.shape)} != expected {tuple(target.shape)}")
         target.copy_(loaded)

@@ -41,6 +41,7 @@ class ArchConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    quantization_config: dict | None = None  # a pre-quantized checkpoint's (GPTQ)
 
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> "ArchConfig":
@@ -64,8 +65,9 @@ class ArchConfig:
             raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is supported")
         if cfg.get("mlp_bias"):
             raise ValueError("unsupported config: mlp_bias=true")
-        if cfg.get("quantization_config"):
-            raise ValueError(f"unsupported quantization_config {cfg['quantization_config'].get('quant_method')!r}")
+        quantization = cfg.get("quantization_config")
+        if quantization and quantization.get("quant_method") != "gptq":
+            raise ValueError(f"unsupported quantization_config {quantization.get('quant_method')!r} (supported: 'gptq')")
 
         num_heads = cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
@@ -116,6 +118,7 @@ class ArchConfig:
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            quantization_config=quantization or None,
         )
 
     def kv_bytes_per_token(self, dtype_size: int) -> int:

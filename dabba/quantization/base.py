@@ -12,10 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4")  # applied at load time; "gptq" comes from a checkpoint
 
 
 class LinearMethod:
+    def create_weights(self, layer: nn.Module) -> None:
+        """The tensors the checkpoint provides: a full-precision weight unless a format says otherwise."""
+        layer.add_param("weight", torch.empty(layer.out_features, layer.in_features))
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
 
@@ -39,15 +43,35 @@ class QuantConfig:
 
     method: str
     group_size: int = 128
+    bits: int = 4  # "gptq" checkpoints: 4 or 8
+    desc_act: bool = False  # "gptq" checkpoints: act-order (g_idx not monotonic)
 
     def __post_init__(self) -> None:
-        if self.method not in QUANTIZATION_METHODS:
+        if self.method not in QUANTIZATION_METHODS + ("gptq",):
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.method!r}")
-        if self.group_size < 1:
+        if self.group_size < 1 and not (self.method == "gptq" and self.group_size == -1):
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+
+    @classmethod
+    def from_checkpoint(cls, qc: dict) -> "QuantConfig":
+        """config.json's quantization_config, as GPTQ tools write it."""
+        method = qc.get("quant_method")
+        if method != "gptq":
+            raise ValueError(f"unsupported quantization_config quant_method {method!r} (supported: 'gptq')")
+        if qc.get("checkpoint_format", "gptq") != "gptq":
+            raise ValueError(f"unsupported GPTQ checkpoint_format {qc.get('checkpoint_format')!r} (supported: 'gptq')")
+        if qc.get("bits") not in (4, 8):
+            raise ValueError(f"unsupported GPTQ bits {qc.get('bits')!r} (supported: 4, 8)")
+        return cls("gptq", group_size=int(qc.get("group_size", 128)), bits=int(qc["bits"]),
+                   desc_act=bool(qc.get("desc_act", False)))
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethod:
         from dabba.quantization.rtn import Int4RTNMethod, Int8RTNMethod
+
+        if self.method == "gptq":
+            from dabba.quantization.gptq_format import GPTQLinearMethod
+
+            return GPTQLinearMethod(self.bits, self.group_size if self.group_size > 0 else layer.in_features)
 
         if self.method == "int8":
             return Int8RTNMethod()

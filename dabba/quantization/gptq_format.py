@@ -1,0 +1,63 @@
+"""Linear layers of a GPTQ checkpoint (AutoGPTQ / GPTQModel, checkpoint_format "gptq").
+
+The layer takes the checkpoint's packed tensors as they are (see formats.py), then, once after
+loading, unpacks them into PyTorch's int4 CPU kernel layout when the groups are contiguous and
+the codes are 4-bit; otherwise (act-order g_idx, 8 bits, not on CPU) it dequantizes to the model
+dtype and multiplies densely, which is correct but not memory-saving.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dabba.quantization.base import LinearMethod
+from dabba.quantization.formats import gptq_unpack
+
+
+class GPTQLinearMethod(LinearMethod):
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits, self.group_size = bits, group_size
+        self.packed = False
+
+    def create_weights(self, layer: nn.Module) -> None:
+        out, k = layer.out_features, layer.in_features
+        per_word = 32 // self.bits
+        if k % self.group_size or k % per_word or out % per_word:
+            raise ValueError(f"{layer.prefix}: GPTQ needs in ({k}) divisible by group_size ({self.group_size}) and "
+                             f"by {per_word}, and out ({out}) divisible by {per_word}")
+        groups = k // self.group_size
+        layer.add_param("qweight", torch.empty(k // per_word, out, dtype=torch.int32), output_dim=1)
+        layer.add_param("qzeros", torch.empty(groups, out // per_word, dtype=torch.int32), output_dim=1,
+                        output_pack=per_word)
+        layer.add_param("scales", torch.empty(groups, out), output_dim=1)
+        layer.add_param("g_idx", torch.empty(k, dtype=torch.int32), output_dim=None)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        tensors = {name: getattr(layer, name).data for name in ("qweight", "qzeros", "scales", "g_idx")}
+        dtype = tensors["scales"].dtype
+        codes, zeros, scales, g_idx = gptq_unpack(tensors, self.bits)  # [out, in], [out, groups] x2, [in]
+        for name in tensors:
+            delattr(layer, name)
+        contiguous = torch.equal(g_idx.long(), torch.arange(layer.in_features) // self.group_size)
+        if self.bits == 4 and contiguous and codes.device.type == "cpu":
+            self.packed = True
+            zeros = zeros.clamp(max=15)  # format v1 cannot hold zero 0: it reads back as 16
+            layer.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1),
+                                  persistent=False)
+            scale_zero = torch.stack([scales, (8 - zeros).float() * scales], dim=-1)  # tinygemm: (q - 8) * s + zero
+            layer.register_buffer("scales_and_zeros", scale_zero.transpose(0, 1).contiguous().to(dtype),
+                                  persistent=False)
+        else:
+            weight = (codes - zeros[:, g_idx.long()]).float() * scales[:, g_idx.long()]
+            layer.register_buffer("weight", weight.to(dtype), persistent=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.packed:
+            return F.linear(x, layer.weight, bias)
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), layer.qweight, self.group_size,
+                                                       layer.scales_and_zeros)
+        if bias is not None:
+            y = y + bias
+        return y.view(*shape[:-1], -1)
