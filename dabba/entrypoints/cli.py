@@ -110,6 +110,21 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dabba.quantization.quantize_model import QuantizeOptions, quantize_checkpoint
+
+    calibration = args.calibration or str(Path(args.model) / "calibration.txt")
+    if not Path(calibration).is_file():
+        raise ValueError(f"no calibration text: pass --calibration FILE ({calibration} does not exist)")
+    opts = QuantizeOptions(method=args.method, bits=args.bits, group_size=args.group_size, act_order=args.act_order,
+                           num_samples=args.num_samples, seq_len=args.seq_len)
+    config = quantize_checkpoint(args.model, args.out, Path(calibration).read_text(), opts)
+    print(json.dumps({"out": args.out, "quantization_config": config}))
+    return 0
+
+
 def _model_command(sub, name: str, help_text: str, func) -> argparse.ArgumentParser:
     """A subcommand that runs a model: MODEL (default: the demo model) plus every engine flag."""
     cmd = sub.add_parser(name, help=help_text)
@@ -148,6 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--stride", type=int, default=128, help="tokens between window starts (default: 128)")
     for cmd in (gen, srv, chat, ppl):
         add_engine_args(cmd)
+
+    qz = sub.add_parser("quantize", help="quantize a checkpoint (GPTQ or round-to-nearest), saved in GPTQ's layout")
+    qz.add_argument("model", help="Hugging Face checkpoint directory")
+    qz.add_argument("out", help="directory to write the quantized checkpoint to")
+    qz.add_argument("--method", choices=["gptq", "rtn"], default="gptq")
+    qz.add_argument("--bits", type=int, choices=[4, 8], default=4)
+    qz.add_argument("--group-size", type=int, default=128, help="input channels per scale (default: 128)")
+    qz.add_argument("--act-order", action="store_true", help="GPTQ: columns in decreasing Hessian-diagonal order")
+    qz.add_argument("--calibration", default=None, help="calibration text (default: MODEL/calibration.txt)")
+    qz.add_argument("--num-samples", type=int, default=64, help="calibration windows (default: 64)")
+    qz.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window (default: 256)")
+    qz.set_defaults(func=cmd_quantize)
     return parser
 
 
