@@ -13,6 +13,7 @@ from torch import nn
 
 from dabba.quantization.base import LinearMethod
 from dabba.quantization.formats import gptq_unpack
+from dabba.quantization.rtn import int4_matmul_cpu, register_int4_for_cpu
 
 
 class GPTQLinearMethod(LinearMethod):
@@ -42,12 +43,7 @@ class GPTQLinearMethod(LinearMethod):
         contiguous = torch.equal(g_idx.long(), torch.arange(layer.in_features) // self.group_size)
         if self.bits == 4 and contiguous and codes.device.type == "cpu":
             self.packed = True
-            zeros = zeros.clamp(max=15)  # format v1 cannot hold zero 0: it reads back as 16
-            layer.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1),
-                                  persistent=False)
-            scale_zero = torch.stack([scales, (8 - zeros).float() * scales], dim=-1)  # tinygemm: (q - 8) * s + zero
-            layer.register_buffer("scales_and_zeros", scale_zero.transpose(0, 1).contiguous().to(dtype),
-                                  persistent=False)
+            register_int4_for_cpu(layer, codes, scales, zeros, dtype)
         else:
             weight = (codes - zeros[:, g_idx.long()]).float() * scales[:, g_idx.long()]
             layer.register_buffer("weight", weight.to(dtype), persistent=False)
@@ -55,9 +51,4 @@ class GPTQLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.packed:
             return F.linear(x, layer.weight, bias)
-        shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), layer.qweight, self.group_size,
-                                                       layer.scales_and_zeros)
-        if bias is not None:
-            y = y + bias
-        return y.view(*shape[:-1], -1)
+        return int4_matmul_cpu(layer, x, self.group_size, bias)

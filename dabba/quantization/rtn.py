@@ -51,6 +51,25 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> Qu
     return QuantizedWeight(q.to(torch.int32).view(out, k), scale, zero, group_size)
 
 
+def register_int4_for_cpu(layer: nn.Module, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                          dtype: torch.dtype) -> None:
+    """codes [out, in] in [0, 16), scale/zero [out, groups] -> PyTorch's int4 CPU ("tinygemm")
+    layout. tinygemm computes (q - 8) * scale + zero, so its zero is (8 - z) * s."""
+    layer.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1),
+                          persistent=False)
+    scale_zero = torch.stack([scale.float(), (8 - zero).float() * scale.float()], dim=-1)  # [out, groups, 2]
+    layer.register_buffer("scales_and_zeros", scale_zero.transpose(0, 1).contiguous().to(dtype), persistent=False)
+
+
+def int4_matmul_cpu(layer: nn.Module, x: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), layer.qweight, group_size,
+                                                   layer.scales_and_zeros)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], -1)
+
+
 def _drop_weight(layer: nn.Module) -> None:
     del layer.weight
     layer.register_parameter("weight", None)
@@ -89,27 +108,16 @@ class Int4RTNMethod(LinearMethod):
         qw = quantize(w, 4, self.group_size, symmetric=False)
         _drop_weight(layer)
         if w.device.type == "cpu":
-            # tinygemm computes (q - 8) * scale + zero: its zero is (8 - z) * s.
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q, 1)
-            scale_zero = torch.stack([qw.scale, (8 - qw.zero).float() * qw.scale], dim=-1)  # [out, groups, 2]
-            layer.register_buffer("qweight", packed, persistent=False)
-            layer.register_buffer("scales_and_zeros", scale_zero.transpose(0, 1).contiguous().to(w.dtype),
-                                  persistent=False)  # [groups, out, 2]
+            register_int4_for_cpu(layer, qw.q, qw.scale, qw.zero, w.dtype)
         else:
             layer.register_buffer("qweight", qw.q.to(torch.uint8), persistent=False)
             layer.register_buffer("scales", qw.scale.to(w.dtype), persistent=False)
             layer.register_buffer("zeros", qw.zero.to(torch.uint8), persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
         if x.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, self.group_size, layer.scales_and_zeros)
-        else:
-            out, k = layer.qweight.shape
-            g = self.group_size
-            w = (layer.qweight.view(out, k // g, g).to(x.dtype) - layer.zeros[..., None].to(x.dtype)) * layer.scales[..., None]
-            y = F.linear(x2, w.view(out, k))
-        if bias is not None:
-            y = y + bias
-        return y.view(*shape[:-1], -1)
+            return int4_matmul_cpu(layer, x, self.group_size, bias)
+        out, k = layer.qweight.shape
+        g = self.group_size
+        w = (layer.qweight.view(out, k // g, g).to(x.dtype) - layer.zeros[..., None].to(x.dtype)) * layer.scales[..., None]
+        return F.linear(x, w.view(out, k), bias)
