@@ -41,7 +41,7 @@ class ArchConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    quantization_config: dict | None = None  # a pre-quantized checkpoint's (GPTQ)
+    quantization_config: dict | None = None  # a pre-quantized checkpoint's (GPTQ, AWQ)
 
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> "ArchConfig":
@@ -66,8 +66,9 @@ class ArchConfig:
         if cfg.get("mlp_bias"):
             raise ValueError("unsupported config: mlp_bias=true")
         quantization = cfg.get("quantization_config")
-        if quantization and quantization.get("quant_method") != "gptq":
-            raise ValueError(f"unsupported quantization_config {quantization.get('quant_method')!r} (supported: 'gptq')")
+        if quantization and quantization.get("quant_method") not in ("gptq", "awq"):
+            raise ValueError(f"unsupported quantization_config {quantization.get('quant_method')!r} "
+                             "(supported: 'gptq', 'awq')")
 
         num_heads = cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads

@@ -47,7 +47,7 @@ class QuantConfig:
     desc_act: bool = False  # "gptq" checkpoints: act-order (g_idx not monotonic)
 
     def __post_init__(self) -> None:
-        if self.method not in QUANTIZATION_METHODS + ("gptq",):
+        if self.method not in QUANTIZATION_METHODS + ("gptq", "awq"):
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.method!r}")
         if self.group_size < 1 and not (self.method == "gptq" and self.group_size == -1):
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
@@ -56,8 +56,15 @@ class QuantConfig:
     def from_checkpoint(cls, qc: dict) -> "QuantConfig":
         """config.json's quantization_config, as GPTQ tools write it."""
         method = qc.get("quant_method")
+        if method == "awq":
+            if str(qc.get("version", "gemm")).lower() != "gemm" or qc.get("bits", qc.get("w_bit", 4)) != 4:
+                raise ValueError(f"unsupported AWQ checkpoint (version {qc.get('version')!r}, bits "
+                                 f"{qc.get('bits', qc.get('w_bit'))!r}): supported is version gemm, 4 bits")
+            if not qc.get("zero_point", True):
+                raise ValueError("unsupported AWQ checkpoint: zero_point false")
+            return cls("awq", group_size=int(qc.get("group_size", qc.get("q_group_size", 128))), bits=4)
         if method != "gptq":
-            raise ValueError(f"unsupported quantization_config quant_method {method!r} (supported: 'gptq')")
+            raise ValueError(f"unsupported quantization_config quant_method {method!r} (supported: 'gptq', 'awq')")
         if qc.get("checkpoint_format", "gptq") != "gptq":
             raise ValueError(f"unsupported GPTQ checkpoint_format {qc.get('checkpoint_format')!r} (supported: 'gptq')")
         if qc.get("bits") not in (4, 8):
@@ -68,10 +75,11 @@ class QuantConfig:
     def get_linear_method(self, layer: nn.Module) -> LinearMethod:
         from dabba.quantization.rtn import Int4RTNMethod, Int8RTNMethod
 
-        if self.method == "gptq":
-            from dabba.quantization.gptq_format import GPTQLinearMethod
+        if self.method in ("gptq", "awq"):
+            from dabba.quantization.gptq_format import AWQLinearMethod, GPTQLinearMethod
 
-            return GPTQLinearMethod(self.bits, self.group_size if self.group_size > 0 else layer.in_features)
+            group_size = self.group_size if self.group_size > 0 else layer.in_features
+            return GPTQLinearMethod(self.bits, group_size) if self.method == "gptq" else AWQLinearMethod(group_size)
 
         if self.method == "int8":
             return Int8RTNMethod()

@@ -1,4 +1,5 @@
-"""Linear layers of a GPTQ checkpoint (AutoGPTQ / GPTQModel, checkpoint_format "gptq").
+"""Linear layers of pre-quantized checkpoints: GPTQ (AutoGPTQ / GPTQModel, checkpoint_format
+"gptq") and AWQ ("gemm", AutoAWQ).
 
 The layer takes the checkpoint's packed tensors as they are (see formats.py), then, once after
 loading, unpacks them into PyTorch's int4 CPU kernel layout when the groups are contiguous and
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dabba.quantization.base import LinearMethod
-from dabba.quantization.formats import gptq_unpack
+from dabba.quantization.formats import awq_unpack, gptq_unpack
 from dabba.quantization.rtn import int4_matmul_cpu, register_int4_for_cpu
 
 
@@ -50,5 +51,40 @@ class GPTQLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.packed:
+            return F.linear(x, layer.weight, bias)
+        return int4_matmul_cpu(layer, x, self.group_size, bias)
+
+
+class AWQLinearMethod(LinearMethod):
+    """Linear layers of an AWQ "gemm" checkpoint (AutoAWQ): 4-bit codes with zero points, groups
+    contiguous by construction, so always the int4 kernel on CPU."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+
+    def create_weights(self, layer: nn.Module) -> None:
+        out, k = layer.out_features, layer.in_features
+        if k % self.group_size or out % 8:
+            raise ValueError(f"{layer.prefix}: AWQ needs in ({k}) divisible by group_size ({self.group_size}) "
+                             f"and out ({out}) divisible by 8")
+        groups = k // self.group_size
+        layer.add_param("qweight", torch.empty(k, out // 8, dtype=torch.int32), output_dim=1, output_pack=8)
+        layer.add_param("qzeros", torch.empty(groups, out // 8, dtype=torch.int32), output_dim=1, output_pack=8)
+        layer.add_param("scales", torch.empty(groups, out), output_dim=1)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        tensors = {name: getattr(layer, name).data for name in ("qweight", "qzeros", "scales")}
+        dtype = tensors["scales"].dtype
+        codes, zeros, scales = awq_unpack(tensors)  # [out, in], [out, groups] x2
+        for name in tensors:
+            delattr(layer, name)
+        if codes.device.type == "cpu":
+            register_int4_for_cpu(layer, codes, scales, zeros, dtype)
+        else:
+            g = torch.arange(layer.in_features, device=codes.device) // self.group_size
+            layer.register_buffer("weight", ((codes - zeros[:, g]).float() * scales[:, g]).to(dtype), persistent=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.device.type != "cpu":
             return F.linear(x, layer.weight, bias)
         return int4_matmul_cpu(layer, x, self.group_size, bias)

@@ -79,3 +79,39 @@ def test_a_quantized_checkpoint_refuses_load_time_quantization(checkpoints, tmp_
     write_gptq_pair(checkpoints["llama"].path, tmp_path / "gptq", tmp_path / "dequant", 32, False)
     with pytest.raises(ValueError, match="already quantized"):
         LLM(str(tmp_path / "gptq"), quantization="int8")
+
+
+def test_awq_checkpoint_matches_its_dequantized_weights(checkpoints, tmp_path) -> None:
+    from dabba.quantization.formats import awq_pack
+    from dabba.quantization.rtn import quantize
+
+    ckpt = checkpoints["llama"]
+    shutil.copytree(ckpt.path, tmp_path / "awq")
+    shutil.copytree(ckpt.path, tmp_path / "dequant")
+    state = load_file(ckpt.path / "model.safetensors")
+    packed, dequant = {}, dict(state)
+    for name, w in state.items():
+        if not any(f".{linear}." in name for linear in LINEARS):
+            packed[name] = w
+            continue
+        q = quantize(w, 4, 32, symmetric=False)  # AWQ keeps zero points
+        prefix = name.removesuffix(".weight")
+        for key, t in awq_pack(q.q, q.zero, q.scale).items():
+            packed[f"{prefix}.{key}"] = t
+        scales = q.scale.half().float()
+        dequant[name] = (q.q.view(w.shape[0], -1, 32) - q.zero[..., None]).float().mul(scales[..., None]).view_as(w)
+    save_file(packed, tmp_path / "awq" / "model.safetensors")
+    save_file(dequant, tmp_path / "dequant" / "model.safetensors")
+    cfg = json.loads((tmp_path / "awq" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
+                                  "zero_point": True}
+    (tmp_path / "awq" / "config.json").write_text(json.dumps(cfg))
+
+    awq, plain = LLM(str(tmp_path / "awq"), dtype="float32"), LLM(str(tmp_path / "dequant"), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompts = token_prompts(ckpt.prompts[3:8])
+    for a, b, p in zip(awq.generate(prompts, params, use_tqdm=False), plain.generate(prompts, params, use_tqdm=False),
+                       ckpt.prompts[3:8]):
+        got = torch.tensor([a.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+        want = torch.tensor([b.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+        assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
