@@ -94,12 +94,6 @@ class AsyncLLMEngine:
             raise
         return RequestStream(self, request_id, stream.queue)
 
-    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params, priority)
-        async for out in stream:
-            yield out
-
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 

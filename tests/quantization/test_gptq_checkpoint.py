@@ -46,6 +46,17 @@ def write_gptq_pair(src, gptq_dir, dequant_dir, group_size: int, act_order: bool
     (gptq_dir / "config.json").write_text(json.dumps(cfg))
 
 
+def assert_same_prompt_logprobs(quantized: LLM, reference: LLM, prompts: list[list[int]]) -> None:
+    """Every prompt token's logprob agrees within 1e-3 between the two engines."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outs = zip(quantized.generate(token_prompts(prompts), params, use_tqdm=False),
+               reference.generate(token_prompts(prompts), params, use_tqdm=False), prompts)
+    for a, b, p in outs:
+        got = torch.tensor([a.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+        want = torch.tensor([b.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+        assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_checkpoint_matches_its_dequantized_weights(checkpoints, tmp_path, act_order) -> None:
     ckpt = checkpoints["llama"]
@@ -55,13 +66,8 @@ def test_gptq_checkpoint_matches_its_dequantized_weights(checkpoints, tmp_path, 
     runner = gptq.llm_engine.model_runner
     layer = runner.model.model.layers[0].self_attn.qkv_proj
     assert layer.quant_method.packed == (not act_order)  # int4 kernel unless act-order forces the fallback
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    assert_same_prompt_logprobs(gptq, plain, ckpt.prompts[3:8])
     prompts = token_prompts(ckpt.prompts[3:8])
-    for a, b, p in zip(gptq.generate(prompts, params, use_tqdm=False), plain.generate(prompts, params, use_tqdm=False),
-                       ckpt.prompts[3:8]):
-        got = torch.tensor([a.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
-        want = torch.tensor([b.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
-        assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
     out = gptq.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
 
@@ -108,10 +114,4 @@ def test_awq_checkpoint_matches_its_dequantized_weights(checkpoints, tmp_path) -
     (tmp_path / "awq" / "config.json").write_text(json.dumps(cfg))
 
     awq, plain = LLM(str(tmp_path / "awq"), dtype="float32"), LLM(str(tmp_path / "dequant"), dtype="float32")
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    prompts = token_prompts(ckpt.prompts[3:8])
-    for a, b, p in zip(awq.generate(prompts, params, use_tqdm=False), plain.generate(prompts, params, use_tqdm=False),
-                       ckpt.prompts[3:8]):
-        got = torch.tensor([a.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
-        want = torch.tensor([b.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
-        assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
+    assert_same_prompt_logprobs(awq, plain, ckpt.prompts[3:8])
