@@ -1,9 +1,12 @@
-"""Perplexity of a model on a text, through the engine itself (prompt logprobs), so that what is
-measured is exactly what dabba serves: its kernels, its quantization, its KV cache."""
+"""Quality of a model on a text: perplexity through the engine itself (prompt logprobs), so that
+what is measured is exactly what dabba serves (its kernels, its quantization, its KV cache); and
+the KL divergence of a quantized model from its full-precision reference."""
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+
+import torch
 
 from dabba.entrypoints.llm import LLM
 from dabba.sampling_params import SamplingParams
@@ -55,3 +58,71 @@ def perplexity(llm: LLM, text: str, max_length: int = 256, stride: int = 128) ->
             nll -= out.prompt_logprobs[i][window[i]].logprob
             count += 1
     return PerplexityResult(math.exp(nll / count), nll / count, count, len(windows), max_length, stride)
+
+
+@dataclass
+class DivergenceResult:
+    """How far a (quantized) model's next-token distributions are from a reference's, as in
+    llama.cpp's ``perplexity --kl-divergence``: finer than a perplexity difference, which
+    rounding noise can push either way."""
+
+    kl_divergence: float  # mean KL(reference || model), nats per token
+    top1_agreement: float  # fraction of positions where both rank the same token first
+    reference_nll: float
+    model_nll: float
+    num_tokens: int
+    num_windows: int
+    max_length: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def kl_divergence(model: str, reference: str, text: str, quantization: str | None = None, dtype: str = "auto",
+                  max_length: int = 256, max_windows: int = 64) -> DivergenceResult:
+    """Both models run the same non-overlapping windows of ``text`` in the same dtype ("auto": the
+    reference checkpoint's), layer by layer through dabba's own layers and kernels, with dense
+    causal attention; ``quantization`` applies to ``model`` at load time (int8 / int4)."""
+    from dabba.attention.backend import forward_context
+    from dabba.attention.dense import DenseCausalBackend
+    from dabba.engine.llm_engine import resolve_dtype
+    from dabba.engine.tokenizer import Tokenizer
+    from dabba.models.config import ArchConfig
+    from dabba.models.loader import load_model
+    from dabba.quantization.base import QuantConfig
+
+    ids = Tokenizer(reference).encode(text, add_special_tokens=False)
+    num = min(max_windows, len(ids) // max_length)
+    if num < 1:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of max_length={max_length}")
+    windows = torch.tensor(ids[:num * max_length]).view(num, max_length)
+    torch_dtype = resolve_dtype(dtype, ArchConfig.from_hf(reference).torch_dtype)
+
+    def load(path: str, quant: str | None) -> torch.nn.Module:
+        arch = ArchConfig.from_hf(path)
+        qc = QuantConfig(quant) if quant else (
+            QuantConfig.from_checkpoint(arch.quantization_config) if arch.quantization_config else None)
+        return load_model(path, arch, torch_dtype, torch.device("cpu"), max_length, qc)
+
+    models = [load(reference, None), load(model, quantization)]
+    if models[0].config.vocab_size != models[1].config.vocab_size:
+        raise ValueError("model and reference must share a vocabulary")
+    backend = DenseCausalBackend(max_length)
+    batch = max(1, (1 << 24) // (max_length * models[0].config.vocab_size))  # windows per pass: ~64 MB of logits
+    kl = agree = nll_ref = nll_model = 0.0
+    for chunk in windows.split(batch):
+        positions = torch.arange(max_length).repeat(len(chunk))
+        logprobs = []
+        for m in models:
+            with forward_context(backend, None, [None] * m.config.num_hidden_layers):
+                logits = m.compute_logits(m(chunk.flatten(), positions)).float()
+            logprobs.append(torch.log_softmax(logits.view(len(chunk), max_length, -1)[:, :-1], dim=-1))
+        ref, cand = logprobs
+        targets = chunk[:, 1:, None]
+        kl += (ref.exp() * (ref - cand)).sum(-1).sum().item()
+        agree += (ref.argmax(-1) == cand.argmax(-1)).sum().item()
+        nll_ref -= ref.gather(-1, targets).sum().item()
+        nll_model -= cand.gather(-1, targets).sum().item()
+    n = num * (max_length - 1)
+    return DivergenceResult(kl / n, agree / n, nll_ref / n, nll_model / n, n, num, max_length)

@@ -110,6 +110,18 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_kl_divergence(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dabba.evaluation import kl_divergence
+
+    result = kl_divergence(args.model, args.reference, Path(args.data).read_text(), args.quantization, args.dtype,
+                           args.max_length, args.max_windows)
+    print(json.dumps({"model": args.model, "reference": args.reference, "data": args.data,
+                      "quantization": args.quantization, **result.to_dict()}))
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -163,11 +175,21 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--stride", type=int, default=128, help="tokens between window starts (default: 128)")
     for cmd in (gen, srv, chat, ppl):
         add_engine_args(cmd)
+    kld = _model_command(ev, "kl-divergence", "KL divergence of MODEL's next-token distributions from a reference "
+                         "model's (e.g. quantized vs full precision) on a text file; prints JSON",
+                         cmd_eval_kl_divergence)
+    kld.add_argument("--reference", required=True, help="the reference checkpoint (same tokenizer)")
+    kld.add_argument("--data", required=True, help="a UTF-8 text file")
+    kld.add_argument("--quantization", choices=["int8", "int4"], default=None, help="quantize MODEL at load time")
+    kld.add_argument("--dtype", default="auto", help='"auto" (the reference\'s), "bfloat16", "float16", "float32"')
+    kld.add_argument("--max-length", type=int, default=256, help="tokens per window (default: 256)")
+    kld.add_argument("--max-windows", type=int, default=64, help="non-overlapping windows to score (default: 64)")
 
-    qz = sub.add_parser("quantize", help="quantize a checkpoint (GPTQ or round-to-nearest), saved in GPTQ's layout")
+    qz = sub.add_parser("quantize", help="quantize a checkpoint: GPTQ or round-to-nearest (saved in "
+                        "GPTQ's layout), AWQ (saved in AutoAWQ's gemm layout)")
     qz.add_argument("model", help="Hugging Face checkpoint directory")
     qz.add_argument("out", help="directory to write the quantized checkpoint to")
-    qz.add_argument("--method", choices=["gptq", "rtn"], default="gptq")
+    qz.add_argument("--method", choices=["gptq", "awq", "rtn"], default="gptq")
     qz.add_argument("--bits", type=int, choices=[4, 8], default=4)
     qz.add_argument("--group-size", type=int, default=128, help="input channels per scale (default: 128)")
     qz.add_argument("--act-order", action="store_true", help="GPTQ: columns in decreasing Hessian-diagonal order")

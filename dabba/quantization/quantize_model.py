@@ -1,10 +1,12 @@
-"""`dabba quantize`: GPTQ (or round-to-nearest) over a whole checkpoint, one decoder layer at a
-time, saved in AutoGPTQ's layout (symmetric codes, checkpoint_format "gptq").
+"""`dabba quantize`: GPTQ, AWQ or round-to-nearest over a whole checkpoint, one decoder layer at
+a time. GPTQ and RTN are saved in AutoGPTQ's layout (symmetric codes, checkpoint_format "gptq"),
+AWQ in AutoAWQ's "gemm" layout (asymmetric codes).
 
 Layer by layer: the calibration hidden states go through layer L with its full-precision
-weights while hooks accumulate each linear's Hessian; the layer is quantized; then the same
-inputs go through the quantized layer to give layer L+1 its inputs. So each layer is calibrated
-on what the quantized model below it really produces, and only one layer's Hessians are held.
+weights while hooks collect what each linear sees (GPTQ: its Hessian; AWQ: its inputs); the
+layer is quantized; then the same inputs go through the quantized layer to give layer L+1 its
+inputs. So each layer is calibrated on what the quantized model below it really produces, and
+only one layer's statistics are held.
 """
 from __future__ import annotations
 
@@ -14,52 +16,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from dabba.attention.backend import AttentionBackend, forward_context
+from dabba.attention.backend import forward_context
+from dabba.attention.dense import DenseCausalBackend
 from dabba.engine.tokenizer import Tokenizer
 from dabba.layers.linear import Linear
 from dabba.models.config import ArchConfig
 from dabba.models.loader import find_weight_files, load_model
-from dabba.quantization.formats import gptq_pack
+from dabba.quantization.awq import awq_clip_layer, awq_scale_layer
+from dabba.quantization.formats import awq_pack, gptq_pack
 from dabba.quantization.gptq import HessianAccumulator, gptq_quantize
+from dabba.quantization.rtn import quantize
 
 # checkpoint names of the shards of each merged layer, in their order
 SHARD_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-class DenseCausalBackend(AttentionBackend):
-    """Attention for calibration: equal-length sequences, causal, no KV cache."""
-
-    def __init__(self, seq_len: int) -> None:
-        self.seq_len = seq_len
-
-    def kv_cache_shape(self, *args) -> tuple[int, ...]:
-        return ()
-
-    def build_metadata(self, common):
-        return None
-
-    def forward(self, q, k, v, kv_cache, metadata, scale):
-        n = q.shape[0] // self.seq_len
-        def split(t):  # [tokens, heads, d] -> [seqs, heads, L, d]
-            return t.view(n, self.seq_len, *t.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(q.shape)
-
-
 @dataclass(frozen=True)
 class QuantizeOptions:
-    method: str = "gptq"  # or "rtn"
+    method: str = "gptq"  # or "rtn", "awq"
     bits: int = 4
     group_size: int = 128
     act_order: bool = False
     num_samples: int = 64  # calibration windows
     seq_len: int = 256
     damp: float = 0.01
+    awq_search_tokens: int = 4096  # rows the AWQ scale grid is evaluated on (whole windows)
 
 
 def calibration_windows(tokenizer: Tokenizer, text: str, num: int, seq_len: int) -> torch.Tensor:
@@ -70,14 +55,70 @@ def calibration_windows(tokenizer: Tokenizer, text: str, num: int, seq_len: int)
     return torch.stack([torch.tensor(ids[s:s + seq_len]) for s in starts])  # [num, seq_len]
 
 
+@dataclass
+class LayerCodes:
+    """One quantized linear, ready to pack: unsigned codes and zero points, as both formats store them."""
+    codes: torch.Tensor  # [out, in] in [0, 2^bits)
+    zeros: torch.Tensor  # [out, groups]
+    scales: torch.Tensor  # [out, groups] (fp16 on disk)
+    g_idx: torch.Tensor  # [in] group of each input channel
+
+    def dequantize(self) -> torch.Tensor:
+        g = self.g_idx.long()
+        return (self.codes - self.zeros[:, g]).float() * self.scales.half().float()[:, g]
+
+
+def quantize_linear(weight: torch.Tensor, hessian: torch.Tensor | None, opts: QuantizeOptions) -> LayerCodes:
+    """GPTQ with the layer's Hessian; RTN (symmetric for the GPTQ format, asymmetric for AWQ's) without one."""
+    if opts.method == "awq":
+        q = quantize(weight, opts.bits, opts.group_size, symmetric=False)
+        g_idx = torch.arange(weight.shape[1], dtype=torch.int32) // opts.group_size
+        return LayerCodes(q.q, q.zero, q.scale, g_idx)
+    H = hessian if hessian is not None else torch.eye(weight.shape[1], dtype=torch.float64)
+    q = gptq_quantize(weight, H, opts.bits, opts.group_size, symmetric=True, damp=opts.damp,
+                      act_order=opts.act_order and hessian is not None)
+    offset = 2 ** (opts.bits - 1)  # GPTQ stores unsigned codes
+    return LayerCodes(q.q + offset, q.zero + offset, q.scale, q.g_idx)
+
+
+def pack_linear(prefix: str, layer: Linear, codes: LayerCodes, opts: QuantizeOptions) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one (possibly merged) linear, split back into its shards."""
+    module = prefix.rsplit(".", 1)
+    shards = SHARD_NAMES.get(module[1], (module[1],))
+    tensors, row = {}, 0
+    for shard, size in zip(shards, layer.output_sizes):
+        rows = slice(row, row + size)
+        if opts.method == "awq":
+            packed = awq_pack(codes.codes[rows], codes.zeros[rows], codes.scales[rows])
+        else:
+            packed = gptq_pack(codes.codes[rows], codes.zeros[rows], codes.scales[rows], codes.g_idx, opts.bits)
+        for key, t in packed.items():
+            tensors[f"{module[0]}.{shard}.{key}"] = t.clone()  # shards share g_idx: one copy each on disk
+        if layer.bias is not None:
+            tensors[f"{module[0]}.{shard}.bias"] = layer.bias.data[rows].half()
+        row += size
+    return tensors
+
+
+def check_options(model_dir: Path, arch: ArchConfig, opts: QuantizeOptions) -> None:
+    if arch.quantization_config:
+        raise ValueError(f"{model_dir} is already quantized")
+    if opts.method not in ("gptq", "rtn", "awq") or opts.bits not in (4, 8):
+        raise ValueError(f"method must be gptq, rtn or awq and bits 4 or 8, got {opts.method}, {opts.bits}")
+    if opts.method == "awq":
+        if opts.bits != 4:
+            raise ValueError("bits: AWQ's gemm format holds 4-bit codes only")
+        widths = {arch.hidden_size, arch.intermediate_size, arch.num_attention_heads * arch.head_dim}
+        if any(w % opts.group_size for w in widths):
+            raise ValueError(f"group_size: AWQ needs every layer width ({sorted(widths)}) to be a multiple of "
+                             f"{opts.group_size}")
+
+
 @torch.inference_mode()
 def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_text: str, opts: QuantizeOptions) -> dict:
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     arch = ArchConfig.from_hf(model_dir)
-    if arch.quantization_config:
-        raise ValueError(f"{model_dir} is already quantized")
-    if opts.method not in ("gptq", "rtn") or opts.bits not in (4, 8):
-        raise ValueError(f"method must be gptq or rtn and bits 4 or 8, got {opts.method}, {opts.bits}")
+    check_options(model_dir, arch, opts)
     model = load_model(model_dir, arch, torch.float32, torch.device("cpu"), max_position=opts.seq_len)
     tokenizer = Tokenizer(model_dir)
     ids = calibration_windows(tokenizer, calibration_text, opts.num_samples, opts.seq_len)
@@ -86,51 +127,59 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
     rope = model.model.rotary.cos_sin(positions, torch.float32)
     hidden, residual = model.model.embed_tokens(ids.flatten()), None
     packed: dict[str, torch.Tensor] = {}
-    for i, layer in enumerate(tqdm(model.model.layers, desc=f"{opts.method} {opts.bits}-bit", unit="layer")):
-        linears = {name: m for name, m in layer.named_modules() if isinstance(m, Linear)}
-        hessians = {name: HessianAccumulator(m.in_features) for name, m in linears.items()}
-        hooks = [m.register_forward_pre_hook(lambda mod, args, h=hessians[name]: h.add(args[0]))
-                 for name, m in linears.items()]
-        with forward_context(backend, None, [None] * len(model.model.layers)):
-            layer(rope, hidden.clone(), None if residual is None else residual.clone())
-        for hook in hooks:
-            hook.remove()
-        for name, m in linears.items():
-            H = hessians[name].H if opts.method == "gptq" else torch.eye(m.in_features, dtype=torch.float64)
-            q = gptq_quantize(m.weight.data, H, opts.bits, opts.group_size, symmetric=True,
-                              damp=opts.damp, act_order=opts.act_order and opts.method == "gptq")
-            codes, zeros = q.q + 2 ** (opts.bits - 1), q.zero + 2 ** (opts.bits - 1)  # unsigned, as GPTQ stores
-            m.weight.data.copy_((codes - zeros[:, q.g_idx.long()]).float() * q.scale.half().float()[:, q.g_idx.long()])
-            module = name.rsplit(".", 1)
-            shards = SHARD_NAMES.get(module[-1], (module[-1],))
-            row = 0
-            for shard, size in zip(shards, m.output_sizes):
-                prefix = f"model.layers.{i}.{module[0]}.{shard}" if len(module) > 1 else f"model.layers.{i}.{shard}"
-                rows = slice(row, row + size)
-                for key, t in gptq_pack(codes[rows], zeros[rows], q.scale[rows], q.g_idx, opts.bits).items():
-                    packed[f"{prefix}.{key}"] = t.clone()  # shards share g_idx: one copy each on disk
-                if m.bias is not None:
-                    packed[f"{prefix}.bias"] = m.bias.data[rows].half()
-                row += size
-        with forward_context(backend, None, [None] * len(model.model.layers)):  # quantized layer -> next inputs
-            hidden, residual = layer(rope, hidden, residual)
+    changed: dict[str, torch.Tensor] = {}  # AWQ folds its scales into the norms
+    with forward_context(backend, None, [None] * len(model.model.layers)):
+        for i, layer in enumerate(tqdm(model.model.layers, desc=f"{opts.method} {opts.bits}-bit", unit="layer")):
+            linears = {name: m for name, m in layer.named_modules() if isinstance(m, Linear)}
+            hessians = {name: HessianAccumulator(m.in_features) for name, m in linears.items()
+                        if opts.method == "gptq"}
+            inputs: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
 
-    # everything that is not a quantized linear is copied as it is in the source checkpoint
+            def record(name: str, x: torch.Tensor) -> None:
+                if opts.method == "gptq":
+                    hessians[name].add(x)
+                elif opts.method == "awq":
+                    inputs[name].append(x.clone())
+            hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: record(name, args[0]))
+                     for name, m in linears.items()]
+            layer(rope, hidden.clone(), None if residual is None else residual.clone())
+            for hook in hooks:
+                hook.remove()
+            if opts.method == "awq":
+                search_tokens = max(1, opts.awq_search_tokens // opts.seq_len) * opts.seq_len
+                captured = {k: torch.cat(v) for k, v in inputs.items()}
+                awq_scale_layer(layer, captured, rope, opts.bits, opts.group_size, search_tokens)
+                awq_clip_layer(layer, captured, opts.bits, opts.group_size)
+                for norm in ("input_layernorm", "post_attention_layernorm"):
+                    changed[f"model.layers.{i}.{norm}.weight"] = getattr(layer, norm).weight.data
+            for name, m in linears.items():
+                hessian = hessians[name].H if name in hessians else None
+                codes = quantize_linear(m.weight.data, hessian, opts)
+                m.weight.data.copy_(codes.dequantize())
+                packed.update(pack_linear(f"model.layers.{i}.{name}", m, codes, opts))
+            hidden, residual = layer(rope, hidden, residual)  # the quantized layer feeds the next one
+
+    # everything else is copied from the source checkpoint (AWQ's scaled norms in the source dtype)
     quantized_prefixes = {k.rsplit(".", 1)[0] for k in packed}
     for file in find_weight_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if name.rsplit(".", 1)[0] not in quantized_prefixes:
-                    packed[name] = f.get_tensor(name)
+                    t = f.get_tensor(name)
+                    packed[name] = changed[name].to(t.dtype) if name in changed else t
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(packed, out_dir / "model.safetensors", metadata={"format": "pt"})
     for f in model_dir.iterdir():
         if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".jinja", ".txt", ".model"):
             shutil.copy(f, out_dir / f.name)
     config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": opts.bits, "group_size": opts.group_size,
-                                     "desc_act": opts.act_order and opts.method == "gptq", "sym": True,
-                                     "checkpoint_format": "gptq", "damp_percent": opts.damp,
-                                     "dabba_method": opts.method}
+    if opts.method == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": opts.group_size, "zero_point": True,
+              "version": "gemm", "modules_to_not_convert": None}
+    else:
+        qc = {"quant_method": "gptq", "bits": opts.bits, "group_size": opts.group_size,
+              "desc_act": opts.act_order and opts.method == "gptq", "sym": True, "checkpoint_format": "gptq",
+              "damp_percent": opts.damp, "dabba_method": opts.method}
+    config["quantization_config"] = qc
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    return config["quantization_config"]
+    return qc

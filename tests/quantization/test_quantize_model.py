@@ -26,13 +26,11 @@ def test_tiny_checkpoint_round_trip(checkpoints, tmp_path, capsys) -> None:
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-def test_gptq_is_closer_to_full_precision_than_rtn_on_the_demo_model(tmp_path) -> None:
-    for method in ("gptq", "rtn"):
-        assert main(["quantize", DEMO_MODEL, str(tmp_path / method), "--method", method]) == 0
+def test_gptq_is_closer_to_full_precision_than_rtn_on_the_demo_model(demo_quantized) -> None:
     text = Path(DEMO_MODEL, "heldout.txt").read_text()  # ~83k tokens: differences of 0.1% are signal
     base = perplexity(LLM(DEMO_MODEL), text, 256, 128).perplexity
-    gptq = perplexity(LLM(str(tmp_path / "gptq")), text, 256, 128).perplexity
-    rtn = perplexity(LLM(str(tmp_path / "rtn")), text, 256, 128).perplexity
+    gptq = perplexity(LLM(str(demo_quantized["gptq"])), text, 256, 128).perplexity
+    rtn = perplexity(LLM(str(demo_quantized["rtn"])), text, 256, 128).perplexity
     assert base < gptq < rtn, (base, gptq, rtn)
     assert (gptq - base) < 0.6 * (rtn - base), (base, gptq, rtn)
 
