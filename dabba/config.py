@@ -74,8 +74,12 @@ class CacheConfig:
         "Bytes for the KV cache; default: 30% of free RAM up to 4 GiB (80% of free GPU memory), "
         "capped at what max_num_seqs full-length sequences need. Accepts sizes such as 4GiB.", None, parse=parse_bytes)
     enable_prefix_caching: bool = _help("Share KV blocks of equal prompt prefixes between requests.", True)
+    kv_cache_dtype: str = _help('KV-cache element type: "auto" (the model\'s dtype), "int8" or "fp8" (float8_e4m3fn), '
+                                'both with a scale per token and KV head.', "auto")
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(f'kv_cache_dtype must be "auto", "int8" or "fp8", got {self.kv_cache_dtype!r}')
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -73,9 +73,11 @@ def test_greedy_with_chunked_prefill(checkpoint: Checkpoint, prefix_caching: boo
 
 
 def _bytes_per_block(path) -> int:
+    from dabba.attention.kv_quant import kv_bytes_per_token
     from dabba.models.config import ArchConfig
 
-    return ArchConfig.from_hf(path).kv_bytes_per_token(4) * 16  # float32, block_size 16
+    arch = ArchConfig.from_hf(path)  # float32, block_size 16
+    return 16 * kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, "auto", torch.float32)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])

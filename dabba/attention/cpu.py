@@ -18,15 +18,18 @@ MATMUL_PREFILL_MAX_SCORES = 8 * 2**20
 
 
 class CpuBackend(TorchRefBackend):
+    """Full-precision caches only: an 8-bit cache runs on the reference backend (selector.py)."""
+
     def split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         return kv_cache[0].view(num_kv_heads, num_blocks, head_dim, block_size), kv_cache[1]
 
-    def write_kv(self, key_cache, value_cache, k, v, metadata: TorchRefMetadata) -> None:
+    def write_kv(self, key_cache, value_cache, k, v, metadata: TorchRefMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         num_kv_heads, _, block_size, head_dim = value_cache.shape
         slots = metadata.slot_mapping
         key_cache.permute(0, 1, 3, 2)[:, slots // block_size, slots % block_size] = k.transpose(0, 1)
         value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+        return k, v
 
     def gather_context(self, key_cache, value_cache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return key_cache.index_select(1, block_ids).transpose(2, 3), value_cache.index_select(1, block_ids)

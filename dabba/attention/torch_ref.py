@@ -9,6 +9,11 @@ bf16 for a single query row.
 Cache layout per layer: [2 (k|v), num_kv_heads, num_blocks, block_size, head_dim]. Heads lead so
 that gathering a request's blocks yields contiguous [num_kv_heads, batch, context, head_dim]
 operands for the matmuls, without a transposing copy.
+
+With an 8-bit cache (kv_quant.py) a layer's cache is a pair: the codes in that layout and their
+scales [2, num_kv_heads, num_blocks, block_size]. Only the blocks a step reads are gathered and
+dequantized, and this step's fresh keys and values are attended as they were stored (quantized
+and restored), so a result does not depend on whether its context came from the cache.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dabba.attention.backend import AttentionBackend, CommonAttentionMetadata
+from dabba.attention.kv_quant import KVQuant
 
 
 @dataclass
@@ -41,6 +47,9 @@ class TorchRefMetadata:
 
 
 class TorchRefBackend(AttentionBackend):
+    def __init__(self, kv_quant: KVQuant | None = None) -> None:
+        self.kv_quant = kv_quant
+
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
@@ -75,23 +84,40 @@ class TorchRefBackend(AttentionBackend):
                                 prefills)
 
     # ---- layout-specific pieces (a backend with another cache layout overrides these) ----
-    def split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def split_cache(self, kv_cache):
+        if self.kv_quant is not None:  # (codes, scales) -> (key codes, key scales), (value codes, value scales)
+            codes, scales = kv_cache
+            return (codes[0], scales[0]), (codes[1], scales[1])
         return kv_cache[0], kv_cache[1]  # each [kv_heads, num_blocks, block_size, d]
 
-    def write_kv(self, key_cache, value_cache, k, v, metadata: TorchRefMetadata) -> None:
-        num_kv_heads, _, _, head_dim = key_cache.shape
-        key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, metadata.slot_mapping, k.transpose(0, 1))
-        value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, metadata.slot_mapping, v.transpose(0, 1))
+    def write_kv(self, key_cache, value_cache, k, v, metadata: TorchRefMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k/v [num_tokens, kv_heads, d] at their slots; returns them as
+        attention must see them (restored from 8 bits when the cache is quantized)."""
+        slots = metadata.slot_mapping
+        if self.kv_quant is None:
+            for cache, x in ((key_cache, k), (value_cache, v)):
+                cache.view(x.shape[1], -1, x.shape[2]).index_copy_(1, slots, x.transpose(0, 1))
+            return k, v
+        restored = []
+        for (codes, scales), x in ((key_cache, k), (value_cache, v)):
+            q, scale = self.kv_quant.quantize(x)
+            codes.view(x.shape[1], -1, x.shape[2]).index_copy_(1, slots, q.transpose(0, 1))
+            scales.view(x.shape[1], -1).index_copy_(1, slots, scale.T)
+            restored.append(self.kv_quant.dequantize(q, scale))
+        return restored[0], restored[1]
 
     def gather_context(self, key_cache, value_cache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks in table order -> [kv_heads, len(block_ids), block_size, d] keys and values."""
-        return key_cache.index_select(1, block_ids), value_cache.index_select(1, block_ids)
+        if self.kv_quant is None:
+            return key_cache.index_select(1, block_ids), value_cache.index_select(1, block_ids)
+        return tuple(self.kv_quant.dequantize(codes.index_select(1, block_ids), scales.index_select(1, block_ids))
+                     for codes, scales in (key_cache, value_cache))
 
     def decode(self, q, key_cache, value_cache, metadata: TorchRefMetadata, scale: float) -> torch.Tensor:
         """Batched over decodes: [num_decodes, heads, d] -> [num_decodes, heads, d]."""
         num_decodes, num_blocks = metadata.decode_block_table.shape
-        num_kv_heads, head_dim = value_cache.shape[0], value_cache.shape[-1]
         kd, vd = self.gather_context(key_cache, value_cache, metadata.decode_block_table.flatten())
+        num_kv_heads, head_dim = kd.shape[0], kd.shape[-1]
         # [kv_heads, num_decodes, max_blocks * block_size, d]
         kd = kd.view(num_kv_heads, num_decodes, -1, head_dim)
         vd = vd.view(num_kv_heads, num_decodes, -1, head_dim)
@@ -113,9 +139,9 @@ class TorchRefBackend(AttentionBackend):
     # ---- the step -------------------------------------------------------------------------
     def forward(self, q, k, v, kv_cache, metadata: TorchRefMetadata, scale: float) -> torch.Tensor:
         key_cache, value_cache = self.split_cache(kv_cache)
-        num_kv_heads, head_dim = value_cache.shape[0], value_cache.shape[-1]
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
         # Write first: a request may read blocks another request fills in this same step.
-        self.write_kv(key_cache, value_cache, k, v, metadata)
+        k, v = self.write_kv(key_cache, value_cache, k, v, metadata)
         out = torch.empty_like(q)
 
         if metadata.decode_token_idx is not None:

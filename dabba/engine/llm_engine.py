@@ -79,11 +79,11 @@ class LLMEngine:
                              f"({self.arch.quantization_config.get('quant_method')})")
         quant_config = (QuantConfig.from_checkpoint(self.arch.quantization_config) if self.arch.quantization_config
                         else QuantConfig(mc.quantization) if mc.quantization else None)
+        cc = config.cache_config
         self.model_runner = ModelRunner(
             str(model_dir), self.arch, resolve_dtype(mc.dtype, self.arch.torch_dtype), resolve_device(mc.device),
-            self.max_model_len, mc.seed, mc.attention_backend, quant_config,
+            self.max_model_len, mc.seed, mc.attention_backend, quant_config, cc.kv_cache_dtype,
         )
-        cc = config.cache_config
         self.cache_layout = self.model_runner.initialize_kv_cache(cc, config.scheduler_config.max_num_seqs)
         self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.max_model_len)

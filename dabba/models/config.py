@@ -121,7 +121,3 @@ class ArchConfig:
             eos_token_ids=eos_ids,
             quantization_config=quantization or None,
         )
-
-    def kv_bytes_per_token(self, dtype_size: int) -> int:
-        """K and V, every layer: 2 * L * n_kv_heads * head_dim * p."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_size

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from dabba.attention.backend import forward_context
+from dabba.attention.kv_quant import SCALE_DTYPE, kv_bytes_per_token, make_kv_quant
 from dabba.attention.selector import get_attention_backend
 from dabba.config import CacheConfig
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -40,14 +41,16 @@ class CacheLayout:
 class ModelRunner:
     def __init__(self, model_dir: str, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
                  max_model_len: int, seed: int, attention_backend: str = "auto",
-                 quant_config: QuantConfig | None = None) -> None:
+                 quant_config: QuantConfig | None = None, kv_cache_dtype: str = "auto") -> None:
         self.arch = arch
         self.dtype = dtype
         self.device = device
         self.max_model_len = max_model_len
         start = time.perf_counter()
         self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len, quant_config=quant_config)
-        self.backend = get_attention_backend(attention_backend, device)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_quant = make_kv_quant(kv_cache_dtype, dtype)
+        self.backend = get_attention_backend(attention_backend, device, self.kv_quant)
         # parameters plus quantized weight buffers; RoPE tables are not weights
         tensors = [*self.model.parameters(), *(b for n, b in self.model.named_buffers() if "rotary" not in n)]
         self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -57,12 +60,14 @@ class ModelRunner:
                     type(self.backend).__name__)
         self.sampler = Sampler(device, seed)
         self.requests = RequestStates()
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list = []  # per layer: a tensor, or (codes, scales) for an 8-bit cache
         self.layout: CacheLayout | None = None
 
     def initialize_kv_cache(self, cache_config: CacheConfig, max_num_seqs: int) -> CacheLayout:
         bs = cache_config.block_size
-        bytes_per_block = self.arch.kv_bytes_per_token(self.dtype.itemsize) * bs
+        arch = self.arch
+        bytes_per_block = bs * kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
+                                                  self.kv_cache_dtype, self.dtype)
         budget = cache_config.kv_cache_memory
         if budget is None:
             blocks_per_seq = -(-self.max_model_len // bs)
@@ -71,11 +76,17 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes is less than one KV block ({bytes_per_block} bytes)")
         shape = self.backend.kv_cache_shape(num_blocks, bs, self.arch.num_key_value_heads, self.arch.head_dim)
-        self.kv_caches = allocate_kv_cache(shape, self.arch.num_hidden_layers, self.dtype, self.device)
+        if self.kv_quant is None:
+            self.kv_caches = allocate_kv_cache(shape, arch.num_hidden_layers, self.dtype, self.device)
+        else:
+            codes = allocate_kv_cache(shape, arch.num_hidden_layers, self.kv_quant.storage_dtype, self.device)
+            scales = allocate_kv_cache(shape[:-1], arch.num_hidden_layers, SCALE_DTYPE, self.device)
+            self.kv_caches = list(zip(codes, scales))
         self.layout = CacheLayout(num_blocks, bs, bytes_per_block, budget)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB); holds %.2f concurrent sequences of max_model_len=%d",
-            num_blocks, bs, num_blocks * bytes_per_block / 2**20, num_blocks * bs / self.max_model_len, self.max_model_len,
+            "KV cache (%s): %d blocks of %d tokens (%.1f MiB); holds %.2f concurrent sequences of max_model_len=%d",
+            self.kv_cache_dtype, num_blocks, bs, num_blocks * bytes_per_block / 2**20,
+            num_blocks * bs / self.max_model_len, self.max_model_len,
         )
         return self.layout
 
