@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from dabba.config import DEMO_MODEL, EngineConfig
+from dabba.config import DEMO_MODEL, EngineConfig, parse_bytes
 
 _SCALARS = {"int": int, "float": float, "str": str}
 
@@ -122,6 +122,16 @@ def cmd_eval_kl_divergence(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dabba.planner import plan
+
+    kv_memory = None if args.memory is not None and args.kv_cache_memory is None else (args.kv_cache_memory or 4 * 2**30)
+    result = plan(args.model, kv_memory, args.max_model_len, args.quantization, args.kv_cache_dtype, args.dtype,
+                  args.block_size, total_memory=args.memory)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -184,6 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
     kld.add_argument("--dtype", default="auto", help='"auto" (the reference\'s), "bfloat16", "float16", "float32"')
     kld.add_argument("--max-length", type=int, default=256, help="tokens per window (default: 256)")
     kld.add_argument("--max-windows", type=int, default=64, help="non-overlapping windows to score (default: 64)")
+
+    pl = _model_command(sub, "plan", "weights and KV-cache memory, and how many sequences fit, for each weight "
+                        "quantization and KV-cache dtype (loads no weights)", cmd_plan)
+    pl.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV-cache budget (default: 4GiB)")
+    pl.add_argument("--memory", type=parse_bytes, default=None,
+                    help="instead: memory for weights and KV cache together; the KV cache gets the rest")
+    pl.add_argument("--max-model-len", type=int, default=None, help="sequence length (default: the model's limit)")
+    pl.add_argument("--quantization", choices=["none", "int8", "int4"], default=None,
+                    help="only this weight quantization")
+    pl.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default=None, help="only this KV dtype")
+    pl.add_argument("--dtype", default="auto", help='"auto" (config.json\'s), "bfloat16", "float16", "float32"')
+    pl.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    pl.add_argument("--json", action="store_true", help="print JSON")
 
     qz = sub.add_parser("quantize", help="quantize a checkpoint: GPTQ or round-to-nearest (saved in "
                         "GPTQ's layout), AWQ (saved in AutoAWQ's gemm layout)")

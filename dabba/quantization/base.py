@@ -23,6 +23,11 @@ class LinearMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
 
+    def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
+        """Bytes of the weight once process_weights_after_loading ran (bias excluded): what the
+        memory planner counts without loading anything."""
+        return layer.out_features * layer.in_features * dtype.itemsize
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
@@ -79,7 +84,9 @@ class QuantConfig:
             from dabba.quantization.gptq_format import AWQLinearMethod, GPTQLinearMethod
 
             group_size = self.group_size if self.group_size > 0 else layer.in_features
-            return GPTQLinearMethod(self.bits, group_size) if self.method == "gptq" else AWQLinearMethod(group_size)
+            if self.method == "gptq":
+                return GPTQLinearMethod(self.bits, group_size, self.desc_act)
+            return AWQLinearMethod(group_size)
 
         if self.method == "int8":
             return Int8RTNMethod()

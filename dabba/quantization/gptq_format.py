@@ -14,12 +14,12 @@ from torch import nn
 
 from dabba.quantization.base import LinearMethod
 from dabba.quantization.formats import awq_unpack, gptq_unpack
-from dabba.quantization.rtn import int4_matmul_cpu, register_int4_for_cpu
+from dabba.quantization.rtn import int4_bytes, int4_matmul_cpu, register_int4_for_cpu
 
 
 class GPTQLinearMethod(LinearMethod):
-    def __init__(self, bits: int, group_size: int) -> None:
-        self.bits, self.group_size = bits, group_size
+    def __init__(self, bits: int, group_size: int, desc_act: bool = False) -> None:
+        self.bits, self.group_size, self.desc_act = bits, group_size, desc_act
         self.packed = False
 
     def create_weights(self, layer: nn.Module) -> None:
@@ -48,6 +48,13 @@ class GPTQLinearMethod(LinearMethod):
         else:
             weight = (codes - zeros[:, g_idx.long()]).float() * scales[:, g_idx.long()]
             layer.register_buffer("weight", weight.to(dtype), persistent=False)
+
+    def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
+        """Assumes contiguous groups unless the checkpoint says act-order (desc_act), whose layers
+        are dequantized."""
+        if self.bits == 4 and not self.desc_act and device_type == "cpu":
+            return int4_bytes(layer.out_features, layer.in_features, self.group_size, dtype, device_type)
+        return layer.out_features * layer.in_features * dtype.itemsize
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.packed:
@@ -83,6 +90,11 @@ class AWQLinearMethod(LinearMethod):
         else:
             g = torch.arange(layer.in_features, device=codes.device) // self.group_size
             layer.register_buffer("weight", ((codes - zeros[:, g]).float() * scales[:, g]).to(dtype), persistent=False)
+
+    def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
+        if device_type == "cpu":
+            return int4_bytes(layer.out_features, layer.in_features, self.group_size, dtype, device_type)
+        return layer.out_features * layer.in_features * dtype.itemsize
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.device.type != "cpu":

@@ -61,6 +61,15 @@ def register_int4_for_cpu(layer: nn.Module, codes: torch.Tensor, scale: torch.Te
     layer.register_buffer("scales_and_zeros", scale_zero.transpose(0, 1).contiguous().to(dtype), persistent=False)
 
 
+def int4_bytes(out: int, k: int, group_size: int, dtype: torch.dtype, device_type: str) -> int:
+    """CPU: tinygemm's [out, in / 2] bytes plus (scale, zero) pairs per group in ``dtype``;
+    elsewhere one byte per code plus a scale in ``dtype`` and a byte zero per group."""
+    groups = k // group_size
+    if device_type == "cpu":
+        return out * k // 2 + groups * out * 2 * dtype.itemsize
+    return out * k + groups * out * (dtype.itemsize + 1)
+
+
 def int4_matmul_cpu(layer: nn.Module, x: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
     shape = x.shape
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), layer.qweight, group_size,
@@ -84,6 +93,9 @@ class Int8RTNMethod(LinearMethod):
         _drop_weight(layer)
         layer.register_buffer("qweight", qw.q.to(torch.int8), persistent=False)  # [out, in]
         layer.register_buffer("scales", qw.scale[:, 0].to(w.dtype), persistent=False)  # [out]
+
+    def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
+        return layer.out_features * layer.in_features + layer.out_features * dtype.itemsize
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
@@ -113,6 +125,9 @@ class Int4RTNMethod(LinearMethod):
             layer.register_buffer("qweight", qw.q.to(torch.uint8), persistent=False)
             layer.register_buffer("scales", qw.scale.to(w.dtype), persistent=False)
             layer.register_buffer("zeros", qw.zero.to(torch.uint8), persistent=False)
+
+    def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
+        return int4_bytes(layer.out_features, layer.in_features, self.group_size, dtype, device_type)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.device.type == "cpu":

@@ -1,0 +1,140 @@
+"""`dabba plan`: what a model's weights and KV cache take, and how many sequences fit, for each
+combination of weight quantization and KV-cache dtype, without loading a weight.
+
+    KV bytes = 2 (K and V) * B (sequences) * S (tokens each) * L * n_kv_heads * head_dim * p
+
+plus, for 8-bit caches, a 4-byte scale per token, layer, K/V and KV head. The figures are the
+engine's own arithmetic (kv_bytes_per_token, each linear method's packed_bytes, the same block
+rounding), so they equal what the engine allocates; tests hold them to it.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from dabba.attention.kv_quant import KV_CACHE_DTYPES, kv_bytes_per_token
+from dabba.engine.llm_engine import resolve_dtype, resolve_max_model_len
+from dabba.layers.linear import Linear
+from dabba.models.config import ArchConfig
+from dabba.models.registry import get_model_class
+from dabba.quantization.base import QuantConfig
+
+WEIGHT_QUANTIZATIONS = (None, "int8", "int4")
+
+
+@dataclass
+class PlanRow:
+    quantization: str  # "none", "int8", "int4", or the checkpoint's own ("gptq", "awq")
+    kv_cache_dtype: str
+    weights_bytes: int
+    kv_cache_memory: int  # the budget, or with total_memory what the weights leave of it
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    num_blocks: int  # in kv_cache_memory
+    max_sequences: int  # of max_model_len tokens each, all in the cache at once
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    p: int  # bytes per KV element at kv_cache_dtype "auto"
+    formula: str
+    kv_cache_memory: int | None
+    total_memory: int | None
+    max_model_len: int
+    block_size: int
+    rows: list[PlanRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def render(self) -> str:
+        mib = 2**20
+        lines = [
+            f"{self.model}: L={self.num_layers} layers, n_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"dtype {self.dtype} (p={self.p})",
+            f"KV bytes = {self.formula}",
+            (f"KV cache memory {self.kv_cache_memory / mib:.1f} MiB" if self.total_memory is None else
+             f"{self.total_memory / mib:.1f} MiB in all, the KV cache gets what the weights leave")
+            + f"; blocks of {self.block_size} tokens, sequences of max_model_len={self.max_model_len} tokens",
+            "",
+            f"{'weights':>8} {'kv dtype':>8} {'weights MiB':>12} {'KV MiB':>9} {'KV B/token':>11} {'KV B/block':>11} "
+            f"{'blocks':>8} {'sequences':>10}",
+        ]
+        for r in self.rows:
+            lines.append(f"{r.quantization:>8} {r.kv_cache_dtype:>8} {r.weights_bytes / mib:>12.1f} "
+                         f"{r.kv_cache_memory / mib:>9.1f} {r.kv_bytes_per_token:>11} {r.kv_bytes_per_block:>11} "
+                         f"{r.num_blocks:>8} {r.max_sequences:>10}")
+        return "\n".join(lines)
+
+
+def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None,
+                  device_type: str = "cpu") -> int:
+    """The model built on the meta device (no memory, no loading): every parameter at ``dtype``
+    except each linear's weight, counted as its method packs it."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = get_model_class(arch.architecture)(arch, 16, quant_config)
+    finally:
+        torch.set_default_dtype(previous)
+    total, seen = 0, set()  # a tied LM head shares the embedding's tensor
+    for module in model.modules():
+        if isinstance(module, Linear):
+            total += module.quant_method.packed_bytes(module, dtype, device_type)
+            if module.bias is not None:
+                total += module.bias.numel() * dtype.itemsize
+            continue
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                total += param.numel() * dtype.itemsize
+    return total
+
+
+def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_len: int | None = None,
+         quantization: str | None = None, kv_cache_dtype: str | None = None, dtype: str = "auto",
+         block_size: int = 16, device_type: str = "cpu", total_memory: int | None = None) -> MemoryPlan:
+    """Every combination, or only the given ``quantization`` ("none" for unquantized weights) /
+    ``kv_cache_dtype``. With
+    ``total_memory`` the KV cache gets what each row's weights leave of it (as on a GPU of that
+    size), so smaller weights mean more sequences."""
+    if (kv_cache_memory is None) == (total_memory is None):
+        raise ValueError("give exactly one of kv_cache_memory and total_memory")
+    arch = ArchConfig.from_hf(model)
+    torch_dtype = resolve_dtype(dtype, arch.torch_dtype)
+    max_len = resolve_max_model_len(max_model_len, arch)
+    if arch.quantization_config:
+        if quantization:
+            raise ValueError(f"quantization={quantization!r}: this checkpoint is already quantized")
+        checkpoint_quant = QuantConfig.from_checkpoint(arch.quantization_config)
+        weight_options = [(checkpoint_quant.method, checkpoint_quant)]
+    else:
+        if quantization not in WEIGHT_QUANTIZATIONS + ("none",):
+            raise ValueError(f"quantization must be 'none', 'int8', 'int4' or None (all), got {quantization!r}")
+        chosen = WEIGHT_QUANTIZATIONS if quantization is None else [None if quantization == "none" else quantization]
+        weight_options = [(q or "none", QuantConfig(q) if q else None) for q in chosen]
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    L, H, d, p = arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, torch_dtype.itemsize
+    result = MemoryPlan(str(model), L, H, d, str(torch_dtype).removeprefix("torch."), p,
+                        f"2 · B · S · L · n_kv_heads · head_dim · p = 2 · B · S · {L} · {H} · {d} · {p} "
+                        f"= {2 * L * H * d * p} · B · S bytes", kv_cache_memory, total_memory, max_len, block_size)
+    blocks_per_seq = -(-max_len // block_size)
+    for name, qc in weight_options:
+        w_bytes = weights_bytes(arch, torch_dtype, qc, device_type)
+        for kv in [kv_cache_dtype] if kv_cache_dtype else KV_CACHE_DTYPES:
+            per_token = kv_bytes_per_token(L, H, d, kv, torch_dtype)
+            per_block = per_token * block_size
+            budget = kv_cache_memory if total_memory is None else max(total_memory - w_bytes, 0)
+            num_blocks = budget // per_block
+            result.rows.append(PlanRow(name, kv, w_bytes, budget, per_token, per_block, num_blocks,
+                                       num_blocks // blocks_per_seq))
+    return result

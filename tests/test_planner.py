@@ -1,0 +1,90 @@
+"""`dabba plan`: the arithmetic against hand-computed values, and against what the engine allocates."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dabba import LLM
+from dabba.config import DEMO_MODEL
+from dabba.entrypoints.cli import main
+from dabba.planner import plan
+
+SMOLLM = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+          "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+          "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+          "rope_theta": 100000.0}
+
+
+def test_smollm_shape_by_hand(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM))  # the planner needs no weights
+    p = plan(tmp_path, kv_cache_memory=2**30, max_model_len=2048)
+    assert (p.num_layers, p.num_kv_heads, p.head_dim, p.p) == (30, 3, 64, 2)
+    rows = {(r.quantization, r.kv_cache_dtype): r for r in p.rows}
+    assert len(rows) == 9
+    bf16 = rows["none", "auto"]
+    assert bf16.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23040
+    assert bf16.kv_bytes_per_block == 23040 * 16
+    assert bf16.num_blocks == 2**30 // 368640 == 2912
+    assert bf16.max_sequences == 2912 // (2048 // 16) == 22
+    int8_kv = rows["none", "int8"]
+    assert int8_kv.kv_bytes_per_token == 2 * 30 * 3 * (64 * 1 + 4) == 12240  # codes plus a float32 scale per head
+    assert int8_kv.num_blocks == 2**30 // (12240 * 16) == 5482 and int8_kv.max_sequences == 42
+    # weights: tied embedding, per layer q/k/v/o, gate/up/down and two norms, a final norm; 2 bytes each
+    per_layer = 576 * (576 + 192 + 192) + 576 * 576 + 576 * 2 * 1536 + 1536 * 576 + 2 * 576
+    assert bf16.weights_bytes == 2 * (49152 * 576 + 30 * per_layer + 576)
+    # INT8: one byte per linear weight plus a bf16 scale per output row
+    linear_outs = 576 + 192 + 192 + 576 + 2 * 1536 + 576
+    linear_weights = per_layer - 2 * 576
+    assert rows["int8", "auto"].weights_bytes == 2 * (49152 * 576 + 30 * 2 * 576 + 576) + 30 * (
+        linear_weights + 2 * linear_outs)
+    # INT4: half a byte per weight, a bf16 (scale, zero) per group of 64 (576 is not a multiple of 128), 128 for down
+    groups = (576 // 64) * (576 + 192 + 192 + 576 + 2 * 1536) + (1536 // 128) * 576
+    assert rows["int4", "auto"].weights_bytes == 2 * (49152 * 576 + 30 * 2 * 576 + 576) + 30 * (
+        linear_weights // 2 + groups * 2 * 2)
+
+
+def test_demo_shape_by_hand_with_a_total_budget() -> None:
+    p = plan(DEMO_MODEL, kv_cache_memory=None, total_memory=64 * 2**20, kv_cache_dtype="fp8")
+    assert p.formula.startswith("2 · B · S · L · n_kv_heads · head_dim · p = 2 · B · S · 6 · 2 · 64 · 2 = 3072")
+    for row in p.rows:
+        assert row.kv_bytes_per_token == 2 * 6 * 2 * 68
+        assert row.kv_cache_memory == 64 * 2**20 - row.weights_bytes
+        assert row.num_blocks == row.kv_cache_memory // (16 * 1632)
+        assert row.max_sequences == row.num_blocks // (512 // 16)
+    assert [r.max_sequences for r in p.rows] == sorted(r.max_sequences for r in p.rows)  # smaller weights, more room
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_plan_equals_what_the_engine_allocates(quantization, kv_cache_dtype) -> None:
+    budget = 48 * 2**20 + 12345
+    row, = plan(DEMO_MODEL, budget, quantization=quantization or "none", kv_cache_dtype=kv_cache_dtype).rows
+    engine = LLM(DEMO_MODEL, quantization=quantization, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=budget).llm_engine
+    assert row.weights_bytes == engine.model_runner.weight_bytes
+    assert row.num_blocks == engine.cache_layout.num_blocks
+    assert row.kv_bytes_per_block == engine.cache_layout.bytes_per_block
+    allocated = sum(sum(t.nbytes for t in (c if isinstance(c, tuple) else (c,))) for c in engine.model_runner.kv_caches)
+    assert allocated == row.num_blocks * row.kv_bytes_per_block
+
+
+def test_plan_of_prequantized_checkpoints(checkpoints, tmp_path) -> None:
+    ckpt = checkpoints["qwen2"]  # q/k/v biases
+    calib = tmp_path / "calib.txt"
+    calib.write_text(open(f"{DEMO_MODEL}/calibration.txt").read()[:30_000])
+    for method, flags in (("gptq", []), ("gptq", ["--act-order"]), ("awq", [])):
+        out = tmp_path / f"{method}{len(flags)}"
+        assert main(["quantize", str(ckpt.path), str(out), "--method", method, "--group-size", "32", "--calibration",
+                     str(calib), "--num-samples", "4", "--seq-len", "64", *flags]) == 0
+        row, = plan(out, 2**20, kv_cache_dtype="auto", dtype="float32").rows
+        assert row.quantization == method
+        assert row.weights_bytes == LLM(str(out), dtype="float32", kv_cache_memory=2**20).llm_engine.model_runner.weight_bytes
+
+
+def test_plan_cli(capsys) -> None:
+    assert main(["plan", DEMO_MODEL, "--kv-cache-memory", "1GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_cache_memory"] == 2**30 and len(out["rows"]) == 9
+    assert main(["plan", DEMO_MODEL, "--quantization", "int4", "--kv-cache-dtype", "int8"]) == 0
+    text = capsys.readouterr().out
+    assert "2 · B · S · 6 · 2 · 64 · 2" in text and "int4" in text
