@@ -193,3 +193,25 @@ def test_bad_engine_options(llama, kwargs, message) -> None:
 def test_bad_sampling_params(kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_get_stats_counts_a_shared_prefix_once(checkpoints) -> None:
+    llm = LLM(str(checkpoints["llama"].path), dtype="float32")
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prefix = list(range(10, 58))  # 3 full blocks of 16
+    engine.add_request("a", {"prompt_token_ids": prefix + [1, 2, 3]}, params)
+    engine.step()  # a: 51 prompt tokens computed
+    engine.add_request("b", {"prompt_token_ids": prefix + [4, 5]}, params)
+    engine.step()  # b reuses a's 3 prefix blocks and computes 2 tokens; a decodes one
+    stats = llm.get_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (2, 0)
+    assert stats.kv_blocks_used == 3 + 1 + 1  # shared prefix, then a tail block each
+    assert stats.kv_slots_allocated == 5 * 16
+    assert stats.kv_tokens_stored == 48 + 4 + 2
+    assert stats.kv_slot_utilization == 54 / 80
+    assert stats.prefix_cache_hit_tokens == 48 and stats.prefix_cache_hit_rate == 48 / (51 + 50)
+    assert stats.kv_cache_usage == 5 / stats.kv_blocks_total
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.get_stats().kv_tokens_stored == 0 and llm.get_stats().num_running_reqs == 0

@@ -41,6 +41,16 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    def filled_slots(self, num_computed_tokens: dict[str, int]) -> int:
+        """Slots of in-use blocks that hold a computed token; a block shared by several requests
+        (a cached prefix) is counted once, as it is stored once."""
+        bs, filled = self.block_size, {}
+        for request_id, blocks in self.req_to_blocks.items():
+            n = num_computed_tokens.get(request_id, 0)
+            for i, block in enumerate(blocks[: -(-n // bs)]):
+                filled[block.block_id] = max(filled.get(block.block_id, 0), min(bs, n - i * bs))
+        return sum(filled.values())
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 

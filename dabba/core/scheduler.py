@@ -19,11 +19,24 @@ from dabba.core.request import Request, RequestStatus
 
 @dataclass
 class SchedulerStats:
+    """A snapshot of the batch and the KV cache (``LLM.get_stats()``, ``/metrics``)."""
+
     num_running_reqs: int
     num_waiting_reqs: int
-    kv_cache_usage: float
-    prefix_cache_hit_rate: float
+    kv_cache_usage: float  # blocks in use / blocks
+    prefix_cache_hit_rate: float  # prompt tokens found in the cache / prompt tokens looked up
     num_preemptions: int
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_slots_allocated: int = 0  # token slots of the blocks in use
+    kv_tokens_stored: int = 0  # of those, slots holding a computed token (shared blocks once)
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_queried_tokens: int = 0
+
+    @property
+    def kv_slot_utilization(self) -> float:
+        """Real tokens / allocated slots: what paging wastes is only the unfilled tail of blocks."""
+        return self.kv_tokens_stored / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
 
 
 class Scheduler:
@@ -192,10 +205,17 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
+        used = kv.num_blocks - kv.pool.num_free_blocks
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=kv.usage,
             prefix_cache_hit_rate=kv.prefix_stats.hit_rate,
             num_preemptions=self.num_preemptions,
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_used=used,
+            kv_slots_allocated=used * kv.block_size,
+            kv_tokens_stored=kv.filled_slots({r.request_id: r.num_computed_tokens for r in self.running}),
+            prefix_cache_hit_tokens=kv.prefix_stats.num_hit_tokens,
+            prefix_cache_queried_tokens=kv.prefix_stats.num_queried_tokens,
         )

@@ -27,6 +27,9 @@ class EngineMetrics:
         self.num_requests_running = gauge("dabba:num_requests_running", "Requests in the running batch")
         self.num_requests_waiting = gauge("dabba:num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_cache_usage = gauge("dabba:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)")
+        self.kv_cache_tokens = gauge("dabba:kv_cache_tokens", "KV-cache slots holding a computed token (shared blocks once)")
+        self.kv_cache_slot_utilization = gauge("dabba:kv_cache_slot_utilization",
+                                               "Slots holding a token / slots of the blocks in use")
         self.prefix_cache_hit_rate = gauge("dabba:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up")
         self.num_preemptions = counter("dabba:num_preemptions", "Requests preempted (KV blocks ran out)")
         self.prompt_tokens = counter("dabba:prompt_tokens", "Prompt tokens of requests that finished prefill")
@@ -40,6 +43,8 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.kv_cache_tokens.set(stats.kv_tokens_stored)
+        self.kv_cache_slot_utilization.set(stats.kv_slot_utilization)
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
         self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.num_preemptions

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from dabba.config import EngineConfig
+from dabba.core.scheduler import SchedulerStats
 from dabba.engine.llm_engine import LLMEngine, PromptType
 from dabba.engine.tokenizer import Tokenizer
 from dabba.outputs import RequestOutput
@@ -26,6 +27,11 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
+
+    def get_stats(self) -> SchedulerStats:
+        """The batch and the KV cache now: running/waiting requests, blocks and token slots in
+        use, how many slots hold real tokens, prefix-cache hits."""
+        return self.llm_engine.get_stats()
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()

@@ -352,7 +352,9 @@ def test_the_newest_request_is_preempted_and_resumed_with_its_output_kept():
     assert list(kv.pool.free_queue) == [2]
     assert kv.pool.num_evictions == 1
     assert scheduler.get_stats() == SchedulerStats(
-        num_running_reqs=1, num_waiting_reqs=1, kv_cache_usage=0.75, prefix_cache_hit_rate=0.0, num_preemptions=1)
+        num_running_reqs=1, num_waiting_reqs=1, kv_cache_usage=0.75, prefix_cache_hit_rate=0.0, num_preemptions=1,
+        kv_blocks_total=4, kv_blocks_used=3, kv_slots_allocated=12, kv_tokens_stored=9, prefix_cache_hit_tokens=0,
+        prefix_cache_queried_tokens=14)
 
     # b would hit its block 2 and need 2 more: it waits until a finishes (3 more steps).
     for _ in range(3):

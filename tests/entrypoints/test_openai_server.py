@@ -184,6 +184,7 @@ def test_info_routes(server) -> None:
     text = httpx.get(f"{server.url}/metrics").text
     for name in ["dabba:num_requests_running", "dabba:num_requests_waiting", "dabba:kv_cache_usage_perc",
                  "dabba:prefix_cache_hit_rate", "dabba:num_preemptions_total", "dabba:prompt_tokens_total",
+                 "dabba:kv_cache_tokens", "dabba:kv_cache_slot_utilization",
                  "dabba:generation_tokens_total", "dabba:time_to_first_token_seconds_bucket",
                  "dabba:time_per_output_token_seconds_bucket", "dabba:e2e_request_latency_seconds_bucket"]:
         assert name in text, name
