@@ -132,6 +132,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_result(result: dict, json_out: str | None) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if json_out:
+        from pathlib import Path
+
+        Path(json_out).write_text(text + "\n")
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from dabba.benchmark.offline import bench_throughput, workload_from_args
+
+    _print_result(bench_throughput(args.model, workload_from_args(args), **engine_kwargs(args)), args.json_out)
+    return 0
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    from dabba.benchmark.offline import bench_latency, workload_from_args
+
+    result = bench_latency(args.model, workload_from_args(args), args.batch_size, args.num_iters_warmup,
+                           args.num_iters, **engine_kwargs(args))
+    _print_result(result, args.json_out)
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -207,6 +232,21 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", default="auto", help='"auto" (config.json\'s), "bfloat16", "float16", "float32"')
     pl.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     pl.add_argument("--json", action="store_true", help="print JSON")
+
+    from dabba.benchmark.offline import add_workload_args
+
+    bench = sub.add_parser("bench", help="benchmarks; print JSON").add_subparsers(dest="benchmark", required=True)
+    tp = _model_command(bench, "throughput", "offline throughput: all requests at once through the engine",
+                        cmd_bench_throughput)
+    add_workload_args(tp)
+    lat = _model_command(bench, "latency", "latency of one batch, end to end and to the first token",
+                         cmd_bench_latency)
+    add_workload_args(lat, num_prompts=False)
+    lat.add_argument("--batch-size", type=int, default=1, help="requests in the batch (default: 1)")
+    lat.add_argument("--num-iters-warmup", type=int, default=2, help="untimed iterations first (default: 2)")
+    lat.add_argument("--num-iters", type=int, default=5, help="timed iterations (default: 5)")
+    for cmd in (tp, lat):
+        add_engine_args(cmd)
 
     qz = sub.add_parser("quantize", help="quantize a checkpoint: GPTQ or round-to-nearest (saved in "
                         "GPTQ's layout), AWQ (saved in AutoAWQ's gemm layout)")

@@ -1,0 +1,108 @@
+"""`dabba bench throughput` and `dabba bench latency`: the engine in this process, no server, as
+`vllm bench throughput|latency` measure it. Random prompt ids with a fixed seed (or consecutive
+windows of a text file), greedy, EOS ignored so every request makes exactly its output length.
+The model loads and warms up on the workload's shapes before the clock starts. Prints JSON."""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class OfflineWorkload:
+    num_prompts: int = 64
+    input_len: int = 256
+    output_len: int = 128
+    dataset: str = "random"  # or "file"
+    dataset_path: str | None = None
+    seed: int = 0
+
+
+def make_prompts(w: OfflineWorkload, vocab_size: int, tokenizer=None) -> list[list[int]]:
+    """Token-id prompts of exactly ``input_len`` tokens: random ids in [3, vocab) (past the usual
+    special ids), or consecutive windows of the file's tokens."""
+    if w.dataset == "random":
+        rng = random.Random(w.seed)
+        return [[rng.randrange(3, vocab_size) for _ in range(w.input_len)] for _ in range(w.num_prompts)]
+    if w.dataset != "file" or not w.dataset_path:
+        raise ValueError('dataset must be "random", or "file" with dataset_path')
+    ids = tokenizer.encode(Path(w.dataset_path).read_text(), add_special_tokens=False)
+    if len(ids) < w.input_len:
+        raise ValueError(f"dataset_path: {len(ids)} tokens, fewer than input_len={w.input_len}")
+    starts = [(i * w.input_len) % (len(ids) - w.input_len + 1) for i in range(w.num_prompts)]
+    return [ids[s:s + w.input_len] for s in starts]
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
+    return {"mean": statistics.fmean(values), "p10": q[9], "p50": q[49], "p90": q[89], "p99": q[98]}
+
+
+def bench_throughput(model: str, w: OfflineWorkload, **engine_kwargs: Any) -> dict[str, Any]:
+    from dabba import LLM, SamplingParams
+
+    llm = LLM(model, **engine_kwargs)
+    prompts = make_prompts(w, llm.llm_engine.arch.vocab_size, llm.get_tokenizer())
+    params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
+    warm = min(len(prompts), 4)  # the shapes of a prefill and of batched decodes
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:warm]], SamplingParams(max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    in_tokens = sum(len(p) for p in prompts)
+    return {"benchmark": "throughput", "model": model, "workload": asdict(w), "engine": engine_kwargs,
+            "elapsed_s": elapsed, "requests_per_s": len(prompts) / elapsed,
+            "total_tokens_per_s": (in_tokens + out_tokens) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+            "num_output_tokens": out_tokens}
+
+
+def bench_latency(model: str, w: OfflineWorkload, batch_size: int = 1, num_iters_warmup: int = 2,
+                  num_iters: int = 5, **engine_kwargs: Any) -> dict[str, Any]:
+    """End-to-end latency of one batch of ``batch_size`` requests, iterated; plus the time to
+    first token of the same batch (max_tokens=1) and the decode rate that follows."""
+    from dabba import LLM, SamplingParams
+
+    llm = LLM(model, **engine_kwargs)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(
+        OfflineWorkload(batch_size, w.input_len, w.output_len, w.dataset, w.dataset_path, w.seed),
+        llm.llm_engine.arch.vocab_size, llm.get_tokenizer())]
+    full = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def timed(params: SamplingParams) -> float:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    for _ in range(num_iters_warmup):
+        timed(full)
+    latencies = [timed(full) for _ in range(num_iters)]
+    ttfts = [timed(first) for _ in range(num_iters)]
+    decode_s = statistics.median(latencies) - statistics.median(ttfts)
+    return {"benchmark": "latency", "model": model, "workload": {**asdict(w), "batch_size": batch_size},
+            "engine": engine_kwargs, "latency_s": _percentiles(latencies), "ttft_s": _percentiles(ttfts),
+            "decode_tokens_per_s": batch_size * (w.output_len - 1) / decode_s if decode_s > 0 else None}
+
+
+def add_workload_args(parser: argparse.ArgumentParser, num_prompts: bool = True) -> None:
+    if num_prompts:
+        parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
+    parser.add_argument("--input-len", type=int, default=256, help="prompt tokens per request (default: 256)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: 128)")
+    parser.add_argument("--dataset", choices=["random", "file"], default="random",
+                        help="random token ids, or windows of --dataset-path's text (default: random)")
+    parser.add_argument("--dataset-path", default=None, help="a UTF-8 text file, with --dataset file")
+    parser.add_argument("--dataset-seed", type=int, default=0, help="dataset seed (default: 0)")
+    parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+
+
+def workload_from_args(args: argparse.Namespace) -> OfflineWorkload:
+    return OfflineWorkload(getattr(args, "num_prompts", 1), args.input_len, args.output_len, args.dataset,
+                           args.dataset_path, args.dataset_seed)

@@ -1,0 +1,49 @@
+"""`dabba bench throughput|latency`: the workload it builds and the JSON it prints (never timings)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dabba.benchmark.offline import OfflineWorkload, make_prompts
+from dabba.config import DEMO_MODEL
+from dabba.engine.tokenizer import Tokenizer
+from dabba.entrypoints.cli import main
+
+
+def test_random_prompts_are_seeded_and_exact() -> None:
+    w = OfflineWorkload(num_prompts=5, input_len=33, seed=7)
+    a, b = make_prompts(w, 100), make_prompts(w, 100)
+    assert a == b and len(a) == 5 and all(len(p) == 33 and min(p) >= 3 and max(p) < 100 for p in a)
+    assert make_prompts(OfflineWorkload(num_prompts=5, input_len=33, seed=8), 100) != a
+
+
+def test_file_prompts_are_windows_of_the_text(tmp_path) -> None:
+    tok = Tokenizer(DEMO_MODEL)
+    path = tmp_path / "t.txt"
+    path.write_text(open(f"{DEMO_MODEL}/heldout.txt").read()[:5000])
+    ids = tok.encode(path.read_text(), add_special_tokens=False)
+    prompts = make_prompts(OfflineWorkload(num_prompts=3, input_len=50, dataset="file", dataset_path=str(path)), 0, tok)
+    assert prompts == [ids[0:50], ids[50:100], ids[100:150]]
+    with pytest.raises(ValueError, match="dataset"):
+        make_prompts(OfflineWorkload(dataset="file"), 0, tok)
+
+
+def test_bench_throughput_cli(checkpoints, tmp_path, capsys) -> None:
+    out = tmp_path / "r.json"
+    assert main(["bench", "throughput", str(checkpoints["llama"].path), "--num-prompts", "6", "--input-len", "20",
+                 "--output-len", "7", "--dtype", "float32", "--json-out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result == json.loads(out.read_text())
+    assert result["num_output_tokens"] == 42 and result["engine"] == {"dtype": "float32"}
+    assert result["total_tokens_per_s"] > result["output_tokens_per_s"] > 0
+
+
+def test_bench_latency_cli(checkpoints, capsys) -> None:
+    assert main(["bench", "latency", str(checkpoints["llama"].path), "--batch-size", "2", "--input-len", "16",
+                 "--output-len", "5", "--num-iters-warmup", "1", "--num-iters", "3", "--dtype", "float32"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("latency_s", "ttft_s"):
+        s = result[key]
+        assert 0 < s["p10"] <= s["p50"] <= s["p90"] <= s["p99"]
+    assert result["workload"]["batch_size"] == 2
