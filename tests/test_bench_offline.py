@@ -1,4 +1,4 @@
-"""`dabba bench throughput|latency`: the workload it builds and the JSON it prints (never timings)."""
+"""`dabba bench throughput|latency|serve`: the workload, the CLI and the JSON it prints (never timings)."""
 from __future__ import annotations
 
 import json
@@ -47,3 +47,14 @@ def test_bench_latency_cli(checkpoints, capsys) -> None:
         s = result[key]
         assert 0 < s["p10"] <= s["p50"] <= s["p90"] <= s["p99"]
     assert result["workload"]["batch_size"] == 2
+
+
+def test_bench_serve_cli_reports_failures_without_a_server(tmp_path, capsys) -> None:
+    """The wiring of `dabba bench serve` (the client itself is tested against the real server in
+    tests/entrypoints/test_bench_serve.py): nothing listens on the port, every request fails."""
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "3",
+                 "--input-len", "4", "--output-len", "2", "--json-out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["completed"] == 0 and result["failed"] == 3 and result["errors"]
+    assert json.loads(out.read_text())["failed"] == 3

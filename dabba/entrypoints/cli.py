@@ -157,6 +157,18 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from dabba.benchmark.serve import format_serve_result, run_serve_benchmark, save_serve_outputs, serve_config_from_args
+
+    result = asyncio.run(run_serve_benchmark(serve_config_from_args(args)))
+    save_serve_outputs(result, args.json_out, args.chart)
+    print(format_serve_result(result), file=sys.stderr)
+    print(json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=2))
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -247,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--num-iters", type=int, default=5, help="timed iterations (default: 5)")
     for cmd in (tp, lat):
         add_engine_args(cmd)
+    from dabba.benchmark.serve import add_serve_args
+
+    bs = bench.add_parser("serve", help="online: Poisson arrivals against any OpenAI-compatible server (dabba's "
+                          "or vllm serve); TTFT, TPOT, ITL, end-to-end latency, goodput")
+    add_serve_args(bs)
+    bs.set_defaults(func=cmd_bench_serve)
 
     qz = sub.add_parser("quantize", help="quantize a checkpoint: GPTQ or round-to-nearest (saved in "
                         "GPTQ's layout), AWQ (saved in AutoAWQ's gemm layout)")
