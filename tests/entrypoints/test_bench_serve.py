@@ -5,47 +5,25 @@ import argparse
 import asyncio
 import json
 import math
-import socket
-import threading
-import time
 
 import numpy as np
 import pytest
-import uvicorn
 
 from dabba.benchmark.serve import (ServeBenchConfig, add_serve_args, build_prompts, plot_serve,
                                    poisson_arrival_times, run_serve_benchmark, serve_config_from_args)
-from dabba.config import EngineConfig
-from dabba.engine.llm_engine import LLMEngine
-from dabba.entrypoints.openai.api_server import build_app
+
+from tests.entrypoints.live_server import free_port, live_server
 
 API_KEY = "sk-dabba-bench"
 MODEL = "tiny"
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(checkpoints):
     path = str(checkpoints["llama"].path)
-    engine = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", max_num_batched_tokens=256))
-    app = build_app(engine, MODEL, api_key=API_KEY)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", path
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with live_server(path, MODEL, API_KEY) as (url, _):
+        yield url, path
 
 
 def config(server, **kw) -> ServeBenchConfig:

@@ -3,50 +3,28 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from dabba import LLM, SamplingParams
-from dabba.config import EngineConfig
-from dabba.engine.llm_engine import LLMEngine
-from dabba.entrypoints.openai.api_server import build_app
+
+from tests.entrypoints.live_server import live_server
 
 API_KEY = "sk-dabba-test"
 MODEL = "tiny"
 PROMPTS = ["The json module", "Return a new list", "def f(x):", "import os"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(checkpoints):
     path = str(checkpoints["llama"].path)
-    engine = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", max_num_batched_tokens=256))
-    app = build_app(engine, MODEL, api_key=API_KEY)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(url=url, engine=engine, path=path,
-                          client=openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0))
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with live_server(path, MODEL, API_KEY) as (url, engine):
+        yield SimpleNamespace(url=url, engine=engine, path=path,
+                              client=openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0))
 
 
 @pytest.fixture(scope="module")

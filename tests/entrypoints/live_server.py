@@ -1,0 +1,40 @@
+"""The real API server of a tiny checkpoint on a free loopback port, for tests that drive it over HTTP."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from typing import Iterator
+
+import uvicorn
+
+from dabba.config import EngineConfig
+from dabba.engine.llm_engine import LLMEngine
+from dabba.entrypoints.openai.api_server import build_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live_server(path: str, model_name: str, api_key: str | None) -> Iterator[tuple[str, LLMEngine]]:
+    """Yields (base URL, engine); stops the server on exit."""
+    engine = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", max_num_batched_tokens=256))
+    app = build_app(engine, model_name, api_key=api_key)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
