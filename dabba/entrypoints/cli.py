@@ -160,7 +160,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from dabba.benchmark.serve import format_serve_result, run_serve_benchmark, save_serve_outputs, serve_config_from_args
+    from dabba.benchmark.serve import run_serve_benchmark, serve_config_from_args
+    from dabba.benchmark.serve_report import format_serve_result, save_serve_outputs
 
     result = asyncio.run(run_serve_benchmark(serve_config_from_args(args)))
     save_serve_outputs(result, args.json_out, args.chart)

@@ -9,8 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from dabba.benchmark.serve import (ServeBenchConfig, add_serve_args, build_prompts, plot_serve,
+from dabba.benchmark.serve import (ServeBenchConfig, add_serve_args, build_prompts,
                                    poisson_arrival_times, run_serve_benchmark, serve_config_from_args)
+from dabba.benchmark.serve_report import plot_serve
 
 from tests.entrypoints.live_server import free_port, live_server
 
