@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 
+FIRST_TOKEN_ID = 3  # random prompt ids start past <unk>/<s>/</s>-style specials
+
+
 @dataclass(frozen=True)
 class OfflineWorkload:
     num_prompts: int = 64
@@ -24,11 +27,11 @@ class OfflineWorkload:
 
 
 def make_prompts(w: OfflineWorkload, vocab_size: int, tokenizer=None) -> list[list[int]]:
-    """Token-id prompts of exactly ``input_len`` tokens: random ids in [3, vocab) (past the usual
-    special ids), or consecutive windows of the file's tokens."""
+    """Token-id prompts of exactly ``input_len`` tokens: random ids in [FIRST_TOKEN_ID, vocab), or
+    consecutive windows of the file's tokens."""
     if w.dataset == "random":
         rng = random.Random(w.seed)
-        return [[rng.randrange(3, vocab_size) for _ in range(w.input_len)] for _ in range(w.num_prompts)]
+        return [[rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(w.input_len)] for _ in range(w.num_prompts)]
     if w.dataset != "file" or not w.dataset_path:
         raise ValueError('dataset must be "random", or "file" with dataset_path')
     ids = tokenizer.encode(Path(w.dataset_path).read_text(), add_special_tokens=False)

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from dabba.benchmark.offline import FIRST_TOKEN_ID, OfflineWorkload, make_prompts
+
 DEFAULT_VOCAB_SIZE = 4096
-FIRST_TOKEN_ID = 3  # skip <unk>/<s>/</s>-style specials at the start of most vocabularies
 CHARS_PER_TOKEN = 4
 
 
@@ -117,9 +118,8 @@ def build_prompts(cfg: ServeBenchConfig) -> list[list[int] | str]:
         vocab = resolve_vocab_size(cfg)
         if vocab <= FIRST_TOKEN_ID:
             raise ValueError(f"vocab_size must be > {FIRST_TOKEN_ID}, got {vocab}")
-        rng = np.random.default_rng(cfg.seed)
-        ids = rng.integers(FIRST_TOKEN_ID, vocab, size=(cfg.num_prompts, cfg.input_len))
-        return [row.tolist() for row in ids]
+        # the offline benchmarks' generator: the same seed sends the same prompts online and offline
+        return make_prompts(OfflineWorkload(cfg.num_prompts, cfg.input_len, cfg.output_len, seed=cfg.seed), vocab)
     if cfg.dataset == "file":
         if not cfg.dataset_path:
             raise ValueError("dataset 'file' needs dataset_path")
