@@ -11,11 +11,13 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger("dabba")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp")
+GEMV_MAX_ROWS = 4  # activation rows up to which a bf16 linear takes the native GEMV kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,3 +41,24 @@ def use_cpu_kernels(x: torch.Tensor) -> bool:
 def native_rows(x: torch.Tensor) -> bool:
     """Whether a [rows, features] tensor can go to the native row kernels."""
     return x.dim() == 2 and x.is_contiguous() and use_cpu_kernels(x)
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_available() -> bool:
+    return load_cpu_ops() and torch.ops.dabba_cpu.gemv_available()
+
+
+def _gemv_rows(x: torch.Tensor) -> bool:
+    """Decode's case: a few bf16 rows on the CPU, each row contiguous."""
+    return (x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.stride(1) == 1 and gemv_available())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with decode's rows through the native GEMV kernel, which streams the weight at
+    close to memory bandwidth where oneDNN reaches about half of it (see csrc/gemv_cpu.cpp)."""
+    if _gemv_rows(x) and weight.dtype == torch.bfloat16 and weight.is_contiguous():
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+        torch.ops.dabba_cpu.bf16_gemv(out, x, weight, bias)
+        return out
+    return F.linear(x, weight, bias)

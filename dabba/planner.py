@@ -16,6 +16,7 @@ import torch
 
 from dabba.attention.kv_quant import KV_CACHE_DTYPES, kv_bytes_per_token
 from dabba.engine.llm_engine import resolve_dtype, resolve_max_model_len
+from dabba.layers.embedding import LMHead
 from dabba.layers.linear import Linear
 from dabba.models.config import ArchConfig
 from dabba.models.registry import get_model_class
@@ -91,6 +92,9 @@ def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfi
             total += module.quant_method.packed_bytes(module, dtype, device_type)
             if module.bias is not None:
                 total += module.bias.numel() * dtype.itemsize
+            continue
+        if isinstance(module, LMHead) and module.quant_method is not None:  # its own packed copy
+            total += module.quant_method.packed_bytes(module, dtype, device_type)
             continue
         for param in module.parameters(recurse=False):
             if id(param) not in seen:

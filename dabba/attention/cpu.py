@@ -25,10 +25,7 @@ class CpuBackend(TorchRefBackend):
         return kv_cache[0].view(num_kv_heads, num_blocks, head_dim, block_size), kv_cache[1]
 
     def write_kv(self, key_cache, value_cache, k, v, metadata: TorchRefMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        num_kv_heads, _, block_size, head_dim = value_cache.shape
-        slots = metadata.slot_mapping
-        key_cache.permute(0, 1, 3, 2)[:, slots // block_size, slots % block_size] = k.transpose(0, 1)
-        value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+        torch.ops.dabba_cpu.write_kv_cache(key_cache, value_cache, k, v, metadata.slot_mapping)
         return k, v
 
     def gather_context(self, key_cache, value_cache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -142,6 +142,8 @@ class TorchRefBackend(AttentionBackend):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         # Write first: a request may read blocks another request fills in this same step.
         k, v = self.write_kv(key_cache, value_cache, k, v, metadata)
+        if not metadata.prefills:  # decodes only: token i is request i's one query
+            return self.decode(q, key_cache, value_cache, metadata, scale)
         out = torch.empty_like(q)
 
         if metadata.decode_token_idx is not None:

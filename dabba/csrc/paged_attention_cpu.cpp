@@ -221,9 +221,56 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   });
 }
 
+// This step's keys and values [num_tokens, num_kv_heads, head_dim] into their slots: values as
+// rows, keys transposed within the block. One call per layer instead of a chain of indexing ops.
+template <typename scalar_t>
+void write_kv_impl(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& slot_mapping) {
+  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
+  const int64_t num_blocks = value_cache.size(1), block_size = value_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const scalar_t* kp = k.data_ptr<scalar_t>();
+  const scalar_t* vp = v.data_ptr<scalar_t>();
+  scalar_t* kc = key_cache.data_ptr<scalar_t>();
+  scalar_t* vc = value_cache.data_ptr<scalar_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    TORCH_CHECK(slot >= 0 && slot < num_blocks * block_size, "slot ", slot, " out of range");
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const scalar_t* ksrc = kp + t * k.stride(0) + h * k.stride(1);
+      const scalar_t* vsrc = vp + t * v.stride(0) + h * v.stride(1);
+      scalar_t* kdst = kc + ((h * num_blocks + block) * head_dim) * block_size + offset;
+      for (int64_t d = 0; d < head_dim; ++d) kdst[d * block_size] = ksrc[d];
+      std::memcpy(vc + ((h * num_blocks + block) * block_size + offset) * head_dim, vsrc, head_dim * sizeof(scalar_t));
+    }
+  }
+}
+
+void write_kv_cache(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v must be [num_tokens, num_kv_heads, head_dim] with contiguous rows");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "caches must be contiguous");
+  TORCH_CHECK(value_cache.size(0) == k.size(1) && value_cache.size(3) == k.size(2) &&
+              key_cache.size(0) == k.size(1) && key_cache.size(1) == value_cache.size(1) &&
+              key_cache.size(2) == k.size(2) && key_cache.size(3) == value_cache.size(2),
+              "key_cache must be [kv_heads, blocks, head_dim, block_size], value_cache [kv_heads, blocks, block_size, head_dim]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == k.size(0), "slot_mapping must be [num_tokens] int64");
+  TORCH_CHECK(k.scalar_type() == key_cache.scalar_type() && v.scalar_type() == value_cache.scalar_type() &&
+              k.scalar_type() == v.scalar_type(), "dtype mismatch");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_cache", [&] {
+    write_kv_impl<scalar_t>(key_cache, value_cache, k, v, slot_mapping);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
+  m.def("write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.impl("write_kv_cache", c10::DispatchKey::CPU, TORCH_FN(write_kv_cache));
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, float scale) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));

@@ -5,6 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dabba import native
+from dabba.quantization.base import LinearMethod
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
@@ -16,13 +19,20 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    """hidden -> logits. With a ``quant_method`` the head keeps its own packed copy of the weight
+    (made once after loading), so a tied embedding still looks rows up at full precision."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, quant_method: LinearMethod | None = None) -> None:
         super().__init__()
+        self.out_features, self.in_features = vocab_size, hidden_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.quant_method = quant_method
 
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # [num_rows, hidden] -> [num_rows, vocab]; only the rows that sample reach here.
-        return F.linear(hidden, self.weight)
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden, None)
+        return native.linear(hidden, self.weight)

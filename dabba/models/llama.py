@@ -122,7 +122,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, max_position, self.layer_cls, quant_config)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
+                              quant_config.get_lm_head_method() if quant_config else None)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from dabba import native
 
 QUANTIZATION_METHODS = ("int8", "int4")  # applied at load time; "gptq" comes from a checkpoint
 
@@ -34,7 +35,7 @@ class LinearMethod:
 
 class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return native.linear(x, layer.weight, bias)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,15 @@ class QuantConfig:
             raise ValueError(f"unsupported GPTQ bits {qc.get('bits')!r} (supported: 4, 8)")
         return cls("gptq", group_size=int(qc.get("group_size", 128)), bits=int(qc["bits"]),
                    desc_act=bool(qc.get("desc_act", False)))
+
+    def get_lm_head_method(self) -> LinearMethod | None:
+        """Load-time int8 and int4 also quantize the LM head, to INT8 per output channel: at
+        SmolLM's size it is a fifth of the weights, the largest single read of a decode step.
+        (llama.cpp likewise keeps output.weight at 6 to 8 bits under Q4_0.) A tied embedding
+        keeps its full-precision rows for lookups. GPTQ/AWQ checkpoints leave the head as saved."""
+        from dabba.quantization.rtn import Int8RTNMethod
+
+        return Int8RTNMethod() if self.method in QUANTIZATION_METHODS else None
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethod:
         from dabba.quantization.rtn import Int4RTNMethod, Int8RTNMethod

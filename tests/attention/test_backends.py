@@ -38,10 +38,13 @@ def make_step(query_lens, context_lens, block_size, num_blocks, seed=0):
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 2, 24, 16),
                                                                             (6, 6, 16, 8), (4, 1, 40, 32)])
-def test_cpu_backend_matches_reference(dtype, atol, num_heads, num_kv_heads, head_dim, block_size) -> None:
+@pytest.mark.parametrize("query_lens, context_lens", [([1, 1, 37, 1, 5, 1], [70, 3, 0, 130, 40, 0]),
+                                                      ([1, 1, 1], [70, 0, 130])],  # decodes only: the fast path
+                         ids=["mixed", "decodes"])
+def test_cpu_backend_matches_reference(dtype, atol, num_heads, num_kv_heads, head_dim, block_size, query_lens,
+                                       context_lens) -> None:
     torch.manual_seed(0)
     num_blocks = 64
-    query_lens, context_lens = [1, 1, 37, 1, 5, 1], [70, 3, 0, 130, 40, 0]
     common = make_step(query_lens, context_lens, block_size, num_blocks)
     T = sum(query_lens)
     q = torch.randn(T, num_heads, head_dim, dtype=dtype)
