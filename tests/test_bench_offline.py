@@ -18,6 +18,14 @@ def test_random_prompts_are_seeded_and_exact() -> None:
     assert make_prompts(OfflineWorkload(num_prompts=5, input_len=33, seed=8), 100) != a
 
 
+def test_random_prompts_with_a_shared_prefix() -> None:
+    prompts = make_prompts(OfflineWorkload(num_prompts=4, input_len=10, prefix_len=20, seed=3), 1000)
+    assert all(len(p) == 30 and p[:20] == prompts[0][:20] for p in prompts)
+    assert len({tuple(p[20:]) for p in prompts}) == 4  # each prompt's own part differs
+    with pytest.raises(ValueError, match="prefix_len"):
+        make_prompts(OfflineWorkload(dataset="file", dataset_path="x", prefix_len=4), 0)
+
+
 def test_file_prompts_are_windows_of_the_text(tmp_path) -> None:
     tok = Tokenizer(DEMO_MODEL)
     path = tmp_path / "t.txt"
@@ -37,6 +45,15 @@ def test_bench_throughput_cli(checkpoints, tmp_path, capsys) -> None:
     assert result == json.loads(out.read_text())
     assert result["num_output_tokens"] == 42 and result["engine"] == {"dtype": "float32"}
     assert result["total_tokens_per_s"] > result["output_tokens_per_s"] > 0
+
+
+def test_bench_throughput_cli_with_a_shared_prefix(checkpoints, capsys) -> None:
+    assert main(["bench", "throughput", str(checkpoints["llama"].path), "--num-prompts", "4", "--prefix-len", "40",
+                 "--input-len", "8", "--output-len", "3", "--dtype", "float32"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["workload"]["prefix_len"] == 40 and result["num_output_tokens"] == 12
+    # 4 prompts of 48 tokens and 12 outputs: the total rate counts every prompt's full length
+    assert result["total_tokens_per_s"] == pytest.approx((4 * 48 + 12) / result["elapsed_s"])
 
 
 def test_bench_latency_cli(checkpoints, capsys) -> None:

@@ -24,14 +24,20 @@ class OfflineWorkload:
     dataset: str = "random"  # or "file"
     dataset_path: str | None = None
     seed: int = 0
+    prefix_len: int = 0  # random dataset: a prefix every prompt shares, before its own input_len ids
 
 
 def make_prompts(w: OfflineWorkload, vocab_size: int, tokenizer=None) -> list[list[int]]:
-    """Token-id prompts of exactly ``input_len`` tokens: random ids in [FIRST_TOKEN_ID, vocab), or
-    consecutive windows of the file's tokens."""
+    """Token-id prompts: random ids in [FIRST_TOKEN_ID, vocab), ``prefix_len`` shared ones then
+    ``input_len`` of each prompt's own (vllm bench's --random-prefix-len); or consecutive windows
+    of ``input_len`` tokens of the file."""
     if w.dataset == "random":
         rng = random.Random(w.seed)
-        return [[rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(w.input_len)] for _ in range(w.num_prompts)]
+        prefix = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(w.prefix_len)]
+        return [prefix + [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(w.input_len)]
+                for _ in range(w.num_prompts)]
+    if w.prefix_len:
+        raise ValueError("prefix_len applies to the random dataset only")
     if w.dataset != "file" or not w.dataset_path:
         raise ValueError('dataset must be "random", or "file" with dataset_path')
     ids = tokenizer.encode(Path(w.dataset_path).read_text(), add_special_tokens=False)
@@ -52,8 +58,9 @@ def bench_throughput(model: str, w: OfflineWorkload, **engine_kwargs: Any) -> di
     llm = LLM(model, **engine_kwargs)
     prompts = make_prompts(w, llm.llm_engine.arch.vocab_size, llm.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
-    warm = min(len(prompts), 4)  # the shapes of a prefill and of batched decodes
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:warm]], SamplingParams(max_tokens=8, ignore_eos=True),
+    # Warm-up on the shapes of a prefill and of batched decodes; reversed ids, so that the timed
+    # run finds nothing of its own in the prefix cache.
+    llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:4]], SamplingParams(max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -74,7 +81,7 @@ def bench_latency(model: str, w: OfflineWorkload, batch_size: int = 1, num_iters
 
     llm = LLM(model, **engine_kwargs)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(
-        OfflineWorkload(batch_size, w.input_len, w.output_len, w.dataset, w.dataset_path, w.seed),
+        OfflineWorkload(batch_size, w.input_len, w.output_len, w.dataset, w.dataset_path, w.seed, w.prefix_len),
         llm.llm_engine.arch.vocab_size, llm.get_tokenizer())]
     full = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -103,9 +110,11 @@ def add_workload_args(parser: argparse.ArgumentParser, num_prompts: bool = True)
                         help="random token ids, or windows of --dataset-path's text (default: random)")
     parser.add_argument("--dataset-path", default=None, help="a UTF-8 text file, with --dataset file")
     parser.add_argument("--dataset-seed", type=int, default=0, help="dataset seed (default: 0)")
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="random dataset: shared prefix tokens before each prompt's own --input-len (default: 0)")
     parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
 
 def workload_from_args(args: argparse.Namespace) -> OfflineWorkload:
     return OfflineWorkload(getattr(args, "num_prompts", 1), args.input_len, args.output_len, args.dataset,
-                           args.dataset_path, args.dataset_seed)
+                           args.dataset_path, args.dataset_seed, args.prefix_len)
