@@ -16,7 +16,7 @@ import torch.nn.functional as F
 logger = logging.getLogger("dabba")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "decode_cpu.cpp")
 GEMV_MAX_ROWS = 4  # activation rows up to which a bf16 linear takes the native GEMV kernel
 
 

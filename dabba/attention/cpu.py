@@ -24,6 +24,11 @@ class CpuBackend(TorchRefBackend):
         _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         return kv_cache[0].view(num_kv_heads, num_blocks, head_dim, block_size), kv_cache[1]
 
+    def native_decode_inputs(self, metadata: TorchRefMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if metadata.prefills or metadata.decode_block_table is None:
+            return None
+        return metadata.decode_block_table, metadata.decode_seq_lens, metadata.slot_mapping
+
     def write_kv(self, key_cache, value_cache, k, v, metadata: TorchRefMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         torch.ops.dabba_cpu.write_kv_cache(key_cache, value_cache, k, v, metadata.slot_mapping)
         return k, v

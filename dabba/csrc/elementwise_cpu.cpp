@@ -7,17 +7,14 @@
 #include <torch/library.h>
 
 #include "cpu_math.h"
+#include "cpu_ops.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-namespace {
-
-using dabba::bf16_bits_to_float;
-using dabba::exp_nonpositive;
-using dabba::float_to_bf16_bits;
+namespace dabba {
 
 // float <-> storage type. bf16 conversions are written on the bits so loops vectorise.
 template <typename scalar_t>
@@ -172,15 +169,15 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const a
   });
 }
 
-}  // namespace
+}  // namespace dabba
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
-  m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(fused_add_rms_norm));
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
-  m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(rotary_embedding));
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(dabba::rms_norm));
+  m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(dabba::fused_add_rms_norm));
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(dabba::silu_and_mul));
+  m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(dabba::rotary_embedding));
 }

@@ -13,18 +13,18 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+#include "cpu_ops.h"
+
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define DABBA_HAVE_BF16_GEMV 1
 #endif
 
-namespace {
-
-constexpr int64_t kMaxRows = 4;  // activation rows handled in one pass over the weight
+namespace dabba {
 
 #ifdef DABBA_HAVE_BF16_GEMV
 
@@ -57,20 +57,6 @@ inline void gemv_block(const uint16_t* __restrict x, int64_t ldx, const uint16_t
     for (int r = 0; r < R; ++r) acc_out[m][r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
-inline uint16_t to_bf16_bits(float f) {  // round to nearest even (outputs are finite here or NaN-propagating)
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 template <int M>
 void gemv_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t ldy,
                int64_t N, int64_t K) {
@@ -91,8 +77,8 @@ void gemv_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t
       const int64_t rows = std::min<int64_t>(R, N - n0);
       for (int m = 0; m < M; ++m)
         for (int64_t r = 0; r < rows; ++r) {
-          const float b = bias ? bf16_to_float(bias[n0 + r]) : 0.f;  // added before the one rounding, as addmm
-          y[m * ldy + n0 + r] = to_bf16_bits(acc[m][r] + b);
+          const float b = bias ? bf16_bits_to_float(bias[n0 + r]) : 0.f;  // added before the one rounding, as addmm
+          y[m * ldy + n0 + r] = float_to_bf16_bits(acc[m][r] + b);
         }
     }
   });
@@ -111,7 +97,7 @@ bool gemv_available() {
 void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(gemv_available(), "bf16_gemv: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16, rows contiguous");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "bf16_gemv takes 1 to 4 rows of x");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "bf16_gemv takes 1 to 4 rows of x");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
                   weight.size(1) == x.size(1),
               "weight must be a contiguous [N, K] bf16 tensor");
@@ -138,10 +124,10 @@ void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
 #endif
 }
 
-}  // namespace
+}  // namespace dabba
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
-  m.def("gemv_available() -> bool", &gemv_available);  // no tensor to dispatch on: a catch-all
+  m.def("gemv_available() -> bool", &dabba::gemv_available);  // no tensor to dispatch on: a catch-all
   m.def("bf16_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
-  m.impl("bf16_gemv", c10::DispatchKey::CPU, TORCH_FN(bf16_gemv));
+  m.impl("bf16_gemv", c10::DispatchKey::CPU, TORCH_FN(dabba::bf16_gemv));
 }

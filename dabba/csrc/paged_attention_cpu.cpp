@@ -19,15 +19,15 @@
 #include <torch/library.h>
 
 #include "cpu_math.h"
+#include "cpu_ops.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
-namespace {
-
-using dabba::exp_nonpositive;
+namespace dabba {
 
 constexpr int64_t kLanes = 16;
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
@@ -135,6 +135,73 @@ void weighted_values(const Shape& sh, const float* probs, const scalar_t* v_ptr,
   }
 }
 
+// The same two passes with the G query heads of a kv head together (G a template parameter, so
+// the accumulators stay in registers): each key and value is loaded and widened once for the
+// whole group instead of once per head. Additions happen in the same order as above, so the
+// results are identical. Needs block_size == 16 and head_dim % 16 == 0.
+template <typename scalar_t, int G>
+void group_block_scores(const Shape& sh, const float* qf, const scalar_t* k_ptr, const int64_t* blocks,
+                        int64_t kvh, int64_t seq_len, int64_t padded_len, float* scores) {
+  const int64_t num_seq_blocks = (seq_len + kLanes - 1) / kLanes;
+  const int64_t block_elems = sh.head_dim * kLanes;
+  for (int64_t j = 0; j < num_seq_blocks; ++j) {
+    const scalar_t* kb = k_ptr + (kvh * sh.num_blocks + blocks[j]) * block_elems;
+    if (j + 1 < num_seq_blocks)
+      prefetch_block(k_ptr + (kvh * sh.num_blocks + blocks[j + 1]) * block_elems, block_elems * sizeof(scalar_t));
+    vfloat acc[G] = {};
+    for (int64_t d = 0; d < sh.head_dim; ++d) {
+      const vfloat k = load16_as_float(kb + d * kLanes);
+      for (int g = 0; g < G; ++g) acc[g] += qf[g * sh.head_dim + d] * k;
+    }
+    for (int g = 0; g < G; ++g) store16(scores + g * padded_len + j * kLanes, acc[g]);
+  }
+}
+
+template <typename scalar_t, int G>
+void group_weighted_values(const Shape& sh, const float* probs, const scalar_t* v_ptr, const int64_t* blocks,
+                           int64_t kvh, int64_t seq_len, int64_t padded_len, float* out) {
+  const int64_t block_elems = kLanes * sh.head_dim;
+  for (int64_t c = 0; c < sh.head_dim / kLanes; ++c) {  // 16 dims at a time; the rows stay in L1/L2
+    vfloat acc[G] = {};
+    for (int64_t t = 0; t < seq_len; ++t) {
+      const int64_t block = blocks[t / kLanes];
+      const scalar_t* v_row = v_ptr + ((kvh * sh.num_blocks + block) * kLanes + t % kLanes) * sh.head_dim;
+      if (c == 0 && t % kLanes == 0 && t + kLanes < seq_len)
+        prefetch_block(v_ptr + (kvh * sh.num_blocks + blocks[t / kLanes + 1]) * block_elems,
+                       block_elems * sizeof(scalar_t));
+      const vfloat v = load16_as_float(v_row + c * kLanes);
+      for (int g = 0; g < G; ++g) acc[g] += probs[g * padded_len + t] * v;
+    }
+    for (int g = 0; g < G; ++g) store16(out + g * sh.head_dim + c * kLanes, acc[g]);
+  }
+}
+
+// Both passes for a group of G heads; false if the shape needs the per-head loops.
+template <typename scalar_t>
+bool group_attention(const Shape& sh, const float* qf, const scalar_t* k_ptr, const scalar_t* v_ptr,
+                     const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len, float* scores,
+                     float* out) {
+  if (sh.block_size != kLanes || sh.head_dim % kLanes) return false;
+  auto run = [&](auto group) {
+    constexpr int G = decltype(group)::value;
+    group_block_scores<scalar_t, G>(sh, qf, k_ptr, blocks, kvh, seq_len, padded_len, scores);
+    for (int g = 0; g < G; ++g) softmax_inplace(scores + g * padded_len, seq_len);
+    group_weighted_values<scalar_t, G>(sh, scores, v_ptr, blocks, kvh, seq_len, padded_len, out);
+    return true;
+  };
+  switch (sh.group) {
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 5: return run(std::integral_constant<int, 5>{});
+    case 6: return run(std::integral_constant<int, 6>{});
+    case 7: return run(std::integral_constant<int, 7>{});
+    case 8: return run(std::integral_constant<int, 8>{});
+    default: return false;
+  }
+}
+
 template <typename scalar_t>
 void weighted_values_scalar(const Shape& sh, const float* probs, const scalar_t* v_ptr, const int64_t* blocks,
                             int64_t kvh, int64_t seq_len, int64_t padded_len, float* out) {
@@ -178,20 +245,22 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         const scalar_t* src = q_ptr + (s * sh.num_heads + kvh * sh.group + g) * sh.head_dim;
         for (int64_t d = 0; d < sh.head_dim; ++d) qf[g * sh.head_dim + d] = static_cast<float>(src[d]) * fscale;
       }
-      block_scores(sh, qf.data(), k_ptr, blocks, kvh, seq_len, padded_len, scores.data());
-      for (int64_t g = 0; g < sh.group; ++g) softmax_inplace(scores.data() + g * padded_len, seq_len);
-      if (!vector_values) {
-        weighted_values_scalar(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data());
-      } else {
-        switch (sh.head_dim / kLanes) {
-          case 1: weighted_values<scalar_t, 1>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-          case 2: weighted_values<scalar_t, 2>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-          case 3: weighted_values<scalar_t, 3>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-          case 4: weighted_values<scalar_t, 4>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-          case 5: weighted_values<scalar_t, 5>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-          case 6: weighted_values<scalar_t, 6>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-          case 7: weighted_values<scalar_t, 7>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-          default: weighted_values<scalar_t, 8>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+      if (!group_attention(sh, qf.data(), k_ptr, v_ptr, blocks, kvh, seq_len, padded_len, scores.data(), acc.data())) {
+        block_scores(sh, qf.data(), k_ptr, blocks, kvh, seq_len, padded_len, scores.data());
+        for (int64_t g = 0; g < sh.group; ++g) softmax_inplace(scores.data() + g * padded_len, seq_len);
+        if (!vector_values) {
+          weighted_values_scalar(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data());
+        } else {
+          switch (sh.head_dim / kLanes) {
+            case 1: weighted_values<scalar_t, 1>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+            case 2: weighted_values<scalar_t, 2>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+            case 3: weighted_values<scalar_t, 3>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+            case 4: weighted_values<scalar_t, 4>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+            case 5: weighted_values<scalar_t, 5>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+            case 6: weighted_values<scalar_t, 6>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+            case 7: weighted_values<scalar_t, 7>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+            default: weighted_values<scalar_t, 8>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
+          }
         }
       }
       for (int64_t g = 0; g < sh.group; ++g) {
@@ -266,12 +335,12 @@ void write_kv_cache(at::Tensor key_cache, at::Tensor value_cache, const at::Tens
   });
 }
 
-}  // namespace
+}  // namespace dabba
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
-  m.impl("write_kv_cache", c10::DispatchKey::CPU, TORCH_FN(write_kv_cache));
+  m.impl("write_kv_cache", c10::DispatchKey::CPU, TORCH_FN(dabba::write_kv_cache));
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, float scale) -> ()");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(dabba::paged_decode_attention));
 }

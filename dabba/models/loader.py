@@ -68,4 +68,5 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    model.enable_native_decode()
     return model.eval()

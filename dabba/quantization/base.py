@@ -32,10 +32,28 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
+        """How the native decode loop (csrc/decode_cpu.cpp) computes what ``apply`` does on the CPU;
+        None where it cannot, and the model then decodes in Python."""
+        return None
+
+
+@dataclass(frozen=True)
+class NativeLinearSpec:
+    kind: int  # NativeLinear::Kind in csrc/decode_cpu.cpp
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    group_size: int = 0
+
+    DENSE, INT8, INT4 = 0, 1, 2
+
 
 class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return native.linear(x, layer.weight, bias)
+
+    def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
+        return NativeLinearSpec(NativeLinearSpec.DENSE, layer.weight)
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dabba.quantization.base import LinearMethod
+from dabba.quantization.base import LinearMethod, NativeLinearSpec
 from dabba.quantization.formats import awq_unpack, gptq_unpack
-from dabba.quantization.rtn import int4_bytes, int4_matmul_cpu, register_int4_for_cpu
+from dabba.quantization.rtn import int4_bytes, int4_matmul_cpu, int4_native_spec, register_int4_for_cpu
 
 
 class GPTQLinearMethod(LinearMethod):
@@ -56,6 +56,9 @@ class GPTQLinearMethod(LinearMethod):
             return int4_bytes(layer.out_features, layer.in_features, self.group_size, dtype, device_type)
         return layer.out_features * layer.in_features * dtype.itemsize
 
+    def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
+        return int4_native_spec(layer, self.group_size) if self.packed else None
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.packed:
             return F.linear(x, layer.weight, bias)
@@ -95,6 +98,9 @@ class AWQLinearMethod(LinearMethod):
         if device_type == "cpu":
             return int4_bytes(layer.out_features, layer.in_features, self.group_size, dtype, device_type)
         return layer.out_features * layer.in_features * dtype.itemsize
+
+    def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
+        return int4_native_spec(layer, self.group_size)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.device.type != "cpu":

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dabba.quantization.base import LinearMethod
+from dabba.quantization.base import LinearMethod, NativeLinearSpec
 
 
 @dataclass
@@ -79,6 +79,13 @@ def int4_matmul_cpu(layer: nn.Module, x: torch.Tensor, group_size: int, bias: to
     return y.view(*shape[:-1], -1)
 
 
+def int4_native_spec(layer: nn.Module, group_size: int) -> NativeLinearSpec | None:
+    """The int4 CPU kernel's operands, where the layer was packed for it (int4_matmul_cpu)."""
+    if getattr(layer, "scales_and_zeros", None) is None:
+        return None
+    return NativeLinearSpec(NativeLinearSpec.INT4, layer.qweight, layer.scales_and_zeros, group_size)
+
+
 def _drop_weight(layer: nn.Module) -> None:
     del layer.weight
     layer.register_parameter("weight", None)
@@ -96,6 +103,9 @@ class Int8RTNMethod(LinearMethod):
 
     def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
         return layer.out_features * layer.in_features + layer.out_features * dtype.itemsize
+
+    def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
+        return NativeLinearSpec(NativeLinearSpec.INT8, layer.qweight, layer.scales)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
@@ -128,6 +138,9 @@ class Int4RTNMethod(LinearMethod):
 
     def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
         return int4_bytes(layer.out_features, layer.in_features, self.group_size, dtype, device_type)
+
+    def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
+        return int4_native_spec(layer, self.group_size)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.device.type == "cpu":

@@ -36,8 +36,10 @@ def make_step(query_lens, context_lens, block_size, num_blocks, seed=0):
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 2, 24, 16),
-                                                                            (6, 6, 16, 8), (4, 1, 40, 32)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [
+    (9, 3, 64, 16), (8, 1, 32, 16), (12, 2, 128, 16), (9, 9, 16, 16),  # query heads in groups of 3, 8, 6, 1
+    (4, 2, 24, 16), (6, 6, 16, 8), (4, 1, 40, 32), (18, 2, 16, 16),  # per-head loops: other shapes, groups of 9
+])
 @pytest.mark.parametrize("query_lens, context_lens", [([1, 1, 37, 1, 5, 1], [70, 3, 0, 130, 40, 0]),
                                                       ([1, 1, 1], [70, 0, 130])],  # decodes only: the fast path
                          ids=["mixed", "decodes"])
