@@ -14,8 +14,8 @@ Run it with the llama.cpp venv's Python. Writes OUT/model-{type}.gguf and prints
   parameters with ftype MOSTLY_Q8_0 / MOSTLY_Q4_0 (what `llama-quantize in out Q8_0` does).
 
 The converter imports torch and transformers. When this interpreter has them not (the llama.cpp
-venv has neither), give --convert-python: a Python that has them (dabba's own venv works); this
-script then runs itself under that Python for the bf16 step only.
+venv has neither), give --convert-python: a Python that has them; this
+script then runs itself under that Python for the bf16 step only (it needs sentencepiece too).
 """
 from __future__ import annotations
 
