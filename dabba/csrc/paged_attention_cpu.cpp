@@ -27,6 +27,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 namespace dabba {
 
 constexpr int64_t kLanes = 16;
@@ -157,6 +161,39 @@ void group_block_scores(const Shape& sh, const float* qf, const scalar_t* k_ptr,
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bf16 keys: q . k by vdpbf16ps, two dimensions per instruction with products exact in float32,
+// instead of widening every key to float32 first: half the instructions of the pass. A block's
+// rows d and d + 1 (16 keys each, adjacent in the transposed layout) load as one vector and are
+// interleaved into (d, d+1) pairs per key; the scale is applied to the float32 sums.
+template <int G>
+void group_block_scores_bf16(const Shape& sh, const uint16_t* q, float scale, const uint16_t* k_ptr,
+                             const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len, float* scores) {
+  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pairs = _mm512_load_si512(kPairs);
+  const int64_t num_seq_blocks = (seq_len + kLanes - 1) / kLanes;
+  const int64_t block_elems = sh.head_dim * kLanes;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < num_seq_blocks; ++j) {
+    const uint16_t* kb = k_ptr + (kvh * sh.num_blocks + blocks[j]) * block_elems;
+    if (j + 1 < num_seq_blocks)
+      prefetch_block(k_ptr + (kvh * sh.num_blocks + blocks[j + 1]) * block_elems, block_elems * sizeof(uint16_t));
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < sh.head_dim; d += 2) {
+      const __m512bh k = (__m512bh)_mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(kb + d * kLanes));
+      for (int g = 0; g < G; ++g) {
+        int32_t q_pair;
+        std::memcpy(&q_pair, q + g * sh.head_dim + d, sizeof(q_pair));
+        acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_set1_epi32(q_pair), k);
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * padded_len + j * kLanes, _mm512_mul_ps(acc[g], vscale));
+  }
+}
+#endif
+
 template <typename scalar_t, int G>
 void group_weighted_values(const Shape& sh, const float* probs, const scalar_t* v_ptr, const int64_t* blocks,
                            int64_t kvh, int64_t seq_len, int64_t padded_len, float* out) {
@@ -177,14 +214,24 @@ void group_weighted_values(const Shape& sh, const float* probs, const scalar_t* 
 }
 
 // Both passes for a group of G heads; false if the shape needs the per-head loops.
+// q: the group's G query heads as stored (contiguous), qf: the same scaled, in float32.
 template <typename scalar_t>
-bool group_attention(const Shape& sh, const float* qf, const scalar_t* k_ptr, const scalar_t* v_ptr,
-                     const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len, float* scores,
-                     float* out) {
+bool group_attention(const Shape& sh, const scalar_t* q, float scale, const float* qf, const scalar_t* k_ptr,
+                     const scalar_t* v_ptr, const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len,
+                     float* scores, float* out) {
   if (sh.block_size != kLanes || sh.head_dim % kLanes) return false;
   auto run = [&](auto group) {
     constexpr int G = decltype(group)::value;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      group_block_scores_bf16<G>(sh, reinterpret_cast<const uint16_t*>(q), scale,
+                                 reinterpret_cast<const uint16_t*>(k_ptr), blocks, kvh, seq_len, padded_len, scores);
+    } else {
+      group_block_scores<scalar_t, G>(sh, qf, k_ptr, blocks, kvh, seq_len, padded_len, scores);
+    }
+#else
     group_block_scores<scalar_t, G>(sh, qf, k_ptr, blocks, kvh, seq_len, padded_len, scores);
+#endif
     for (int g = 0; g < G; ++g) softmax_inplace(scores + g * padded_len, seq_len);
     group_weighted_values<scalar_t, G>(sh, scores, v_ptr, blocks, kvh, seq_len, padded_len, out);
     return true;
@@ -245,7 +292,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         const scalar_t* src = q_ptr + (s * sh.num_heads + kvh * sh.group + g) * sh.head_dim;
         for (int64_t d = 0; d < sh.head_dim; ++d) qf[g * sh.head_dim + d] = static_cast<float>(src[d]) * fscale;
       }
-      if (!group_attention(sh, qf.data(), k_ptr, v_ptr, blocks, kvh, seq_len, padded_len, scores.data(), acc.data())) {
+      const scalar_t* q_group = q_ptr + (s * sh.num_heads + kvh * sh.group) * sh.head_dim;
+      if (!group_attention(sh, q_group, fscale, qf.data(), k_ptr, v_ptr, blocks, kvh, seq_len, padded_len,
+                           scores.data(), acc.data())) {
         block_scores(sh, qf.data(), k_ptr, blocks, kvh, seq_len, padded_len, scores.data());
         for (int64_t g = 0; g < sh.group; ++g) softmax_inplace(scores.data() + g * padded_len, seq_len);
         if (!vector_values) {
