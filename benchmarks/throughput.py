@@ -29,7 +29,8 @@ def peak_rss_mib() -> float:
 
 
 def run_dabba(args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
-    from dabba import LLM, SamplingParams
+    from dabba import LLM
+    from dabba.benchmark.offline import warm_and_time
 
     engine_kwargs = {"dtype": args["dtype"], "max_num_batched_tokens": args["max_num_batched_tokens"]}
     if args["max_num_seqs"]:
@@ -37,14 +38,7 @@ def run_dabba(args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
     if args["kv_cache_memory"]:
         engine_kwargs["kv_cache_memory"] = parse_bytes(args["kv_cache_memory"])
     llm = LLM(args["model"], **engine_kwargs)
-    params = SamplingParams(max_tokens=args["output_len"], temperature=0, ignore_eos=True)
-    # Warm-up on the workload's own shapes (one-time kernel setup and allocations); reversed
-    # prompts, so the measured run gets no prefix-cache hits from it.
-    llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:16]], SamplingParams(max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, outs = warm_and_time(llm, prompts, args["output_len"])
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"elapsed_s": elapsed, "num_output_tokens": num_out, "peak_rss_mib": peak_rss_mib(),
             "num_preemptions": llm.llm_engine.scheduler.num_preemptions}

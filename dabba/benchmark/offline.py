@@ -52,19 +52,26 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "p10": q[9], "p50": q[49], "p90": q[89], "p99": q[98]}
 
 
+def warm_and_time(llm, prompts: list[list[int]], output_len: int) -> tuple[float, list]:
+    """Warm up on the shapes of a prefill and of batched decodes (reversed ids, so that the timed
+    run finds nothing of its own in the prefix cache), then time one generate() of all prompts,
+    greedy with EOS ignored. Returns (seconds, outputs)."""
+    from dabba import SamplingParams
+
+    llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:4]], SamplingParams(max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start, outputs
+
+
 def bench_throughput(model: str, w: OfflineWorkload, **engine_kwargs: Any) -> dict[str, Any]:
-    from dabba import LLM, SamplingParams
+    from dabba import LLM
 
     llm = LLM(model, **engine_kwargs)
     prompts = make_prompts(w, llm.llm_engine.arch.vocab_size, llm.get_tokenizer())
-    params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
-    # Warm-up on the shapes of a prefill and of batched decodes; reversed ids, so that the timed
-    # run finds nothing of its own in the prefix cache.
-    llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:4]], SamplingParams(max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, outputs = warm_and_time(llm, prompts, w.output_len)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(p) for p in prompts)
     return {"benchmark": "throughput", "model": model, "workload": asdict(w), "engine": engine_kwargs,
