@@ -65,16 +65,28 @@ inline vfloat load16_as_float<at::BFloat16>(const at::BFloat16* p) {
   return out;
 }
 
-// In place: s[0..n) <- softmax(s[0..n)).
+// In place: s[0..n) <- softmax(s[0..n)). The max and the sum run in 16 lanes: a float reduction
+// written as one scalar loop is not vectorised without -ffast-math, and neither is any loop it
+// shares (the exp, the costliest part, is a map loop of its own here).
 inline void softmax_inplace(float* s, int64_t n) {
+  const int64_t full = n / kLanes * kLanes;
   float max_score = s[0];
-  for (int64_t t = 1; t < n; ++t) max_score = std::max(max_score, s[t]);
-  float sum = 0.f;
-#pragma GCC ivdep
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = exp_nonpositive(s[t] - max_score);
-    sum += s[t];
+  if (full) {
+    vfloat vmax = load16(s);
+    for (int64_t t = kLanes; t < full; t += kLanes) {
+      const vfloat x = load16(s + t);
+      vmax = vmax > x ? vmax : x;
+    }
+    for (int64_t i = 0; i < kLanes; ++i) max_score = std::max(max_score, vmax[i]);
   }
+  for (int64_t t = full; t < n; ++t) max_score = std::max(max_score, s[t]);
+#pragma GCC ivdep
+  for (int64_t t = 0; t < n; ++t) s[t] = exp_nonpositive(s[t] - max_score);
+  vfloat vsum = {};
+  for (int64_t t = 0; t < full; t += kLanes) vsum += load16(s + t);
+  float sum = 0.f;
+  for (int64_t i = 0; i < kLanes; ++i) sum += vsum[i];
+  for (int64_t t = full; t < n; ++t) sum += s[t];
   const float inv = 1.f / sum;
   for (int64_t t = 0; t < n; ++t) s[t] *= inv;
 }
@@ -192,6 +204,45 @@ void group_block_scores_bf16(const Shape& sh, const uint16_t* q, float scale, co
     for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * padded_len + j * kLanes, _mm512_mul_ps(acc[g], vscale));
   }
 }
+
+// bf16 values: out_g = sum_t p[g, t] v_t by vdpbf16ps, two keys' values per instruction, with the
+// probabilities rounded to bf16 (as flash attention's P @ V does) and float32 sums. Rows t and
+// t + 1 of a 16-dim chunk are interleaved into pairs like the keys above; a pair never straddles
+// a block (16 is even), and an odd last key pairs with itself at probability 0.
+template <int G>
+void group_weighted_values_bf16(const Shape& sh, const float* probs, const uint16_t* v_ptr, const int64_t* blocks,
+                                int64_t kvh, int64_t seq_len, int64_t padded_len, float* out) {
+  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pairs = _mm512_load_si512(kPairs);
+  const int64_t num_pairs = (seq_len + 1) / 2;
+  thread_local std::vector<int32_t> p_pairs;  // (p[t], p[t + 1]) as two bf16 per group row
+  p_pairs.resize(G * num_pairs);
+  for (int g = 0; g < G; ++g)
+    for (int64_t i = 0; i < num_pairs; ++i) {
+      const float lo = probs[g * padded_len + 2 * i];
+      const float hi = 2 * i + 1 < seq_len ? probs[g * padded_len + 2 * i + 1] : 0.f;
+      p_pairs[g * num_pairs + i] = static_cast<int32_t>(float_to_bf16_bits(lo) | (uint32_t(float_to_bf16_bits(hi)) << 16));
+    }
+  const int64_t block_elems = kLanes * sh.head_dim;
+  for (int64_t c = 0; c < sh.head_dim / kLanes; ++c) {
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < num_pairs; ++i) {
+      const int64_t t = 2 * i, t1 = t + 1 < seq_len ? t + 1 : t;
+      const uint16_t* block = v_ptr + (kvh * sh.num_blocks + blocks[t / kLanes]) * block_elems;
+      if (c == 0 && t % kLanes == 0 && t + kLanes < seq_len)
+        prefetch_block(v_ptr + (kvh * sh.num_blocks + blocks[t / kLanes + 1]) * block_elems,
+                       block_elems * sizeof(uint16_t));
+      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (t % kLanes) * sh.head_dim + c * kLanes));
+      const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (t1 % kLanes) * sh.head_dim + c * kLanes));
+      const __m512bh v = (__m512bh)_mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1));
+      for (int g = 0; g < G; ++g)
+        acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_set1_epi32(p_pairs[g * num_pairs + i]), v);
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + g * sh.head_dim + c * kLanes, acc[g]);
+  }
+}
 #endif
 
 template <typename scalar_t, int G>
@@ -233,6 +284,13 @@ bool group_attention(const Shape& sh, const scalar_t* q, float scale, const floa
     group_block_scores<scalar_t, G>(sh, qf, k_ptr, blocks, kvh, seq_len, padded_len, scores);
 #endif
     for (int g = 0; g < G; ++g) softmax_inplace(scores + g * padded_len, seq_len);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      group_weighted_values_bf16<G>(sh, scores, reinterpret_cast<const uint16_t*>(v_ptr), blocks, kvh, seq_len,
+                                    padded_len, out);
+      return true;
+    }
+#endif
     group_weighted_values<scalar_t, G>(sh, scores, v_ptr, blocks, kvh, seq_len, padded_len, out);
     return true;
   };
