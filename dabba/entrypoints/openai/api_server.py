@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import signal
+import threading
 from typing import AsyncIterator
 
 import uvicorn
@@ -27,8 +29,11 @@ from dabba.entrypoints.openai.serving import OpenAIError, OpenAIServing
 logger = logging.getLogger("dabba")
 
 
-def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    async_engine = AsyncLLMEngine(engine, served_model_name)
+def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
+              engine_thread: bool = True) -> FastAPI:
+    """The app; its engine loop runs in a thread of its own, or (``engine_thread=False``) wherever
+    the caller runs ``app.state.engine.run_loop()``."""
+    async_engine = AsyncLLMEngine(engine, served_model_name, start_thread=engine_thread)
     serving = OpenAIServing(async_engine, served_model_name)
 
     @contextlib.asynccontextmanager
@@ -128,6 +133,22 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 def serve(engine: LLMEngine, served_model_name: str, host: str, port: int, api_key: str | None) -> None:
     """Run until SIGINT/SIGTERM: uvicorn stops accepting, lets in-flight requests finish (up to
     30 s), then the engine aborts what is left and stops."""
-    app = build_app(engine, served_model_name, api_key)
+    app = build_app(engine, served_model_name, api_key, engine_thread=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30))
+
+    def stop(signum: int, frame: object) -> None:  # uvicorn drains, then its lifespan stops the engine loop
+        server.should_exit = True
+
+    def http() -> None:
+        try:
+            server.run()  # outside the main thread uvicorn installs no signal handlers: stop() does
+        finally:
+            app.state.engine.shutdown()  # also when uvicorn could not start (port taken)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    thread = threading.Thread(target=http, name="dabba-http")
     logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", served_model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
+    thread.start()
+    app.state.engine.run_loop()  # the engine steps on the main thread (see AsyncLLMEngine)
+    thread.join()

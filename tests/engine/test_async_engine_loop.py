@@ -1,0 +1,43 @@
+"""The engine loop on the caller's thread (how `dabba serve` runs it, on the main thread): requests
+fed from an event loop in another thread are served by that thread's steps, and shutdown() ends it."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from dabba import LLM, SamplingParams
+from dabba.engine.async_engine import AsyncLLMEngine
+
+
+def test_engine_loop_runs_on_the_calling_thread(checkpoints) -> None:
+    engine = LLM(str(checkpoints["llama"].path), dtype="float32", kv_cache_memory=2**22).llm_engine
+    stepped_on = set()
+    step = engine.step
+
+    def recording_step():
+        stepped_on.add(threading.get_ident())
+        return step()
+
+    engine.step = recording_step
+    async_engine = AsyncLLMEngine(engine, "m", start_thread=False)
+    result = {}
+
+    async def client() -> None:
+        stream = await async_engine.add_request("r", {"prompt_token_ids": [5, 6, 7]},
+                                                SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        async for out in stream:
+            result["tokens"] = out.outputs[0].token_ids
+
+    def http_side() -> None:
+        try:
+            asyncio.run(client())
+        finally:
+            async_engine.shutdown()
+
+    other = threading.Thread(target=http_side)
+    other.start()
+    async_engine.run_loop()  # returns once shutdown() ran
+    other.join(timeout=30)
+    assert len(result["tokens"]) == 5
+    assert stepped_on == {threading.get_ident()}
+    assert not async_engine.is_running
