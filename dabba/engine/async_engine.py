@@ -1,5 +1,6 @@
-"""The engine loop in one background thread, each request streaming through its own asyncio
-queue. Only the engine thread touches LLMEngine: requests to add or abort reach it through a
+"""The engine loop on one thread (its own, or the caller's: `dabba serve` runs it on the main
+thread), each request streaming through its own asyncio queue. Only the engine thread touches
+LLMEngine: requests to add or abort reach it through a
 thread-safe queue and take effect before its next step, so a cancelled request's blocks are
 freed on the next step and a bad request never disturbs the others."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The FastAPI app: routes, API-key check, OpenAI-shaped errors, metrics; and running it.
 
 Handlers only convert between protocol types and engine types (see serving.py); the engine
-loop runs in one background thread (AsyncLLMEngine).
+loop runs on one thread of its own (AsyncLLMEngine), which serve() makes the main thread.
 """
 from __future__ import annotations
 
