@@ -139,11 +139,15 @@ def serve(engine: LLMEngine, served_model_name: str, host: str, port: int, api_k
     def stop(signum: int, frame: object) -> None:  # uvicorn drains, then its lifespan stops the engine loop
         server.should_exit = True
 
+    exit_code = []
+
     def http() -> None:
         try:
             server.run()  # outside the main thread uvicorn installs no signal handlers: stop() does
+        except SystemExit as e:  # uvicorn could not start (port taken): the process exits with its code
+            exit_code.append(e.code)
         finally:
-            app.state.engine.shutdown()  # also when uvicorn could not start (port taken)
+            app.state.engine.shutdown()
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -152,3 +156,5 @@ def serve(engine: LLMEngine, served_model_name: str, host: str, port: int, api_k
     thread.start()
     app.state.engine.run_loop()  # the engine steps on the main thread (see AsyncLLMEngine)
     thread.join()
+    if exit_code:
+        raise SystemExit(exit_code[0])
