@@ -174,6 +174,10 @@ void group_block_scores(const Shape& sh, const float* qf, const scalar_t* k_ptr,
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// vpermw indices taking two 16-element bf16 rows a | b to the pairs (a0, b0), (a1, b1), ...
+alignas(64) constexpr uint16_t kPairInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
 // bf16 keys: q . k by vdpbf16ps, two dimensions per instruction with products exact in float32,
 // instead of widening every key to float32 first: half the instructions of the pass. A block's
 // rows d and d + 1 (16 keys each, adjacent in the transposed layout) load as one vector and are
@@ -181,9 +185,7 @@ void group_block_scores(const Shape& sh, const float* qf, const scalar_t* k_ptr,
 template <int G>
 void group_block_scores_bf16(const Shape& sh, const uint16_t* q, float scale, const uint16_t* k_ptr,
                              const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len, float* scores) {
-  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i pairs = _mm512_load_si512(kPairs);
+  const __m512i pairs = _mm512_load_si512(kPairInterleave);
   const int64_t num_seq_blocks = (seq_len + kLanes - 1) / kLanes;
   const int64_t block_elems = sh.head_dim * kLanes;
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -212,9 +214,7 @@ void group_block_scores_bf16(const Shape& sh, const uint16_t* q, float scale, co
 template <int G>
 void group_weighted_values_bf16(const Shape& sh, const float* probs, const uint16_t* v_ptr, const int64_t* blocks,
                                 int64_t kvh, int64_t seq_len, int64_t padded_len, float* out) {
-  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i pairs = _mm512_load_si512(kPairs);
+  const __m512i pairs = _mm512_load_si512(kPairInterleave);
   const int64_t num_pairs = (seq_len + 1) / 2;
   thread_local std::vector<int32_t> p_pairs;  // (p[t], p[t + 1]) as two bf16 per group row
   p_pairs.resize(G * num_pairs);

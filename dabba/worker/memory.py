@@ -67,7 +67,7 @@ def keep_freed_host_memory() -> None:
 
     By default every buffer over 128 KiB-32 MiB is mmapped and unmapped per allocation, so a
     4096-token prefill step page-faults and zeroes ~100 MB of fresh pages for its activations;
-    keeping them in the heap took 9% off a 16k-token prefill (the allocator vLLM's CPU build
+    keeping them in the heap took 8% off a 16k-token prefill (the allocator vLLM's CPU build
     preloads, tcmalloc, does the same). Best effort: a no-op off glibc.
     """
     if not sys.platform.startswith("linux"):
