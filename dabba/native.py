@@ -16,8 +16,8 @@ import torch.nn.functional as F
 logger = logging.getLogger("dabba")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "decode_cpu.cpp")
-GEMV_MAX_ROWS = 4  # activation rows up to which a bf16 linear takes the native GEMV kernel
+SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "int8_gemv_cpu.cpp", "decode_cpu.cpp")
+GEMV_MAX_ROWS = 4  # activation rows up to which a linear takes a native GEMV kernel (bf16 or INT8 weights)
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,3 +62,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         torch.ops.dabba_cpu.bf16_gemv(out, x, weight, bias)
         return out
     return F.linear(x, weight, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def int8_gemv_available() -> bool:
+    return load_cpu_ops() and torch.ops.dabba_cpu.int8_gemv_available()
+
+
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x (codes * scales[:, None])^T + bias on the CPU for decode's few rows through the native INT8
+    GEMV (csrc/int8_gemv_cpu.cpp), or None where it does not apply: the caller keeps PyTorch's
+    _weight_int8pack_mm, which reads the codes at three quarters of the speed."""
+    if not (x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float32)
+            and x.device.type == "cpu" and x.stride(1) == 1 and codes.is_contiguous() and scales.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype) and int8_gemv_available()):
+        return None
+    out = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype)
+    torch.ops.dabba_cpu.int8_gemv(out, x, codes, scales, bias)
+    return out

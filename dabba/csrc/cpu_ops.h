@@ -25,4 +25,9 @@ constexpr int64_t kGemvMaxRows = 4;  // activation rows handled in one pass over
 bool gemv_available();
 void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
+// int8_gemv_cpu.cpp: up to kGemvMaxRows rows of x against int8 codes with a scale per output channel
+bool int8_gemv_available();
+void int8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+               const c10::optional<at::Tensor>& bias);
+
 }  // namespace dabba

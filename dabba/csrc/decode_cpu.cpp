@@ -38,6 +38,13 @@ struct NativeLinear {
       }
       return at::linear(x, weight, bias);
     }
+    if (kind == kInt8 && x.size(0) <= kGemvMaxRows && int8_gemv_available() &&
+        (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && scales.scalar_type() == x.scalar_type() &&
+        (!bias.has_value() || bias->scalar_type() == x.scalar_type())) {  // dabba.native.int8_linear
+      at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+      int8_gemv(y, x, weight, scales, bias);
+      return y;
+    }
     at::Tensor y = kind == kInt8 ? at::_weight_int8pack_mm(x, weight, scales)
                                  : at::_weight_int4pack_mm_for_cpu(x, weight, group_size, scales);
     return bias.has_value() ? y + *bias : y;

@@ -5,7 +5,8 @@
     symmetric:  r_min = -r_max = -max|w|,   q = clamp(round(w / s), -2^(b-1), 2^(b-1) - 1), w ~ q * s
 
 On CPU the methods use PyTorch's weight-packed kernels (``_weight_int8pack_mm`` and the int4
-"tinygemm" ``_weight_int4pack_mm_for_cpu``); elsewhere they dequantize and multiply.
+"tinygemm" ``_weight_int4pack_mm_for_cpu``), and for decode's few rows of INT8 dabba's own GEMV
+(csrc/int8_gemv_cpu.cpp), which reads the same codes; elsewhere they dequantize and multiply.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dabba import native
 from dabba.quantization.base import LinearMethod, NativeLinearSpec
 
 
@@ -111,6 +113,9 @@ class Int8RTNMethod(LinearMethod):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x.device.type == "cpu":
+            y = native.int8_linear(x2, layer.qweight, layer.scales, bias)  # decode's few rows
+            if y is not None:
+                return y.view(*shape[:-1], -1)
             y = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, layer.scales)
         else:
             y = F.linear(x2, layer.qweight.to(x.dtype) * layer.scales[:, None])
