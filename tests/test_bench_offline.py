@@ -64,6 +64,7 @@ def test_bench_latency_cli(checkpoints, capsys) -> None:
         s = result[key]
         assert 0 < s["p10"] <= s["p50"] <= s["p90"] <= s["p99"]
     assert result["workload"]["batch_size"] == 2
+    assert result["prefix_cache_hit_tokens"] == 0  # each timed iteration prefills its prompt in full
 
 
 def test_bench_serve_cli_reports_failures_without_a_server(tmp_path, capsys) -> None:

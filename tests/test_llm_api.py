@@ -195,6 +195,20 @@ def test_bad_sampling_params(kwargs, field) -> None:
         SamplingParams(**kwargs)
 
 
+def test_reset_prefix_cache_makes_the_next_prompt_prefill_in_full(checkpoints) -> None:
+    llm = LLM(str(checkpoints["llama"].path), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(10, 60))}  # 3 full blocks of 16, then 2
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert llm.get_stats().prefix_cache_hit_tokens == 48
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert llm.get_stats().prefix_cache_hit_tokens == 48  # no new hit
+    llm.llm_engine.add_request("running", prompt, params)
+    assert llm.reset_prefix_cache() is False  # refused while a request is unfinished
+
+
 def test_get_stats_counts_a_shared_prefix_once(checkpoints) -> None:
     llm = LLM(str(checkpoints["llama"].path), dtype="float32")
     engine = llm.llm_engine

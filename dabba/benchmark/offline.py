@@ -94,6 +94,7 @@ def bench_latency(model: str, w: OfflineWorkload, batch_size: int = 1, num_iters
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
     def timed(params: SamplingParams) -> float:
+        llm.reset_prefix_cache()  # every iteration prefills its whole prompt, as the first user's would
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
@@ -105,7 +106,8 @@ def bench_latency(model: str, w: OfflineWorkload, batch_size: int = 1, num_iters
     decode_s = statistics.median(latencies) - statistics.median(ttfts)
     return {"benchmark": "latency", "model": model, "workload": {**asdict(w), "batch_size": batch_size},
             "engine": engine_kwargs, "latency_s": _percentiles(latencies), "ttft_s": _percentiles(ttfts),
-            "decode_tokens_per_s": batch_size * (w.output_len - 1) / decode_s if decode_s > 0 else None}
+            "decode_tokens_per_s": batch_size * (w.output_len - 1) / decode_s if decode_s > 0 else None,
+            "prefix_cache_hit_tokens": llm.get_stats().prefix_cache_hit_tokens}
 
 
 def add_workload_args(parser: argparse.ArgumentParser, num_prompts: bool = True) -> None:

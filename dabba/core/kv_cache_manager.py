@@ -37,6 +37,14 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so the next prompts prefill in full (benchmarks' cold
+        prompts). Refused (False) while requests hold blocks: their blocks stay as they are."""
+        if self.req_to_blocks:
+            return False
+        self.pool.reset_prefix_cache()
+        return True
+
     @property
     def usage(self) -> float:
         return self.pool.usage

@@ -166,6 +166,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's LLMEngine.reset_prefix_cache: False while requests are unfinished."""
+        return not self.has_unfinished_requests() and self.scheduler.kv_cache_manager.reset_prefix_cache()
+
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the current output of every prompt that got new tokens (its

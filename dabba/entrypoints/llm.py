@@ -33,6 +33,10 @@ class LLM:
         use, how many slots hold real tokens, prefix-cache hits."""
         return self.llm_engine.get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes (vLLM's LLM.reset_prefix_cache); False while requests run."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()
 

@@ -168,6 +168,21 @@ def test_shared_prefix_shares_block_ids_and_counts_hits_in_tokens():
     assert free_queue_ids(kv) == [4, 5, 6, 7]
 
 
+def test_reset_prefix_cache_is_refused_while_blocks_are_held_then_forgets_every_prefix():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    prompt = fresh_tokens(9)
+    a = make_request("a", prompt)
+    prefill(kv, a)
+    assert hit_ids(kv, prompt) == [0, 1]
+    assert kv.reset_prefix_cache() is False  # a holds blocks: nothing changes
+    assert hit_ids(kv, prompt) == [0, 1]
+    kv.free(a)
+    assert kv.reset_prefix_cache() is True
+    assert hit_ids(kv, prompt) == []
+    kv.check_integrity()
+    assert prefill(kv, make_request("b", prompt))[0] == []  # computed in full
+
+
 def test_hashes_chain_so_an_equal_block_after_a_different_prefix_does_not_hit():
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
     first, second = fresh_tokens(4), fresh_tokens(4)
