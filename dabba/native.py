@@ -17,7 +17,8 @@ logger = logging.getLogger("dabba")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "int8_gemv_cpu.cpp", "decode_cpu.cpp")
-GEMV_MAX_ROWS = 4  # activation rows up to which a linear takes a native GEMV kernel (bf16 or INT8 weights)
+GEMV_MAX_ROWS = 12  # activation rows up to which a bf16 linear takes the native GEMV (csrc/cpu_ops.h)
+INT8_GEMV_MAX_ROWS = 6  # the same for INT8 codes
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,7 +75,7 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     """x (codes * scales[:, None])^T + bias on the CPU for decode's few rows through the native INT8
     GEMV (csrc/int8_gemv_cpu.cpp), or None where it does not apply: the caller keeps PyTorch's
     _weight_int8pack_mm, which reads the codes at three quarters of the speed."""
-    if not (x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float32)
+    if not (x.dim() == 2 and x.shape[0] <= INT8_GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float32)
             and x.device.type == "cpu" and x.stride(1) == 1 and codes.is_contiguous() and scales.dtype == x.dtype
             and (bias is None or bias.dtype == x.dtype) and int8_gemv_available()):
         return None

@@ -22,7 +22,7 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
     ("llama", "bfloat16", None), ("llama", "float32", None), ("llama", "bfloat16", "int8"),
     ("llama", "bfloat16", "int4"), ("qwen2", "bfloat16", None), ("mistral", "bfloat16", "int4"),
 ])
-@pytest.mark.parametrize("batch", [1, 6])
+@pytest.mark.parametrize("batch", [1, 6, 13])  # 13: past both GEMV kernels' rows
 def test_native_decode_is_bit_identical_to_python(checkpoints, family, dtype, quantization, batch) -> None:
     ckpt = checkpoints[family]
     # no prefix caching: the second run must prefill exactly as the first did
@@ -30,7 +30,7 @@ def test_native_decode_is_bit_identical_to_python(checkpoints, family, dtype, qu
               enable_prefix_caching=False)
     model = llm.llm_engine.model_runner.model.model
     assert model.native_decoder is not None
-    prompts = ckpt.prompts[:batch]
+    prompts = (ckpt.prompts * 2)[:batch]
     native = generate(llm, prompts)
     model.native_decoder = None  # the Python layers
     assert generate(llm, prompts) == native

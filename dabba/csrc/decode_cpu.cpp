@@ -38,7 +38,7 @@ struct NativeLinear {
       }
       return at::linear(x, weight, bias);
     }
-    if (kind == kInt8 && x.size(0) <= kGemvMaxRows && int8_gemv_available() &&
+    if (kind == kInt8 && x.size(0) <= kInt8GemvMaxRows && int8_gemv_available() &&
         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && scales.scalar_type() == x.scalar_type() &&
         (!bias.has_value() || bias->scalar_type() == x.scalar_type())) {  // dabba.native.int8_linear
       at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());

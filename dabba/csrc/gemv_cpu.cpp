@@ -1,11 +1,11 @@
 // bf16 x bf16 -> bf16 products for a few rows of activations (decode): y[M, N] = x[M, K] W[N, K]^T.
 //
-// At M <= 4 a linear layer is a matrix-vector product: every weight byte is read once and used
-// M times, so the time is the weight's bytes over memory bandwidth. oneDNN's GEMM reaches about
-// half of it here at M = 1 (17-27 GB/s against this kernel's 33-59 on SmolLM's shapes). This
-// kernel streams R weight rows at once (R independent loads in flight), multiplies 32 bf16 pairs
-// per instruction with AVX-512 BF16's vdpbf16ps (products exact in float32, float32
-// accumulation), and splits the rows across threads.
+// For a few rows a linear layer is a matrix-vector product: every weight byte is read once and
+// used M times, so the time is the weight's bytes over memory bandwidth. oneDNN's GEMM reaches
+// about half of it here (17-27 GB/s at M = 1 on SmolLM's shapes, against this kernel's 43-48).
+// This kernel streams the weight rows in order, multiplies 32 bf16 pairs per instruction with
+// AVX-512 BF16's vdpbf16ps (products exact in float32, float32 accumulation), and splits the rows
+// across threads.
 // Each output is rounded to bf16 once, at the end, as a GEMM with float32 accumulation does.
 //
 // Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU);
@@ -29,60 +29,51 @@ namespace dabba {
 
 #ifdef DABBA_HAVE_BF16_GEMV
 
-// R weight rows [n, n + R) against M activation rows; K in steps of 32 with a masked tail.
-template <int M, int R>
-inline void gemv_block(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t K,
-                       float (&acc_out)[M][R]) {
-  __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+// Weight row n against M activation rows: M float32 sums; K in steps of 32 with a masked tail.
+template <int M>
+inline void gemv_row(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t K,
+                     float (&out)[M]) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * K + k);
-      for (int m = 0; m < M; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv[m], wv);
-    }
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    for (int m = 0; m < M; ++m)  // each x vector is used once, straight from L1
+      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * ldx + k), wv);
   }
   if (k < K) {
     const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * K + k);
-      for (int m = 0; m < M; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv[m], wv);
-    }
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k), wv);
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc_out[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
+// Each thread walks its rows in order: one sequential stream, which the hardware prefetcher
+// follows best. (Interleaving 4-8 rows, so that each x vector is loaded once for several, read
+// 35-40 GB/s against this order's 43-48 on SmolLM's shapes at M = 1-5.)
 template <int M>
 void gemv_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t ldy,
                int64_t N, int64_t K) {
-  constexpr int R = M == 1 ? 8 : 4;  // M * R accumulators + M + 1 operands stay within 32 registers
-  at::parallel_for(0, (N + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * R;
-      float acc[M][R];
-      if (n0 + R <= N) {
-        gemv_block<M, R>(x, ldx, w + n0 * K, K, acc);
-      } else {  // last rows: one at a time
-        for (int64_t n = n0; n < N; ++n) {
-          float one[M][1];
-          gemv_block<M, 1>(x, ldx, w + n * K, K, one);
-          for (int m = 0; m < M; ++m) acc[m][n - n0] = one[m][0];
-        }
-      }
-      const int64_t rows = std::min<int64_t>(R, N - n0);
-      for (int m = 0; m < M; ++m)
-        for (int64_t r = 0; r < rows; ++r) {
-          const float b = bias ? bf16_bits_to_float(bias[n0 + r]) : 0.f;  // added before the one rounding, as addmm
-          y[m * ldy + n0 + r] = float_to_bf16_bits(acc[m][r] + b);
-        }
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float acc[M];
+      gemv_row<M>(x, ldx, w + n * K, K, acc);
+      const float b = bias ? bf16_bits_to_float(bias[n]) : 0.f;  // added before the one rounding, as addmm
+      for (int m = 0; m < M; ++m) y[m * ldy + n] = float_to_bf16_bits(acc[m] + b);
     }
   });
+}
+
+// gemv_rows<M> for the runtime M (1 <= M <= MaxM).
+template <int MaxM>
+void dispatch_rows(int64_t M, const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                   int64_t ldy, int64_t N, int64_t K) {
+  if constexpr (MaxM >= 1) {
+    if (M == MaxM) return gemv_rows<MaxM>(x, ldx, w, bias, y, ldy, N, K);
+    dispatch_rows<MaxM - 1>(M, x, ldx, w, bias, y, ldy, N, K);
+  }
 }
 
 #endif  // DABBA_HAVE_BF16_GEMV
@@ -98,7 +89,7 @@ bool gemv_available() {
 void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(gemv_available(), "bf16_gemv: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16, rows contiguous");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "bf16_gemv takes 1 to 4 rows of x");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "bf16_gemv takes 1 to ", kGemvMaxRows, " rows of x");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
                   weight.size(1) == x.size(1),
               "weight must be a contiguous [N, K] bf16 tensor");
@@ -116,12 +107,7 @@ void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  switch (M) {
-    case 1: gemv_rows<1>(xp, x.stride(0), wp, bp, yp, out.stride(0), N, K); break;
-    case 2: gemv_rows<2>(xp, x.stride(0), wp, bp, yp, out.stride(0), N, K); break;
-    case 3: gemv_rows<3>(xp, x.stride(0), wp, bp, yp, out.stride(0), N, K); break;
-    default: gemv_rows<4>(xp, x.stride(0), wp, bp, yp, out.stride(0), N, K); break;
-  }
+  dispatch_rows<kGemvMaxRows>(M, xp, x.stride(0), wp, bp, yp, out.stride(0), N, K);
 #endif
 }
 

@@ -1,9 +1,9 @@
 // INT8-weight products for a few rows of activations (decode): y[M, N] = (x[M, K] Q[N, K]^T) * s[N],
 // where Q holds int8 codes and s one scale per output channel (quantization/rtn.py's INT8).
 //
-// At M <= 4 the time is the codes' bytes over memory bandwidth, but PyTorch's
+// For a few rows the time is the codes' bytes over memory bandwidth, but PyTorch's
 // _weight_int8pack_mm widens each code to float32 and multiplies there, and so reads the codes at
-// about 25 GB/s here against the bf16 GEMV's 35 (SmolLM's shapes, cold). This kernel instead
+// about 25 GB/s here (SmolLM's shapes, cold, M = 1) against this kernel's 36. This kernel instead
 // quantizes each activation row to int16 with one scale (max|x| / 32767: an error of at most
 // max|x| / 65534 per element, below bf16's own rounding of x), and multiplies 32 code pairs per
 // instruction with AVX-512 VNNI's vpdpwssd into exact int32 sums. The codes stay in the plain
@@ -35,61 +35,36 @@ namespace dabba {
 
 constexpr int64_t kExactChunk = 4096;  // |code| <= 128, |x_q| <= 32767: K / 16 products per lane stay below 2^31
 
-// R weight rows [n, n + R) against M int16 activation rows (zero-padded to a multiple of 32);
-// float32 sums of code * x_q. Each row of codes is a short stream (SmolLM's 576 codes are 9 cache
-// lines), too short for the hardware prefetcher to run ahead, so the loop prefetches the line of
-// the next block of rows that it is about to need: 30 -> 35 GB/s (one pass over 30 layers, cold).
-template <int M, int R>
-inline void int8_block(const int16_t* __restrict xq, int64_t ldx, const int8_t* __restrict w, int64_t K,
-                       float (&out)[M][R]) {
-  __m512 total[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) total[m][r] = _mm512_setzero_ps();
+// Weight row n against M int16 activation rows (zero-padded to a multiple of 32): M float32
+// sums of code * x_q.
+template <int M>
+inline void int8_row(const int16_t* __restrict xq, int64_t ldx, const int8_t* __restrict w, int64_t K,
+                     float (&out)[M]) {
+  __m512 total[M];
+  for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += kExactChunk) {
     const int64_t k1 = std::min(K, k0 + kExactChunk);
-    __m512i acc[M][R];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_si512();
+    __m512i acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
     int64_t k = k0;
-    for (; k + 64 <= k1; k += 64) {
-      __m512i xlo[M], xhi[M];
+    for (; k + 64 <= k1; k += 64) {  // a cache line of codes, widened to int16 in two halves
+      const __m512i w64 = _mm512_loadu_si512(w + k);
+      const __m512i wlo = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(w64));
+      const __m512i whi = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(w64, 1));
       for (int m = 0; m < M; ++m) {
-        xlo[m] = _mm512_loadu_si512(xq + m * ldx + k);
-        xhi[m] = _mm512_loadu_si512(xq + m * ldx + k + 32);
-      }
-      for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + R * K + r * K + k), _MM_HINT_T0);  // the next block's line
-        const __m512i w64 = _mm512_loadu_si512(w + r * K + k);
-        const __m512i wlo = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(w64));
-        const __m512i whi = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(w64, 1));
-        for (int m = 0; m < M; ++m) {
-          acc[m][r] = _mm512_dpwssd_epi32(acc[m][r], wlo, xlo[m]);
-          acc[m][r] = _mm512_dpwssd_epi32(acc[m][r], whi, xhi[m]);
-        }
+        acc[m] = _mm512_dpwssd_epi32(acc[m], wlo, _mm512_loadu_si512(xq + m * ldx + k));
+        acc[m] = _mm512_dpwssd_epi32(acc[m], whi, _mm512_loadu_si512(xq + m * ldx + k + 32));
       }
     }
-    for (; k + 32 <= k1; k += 32) {
-      __m512i xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(xq + m * ldx + k);
-      for (int r = 0; r < R; ++r) {
-        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k)));
-        for (int m = 0; m < M; ++m) acc[m][r] = _mm512_dpwssd_epi32(acc[m][r], wv, xv[m]);
-      }
+    for (; k < k1; k += 32) {  // the tail: masked code loads; x_q is zero past K
+      const int64_t left = std::min<int64_t>(32, k1 - k);
+      const __mmask32 mask = static_cast<__mmask32>((1ull << left) - 1);
+      const __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w + k));
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_dpwssd_epi32(acc[m], wv, _mm512_loadu_si512(xq + m * ldx + k));
     }
-    if (k < k1) {  // the tail: masked code loads; x_q is zero past K
-      const __mmask32 mask = static_cast<__mmask32>((1ull << (k1 - k)) - 1);
-      __m512i xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(xq + m * ldx + k);
-      for (int r = 0; r < R; ++r) {
-        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w + r * K + k));
-        for (int m = 0; m < M; ++m) acc[m][r] = _mm512_dpwssd_epi32(acc[m][r], wv, xv[m]);
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) total[m][r] = _mm512_add_ps(total[m][r], _mm512_cvtepi32_ps(acc[m][r]));
+    for (int m = 0; m < M; ++m) total[m] = _mm512_add_ps(total[m], _mm512_cvtepi32_ps(acc[m]));
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) out[m][r] = _mm512_reduce_add_ps(total[m][r]);
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(total[m]);
 }
 
 template <typename T>
@@ -115,33 +90,31 @@ float quantize_row_int16(const T* x, int64_t K, int16_t* q) {
   return scale;
 }
 
+// Each thread walks its rows in order: one sequential stream, as the bf16 GEMV (gemv_cpu.cpp).
 template <int M, typename T>
 void int8_rows(const int16_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, const T* scales, const T* bias,
                T* y, int64_t ldy, int64_t N, int64_t K) {
-  constexpr int R = M == 1 ? 8 : 4;  // as the bf16 GEMV: M * R accumulators and their totals in registers
-  at::parallel_for(0, (N + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * R;
-      float acc[M][R];
-      if (n0 + R <= N) {
-        int8_block<M, R>(xq, ldx, w + n0 * K, K, acc);
-      } else {
-        for (int64_t n = n0; n < N; ++n) {
-          float one[M][1];
-          int8_block<M, 1>(xq, ldx, w + n * K, K, one);
-          for (int m = 0; m < M; ++m) acc[m][n - n0] = one[m][0];
-        }
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float acc[M];
+      int8_row<M>(xq, ldx, w + n * K, K, acc);
+      for (int m = 0; m < M; ++m) {
+        const float v = acc[m] * x_scale[m] * to_float(scales[n]);
+        // _weight_int8pack_mm rounds the product to the activations' dtype, then a bias adds to it
+        y[m * ldy + n] = bias ? from_float<T>(to_float(from_float<T>(v)) + to_float(bias[n])) : from_float<T>(v);
       }
-      const int64_t rows = std::min<int64_t>(R, N - n0);
-      for (int m = 0; m < M; ++m)
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t n = n0 + r;
-          const float v = acc[m][r] * x_scale[m] * to_float(scales[n]);
-          // _weight_int8pack_mm rounds the product to the activations' dtype, then a bias adds to it
-          y[m * ldy + n] = bias ? from_float<T>(to_float(from_float<T>(v)) + to_float(bias[n])) : from_float<T>(v);
-        }
     }
   });
+}
+
+// int8_rows<M> for the runtime M (1 <= M <= MaxM).
+template <int MaxM, typename T>
+void dispatch_int8_rows(int64_t M, const int16_t* xq, int64_t ldx, const float* x_scale, const int8_t* w,
+                        const T* scales, const T* bias, T* y, int64_t ldy, int64_t N, int64_t K) {
+  if constexpr (MaxM >= 1) {
+    if (M == MaxM) return int8_rows<MaxM, T>(xq, ldx, x_scale, w, scales, bias, y, ldy, N, K);
+    dispatch_int8_rows<MaxM - 1, T>(M, xq, ldx, x_scale, w, scales, bias, y, ldy, N, K);
+  }
 }
 
 template <typename T>
@@ -150,19 +123,14 @@ void int8_gemv_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
   const int64_t ldq = (K + 31) / 32 * 32;
   std::vector<int16_t> xq(M * ldq, 0);
-  float x_scale[kGemvMaxRows];
+  float x_scale[kInt8GemvMaxRows];
   const T* xp = x.data_ptr<T>();
   for (int64_t m = 0; m < M; ++m) x_scale[m] = quantize_row_int16(xp + m * x.stride(0), K, xq.data() + m * ldq);
   const auto* wp = weight.data_ptr<int8_t>();
   const T* sp = scales.data_ptr<T>();
   const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   T* yp = out.data_ptr<T>();
-  switch (M) {
-    case 1: int8_rows<1, T>(xq.data(), ldq, x_scale, wp, sp, bp, yp, out.stride(0), N, K); break;
-    case 2: int8_rows<2, T>(xq.data(), ldq, x_scale, wp, sp, bp, yp, out.stride(0), N, K); break;
-    case 3: int8_rows<3, T>(xq.data(), ldq, x_scale, wp, sp, bp, yp, out.stride(0), N, K); break;
-    default: int8_rows<4, T>(xq.data(), ldq, x_scale, wp, sp, bp, yp, out.stride(0), N, K); break;
-  }
+  dispatch_int8_rows<kInt8GemvMaxRows, T>(M, xq.data(), ldq, x_scale, wp, sp, bp, yp, out.stride(0), N, K);
 }
 
 #endif  // DABBA_HAVE_INT8_GEMV
@@ -181,7 +149,8 @@ void int8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (dtype == at::kBFloat16 || dtype == at::kFloat),
               "x must be [M, K] bf16 or float32, rows contiguous");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "int8_gemv takes 1 to 4 rows of x");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kInt8GemvMaxRows, "int8_gemv takes 1 to ", kInt8GemvMaxRows,
+              " rows of x");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kChar &&
                   weight.size(1) == x.size(1),
               "weight must be contiguous [N, K] int8 codes");

@@ -12,7 +12,7 @@ from dabba import native
 pytestmark = pytest.mark.skipif(not native.gemv_available(), reason="no AVX512-BF16 kernel here")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 12])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (37, 70), (13, 1536), (8, 31)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_float32_products(rows, out_features, in_features, bias) -> None:
@@ -46,7 +46,8 @@ def test_kernel_rejects_bad_shapes() -> None:
     out = torch.empty(1, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.dabba_cpu.bf16_gemv(out, torch.randn(1, 128).bfloat16(), torch.randn(64, 100).bfloat16(), None)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        torch.ops.dabba_cpu.bf16_gemv(torch.empty(5, 64, dtype=torch.bfloat16), torch.randn(5, 128).bfloat16(),
+    with pytest.raises(RuntimeError, match=f"1 to {native.GEMV_MAX_ROWS} rows"):
+        torch.ops.dabba_cpu.bf16_gemv(torch.empty(native.GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16),
+                                      torch.randn(native.GEMV_MAX_ROWS + 1, 128).bfloat16(),
                                       torch.randn(64, 128).bfloat16(), None)
 

@@ -22,7 +22,7 @@ def _bound(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tensor | 
     return quant + sums + (out.abs() + (b.double().abs() if b is not None else 0)) * ulp + 1e-30
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (37, 70), (13, 1536), (9, 31), (5, 5000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
@@ -51,7 +51,7 @@ def test_zero_rows_and_fallbacks() -> None:
     assert torch.equal(native.int8_linear(zero, q, s), torch.zeros(2, 64).bfloat16())
     padded = torch.randn(3, 256).bfloat16()[:, :128]  # a row stride wider than the row: still the kernel
     assert native.int8_linear(padded, q, s) is not None
-    assert native.int8_linear(torch.randn(native.GEMV_MAX_ROWS + 1, 128).bfloat16(), q, s) is None  # a prefill
+    assert native.int8_linear(torch.randn(native.INT8_GEMV_MAX_ROWS + 1, 128).bfloat16(), q, s) is None  # a prefill
     assert native.int8_linear(torch.randn(2, 128).half(), q, s.half()) is None
     assert native.int8_linear(torch.randn(2, 128), q, s) is None  # scales in another dtype
     assert native.int8_linear(torch.randn(2, 128).bfloat16(), q.T.contiguous().T, s) is None  # strided codes
@@ -66,6 +66,7 @@ def test_kernel_rejects_bad_shapes() -> None:
     with pytest.raises(RuntimeError, match="scales must be"):
         torch.ops.dabba_cpu.int8_gemv(out, torch.randn(1, 128).bfloat16(), torch.zeros(64, 128, dtype=torch.int8),
                                       s.float(), None)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        torch.ops.dabba_cpu.int8_gemv(torch.empty(5, 64, dtype=torch.bfloat16), torch.randn(5, 128).bfloat16(),
+    with pytest.raises(RuntimeError, match=f"1 to {native.INT8_GEMV_MAX_ROWS} rows"):
+        torch.ops.dabba_cpu.int8_gemv(torch.empty(native.INT8_GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16),
+                                      torch.randn(native.INT8_GEMV_MAX_ROWS + 1, 128).bfloat16(),
                                       torch.zeros(64, 128, dtype=torch.int8), s, None)
