@@ -264,12 +264,23 @@ void group_weighted_values(const Shape& sh, const float* probs, const scalar_t* 
   }
 }
 
-// Both passes for a group of G heads; false if the shape needs the per-head loops.
-// q: the group's G query heads as stored (contiguous), qf: the same scaled, in float32.
+// Each row's softmax over its own length; the positions past it (later tokens of a prefill tile)
+// get probability 0, so the value pass can run every row to the tile's longest length.
+inline void softmax_rows(float* scores, int64_t rows, int64_t padded_len, int64_t seq_len, const int64_t* row_lens) {
+  for (int64_t r = 0; r < rows; ++r) {
+    softmax_inplace(scores + r * padded_len, row_lens[r]);
+    std::fill(scores + r * padded_len + row_lens[r], scores + r * padded_len + seq_len, 0.f);
+  }
+}
+
+// Both passes for sh.group query rows that share a kv head (the G heads of one token, or of
+// several tokens of one prompt); false if the shape needs the per-row loops.
+// q: the rows as stored (contiguous), qf: the same scaled, in float32; row r attends positions
+// [0, row_lens[r]), all within seq_len.
 template <typename scalar_t>
 bool group_attention(const Shape& sh, const scalar_t* q, float scale, const float* qf, const scalar_t* k_ptr,
                      const scalar_t* v_ptr, const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len,
-                     float* scores, float* out) {
+                     const int64_t* row_lens, float* scores, float* out) {
   if (sh.block_size != kLanes || sh.head_dim % kLanes) return false;
   auto run = [&](auto group) {
     constexpr int G = decltype(group)::value;
@@ -283,7 +294,7 @@ bool group_attention(const Shape& sh, const scalar_t* q, float scale, const floa
 #else
     group_block_scores<scalar_t, G>(sh, qf, k_ptr, blocks, kvh, seq_len, padded_len, scores);
 #endif
-    for (int g = 0; g < G; ++g) softmax_inplace(scores + g * padded_len, seq_len);
+    softmax_rows(scores, G, padded_len, seq_len, row_lens);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       group_weighted_values_bf16<G>(sh, scores, reinterpret_cast<const uint16_t*>(v_ptr), blocks, kvh, seq_len,
@@ -303,6 +314,14 @@ bool group_attention(const Shape& sh, const scalar_t* q, float scale, const floa
     case 6: return run(std::integral_constant<int, 6>{});
     case 7: return run(std::integral_constant<int, 7>{});
     case 8: return run(std::integral_constant<int, 8>{});
+    case 9: return run(std::integral_constant<int, 9>{});
+    case 10: return run(std::integral_constant<int, 10>{});
+    case 11: return run(std::integral_constant<int, 11>{});
+    case 12: return run(std::integral_constant<int, 12>{});
+    case 13: return run(std::integral_constant<int, 13>{});
+    case 14: return run(std::integral_constant<int, 14>{});
+    case 15: return run(std::integral_constant<int, 15>{});
+    case 16: return run(std::integral_constant<int, 16>{});
     default: return false;
   }
 }
@@ -321,79 +340,173 @@ void weighted_values_scalar(const Shape& sh, const float* probs, const scalar_t*
   }
 }
 
+constexpr int64_t kMaxTileRows = 16;  // query rows attended together (group_attention's largest G)
+
+template <typename scalar_t>
+struct TileBuffers {
+  std::vector<scalar_t> q;
+  std::vector<float> qf, acc, scores;
+  std::vector<int64_t> row_lens;
+};
+
+// Query tokens tok0 .. tok0 + nt - 1 of one sequence (positions pos0 .. pos0 + nt - 1, its block
+// table `blocks`) against kv head kvh. Each token's G query heads are a row each; all nt * G rows
+// share every key and value load. Row (t, g) attends positions [0, pos0 + t]: causal.
+template <typename scalar_t>
+void attend_tile(const Shape& sh, const scalar_t* q_ptr, scalar_t* out_ptr, const scalar_t* k_ptr,
+                 const scalar_t* v_ptr, const int64_t* blocks, int64_t tok0, int64_t nt, int64_t pos0, int64_t kvh,
+                 float fscale, TileBuffers<scalar_t>& b) {
+  Shape tile = sh;
+  tile.group = nt * sh.group;
+  const int64_t rows = tile.group, d_head = sh.head_dim;
+  const int64_t seq_len = pos0 + nt;
+  const int64_t padded_len = (seq_len + sh.block_size - 1) / sh.block_size * sh.block_size;
+  b.q.resize(rows * d_head);
+  b.qf.resize(rows * d_head);
+  b.acc.resize(rows * d_head);
+  b.scores.resize(rows * padded_len);
+  b.row_lens.resize(rows);
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t g = 0; g < sh.group; ++g) {
+      const int64_t r = t * sh.group + g;
+      const scalar_t* src = q_ptr + ((tok0 + t) * sh.num_heads + kvh * sh.group + g) * d_head;
+      std::memcpy(b.q.data() + r * d_head, src, d_head * sizeof(scalar_t));
+      for (int64_t d = 0; d < d_head; ++d) b.qf[r * d_head + d] = static_cast<float>(src[d]) * fscale;
+      b.row_lens[r] = pos0 + t + 1;
+    }
+  float* scores = b.scores.data();
+  float* acc = b.acc.data();
+  if (!group_attention(tile, b.q.data(), fscale, b.qf.data(), k_ptr, v_ptr, blocks, kvh, seq_len, padded_len,
+                       b.row_lens.data(), scores, acc)) {
+    block_scores(tile, b.qf.data(), k_ptr, blocks, kvh, seq_len, padded_len, scores);
+    softmax_rows(scores, rows, padded_len, seq_len, b.row_lens.data());
+    if (d_head % kLanes || d_head / kLanes > 8) {
+      weighted_values_scalar(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc);
+    } else {
+      switch (d_head / kLanes) {
+        case 1: weighted_values<scalar_t, 1>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
+        case 2: weighted_values<scalar_t, 2>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
+        case 3: weighted_values<scalar_t, 3>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
+        case 4: weighted_values<scalar_t, 4>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
+        case 5: weighted_values<scalar_t, 5>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
+        case 6: weighted_values<scalar_t, 6>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
+        case 7: weighted_values<scalar_t, 7>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
+        default: weighted_values<scalar_t, 8>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
+      }
+    }
+  }
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t g = 0; g < sh.group; ++g) {
+      scalar_t* dst = out_ptr + ((tok0 + t) * sh.num_heads + kvh * sh.group + g) * d_head;
+      const float* src = acc + (t * sh.group + g) * d_head;
+      for (int64_t d = 0; d < d_head; ++d) dst[d] = static_cast<scalar_t>(src[d]);
+    }
+}
+
+template <typename scalar_t>
+Shape make_shape(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& block_table) {
+  return Shape{q.size(1), q.size(2), key_cache.size(0), key_cache.size(1), key_cache.size(3),
+               q.size(1) / key_cache.size(0), block_table.size(1)};
+}
+
 template <typename scalar_t>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, double scale) {
-  const Shape sh{q.size(1), q.size(2), key_cache.size(0), key_cache.size(1), key_cache.size(3),
-                 q.size(1) / key_cache.size(0), block_table.size(1)};
-  const int64_t num_seqs = q.size(0);
-  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
+  const Shape sh = make_shape<scalar_t>(q, key_cache, block_table);
   const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const float fscale = static_cast<float>(scale);
-  const bool vector_values = sh.head_dim % kLanes == 0 && sh.head_dim / kLanes <= 8;
-
   // One work item = one sequence x one kv head (the query heads of its group together).
-  at::parallel_for(0, num_seqs * sh.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(sh.group * sh.head_dim), acc(sh.group * sh.head_dim), scores;
+  at::parallel_for(0, q.size(0) * sh.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    TileBuffers<scalar_t> buffers;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / sh.num_kv_heads, kvh = item % sh.num_kv_heads;
-      const int64_t seq_len = len_ptr[s];
-      const int64_t padded_len = (seq_len + sh.block_size - 1) / sh.block_size * sh.block_size;
-      const int64_t* blocks = bt_ptr + s * sh.max_blocks;
-      scores.resize(sh.group * padded_len);
-      for (int64_t g = 0; g < sh.group; ++g) {
-        const scalar_t* src = q_ptr + (s * sh.num_heads + kvh * sh.group + g) * sh.head_dim;
-        for (int64_t d = 0; d < sh.head_dim; ++d) qf[g * sh.head_dim + d] = static_cast<float>(src[d]) * fscale;
-      }
-      const scalar_t* q_group = q_ptr + (s * sh.num_heads + kvh * sh.group) * sh.head_dim;
-      if (!group_attention(sh, q_group, fscale, qf.data(), k_ptr, v_ptr, blocks, kvh, seq_len, padded_len,
-                           scores.data(), acc.data())) {
-        block_scores(sh, qf.data(), k_ptr, blocks, kvh, seq_len, padded_len, scores.data());
-        for (int64_t g = 0; g < sh.group; ++g) softmax_inplace(scores.data() + g * padded_len, seq_len);
-        if (!vector_values) {
-          weighted_values_scalar(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data());
-        } else {
-          switch (sh.head_dim / kLanes) {
-            case 1: weighted_values<scalar_t, 1>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-            case 2: weighted_values<scalar_t, 2>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-            case 3: weighted_values<scalar_t, 3>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-            case 4: weighted_values<scalar_t, 4>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-            case 5: weighted_values<scalar_t, 5>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-            case 6: weighted_values<scalar_t, 6>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-            case 7: weighted_values<scalar_t, 7>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-            default: weighted_values<scalar_t, 8>(sh, scores.data(), v_ptr, blocks, kvh, seq_len, padded_len, acc.data()); break;
-          }
-        }
-      }
-      for (int64_t g = 0; g < sh.group; ++g) {
-        scalar_t* dst = out_ptr + (s * sh.num_heads + kvh * sh.group + g) * sh.head_dim;
-        for (int64_t d = 0; d < sh.head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * sh.head_dim + d]);
-      }
+      attend_tile(sh, q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
+                  value_cache.data_ptr<scalar_t>(), bt_ptr + s * sh.max_blocks, s, 1, len_ptr[s] - 1, kvh,
+                  static_cast<float>(scale), buffers);
     }
   });
 }
 
-void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
+// A step's attention, prefill chunks and decodes together. Request r's query tokens are
+// query_start_loc[r] .. query_start_loc[r + 1]; they are the last tokens of its seq_lens[r], and
+// this step's keys and values are in the cache already (write_kv_cache). A prompt's tokens are
+// attended in tiles of T = 16 / G consecutive tokens (G query heads per kv head), so each key and
+// value is loaded once per tile rather than once per token. The tiles are dealt to the threads
+// from both ends of the list: a prompt's later tiles attend more positions.
+template <typename scalar_t>
+void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+  const Shape sh = make_shape<scalar_t>(q, key_cache, block_table);
+  const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
+  const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / sh.group);
+  struct Tile { int64_t req, tok0, nt, pos0; };
+  std::vector<Tile> tiles;
+  for (int64_t r = 0; r + 1 < query_start_loc.size(0); ++r) {
+    const int64_t query_len = qsl[r + 1] - qsl[r], context_len = len_ptr[r] - query_len;
+    TORCH_CHECK(query_len >= 0 && context_len >= 0, "request ", r, ": query longer than its sequence");
+    for (int64_t i = 0; i < query_len; i += tile_tokens)
+      tiles.push_back({r, qsl[r] + i, std::min(tile_tokens, query_len - i), context_len + i});
+  }
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  at::parallel_for(0, num_tiles * sh.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    TileBuffers<scalar_t> buffers;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / sh.num_kv_heads, kvh = item % sh.num_kv_heads;
+      const Tile& tile = tiles[i % 2 ? num_tiles - 1 - i / 2 : i / 2];  // 0, n-1, 1, n-2, ...
+      attend_tile(sh, q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
+                  value_cache.data_ptr<scalar_t>(), bt_ptr + tile.req * sh.max_blocks, tile.tok0, tile.nt, tile.pos0,
+                  kvh, static_cast<float>(scale), buffers);
+    }
+  });
+}
+
+namespace {
+void check_attention_operands(const at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
+                              const at::Tensor& value_cache, const at::Tensor& block_table) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(key_cache.size(0) == value_cache.size(0) && key_cache.size(1) == value_cache.size(1) &&
               key_cache.size(2) == value_cache.size(3) && key_cache.size(3) == value_cache.size(2),
               "key_cache must be value_cache with each block transposed");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "operands must be contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q");
   TORCH_CHECK(q.size(1) % key_cache.size(0) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(q.size(2) == value_cache.size(3), "head_dim mismatch");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 indices");
-  TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "indices must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.is_contiguous(),
+              "block_table must be contiguous int64 [num_seqs, max_blocks]");
   TORCH_CHECK(q.scalar_type() == key_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtype mismatch");
+}
+}  // namespace
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_table,
+                            const at::Tensor& seq_lens, double scale) {
+  check_attention_operands(out, q, key_cache, value_cache, block_table);
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == q.size(0) &&
+                  block_table.size(0) >= q.size(0),
+              "seq_lens must be contiguous int64 [num_seqs], a block table row per sequence");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_table, seq_lens, scale);
+  });
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     double scale) {
+  check_attention_operands(out, q, key_cache, value_cache, block_table);
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
+                  query_start_loc.numel() == seq_lens.numel() + 1 && block_table.size(0) >= seq_lens.numel(),
+              "query_start_loc [num_seqs + 1] and seq_lens [num_seqs] must be contiguous int64, a block table row "
+              "per sequence");
+  TORCH_CHECK(query_start_loc.data_ptr<int64_t>()[seq_lens.numel()] == q.size(0),
+              "query_start_loc must end at q's number of tokens");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    prefill_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale);
   });
 }
 
@@ -450,4 +563,7 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, float scale) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(dabba::paged_decode_attention));
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(dabba::paged_attention));
 }

@@ -1,6 +1,8 @@
 """Every backend must match the reference backend on the same step: same writes, same outputs."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -41,12 +43,13 @@ def make_step(query_lens, context_lens, block_size, num_blocks, seed=0):
     (4, 2, 24, 16), (6, 6, 16, 8), (4, 1, 40, 32), (18, 2, 16, 16),  # per-head loops: other shapes, groups of 9
 ])
 @pytest.mark.parametrize("query_lens, context_lens", [([1, 1, 37, 1, 5, 1], [70, 3, 0, 130, 40, 0]),
-                                                      ([1, 1, 1], [70, 0, 130])],  # decodes only: the fast path
-                         ids=["mixed", "decodes"])
+                                                      ([1, 1, 1], [70, 0, 130]),  # decodes only: the fast path
+                                                      ([150, 1, 33], [0, 17, 260])],  # prompts of many tiles
+                         ids=["mixed", "decodes", "long"])
 def test_cpu_backend_matches_reference(dtype, atol, num_heads, num_kv_heads, head_dim, block_size, query_lens,
                                        context_lens) -> None:
     torch.manual_seed(0)
-    num_blocks = 64
+    num_blocks = 80
     common = make_step(query_lens, context_lens, block_size, num_blocks)
     T = sum(query_lens)
     q = torch.randn(T, num_heads, head_dim, dtype=dtype)
@@ -61,7 +64,7 @@ def test_cpu_backend_matches_reference(dtype, atol, num_heads, num_kv_heads, hea
         key_cache, value_cache = backend.split_cache(cache)
         all_slots = torch.arange(num_blocks * block_size)
         md = backend.build_metadata(common)
-        md_all = type(md)(all_slots, None, None, None, None, [])
+        md_all = SimpleNamespace(slot_mapping=all_slots)  # write_kv reads only the slots
         backend.write_kv(key_cache, value_cache, ctx_k.flatten(1, 2).transpose(0, 1), ctx_v.flatten(1, 2).transpose(0, 1), md_all)
         out = backend.forward(q, k, v, cache, md, head_dim ** -0.5)
         kg, vg = backend.gather_context(key_cache, value_cache, torch.arange(num_blocks))
@@ -90,3 +93,39 @@ def test_decode_kernel_against_explicit_softmax() -> None:
             kvh = h // (num_heads // num_kv_heads)
             p = torch.softmax((k[kvh] @ q[s, h]) * 0.3, dim=0)
             torch.testing.assert_close(out[s, h], p @ v[kvh], atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_kernel_against_explicit_causal_softmax() -> None:
+    """paged_attention alone, on float32: two prompts continuing their contexts, and a decode."""
+    torch.manual_seed(2)
+    num_kv_heads, num_blocks, block_size, head_dim, num_heads = 2, 20, 16, 32, 6
+    values = torch.randn(num_kv_heads, num_blocks, block_size, head_dim)
+    keys = torch.randn(num_kv_heads, num_blocks, block_size, head_dim)
+    table = torch.tensor([[3, 7, 1, 0], [19, 2, 0, 0], [5, 6, 8, 9]])
+    seq_lens = torch.tensor([50, 17, 64])
+    query_lens = [23, 1, 64]
+    qsl = torch.tensor([0, 23, 24, 88])
+    q = torch.randn(88, num_heads, head_dim)
+    out = torch.empty_like(q)
+    torch.ops.dabba_cpu.paged_attention(out, q, keys.transpose(2, 3).contiguous(), values, table, qsl, seq_lens, 0.3)
+    for s in range(3):
+        n = int(seq_lens[s])
+        k = keys[:, table[s]].reshape(num_kv_heads, -1, head_dim)[:, :n]
+        v = values[:, table[s]].reshape(num_kv_heads, -1, head_dim)[:, :n]
+        for i in range(query_lens[s]):
+            pos = n - query_lens[s] + i  # attends positions 0 .. pos
+            for h in range(num_heads):
+                kvh = h // (num_heads // num_kv_heads)
+                p = torch.softmax((k[kvh, :pos + 1] @ q[qsl[s] + i, h]) * 0.3, dim=0)
+                torch.testing.assert_close(out[qsl[s] + i, h], p @ v[kvh, :pos + 1], atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_kernel_rejects_inconsistent_indices() -> None:
+    cache = torch.zeros(2, 1, 4, 16, 16)  # one kv head, 4 blocks of 16, head_dim 16
+    q = torch.randn(5, 2, 16)
+    with pytest.raises(RuntimeError, match="query_start_loc must end"):
+        torch.ops.dabba_cpu.paged_attention(torch.empty_like(q), q, cache[0], cache[1], torch.zeros(1, 4, dtype=torch.long),
+                                            torch.tensor([0, 4]), torch.tensor([4]), 1.0)
+    with pytest.raises(RuntimeError, match="query longer than its sequence"):
+        torch.ops.dabba_cpu.paged_attention(torch.empty_like(q), q, cache[0], cache[1], torch.zeros(1, 4, dtype=torch.long),
+                                            torch.tensor([0, 5]), torch.tensor([4]), 1.0)
