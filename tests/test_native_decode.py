@@ -42,7 +42,7 @@ def test_models_and_caches_without_a_native_form_decode_in_python(checkpoints) -
     int8_kv = LLM(str(checkpoints["llama"].path), kv_cache_dtype="int8", kv_cache_memory=2**22)
     runner = int8_kv.llm_engine.model_runner
     assert runner.model.model.native_decoder is not None  # built, but the reference backend's layout:
-    assert runner.backend.native_decode_inputs(None) is None  # every step stays in Python
+    assert runner.backend.native_inputs(None) is None  # every step stays in Python
     out = int8_kv.generate(token_prompts(checkpoints["llama"].prompts[:2]),
                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)

@@ -44,10 +44,10 @@ class CpuBackend(AttentionBackend):
         _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         return kv_cache[0].view(num_kv_heads, num_blocks, head_dim, block_size), kv_cache[1]
 
-    def native_decode_inputs(self, metadata: CpuMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        if not metadata.decode_only:
-            return None
-        return metadata.block_table, metadata.seq_lens, metadata.slot_mapping
+    def native_inputs(self, metadata: CpuMetadata) -> tuple[torch.Tensor, ...]:
+        """The native loop calls the same attention kernel as forward() below."""
+        return (metadata.block_table, metadata.seq_lens, metadata.slot_mapping,
+                None if metadata.decode_only else metadata.query_start_loc)
 
     def write_kv(self, key_cache, value_cache, k, v, metadata: CpuMetadata) -> None:
         torch.ops.dabba_cpu.write_kv_cache(key_cache, value_cache, k, v, metadata.slot_mapping)

@@ -1,5 +1,5 @@
 // dabba's CPU ops, as C++ functions: registered as torch.ops.dabba_cpu.* by the file that defines
-// each, and called directly by the native decode loop (decode_cpu.cpp), which strings them
+// each, and called directly by the native layer loop (decode_cpu.cpp), which strings them
 // together without a trip through Python between them.
 #pragma once
 
@@ -19,6 +19,9 @@ void write_kv_cache(at::Tensor key_cache, at::Tensor value_cache, const at::Tens
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                             double scale);
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     double scale);
 
 // gemv_cpu.cpp
 // Activation rows the GEMV kernels take in one pass over the weight. Beyond them oneDNN's GEMM

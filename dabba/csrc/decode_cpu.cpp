@@ -1,14 +1,15 @@
-// The decode step's layer loop for Llama-family models on the CPU, without Python between ops.
+// A step's layer loop for Llama-family models on the CPU, without Python between ops.
 //
 // A decode step of a small model is about ten small ops per layer; in eager PyTorch each costs
-// more Python time than the bytes it moves (2 ms of a 10 ms step for SmolLM-135M). This loop runs
-// exactly what LlamaDecoderLayer.forward runs on the CPU, in the same order and with the same
-// kernels, so its hidden states are bit-identical to the Python path's (tested), which stays the
-// reference and serves every step with a prefill chunk.
+// more Python time than the bytes it moves (2 ms of a 10 ms step for SmolLM-135M, 3 ms of a
+// 50 ms 128-token prefill). This loop runs exactly what LlamaDecoderLayer.forward runs on the CPU,
+// in the same order and with the same kernels, so its hidden states are bit-identical to the
+// Python path's (tested), which stays the reference. It serves decode steps and steps with
+// prompt chunks alike: only the attention kernel differs.
 //
-// Per layer: [fused add +] RMSNorm, qkv projection, rotary in place, KV write, paged decode
-// attention, o projection, fused add + RMSNorm, gate_up projection, SiLU-and-mul, down projection;
-// then the final fused add + RMSNorm. Built once per model (dabba/models/native_decode.py).
+// Per layer: [fused add +] RMSNorm, qkv projection, rotary in place, KV write, paged attention,
+// o projection, fused add + RMSNorm, gate_up projection, SiLU-and-mul, down projection; then the
+// final fused add + RMSNorm. Built once per model (dabba/models/native_decode.py).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -81,11 +82,13 @@ class NativeDecoder : public torch::CustomClassHolder {
                                   linears[3]});
   }
 
-  // x: the step's embedded tokens [num_seqs, hidden], one per sequence; cos/sin [num_seqs, head_dim];
-  // per layer the CPU backend's cache [2, kv_heads, blocks, block_size, head_dim] (keys stored
-  // transposed per block). Returns the final norm's output.
+  // x: the step's embedded tokens [num_tokens, hidden]; cos/sin [num_tokens, head_dim]; per layer
+  // the CPU backend's cache [2, kv_heads, blocks, block_size, head_dim] (keys stored transposed
+  // per block). query_start_loc: each request's tokens, as the CPU backend's paged_attention
+  // takes them; none when every request decodes one token. Returns the final norm's output.
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> kv_caches,
-                     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& slot_mapping) const {
+                     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
+                     const c10::optional<at::Tensor>& query_start_loc) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     const int64_t n = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     at::Tensor residual;
@@ -109,7 +112,10 @@ class NativeDecoder : public torch::CustomClassHolder {
                                                  value_cache.size(2)});
       write_kv_cache(key_cache, value_cache, k, v, slot_mapping);
       const at::Tensor attn = at::empty({n, num_heads_, head_dim_}, x.options());
-      paged_decode_attention(attn, q.contiguous(), key_cache, value_cache, block_table, seq_lens, scale_);
+      if (query_start_loc.has_value())
+        paged_attention(attn, q.contiguous(), key_cache, value_cache, block_table, *query_start_loc, seq_lens, scale_);
+      else
+        paged_decode_attention(attn, q.contiguous(), key_cache, value_cache, block_table, seq_lens, scale_);
       x = layer.o(attn.view({n, q_size}));
       fused_add_rms_norm(x, residual, layer.post_norm, eps_);
       const at::Tensor gate_up = layer.gate_up(x);

@@ -106,16 +106,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layer_cls(cfg, i, f"{prefix}.layers.{i}", quant_config)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.native_decoder = None  # the C++ decode loop, once weights are loaded (native_decode.py)
+        self.native_decoder = None  # the C++ layer loop, once weights are loaded (native_decode.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         rope = self.rotary.cos_sin(positions, x.dtype)
         if self.native_decoder is not None:
             ctx = get_forward_context()
-            decode = ctx.backend.native_decode_inputs(ctx.metadata)
-            if decode is not None:  # every request decodes: the same layers, in C++
-                return self.native_decoder.forward(x, rope[0], rope[1], ctx.kv_caches, *decode)
+            inputs = ctx.backend.native_inputs(ctx.metadata)
+            if inputs is not None:  # the CPU backend's cache: the same layers, in C++
+                return self.native_decoder.forward(x, rope[0], rope[1], ctx.kv_caches, *inputs)
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual)

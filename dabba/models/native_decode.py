@@ -1,12 +1,12 @@
-"""The native decode loop (csrc/decode_cpu.cpp): Llama-family decode steps on the CPU without
-Python between ops.
+"""The native layer loop (csrc/decode_cpu.cpp): Llama-family steps on the CPU without Python
+between ops.
 
 A decode step of SmolLM-135M is about 300 small op calls; in eager PyTorch their Python costs
 2 ms of a 10 ms step. The native loop runs the same kernels in the same order as
 LlamaDecoderLayer.forward, so its hidden states are bit-identical to the Python path's (tested),
-and serves steps in which every request decodes one token. Prefill chunks, 8-bit KV caches
-(another layout), other devices, Qwen3's q/k norm and layers without a native form (act-order
-GPTQ, dequantized on load) keep the Python path, which stays the reference.
+and serves every step on the CPU backend, decodes and prompt chunks alike. 8-bit KV caches
+(another layout, the reference backend), other devices, Qwen3's q/k norm and layers without a
+native form (act-order GPTQ, dequantized on load) keep the Python path, which stays the reference.
 """
 from __future__ import annotations
 

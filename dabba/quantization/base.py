@@ -33,7 +33,7 @@ class LinearMethod:
         raise NotImplementedError
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
-        """How the native decode loop (csrc/decode_cpu.cpp) computes what ``apply`` does on the CPU;
+        """How the native layer loop (csrc/decode_cpu.cpp) computes what ``apply`` does on the CPU;
         None where it cannot, and the model then decodes in Python."""
         return None
 
