@@ -19,6 +19,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "int8_gemv_cpu.cpp", "decode_cpu.cpp")
 GEMV_MAX_ROWS = 12  # activation rows up to which a bf16 linear takes the native GEMV (csrc/cpu_ops.h)
 INT8_GEMV_MAX_ROWS = 6  # the same for INT8 codes
+INT8_DEQUANT_MIN_ROWS = 96  # from here an INT8 linear dequantizes its codes and takes oneDNN's GEMM
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,6 +30,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
 // at 10-12, 0.7x at 16; INT8 GEMV / _weight_int8pack_mm: 1.2-1.4x at 1-6 rows, 0.8-0.95x at 8-12.
 constexpr int kGemvMaxRows = 12;
 constexpr int kInt8GemvMaxRows = 6;
+// From this many rows an INT8 linear dequantizes its codes to x's dtype and runs oneDNN's GEMM:
+// _weight_int8pack_mm is 1.6x slower at 128 rows and 2.1x at 512, and level at 32-64.
+constexpr int kInt8DequantMinRows = 96;
 bool gemv_available();
 void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 

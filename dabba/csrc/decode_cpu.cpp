@@ -46,6 +46,8 @@ struct NativeLinear {
       int8_gemv(y, x, weight, scales, bias);
       return y;
     }
+    if (kind == kInt8 && x.size(0) >= kInt8DequantMinRows)  // as rtn.py: a long prefill, through oneDNN
+      return at::linear(x, weight.to(x.scalar_type()) * scales.unsqueeze(1), bias);
     at::Tensor y = kind == kInt8 ? at::_weight_int8pack_mm(x, weight, scales)
                                  : at::_weight_int4pack_mm_for_cpu(x, weight, group_size, scales);
     return bias.has_value() ? y + *bias : y;

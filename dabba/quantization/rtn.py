@@ -114,6 +114,10 @@ class Int8RTNMethod(LinearMethod):
         x2 = x.reshape(-1, shape[-1])
         if x.device.type == "cpu":
             y = native.int8_linear(x2, layer.qweight, layer.scales, bias)  # decode's few rows
+            if y is None and x2.shape[0] >= native.INT8_DEQUANT_MIN_ROWS:
+                # A long prefill is compute-bound: _weight_int8pack_mm's products run at half the
+                # rate of oneDNN's bf16 GEMM, which wins even after dequantizing the codes per call.
+                y = F.linear(x2, layer.qweight.to(x2.dtype) * layer.scales[:, None], bias)
             if y is not None:
                 return y.view(*shape[:-1], -1)
             y = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, layer.scales)

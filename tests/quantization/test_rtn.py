@@ -43,7 +43,8 @@ def test_symmetric_int8_per_channel_follows_the_formula() -> None:
 
 @pytest.mark.parametrize("method, group_size", [("int8", 128), ("int4", 32), ("int4", 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_equal_dequantize_then_matmul(method, group_size, dtype) -> None:
+@pytest.mark.parametrize("rows", [1, 7, 100])  # INT8 on CPU: dabba's GEMV, _weight_int8pack_mm, oneDNN
+def test_kernels_equal_dequantize_then_matmul(method, group_size, dtype, rows) -> None:
     torch.manual_seed(0)
     layer = Linear(256, [96, 64], bias=True, shard_ids=("a", "b"), quant_config=QuantConfig(method, group_size))
     w = torch.randn(160, 256) * 0.05
@@ -54,7 +55,7 @@ def test_kernels_equal_dequantize_then_matmul(method, group_size, dtype) -> None
                                 256 if method == "int8" else group_size, symmetric=method == "int8").dequantize()
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.weight is None  # only the packed form stays
-    x = torch.randn(7, 256, dtype=dtype)
+    x = torch.randn(rows, 256, dtype=dtype)
     expected = F.linear(x.float(), reference_weight, layer.bias.float())
     got = layer(x).float()
     tol = 2e-4 if dtype == torch.float32 else 3e-2 * expected.abs().max().item()
