@@ -5,8 +5,9 @@
     symmetric:  r_min = -r_max = -max|w|,   q = clamp(round(w / s), -2^(b-1), 2^(b-1) - 1), w ~ q * s
 
 On CPU the methods use PyTorch's weight-packed kernels (``_weight_int8pack_mm`` and the int4
-"tinygemm" ``_weight_int4pack_mm_for_cpu``), and for decode's few rows of INT8 dabba's own GEMV
-(csrc/int8_gemv_cpu.cpp), which reads the same codes; elsewhere they dequantize and multiply.
+"tinygemm" ``_weight_int4pack_mm_for_cpu``); INT8 takes dabba's own GEMV for decode's few rows
+(csrc/int8_gemv_cpu.cpp, which reads the same codes) and, for long prefills, oneDNN's bf16 GEMM on
+codes dequantized per call. Elsewhere they dequantize and multiply.
 """
 from __future__ import annotations
 
