@@ -1,0 +1,176 @@
+"""dabba's native CPU kernels against what PyTorch would run in their place, side by side in one
+process, on a model's layer shapes (SmolLM2-135M's by default). Prints JSON. The figures quoted in
+dabba/csrc's comments come from here.
+
+    python -m benchmarks.kernels [--layers 30 --repeats 5]
+
+- gemv: one pass over every layer's weights (cold: more bytes than the caches hold) at 1-16 rows:
+  dabba's bf16 GEMV against F.linear, its INT8 GEMV against _weight_int8pack_mm; GB/s of weights.
+- int8_prefill: the INT8 linear at prefill's row counts, _weight_int8pack_mm against codes
+  dequantized per call + F.linear (rtn.py switches at native.INT8_DEQUANT_MIN_ROWS).
+- attention: decode over --decode-seqs sequences of --decode-context positions (blocks shuffled, as
+  a long-running server's are, and in order), and one prompt of each --prompt-lens, per layer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Shape:
+    hidden: int = 576
+    intermediate: int = 1536
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    block_size: int = 16
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(out, in) of a layer's qkv, o, gate_up and down projections."""
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return [(qkv, self.hidden), (self.hidden, self.num_heads * self.head_dim),
+                (2 * self.intermediate, self.hidden), (self.hidden, self.intermediate)]
+
+
+def best_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """The second-best of ``repeats`` timed calls after two warm-ups (the best is often an outlier)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[min(1, len(times) - 1)] * 1e3
+
+
+def bench_gemv(shape: Shape, layers: int, rows: list[int], repeats: int) -> list[dict[str, Any]]:
+    from dabba import native
+
+    linears = shape.linears()
+    dense = [[torch.randn(n, k).bfloat16() for n, k in linears] for _ in range(layers)]
+    codes = [[(torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n) / 100).bfloat16())
+              for n, k in linears] for _ in range(layers)]
+    weights = sum(n * k for n, k in linears) * layers  # elements per pass
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k).bfloat16() for _, k in linears}
+        row: dict[str, Any] = {"rows": m}
+        row["bf16_f_linear_ms"] = best_ms(lambda: [F.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
+        if m <= native.GEMV_MAX_ROWS and native.gemv_available():
+            row["bf16_gemv_ms"] = best_ms(lambda: [native.linear(xs[w.shape[1]], w) for layer in dense for w in layer],
+                                          repeats)
+            row["bf16_gemv_gb_s"] = 2 * weights / row["bf16_gemv_ms"] / 1e6
+        row["int8_pack_mm_ms"] = best_ms(
+            lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for layer in codes for q, s in layer],
+            repeats)
+        if m <= native.INT8_GEMV_MAX_ROWS and native.int8_gemv_available():
+            row["int8_gemv_ms"] = best_ms(
+                lambda: [native.int8_linear(xs[q.shape[1]], q, s) for layer in codes for q, s in layer], repeats)
+            row["int8_gemv_gb_s"] = weights / row["int8_gemv_ms"] / 1e6
+        out.append(row)
+    return out
+
+
+def bench_int8_prefill(shape: Shape, layers: int, rows: list[int], repeats: int) -> list[dict[str, Any]]:
+    codes = [[(torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n) / 100).bfloat16())
+              for n, k in shape.linears()] for _ in range(layers)]
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k).bfloat16() for _, k in shape.linears()}
+        packed = best_ms(lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s)
+                                  for layer in codes for q, s in layer], repeats)
+        dequantized = best_ms(lambda: [F.linear(xs[q.shape[1]], q.to(torch.bfloat16) * s[:, None])
+                                       for layer in codes for q, s in layer], repeats)
+        out.append({"rows": m, "int8_pack_mm_ms": packed, "dequantize_f_linear_ms": dequantized})
+    return out
+
+
+def _attention_case(shape: Shape, query_lens: list[int], context_lens: list[int], shuffle: bool,
+                    seed: int = 0) -> tuple[Callable[[], Any], int]:
+    """One layer's CPU-backend attention for a step of these requests; returns (run, KV bytes read)."""
+    from dabba.attention.backend import CommonAttentionMetadata
+    from dabba.attention.cpu import CpuBackend
+
+    rng = np.random.default_rng(seed)
+    bs = shape.block_size
+    seq_lens = np.array(context_lens) + np.array(query_lens)
+    blocks_needed = [-(-int(n) // bs) for n in seq_lens]
+    total = sum(blocks_needed)
+    ids = rng.permutation(total) if shuffle else np.arange(total)
+    table = np.zeros((len(seq_lens), max(blocks_needed)), dtype=np.int64)
+    pos = 0
+    for i, n in enumerate(blocks_needed):
+        table[i, :n] = ids[pos:pos + n]
+        pos += n
+    slots = np.concatenate([table[i, p // bs] * bs + p % bs
+                            for i, (c, s) in enumerate(zip(context_lens, seq_lens)) for p in [np.arange(c, s)]])
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    common = CommonAttentionMetadata(qsl, seq_lens.astype(np.int64), table, torch.from_numpy(slots), bs,
+                                     torch.device("cpu"))
+    backend = CpuBackend()
+    metadata = backend.build_metadata(common)
+    cache = torch.randn(backend.kv_cache_shape(total, bs, shape.num_kv_heads, shape.head_dim)).bfloat16()
+    tokens = int(qsl[-1])
+    q = torch.randn(tokens, shape.num_heads, shape.head_dim).bfloat16()
+    k = torch.randn(tokens, shape.num_kv_heads, shape.head_dim).bfloat16()
+    v = torch.randn(tokens, shape.num_kv_heads, shape.head_dim).bfloat16()
+    kv_bytes = int(2 * seq_lens.sum() * shape.num_kv_heads * shape.head_dim * 2)
+    return (lambda: backend.forward(q, k, v, cache, metadata, shape.head_dim ** -0.5)), kv_bytes
+
+
+def bench_attention(shape: Shape, layers: int, decode_seqs: int, decode_context: int, prompt_lens: list[int],
+                    repeats: int) -> dict[str, Any]:
+    from dabba import native
+
+    if not native.load_cpu_ops():
+        return {"skipped": "native kernels unavailable"}
+    out: dict[str, Any] = {}
+    for order in ("shuffled", "in_order"):
+        cases = [_attention_case(shape, [1] * decode_seqs, [decode_context - 1] * decode_seqs, order == "shuffled",
+                                 seed=i) for i in range(layers)]  # a cache per layer: cold, as in a step
+        ms = best_ms(lambda: [run() for run, _ in cases], repeats)
+        out[f"decode_{order}"] = {"seqs": decode_seqs, "context": decode_context, "layers": layers, "step_ms": ms,
+                                  "kv_gb_s": sum(b for _, b in cases) / ms / 1e6}
+    out["prompt"] = []
+    for n in prompt_lens:
+        run, _ = _attention_case(shape, [n], [0], shuffle=False)
+        out["prompt"].append({"tokens": n, "layer_us": best_ms(run, repeats) * 1e3})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gemv-rows", default="1,2,4,6,8,12,16")
+    parser.add_argument("--prefill-rows", default="32,64,128,512")
+    parser.add_argument("--decode-seqs", type=int, default=64)
+    parser.add_argument("--decode-context", type=int, default=300)
+    parser.add_argument("--prompt-lens", default="128,256,512,2048")
+    for field, default in asdict(Shape()).items():
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=default)
+    args = parser.parse_args(argv)
+    shape = Shape(**{f: getattr(args, f) for f in asdict(Shape())})
+    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
+    result = {
+        "shape": asdict(shape), "layers": args.layers, "threads": torch.get_num_threads(),
+        "gemv": bench_gemv(shape, args.layers, ints(args.gemv_rows), args.repeats),
+        "int8_prefill": bench_int8_prefill(shape, args.layers, ints(args.prefill_rows), args.repeats),
+        "attention": bench_attention(shape, args.layers, args.decode_seqs, args.decode_context,
+                                     ints(args.prompt_lens), args.repeats),
+    }
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
