@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 namespace dabba {
 
@@ -38,6 +40,20 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// f(std::integral_constant<int, n>{}) for a runtime 1 <= n <= Max: kernels that keep n rows or
+// chunks in registers take n as a template parameter. False (f not called) when n is out of range.
+template <int Max, typename F>
+inline bool with_count(int64_t n, F&& f) {
+  if constexpr (Max >= 1) {
+    if (n == Max) {
+      f(std::integral_constant<int, Max>{});
+      return true;
+    }
+    return with_count<Max - 1>(n, std::forward<F>(f));
+  }
+  return false;
 }
 
 }  // namespace dabba

@@ -66,16 +66,6 @@ void gemv_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t
   });
 }
 
-// gemv_rows<M> for the runtime M (1 <= M <= MaxM).
-template <int MaxM>
-void dispatch_rows(int64_t M, const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* y,
-                   int64_t ldy, int64_t N, int64_t K) {
-  if constexpr (MaxM >= 1) {
-    if (M == MaxM) return gemv_rows<MaxM>(x, ldx, w, bias, y, ldy, N, K);
-    dispatch_rows<MaxM - 1>(M, x, ldx, w, bias, y, ldy, N, K);
-  }
-}
-
 #endif  // DABBA_HAVE_BF16_GEMV
 
 bool gemv_available() {
@@ -107,7 +97,9 @@ void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  dispatch_rows<kGemvMaxRows>(M, xp, x.stride(0), wp, bp, yp, out.stride(0), N, K);
+  with_count<kGemvMaxRows>(M, [&](auto m) {
+    gemv_rows<decltype(m)::value>(xp, x.stride(0), wp, bp, yp, out.stride(0), N, K);
+  });
 #endif
 }
 

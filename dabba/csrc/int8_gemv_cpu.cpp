@@ -107,16 +107,6 @@ void int8_rows(const int16_t* xq, int64_t ldx, const float* x_scale, const int8_
   });
 }
 
-// int8_rows<M> for the runtime M (1 <= M <= MaxM).
-template <int MaxM, typename T>
-void dispatch_int8_rows(int64_t M, const int16_t* xq, int64_t ldx, const float* x_scale, const int8_t* w,
-                        const T* scales, const T* bias, T* y, int64_t ldy, int64_t N, int64_t K) {
-  if constexpr (MaxM >= 1) {
-    if (M == MaxM) return int8_rows<MaxM, T>(xq, ldx, x_scale, w, scales, bias, y, ldy, N, K);
-    dispatch_int8_rows<MaxM - 1, T>(M, xq, ldx, x_scale, w, scales, bias, y, ldy, N, K);
-  }
-}
-
 template <typename T>
 void int8_gemv_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
@@ -130,7 +120,9 @@ void int8_gemv_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   const T* sp = scales.data_ptr<T>();
   const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   T* yp = out.data_ptr<T>();
-  dispatch_int8_rows<kInt8GemvMaxRows, T>(M, xq.data(), ldq, x_scale, wp, sp, bp, yp, out.stride(0), N, K);
+  with_count<kInt8GemvMaxRows>(M, [&](auto m) {
+    int8_rows<decltype(m)::value, T>(xq.data(), ldq, x_scale, wp, sp, bp, yp, out.stride(0), N, K);
+  });
 }
 
 #endif  // DABBA_HAVE_INT8_GEMV

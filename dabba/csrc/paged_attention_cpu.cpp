@@ -1,7 +1,8 @@
-// Decode attention over the paged KV cache on the CPU, reading each K and V row once, straight
-// from its block (the reference backend gathers blocks into a padded copy, then reads it twice).
+// Attention over the paged KV cache on the CPU, for decodes (paged_decode_attention) and for a
+// step's prompt chunks and decodes together (paged_attention), reading K and V straight from
+// their blocks (the reference backend gathers blocks into a padded copy, then reads it twice).
 //
-// Layout (the CPU backend's own, see dabba/attention/cpu.py):
+// Layout (the CPU backend's own, see dabba/attention/cpu.py); for decodes:
 //   q            [num_seqs, num_heads, head_dim]
 //   key_cache    [num_kv_heads, num_blocks, head_dim, block_size]   keys transposed within a block
 //   value_cache  [num_kv_heads, num_blocks, block_size, head_dim]
@@ -9,6 +10,7 @@
 //   seq_lens     [num_seqs] int64: context length, including the token being decoded
 //   out          [num_seqs, num_heads, head_dim]
 // Query head h uses kv head h / (num_heads / num_kv_heads) (grouped-query attention).
+// paged_attention takes q/out per token [num_tokens, ...] and query_start_loc [num_seqs + 1].
 //
 // With keys transposed, the scores of one query against a block's 16 keys are 16 lanes of one
 // vector, accumulated over head_dim with broadcast FMAs: no horizontal sums. Values keep rows
@@ -97,6 +99,8 @@ inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
+
+constexpr int kMaxTileRows = 16;  // query rows attended together: group_attention's largest group
 
 struct Shape {
   int64_t num_heads, head_dim, num_kv_heads, num_blocks, block_size, group, max_blocks;
@@ -357,25 +361,9 @@ bool group_attention(const Shape& sh, const scalar_t* q, float scale, const floa
     group_weighted_values<scalar_t, G>(sh, scores, v_ptr, blocks, kvh, seq_len, padded_len, out);
     return true;
   };
-  switch (sh.group) {
-    case 1: return run(std::integral_constant<int, 1>{});
-    case 2: return run(std::integral_constant<int, 2>{});
-    case 3: return run(std::integral_constant<int, 3>{});
-    case 4: return run(std::integral_constant<int, 4>{});
-    case 5: return run(std::integral_constant<int, 5>{});
-    case 6: return run(std::integral_constant<int, 6>{});
-    case 7: return run(std::integral_constant<int, 7>{});
-    case 8: return run(std::integral_constant<int, 8>{});
-    case 9: return run(std::integral_constant<int, 9>{});
-    case 10: return run(std::integral_constant<int, 10>{});
-    case 11: return run(std::integral_constant<int, 11>{});
-    case 12: return run(std::integral_constant<int, 12>{});
-    case 13: return run(std::integral_constant<int, 13>{});
-    case 14: return run(std::integral_constant<int, 14>{});
-    case 15: return run(std::integral_constant<int, 15>{});
-    case 16: return run(std::integral_constant<int, 16>{});
-    default: return false;
-  }
+  bool done = false;
+  with_count<kMaxTileRows>(sh.group, [&](auto group) { done = run(group); });
+  return done;
 }
 
 template <typename scalar_t>
@@ -391,8 +379,6 @@ void weighted_values_scalar(const Shape& sh, const float* probs, const scalar_t*
     }
   }
 }
-
-constexpr int64_t kMaxTileRows = 16;  // query rows attended together (group_attention's largest G)
 
 template <typename scalar_t>
 struct TileBuffers {
@@ -435,16 +421,9 @@ void attend_tile(const Shape& sh, const scalar_t* q_ptr, scalar_t* out_ptr, cons
     if (d_head % kLanes || d_head / kLanes > 8) {
       weighted_values_scalar(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc);
     } else {
-      switch (d_head / kLanes) {
-        case 1: weighted_values<scalar_t, 1>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
-        case 2: weighted_values<scalar_t, 2>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
-        case 3: weighted_values<scalar_t, 3>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
-        case 4: weighted_values<scalar_t, 4>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
-        case 5: weighted_values<scalar_t, 5>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
-        case 6: weighted_values<scalar_t, 6>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
-        case 7: weighted_values<scalar_t, 7>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
-        default: weighted_values<scalar_t, 8>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc); break;
-      }
+      with_count<8>(d_head / kLanes, [&](auto chunks) {
+        weighted_values<scalar_t, decltype(chunks)::value>(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc);
+      });
     }
   }
   for (int64_t t = 0; t < nt; ++t)
@@ -465,7 +444,6 @@ inline void prefetch_first_blocks(const Shape& sh, const scalar_t* k_ptr, const 
     prefetch_block(k_ptr + (kvh * sh.num_blocks + blocks[j]) * block_elems, block_elems * sizeof(scalar_t));
 }
 
-template <typename scalar_t>
 Shape make_shape(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& block_table) {
   return Shape{q.size(1), q.size(2), key_cache.size(0), key_cache.size(1), key_cache.size(3),
                q.size(1) / key_cache.size(0), block_table.size(1)};
@@ -475,9 +453,12 @@ template <typename scalar_t>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, double scale) {
-  const Shape sh = make_shape<scalar_t>(q, key_cache, block_table);
+  const Shape sh = make_shape(q, key_cache, block_table);
   const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
+  const scalar_t *q_ptr = q.data_ptr<scalar_t>(), *k_ptr = key_cache.data_ptr<scalar_t>(),
+                 *v_ptr = value_cache.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
   // One work item = one sequence x one kv head (the query heads of its group together).
   at::parallel_for(0, q.size(0) * sh.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     TileBuffers<scalar_t> buffers;
@@ -485,11 +466,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       const int64_t s = item / sh.num_kv_heads, kvh = item % sh.num_kv_heads;
       if (item + 1 < end) {
         const int64_t next = (item + 1) / sh.num_kv_heads;
-        prefetch_first_blocks(sh, key_cache.data_ptr<scalar_t>(), bt_ptr + next * sh.max_blocks, len_ptr[next],
-                              (item + 1) % sh.num_kv_heads);
+        prefetch_first_blocks(sh, k_ptr, bt_ptr + next * sh.max_blocks, len_ptr[next], (item + 1) % sh.num_kv_heads);
       }
-      attend_tile(sh, q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
-                  value_cache.data_ptr<scalar_t>(), bt_ptr + s * sh.max_blocks, s, 1, len_ptr[s] - 1, kvh,
+      attend_tile(sh, q_ptr, out_ptr, k_ptr, v_ptr, bt_ptr + s * sh.max_blocks, s, 1, len_ptr[s] - 1, kvh,
                   static_cast<float>(scale), buffers);
     }
   });
@@ -505,7 +484,7 @@ template <typename scalar_t>
 void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table,
                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
-  const Shape sh = make_shape<scalar_t>(q, key_cache, block_table);
+  const Shape sh = make_shape(q, key_cache, block_table);
   const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
@@ -519,13 +498,15 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
       tiles.push_back({r, qsl[r] + i, std::min(tile_tokens, query_len - i), context_len + i});
   }
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  const scalar_t *q_ptr = q.data_ptr<scalar_t>(), *k_ptr = key_cache.data_ptr<scalar_t>(),
+                 *v_ptr = value_cache.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
   at::parallel_for(0, num_tiles * sh.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     TileBuffers<scalar_t> buffers;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / sh.num_kv_heads, kvh = item % sh.num_kv_heads;
       const Tile& tile = tiles[i % 2 ? num_tiles - 1 - i / 2 : i / 2];  // 0, n-1, 1, n-2, ...
-      attend_tile(sh, q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
-                  value_cache.data_ptr<scalar_t>(), bt_ptr + tile.req * sh.max_blocks, tile.tok0, tile.nt, tile.pos0,
+      attend_tile(sh, q_ptr, out_ptr, k_ptr, v_ptr, bt_ptr + tile.req * sh.max_blocks, tile.tok0, tile.nt, tile.pos0,
                   kvh, static_cast<float>(scale), buffers);
     }
   });

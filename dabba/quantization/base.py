@@ -34,7 +34,7 @@ class LinearMethod:
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
         """How the native layer loop (csrc/decode_cpu.cpp) computes what ``apply`` does on the CPU;
-        None where it cannot, and the model then decodes in Python."""
+        None where it cannot, and the model then runs its layers in Python."""
         return None
 
 
