@@ -4,8 +4,9 @@ dabba/csrc's comments come from here.
 
     python -m benchmarks.kernels [--layers 30 --repeats 5]
 
-- gemv: one pass over every layer's weights (cold: more bytes than the caches hold) at 1-16 rows:
-  dabba's bf16 GEMV against F.linear, its INT8 GEMV against _weight_int8pack_mm; GB/s of weights.
+- linear: one pass over every layer's weights (cold: more bytes than the caches hold) at 1-4096
+  rows: dabba's bf16 linear (the GEMV up to native.GEMV_MAX_ROWS rows, the GEMM beyond) against
+  F.linear, GB/s of weights and GFLOP/s; its INT8 GEMV against _weight_int8pack_mm.
 - int8_prefill: the INT8 linear at prefill's row counts, _weight_int8pack_mm against codes
   dequantized per call + F.linear (rtn.py switches at native.INT8_DEQUANT_MIN_ROWS).
 - attention: decode over --decode-seqs sequences of --decode-context positions (blocks shuffled, as
@@ -52,7 +53,7 @@ def best_ms(fn: Callable[[], Any], repeats: int) -> float:
     return sorted(times)[min(1, len(times) - 1)] * 1e3
 
 
-def bench_gemv(shape: Shape, layers: int, rows: list[int], repeats: int) -> list[dict[str, Any]]:
+def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> list[dict[str, Any]]:
     from dabba import native
 
     linears = shape.linears()
@@ -65,22 +66,27 @@ def bench_gemv(shape: Shape, layers: int, rows: list[int], repeats: int) -> list
         xs = {k: torch.randn(m, k).bfloat16() for _, k in linears}
         row: dict[str, Any] = {"rows": m}
         row["bf16_f_linear_ms"] = best_ms(lambda: [F.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
-        if m <= native.GEMV_MAX_ROWS and native.gemv_available():
-            row["bf16_gemv_ms"] = best_ms(lambda: [native.linear(xs[w.shape[1]], w) for layer in dense for w in layer],
-                                          repeats)
-            row["bf16_gemv_gb_s"] = 2 * weights / row["bf16_gemv_ms"] / 1e6
-        row["int8_pack_mm_ms"] = best_ms(
-            lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for layer in codes for q, s in layer],
-            repeats)
-        if m <= native.INT8_GEMV_MAX_ROWS and native.int8_gemv_available():
-            row["int8_gemv_ms"] = best_ms(
-                lambda: [native.int8_linear(xs[q.shape[1]], q, s) for layer in codes for q, s in layer], repeats)
-            row["int8_gemv_gb_s"] = weights / row["int8_gemv_ms"] / 1e6
+        if native.gemv_available() and native.gemm_available():
+            row["bf16_kernel"] = "gemv" if m <= native.GEMV_MAX_ROWS else "gemm"
+            row["bf16_native_ms"] = best_ms(
+                lambda: [native.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
+            row["bf16_native_gb_s"] = 2 * weights / row["bf16_native_ms"] / 1e6
+            row["bf16_native_gflop_s"] = 2 * m * weights / row["bf16_native_ms"] / 1e6
+        if m <= native.INT8_GEMV_MAX_ROWS:
+            row["int8_pack_mm_ms"] = best_ms(
+                lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for layer in codes for q, s in layer],
+                repeats)
+            if native.int8_gemv_available():
+                row["int8_gemv_ms"] = best_ms(
+                    lambda: [native.int8_linear(xs[q.shape[1]], q, s) for layer in codes for q, s in layer], repeats)
+                row["int8_gemv_gb_s"] = weights / row["int8_gemv_ms"] / 1e6
         out.append(row)
     return out
 
 
 def bench_int8_prefill(shape: Shape, layers: int, rows: list[int], repeats: int) -> list[dict[str, Any]]:
+    from dabba import native
+
     codes = [[(torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n) / 100).bfloat16())
               for n, k in shape.linears()] for _ in range(layers)]
     out = []
@@ -88,9 +94,9 @@ def bench_int8_prefill(shape: Shape, layers: int, rows: list[int], repeats: int)
         xs = {k: torch.randn(m, k).bfloat16() for _, k in shape.linears()}
         packed = best_ms(lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s)
                                   for layer in codes for q, s in layer], repeats)
-        dequantized = best_ms(lambda: [F.linear(xs[q.shape[1]], q.to(torch.bfloat16) * s[:, None])
+        dequantized = best_ms(lambda: [native.linear(xs[q.shape[1]], q.to(torch.bfloat16) * s[:, None])
                                        for layer in codes for q, s in layer], repeats)
-        out.append({"rows": m, "int8_pack_mm_ms": packed, "dequantize_f_linear_ms": dequantized})
+        out.append({"rows": m, "int8_pack_mm_ms": packed, "dequantize_linear_ms": dequantized})
     return out
 
 
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--gemv-rows", default="1,2,4,6,8,12,16")
+    parser.add_argument("--linear-rows", default="1,2,4,6,8,10,12,16,32,64,128,512,4096")
     parser.add_argument("--prefill-rows", default="32,64,128,512")
     parser.add_argument("--decode-seqs", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=300)
@@ -163,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     result = {
         "shape": asdict(shape), "layers": args.layers, "threads": torch.get_num_threads(),
-        "gemv": bench_gemv(shape, args.layers, ints(args.gemv_rows), args.repeats),
+        "linear": bench_linear(shape, args.layers, ints(args.linear_rows), args.repeats),
         "int8_prefill": bench_int8_prefill(shape, args.layers, ints(args.prefill_rows), args.repeats),
         "attention": bench_attention(shape, args.layers, args.decode_seqs, args.decode_context,
                                      ints(args.prompt_lens), args.repeats),

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 logger = logging.getLogger("dabba")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "int8_gemv_cpu.cpp", "decode_cpu.cpp")
-GEMV_MAX_ROWS = 12  # activation rows up to which a bf16 linear takes the native GEMV (csrc/cpu_ops.h)
+SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "gemm_cpu.cpp", "int8_gemv_cpu.cpp", "decode_cpu.cpp")
+GEMV_MAX_ROWS = 8  # activation rows up to which a bf16 linear takes the native GEMV, the GEMM beyond (csrc/cpu_ops.h)
 INT8_GEMV_MAX_ROWS = 6  # the same for INT8 codes
 INT8_DEQUANT_MIN_ROWS = 96  # from here an INT8 linear dequantizes its codes and takes oneDNN's GEMM
 
@@ -50,19 +50,17 @@ def gemv_available() -> bool:
     return load_cpu_ops() and torch.ops.dabba_cpu.gemv_available()
 
 
-def _gemv_rows(x: torch.Tensor) -> bool:
-    """Decode's case: a few bf16 rows on the CPU, each row contiguous."""
-    return (x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and x.stride(1) == 1 and gemv_available())
+@functools.lru_cache(maxsize=None)
+def gemm_available() -> bool:
+    return load_cpu_ops() and torch.ops.dabba_cpu.gemm_available()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with decode's rows through the native GEMV kernel, which streams the weight at
-    close to memory bandwidth where oneDNN reaches about half of it (see csrc/gemv_cpu.cpp)."""
-    if _gemv_rows(x) and weight.dtype == torch.bfloat16 and weight.is_contiguous():
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-        torch.ops.dabba_cpu.bf16_gemv(out, x, weight, bias)
-        return out
+    """F.linear, with bf16 rows on the CPU through dabba's kernels: the GEMV for decode's few rows
+    (it streams the weight at close to memory bandwidth, oneDNN at about half of it) and the GEMM
+    beyond (1.3-2x oneDNN's as PyTorch calls it; csrc/gemm_cpu.cpp). Other cases keep F.linear."""
+    if x.dim() == 2 and x.device.type == "cpu" and weight.device.type == "cpu" and load_cpu_ops():
+        return torch.ops.dabba_cpu.dense_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -9,17 +9,19 @@ from dabba import native
 
 
 def test_kernels_benchmark_reports_each_kernel(capsys) -> None:
-    assert kernels.main(["--layers", "2", "--repeats", "1", "--gemv-rows", "1,13", "--prefill-rows", "100",
+    assert kernels.main(["--layers", "2", "--repeats", "1", "--linear-rows", "1,13", "--prefill-rows", "100",
                          "--decode-seqs", "3", "--decode-context", "40", "--prompt-lens", "20",
                          "--hidden", "64", "--intermediate", "128", "--num-heads", "4", "--num-kv-heads", "2",
                          "--head-dim", "16"]) == 0
     result = json.loads(capsys.readouterr().out)
-    one, many = result["gemv"]
+    one, many = result["linear"]
     assert one["rows"] == 1 and one["bf16_f_linear_ms"] > 0 and one["int8_pack_mm_ms"] > 0
-    assert ("bf16_gemv_ms" in one) == native.gemv_available()
     assert ("int8_gemv_ms" in one) == native.int8_gemv_available()
-    assert "bf16_gemv_ms" not in many and "int8_gemv_ms" not in many  # 13 rows: past both GEMVs
-    assert result["int8_prefill"][0]["rows"] == 100 and result["int8_prefill"][0]["dequantize_f_linear_ms"] > 0
+    if native.gemv_available() and native.gemm_available():
+        assert one["bf16_kernel"] == "gemv" and one["bf16_native_ms"] > 0
+        assert many["bf16_kernel"] == "gemm" and many["bf16_native_gflop_s"] > 0  # 13 rows: past the GEMV
+    assert "int8_gemv_ms" not in many
+    assert result["int8_prefill"][0]["rows"] == 100 and result["int8_prefill"][0]["dequantize_linear_ms"] > 0
     if native.load_cpu_ops():
         attention = result["attention"]
         assert attention["decode_shuffled"]["seqs"] == 3 and attention["decode_in_order"]["step_ms"] > 0

@@ -24,17 +24,25 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
                      double scale);
 
 // gemv_cpu.cpp
-// Activation rows the GEMV kernels take in one pass over the weight. Beyond them oneDNN's GEMM
-// (F.linear) and _weight_int8pack_mm are as fast: the products, not the bytes, set the pace.
-// Measured over SmolLM's 30 layers, bf16 GEMV / F.linear: 1.6-2.0x faster at 1-8 rows, 1.1-1.3x
-// at 10-12, 0.7x at 16; INT8 GEMV / _weight_int8pack_mm: 1.2-1.4x at 1-6 rows, 0.8-0.95x at 8-12.
-constexpr int kGemvMaxRows = 12;
+// Activation rows the GEMV kernels take in one pass over the weight. Beyond them the products, not
+// the bytes, set the pace, and the GEMM (bf16) or _weight_int8pack_mm (INT8) is as fast.
+// Measured over SmolLM's 30 layers, bf16 GEMV / F.linear: 1.6-2.0x faster at 1-8 rows; the GEMM
+// overtakes the GEMV from 10 rows (6.6 against 8.1 ms at 10). INT8 GEMV / _weight_int8pack_mm:
+// 1.2-1.4x at 1-6 rows, 0.8-0.95x at 8-12.
+constexpr int kGemvMaxRows = 8;
 constexpr int kInt8GemvMaxRows = 6;
 // From this many rows an INT8 linear dequantizes its codes to x's dtype and runs oneDNN's GEMM:
 // _weight_int8pack_mm is 1.6x slower at 128 rows and 2.1x at 512, and level at 32-64.
 constexpr int kInt8DequantMinRows = 96;
 bool gemv_available();
 void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+// gemm_cpu.cpp: any number of rows (K even)
+bool gemm_available();
+void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+// x W^T + b on the CPU, the one place that picks the kernel: the GEMV up to kGemvMaxRows bf16 rows,
+// the GEMM beyond, F.linear where neither applies (other dtypes, odd K, strided operands).
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
 // int8_gemv_cpu.cpp: up to kInt8GemvMaxRows rows of x against int8 codes with a scale per output channel
 bool int8_gemv_available();

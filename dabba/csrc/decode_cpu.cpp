@@ -30,15 +30,7 @@ struct NativeLinear {
   c10::optional<at::Tensor> bias;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (kind == kDense) {  // dabba.native.linear: the GEMV kernel for a few bf16 rows, else F.linear
-      if (x.size(0) <= kGemvMaxRows && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-          weight.is_contiguous() && gemv_available()) {
-        at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-        bf16_gemv(y, x, weight, bias);
-        return y;
-      }
-      return at::linear(x, weight, bias);
-    }
+    if (kind == kDense) return dense_linear(x, weight, bias);  // as dabba.native.linear
     if (kind == kInt8 && x.size(0) <= kInt8GemvMaxRows && int8_gemv_available() &&
         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && scales.scalar_type() == x.scalar_type() &&
         (!bias.has_value() || bias->scalar_type() == x.scalar_type())) {  // dabba.native.int8_linear
@@ -47,7 +39,7 @@ struct NativeLinear {
       return y;
     }
     if (kind == kInt8 && x.size(0) >= kInt8DequantMinRows)  // as rtn.py: a long prefill, through oneDNN
-      return at::linear(x, weight.to(x.scalar_type()) * scales.unsqueeze(1), bias);
+      return dense_linear(x, weight.to(x.scalar_type()) * scales.unsqueeze(1), bias);
     at::Tensor y = kind == kInt8 ? at::_weight_int8pack_mm(x, weight, scales)
                                  : at::_weight_int4pack_mm_for_cpu(x, weight, group_size, scales);
     return bias.has_value() ? y + *bias : y;

@@ -6,7 +6,7 @@
 
 On CPU the methods use PyTorch's weight-packed kernels (``_weight_int8pack_mm`` and the int4
 "tinygemm" ``_weight_int4pack_mm_for_cpu``); INT8 takes dabba's own GEMV for decode's few rows
-(csrc/int8_gemv_cpu.cpp, which reads the same codes) and, for long prefills, oneDNN's bf16 GEMM on
+(csrc/int8_gemv_cpu.cpp, which reads the same codes) and, for long prefills, the bf16 GEMM on
 codes dequantized per call. Elsewhere they dequantize and multiply.
 """
 from __future__ import annotations
@@ -117,8 +117,8 @@ class Int8RTNMethod(LinearMethod):
             y = native.int8_linear(x2, layer.qweight, layer.scales, bias)  # decode's few rows
             if y is None and x2.shape[0] >= native.INT8_DEQUANT_MIN_ROWS:
                 # A long prefill is compute-bound: _weight_int8pack_mm's products run at half the
-                # rate of oneDNN's bf16 GEMM, which wins even after dequantizing the codes per call.
-                y = F.linear(x2, layer.qweight.to(x2.dtype) * layer.scales[:, None], bias)
+                # rate of a bf16 GEMM, which wins even after dequantizing the codes per call.
+                y = native.linear(x2, layer.qweight.to(x2.dtype) * layer.scales[:, None], bias)
             if y is not None:
                 return y.view(*shape[:-1], -1)
             y = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, layer.scales)

@@ -1,0 +1,78 @@
+"""dabba's bf16 linear kernels on the CPU (the GEMV for decode's few rows, the GEMM beyond) against
+float32 arithmetic on the same bf16 operands: they may differ from F.linear only in the order of
+float32 additions, so each output is the float32 result rounded to bf16, give or take an ulp of
+the sum."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dabba import native
+
+pytestmark = pytest.mark.skipif(not (native.gemv_available() and native.gemm_available()),
+                                reason="no AVX512-BF16 kernels here")
+
+
+def assert_rounded_products(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], w.shape[0])
+    exact = x.double() @ w.double().T  # bf16 products are exact; only the additions round
+    if b is not None:
+        exact = exact + b.double()  # added before the one rounding, as F.linear's addmm does
+    # within an ulp of bf16 plus float32 summation error, relative to the sum of |terms|
+    bound = (x.double().abs() @ w.double().abs().T) * 2**-20 + exact.abs() * 2**-7
+    assert ((got.double() - exact).abs() <= bound + 1e-30).all()
+    assert ((got.double() - F.linear(x, w, b).double()).abs() <= 2 * bound + 1e-30).all()
+
+
+# rows: the GEMV (<= 8), the GEMM's 16-row vectors in chunks of 2, a last chunk of 3 or of 1,
+# and partial vectors; out_features: whole and partial tiles of 8 and 16 weight rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9, 16, 17, 33, 40, 64, 100])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (37, 70), (13, 1536), (200, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_float32_products(rows, out_features, in_features, bias) -> None:
+    torch.manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features).bfloat16()
+    w = (torch.randn(out_features, in_features) * 0.1).bfloat16()
+    b = torch.randn(out_features).bfloat16() if bias else None
+    assert_rounded_products(native.linear(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 31, 48])
+def test_gemm_kernel_at_any_row_count(rows) -> None:
+    """The GEMM itself, below the GEMV's limit too, into a wider output (a row stride)."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 256).bfloat16()
+    w = torch.randn(45, 256).bfloat16()
+    b = torch.randn(45).bfloat16()
+    out = torch.full((rows, 60), 7.0, dtype=torch.bfloat16)
+    torch.ops.dabba_cpu.bf16_gemm(out[:, :45], x, w, b)
+    assert_rounded_products(out[:, :45], x, w, b)
+    assert (out[:, 45:] == 7.0).all()  # nothing written past the output's columns
+
+
+def test_odd_in_features_and_other_cases_fall_back() -> None:
+    w = torch.randn(64, 128).bfloat16()
+    for rows in (3, 20):  # a row stride wider than the row: still the kernels
+        padded = torch.randn(rows, 256).bfloat16()[:, :128]
+        assert_rounded_products(native.linear(padded, w), padded, w, None)
+    x = torch.randn(20, 128).bfloat16()
+    assert torch.equal(native.linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+    assert torch.equal(native.linear(x, w.T.contiguous().T), F.linear(x, w.T.contiguous().T))  # strided weight
+    odd_x, odd_w = torch.randn(20, 31).bfloat16(), torch.randn(8, 31).bfloat16()  # the GEMM pairs K
+    assert torch.equal(native.linear(odd_x, odd_w), F.linear(odd_x, odd_w))
+    assert_rounded_products(native.linear(odd_x[:4], odd_w), odd_x[:4], odd_w, None)  # the GEMV masks K's tail
+    assert native.linear(x[:0], w).shape == (0, 64)
+
+
+def test_kernels_reject_bad_shapes() -> None:
+    out = torch.empty(1, 64, dtype=torch.bfloat16)
+    for op in (torch.ops.dabba_cpu.bf16_gemv, torch.ops.dabba_cpu.bf16_gemm):
+        with pytest.raises(RuntimeError, match="weight must be"):
+            op(out, torch.randn(1, 128).bfloat16(), torch.randn(64, 100).bfloat16(), None)
+    with pytest.raises(RuntimeError, match=f"1 to {native.GEMV_MAX_ROWS} rows"):
+        torch.ops.dabba_cpu.bf16_gemv(torch.empty(native.GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16),
+                                      torch.randn(native.GEMV_MAX_ROWS + 1, 128).bfloat16(),
+                                      torch.randn(64, 128).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="even K"):
+        torch.ops.dabba_cpu.bf16_gemm(out, torch.randn(1, 31).bfloat16(), torch.randn(64, 31).bfloat16(), None)
