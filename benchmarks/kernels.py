@@ -5,7 +5,7 @@ dabba/csrc's comments come from here.
     python -m benchmarks.kernels [--layers 30 --repeats 5]
 
 - linear: one pass over every layer's weights (cold: more bytes than the caches hold) at 1-4096
-  rows: dabba's bf16 linear (the GEMV up to native.GEMV_MAX_ROWS rows, the GEMM beyond) against
+  rows: dabba's bf16 linear (the GEMV to native.GEMV_MAX_ROWS rows, the GEMM to GEMM_MAX_ROWS) against
   F.linear, GB/s of weights and GFLOP/s; its INT8 GEMV against _weight_int8pack_mm.
 - int8_prefill: the INT8 linear at prefill's row counts, _weight_int8pack_mm against codes
   dequantized per call + F.linear (rtn.py switches at native.INT8_DEQUANT_MIN_ROWS).
@@ -67,7 +67,8 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
         row: dict[str, Any] = {"rows": m}
         row["bf16_f_linear_ms"] = best_ms(lambda: [F.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
         if native.gemv_available() and native.gemm_available():
-            row["bf16_kernel"] = "gemv" if m <= native.GEMV_MAX_ROWS else "gemm"
+            row["bf16_kernel"] = ("gemv" if m <= native.GEMV_MAX_ROWS else "gemm" if m <= native.GEMM_MAX_ROWS
+                                  else "f_linear")
             row["bf16_native_ms"] = best_ms(
                 lambda: [native.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
             row["bf16_native_gb_s"] = 2 * weights / row["bf16_native_ms"] / 1e6
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--linear-rows", default="1,2,4,6,8,10,12,16,32,64,128,512,4096")
+    parser.add_argument("--linear-rows", default="1,2,4,6,8,10,12,16,32,64,128,256")
     parser.add_argument("--prefill-rows", default="32,64,128,512")
     parser.add_argument("--decode-seqs", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=300)

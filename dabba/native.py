@@ -17,7 +17,8 @@ logger = logging.getLogger("dabba")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "gemm_cpu.cpp", "int8_gemv_cpu.cpp", "decode_cpu.cpp")
-GEMV_MAX_ROWS = 8  # activation rows up to which a bf16 linear takes the native GEMV, the GEMM beyond (csrc/cpu_ops.h)
+GEMV_MAX_ROWS = 8  # activation rows up to which a bf16 linear takes the native GEMV (csrc/cpu_ops.h)
+GEMM_MAX_ROWS = 256  # and the native GEMM beyond, up to here; F.linear (oneDNN) past it
 INT8_GEMV_MAX_ROWS = 6  # the same for INT8 codes
 INT8_DEQUANT_MIN_ROWS = 96  # from here an INT8 linear dequantizes its codes and takes oneDNN's GEMM
 
@@ -58,10 +59,20 @@ def gemm_available() -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with bf16 rows on the CPU through dabba's kernels: the GEMV for decode's few rows
     (it streams the weight at close to memory bandwidth, oneDNN at about half of it) and the GEMM
-    beyond (1.3-2x oneDNN's as PyTorch calls it; csrc/gemm_cpu.cpp). Other cases keep F.linear."""
+    beyond, up to GEMM_MAX_ROWS (1.3-2x oneDNN's as PyTorch calls it; csrc/gemm_cpu.cpp). Long
+    prefills and other cases keep F.linear."""
     if x.dim() == 2 and x.device.type == "cpu" and weight.device.type == "cpu" and load_cpu_ops():
         return torch.ops.dabba_cpu.dense_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu(gate) * up of the merged projection x [gate; up]^T on the CPU: where ``linear`` takes
+    the GEMM, the GEMM applies it as it stores, so the projection is never written out. None off
+    the CPU."""
+    if x.dim() == 2 and x.device.type == "cpu" and weight.device.type == "cpu" and load_cpu_ops():
+        return torch.ops.dabba_cpu.dense_linear_silu_and_mul(x, weight, bias)
+    return None
 
 
 @functools.lru_cache(maxsize=None)

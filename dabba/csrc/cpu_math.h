@@ -42,6 +42,16 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+inline float silu(float g) {
+  const float e = exp_nonpositive(-__builtin_fabsf(g));  // exp(-|g|) never overflows
+  return (g >= 0.f ? g : g * e) / (1.f + e);
+}
+
+// SwiGLU of bf16 gate and up, rounded as F.silu(gate) * up rounds: silu's result, then the product.
+inline uint16_t silu_mul_bf16_bits(float gate, float up) {
+  return float_to_bf16_bits(bf16_bits_to_float(float_to_bf16_bits(silu(gate))) * up);
+}
+
 // f(std::integral_constant<int, n>{}) for a runtime 1 <= n <= Max: kernels that keep n rows or
 // chunks in registers take n as a template parameter. False (f not called) when n is out of range.
 template <int Max, typename F>

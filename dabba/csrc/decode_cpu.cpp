@@ -8,7 +8,7 @@
 // prompt chunks alike: only the attention kernel differs.
 //
 // Per layer: [fused add +] RMSNorm, qkv projection, rotary in place, KV write, paged attention,
-// o projection, fused add + RMSNorm, gate_up projection, SiLU-and-mul, down projection; then the
+// o projection, fused add + RMSNorm, gate_up projection with SiLU-and-mul, down projection; then the
 // final fused add + RMSNorm. Built once per model (dabba/models/native_decode.py).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -28,6 +28,16 @@ struct NativeLinear {
   at::Tensor scales;  // int8: [N]; int4: scales_and_zeros; dense: unused
   int64_t group_size;  // int4
   c10::optional<at::Tensor> bias;
+
+  // SwiGLU of a merged gate_up projection's output: fused into the GEMM where dense, as
+  // LinearMethod.apply_silu_and_mul does.
+  at::Tensor silu_and_mul(const at::Tensor& x) const {
+    if (kind == kDense) return dense_linear_silu_and_mul(x, weight, bias);
+    const at::Tensor gate_up = (*this)(x);
+    at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+    dabba::silu_and_mul(act, gate_up);
+    return act;
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (kind == kDense) return dense_linear(x, weight, bias);  // as dabba.native.linear
@@ -112,10 +122,7 @@ class NativeDecoder : public torch::CustomClassHolder {
         paged_decode_attention(attn, q.contiguous(), key_cache, value_cache, block_table, seq_lens, scale_);
       x = layer.o(attn.view({n, q_size}));
       fused_add_rms_norm(x, residual, layer.post_norm, eps_);
-      const at::Tensor gate_up = layer.gate_up(x);
-      const at::Tensor act = at::empty({n, gate_up.size(1) / 2}, x.options());
-      silu_and_mul(act, gate_up);
-      x = layer.down(act);
+      x = layer.down(layer.gate_up.silu_and_mul(x));
     }
     fused_add_rms_norm(x, residual, final_norm_, eps_);
     return x;

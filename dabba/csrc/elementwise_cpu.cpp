@@ -109,11 +109,6 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
   });
 }
 
-inline float silu(float g) {
-  const float e = exp_nonpositive(-__builtin_fabsf(g));  // exp(-|g|) never overflows
-  return (g >= 0.f ? g : g * e) / (1.f + e);
-}
-
 template <typename scalar_t>
 inline void silu_and_mul_row(scalar_t* __restrict out, const scalar_t* __restrict gate, const scalar_t* __restrict up,
                              int64_t d) {
@@ -121,7 +116,8 @@ inline void silu_and_mul_row(scalar_t* __restrict out, const scalar_t* __restric
     out[i] = Cvt<scalar_t>::store(round_to<scalar_t>(silu(Cvt<scalar_t>::load(gate[i]))) * Cvt<scalar_t>::load(up[i]));
 }
 
-// out = round(silu(gate)) * up, with x = [gate | up] along the last dimension.
+// out = round(silu(gate)) * up, with x = [gate | up] along the last dimension. (For bf16 this is
+// silu_mul_bf16_bits, which the GEMM's fused epilogue applies: the two agree bit for bit.)
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x must be contiguous [rows, 2 * d]");
   const int64_t rows = x.size(0), d = x.size(1) / 2;

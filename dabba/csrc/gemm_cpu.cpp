@@ -1,9 +1,11 @@
 // bf16 x bf16 -> bf16 GEMM for batched decode and prefill: y[M, N] = x[M, K] W[N, K]^T (+ b).
 //
 // PyTorch's F.linear calls oneDNN without prepacked weights, so every call reorders the weight
-// first. On SmolLM's shapes that reaches 250-460 GFLOP/s at the 16-64 rows of batched decode and
-// ~780 at prefill's thousands; this kernel 620-930 across the range (python -m benchmarks.kernels).
-// At 64 rows the 30 layers' products plus the LM head take 19 ms here, 38 ms through F.linear.
+// first. On SmolLM's shapes that reaches 250-460 GFLOP/s at the 16-64 rows of batched decode;
+// this kernel 600-900 (python -m benchmarks.kernels). At 64 rows the 30 layers' products plus the
+// LM head take 19 ms here, 38 ms through F.linear. Past kGemmMaxRows oneDNN's blocking for large
+// matrices wins inside the engine (a 4096-token prefill step: 1.24 s against 1.33), so
+// dense_linear hands those to F.linear.
 //
 // How: vdpbf16ps multiplies 16 lanes of bf16 pairs and adds both products into float32 lanes.
 // The activations are packed once per call so that a vector holds one pair of K positions for 16
@@ -14,6 +16,10 @@
 // weight needs no second copy. The next tile's weight rows are prefetched while this one runs:
 // without it the kernel waits on memory (480 against 900 GFLOP/s at 64 rows).
 // Each output is rounded to bf16 once, after the bias is added, as oneDNN's GEMM does.
+//
+// For an MLP's merged gate_up projection the same tiles take gate rows and the matching up rows
+// together and store silu(gate) * up (rounded as silu_and_mul rounds), so the [M, 2d] projection
+// is never written and read back: 35 ms of a 4096-token prefill step of SmolLM.
 //
 // Built only where the compiler targets AVX512-BF16, like the GEMV (gemv_cpu.cpp).
 #include <ATen/ATen.h>
@@ -60,18 +66,11 @@ void pack_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* x
   });
 }
 
-// Four columns' float32 sums for 16 rows -> bf16, written row by row (4 adjacent outputs each).
-inline void store_quad(const __m512 (&sums)[4], const uint16_t* bias, int valid_cols, uint16_t* y, int64_t ldy,
-                       int64_t rows) {
-  __m256i h[4];
-  for (int c = 0; c < 4; ++c) {
-    const __m512 s = bias && c < valid_cols ? _mm512_add_ps(sums[c], _mm512_set1_ps(bf16_bits_to_float(bias[c])))
-                                            : sums[c];
-    h[c] = (__m256i)_mm512_cvtneps_pbh(s);  // round to nearest even, as float_to_bf16_bits
-  }
+// Four columns of 16 rows, as bf16 vectors (one per column) -> row by row, 4 adjacent outputs each.
+inline void store_quad(const __m256i (&cols)[4], int valid_cols, uint16_t* y, int64_t ldy, int64_t rows) {
   // Interleave to (c0, c1, c2, c3) per row: unpack works within 128-bit lanes, hence the order.
-  const __m256i lo01 = _mm256_unpacklo_epi16(h[0], h[1]), hi01 = _mm256_unpackhi_epi16(h[0], h[1]);
-  const __m256i lo23 = _mm256_unpacklo_epi16(h[2], h[3]), hi23 = _mm256_unpackhi_epi16(h[2], h[3]);
+  const __m256i lo01 = _mm256_unpacklo_epi16(cols[0], cols[1]), hi01 = _mm256_unpackhi_epi16(cols[0], cols[1]);
+  const __m256i lo23 = _mm256_unpacklo_epi16(cols[2], cols[3]), hi23 = _mm256_unpackhi_epi16(cols[2], cols[3]);
   alignas(32) uint64_t quads[16];
   _mm256_store_si256(reinterpret_cast<__m256i*>(quads + 0), _mm256_unpacklo_epi32(lo01, lo23));
   _mm256_store_si256(reinterpret_cast<__m256i*>(quads + 4), _mm256_unpackhi_epi32(lo01, lo23));
@@ -83,20 +82,40 @@ inline void store_quad(const __m512 (&sums)[4], const uint16_t* bias, int valid_
     if (kRowOf[q] < rows) std::memcpy(y + kRowOf[q] * ldy, &quads[q], bytes);
 }
 
-// NR weight rows (valid of them real; the rest repeat the last and are not stored) against
-// MV * 16 packed rows of x (rows of them real), over all of K.
-template <int MV, int NR>
-void gemm_tile(const uint32_t* xp, int64_t pairs, const uint16_t* w, int64_t K, int valid, const uint16_t* bias,
-               uint16_t* y, int64_t ldy, int64_t rows) {
+// A column's float32 sums plus its bias, rounded to bf16 once (round to nearest even).
+inline __m256i round_column(__m512 sums, const uint16_t* bias) {
+  if (bias) sums = _mm512_add_ps(sums, _mm512_set1_ps(bf16_bits_to_float(*bias)));
+  return (__m256i)_mm512_cvtneps_pbh(sums);
+}
+
+// SwiGLU of two bf16 columns, lane by lane, exactly as silu_and_mul computes it.
+inline __m256i silu_mul_column(__m256i gate, __m256i up) {
+  alignas(32) uint16_t g[16], u[16], out[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(g), gate);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(u), up);
+  for (int i = 0; i < 16; ++i) out[i] = silu_mul_bf16_bits(bf16_bits_to_float(g[i]), bf16_bits_to_float(u[i]));
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(out));
+}
+
+// NR weight rows against MV * 16 packed rows of x (rows of them real), over all of K. Plain: the
+// tile's rows are output columns n..n+NR-1 (valid of them real; the rest repeat the last and are
+// not stored). SwiGLU: its first NR/2 rows are gate rows n.., the rest the matching up rows, which
+// sit up_rows further on in a merged gate_up weight; out = silu(gate) * up, NR/2 columns.
+template <int MV, int NR, bool kSwiGLU>
+void gemm_tile(const uint32_t* xp, int64_t pairs, const uint16_t* w, int64_t up_rows, int64_t K, int valid,
+               const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t rows) {
+  constexpr int kCols = kSwiGLU ? NR / 2 : NR;
   __m512 acc[NR][MV];
   for (int n = 0; n < NR; ++n)
     for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_setzero_ps();
   const uint32_t* wr[NR];
-  for (int n = 0; n < NR; ++n) wr[n] = reinterpret_cast<const uint32_t*>(w + std::min(n, valid - 1) * K);
-  const char* next = reinterpret_cast<const char*>(w + NR * K);  // the next tile's rows, to prefetch
+  for (int n = 0; n < NR; ++n) {
+    const int64_t row = n < kCols ? std::min(n, valid - 1) : up_rows + std::min(n - kCols, valid - 1);
+    wr[n] = reinterpret_cast<const uint32_t*>(w + row * K);
+  }
   for (int64_t j = 0; j < pairs; ++j) {
-    if ((j & 15) == 0)  // one 64-byte line per row per 16 pairs
-      for (int n = 0; n < NR; ++n) _mm_prefetch(next + n * K * 2 + j * 4, _MM_HINT_T0);
+    if ((j & 15) == 0)  // the next tile's rows (kCols on): one 64-byte line per row per 16 pairs
+      for (int n = 0; n < NR; ++n) _mm_prefetch(reinterpret_cast<const char*>(wr[n] + j + kCols * K / 2), _MM_HINT_T0);
     __m512bh xv[MV];
     for (int v = 0; v < MV; ++v) xv[v] = (__m512bh)_mm512_loadu_si512(xp + (v * pairs + j) * 16);
     for (int n = 0; n < NR; ++n) {
@@ -107,18 +126,24 @@ void gemm_tile(const uint32_t* xp, int64_t pairs, const uint16_t* w, int64_t K, 
   for (int v = 0; v < MV; ++v) {
     const int64_t v_rows = std::min<int64_t>(16, rows - v * 16);
     if (v_rows <= 0) break;
-    for (int c = 0; c < NR && c < valid; c += 4) {
-      const __m512 quad[4] = {acc[c][v], acc[c + 1][v], acc[c + 2][v], acc[c + 3][v]};
-      store_quad(quad, bias ? bias + c : nullptr, valid - c, y + v * 16 * ldy + c, ldy, v_rows);
+    for (int c = 0; c < kCols && c < valid; c += 4) {
+      __m256i cols[4];
+      for (int i = 0; i < 4; ++i) {
+        cols[i] = round_column(acc[c + i][v], bias ? bias + c + i : nullptr);
+        if constexpr (kSwiGLU)
+          cols[i] = silu_mul_column(cols[i], round_column(acc[kCols + c + i][v], bias ? bias + up_rows + c + i : nullptr));
+      }
+      store_quad(cols, valid - c, y + v * 16 * ldy + c, ldy, v_rows);
     }
   }
 }
 
-// Weight rows [n_begin, n_end) against all of x, in chunks of 32 rows of x (8 weight rows a tile,
-// 16 accumulators); an odd count of 16-row vectors ends with 48 (8 weight rows, 24 accumulators)
-// or, for 16 rows alone, 16 weight rows a tile.
-void gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, uint16_t* y,
-               int64_t ldy, int64_t N, int64_t n_begin, int64_t n_end) {
+// Output columns [n_begin, n_end) against all of x, in chunks of 32 rows of x (8 weight rows a
+// tile, 16 accumulators); an odd count of 16-row vectors ends with 48 (8 weight rows, 24
+// accumulators) or, for 16 rows alone, 16 weight rows a tile.
+template <bool kSwiGLU>
+void gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, int64_t up_rows, const uint16_t* bias,
+               uint16_t* y, int64_t ldy, int64_t N, int64_t n_begin, int64_t n_end) {
   const int64_t pairs = K / 2, vectors = (M + 15) / 16;
   for (int64_t block = n_begin; block < n_end; block += kBlockRows) {
     const int64_t block_end = std::min(n_end, block + kBlockRows);
@@ -127,17 +152,33 @@ void gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, cons
       const int chunk = left == 3 ? 3 : left == 1 ? 1 : 2;
       const uint32_t* xv = xp + v * pairs * 16;
       const int64_t rows = M - v * 16;
-      auto run = [&](auto tile, int64_t nr) {
-        for (int64_t n = block; n < block_end; n += nr)
-          tile(xv, pairs, w + n * K, K, static_cast<int>(std::min<int64_t>(nr, N - n)), bias ? bias + n : nullptr,
-               y + v * 16 * ldy + n, ldy, rows);
+      auto run = [&](auto tile, int64_t cols) {
+        for (int64_t n = block; n < block_end; n += cols)
+          tile(xv, pairs, w + n * K, up_rows, K, static_cast<int>(std::min<int64_t>(cols, N - n)),
+               bias ? bias + n : nullptr, y + v * 16 * ldy + n, ldy, rows);
       };
-      if (chunk == 2) run(gemm_tile<2, 8>, 8);
-      else if (chunk == 3) run(gemm_tile<3, 8>, 8);
-      else run(gemm_tile<1, 16>, 16);
+      constexpr int kPerCol = kSwiGLU ? 2 : 1;  // weight rows per output column
+      if (chunk == 2) run(gemm_tile<2, 8, kSwiGLU>, 8 / kPerCol);
+      else if (chunk == 3) run(gemm_tile<3, 8, kSwiGLU>, 8 / kPerCol);
+      else run(gemm_tile<1, 16, kSwiGLU>, 16 / kPerCol);
       v += chunk;
     }
   }
+}
+
+// Packs x and splits the output columns across threads.
+template <bool kSwiGLU>
+void gemm(const at::Tensor& x, const at::Tensor& weight, int64_t up_rows, const uint16_t* bias, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  at::Tensor packed = at::empty({(M + 15) / 16 * 16 * K / 2}, x.options().dtype(at::kInt));
+  auto* xp = reinterpret_cast<uint32_t*>(packed.data_ptr());
+  pack_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K, xp);
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t ldy = out.stride(0), tiles = (N + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    gemm_rows<kSwiGLU>(xp, M, K, wp, up_rows, bias, yp, ldy, N, begin * kTileRows, std::min(N, end * kTileRows));
+  });
 }
 
 }  // namespace
@@ -152,34 +193,42 @@ bool gemm_available() {
 #endif
 }
 
-void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+namespace {
+
+// The checks both entry points share; returns the bias's bits or null.
+const uint16_t* check_gemm_operands(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                                    const c10::optional<at::Tensor>& bias, int64_t out_columns) {
   TORCH_CHECK(gemm_available(), "bf16_gemm: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16, rows contiguous");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
                   weight.size(1) == x.size(1),
               "weight must be a contiguous [N, K] bf16 tensor");
-  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(K % 2 == 0, "bf16_gemm needs an even K (pairs of K per lane), got ", K);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.stride(1) == 1 &&
+  TORCH_CHECK(x.size(1) % 2 == 0, "bf16_gemm needs an even K (pairs of K per lane), got ", x.size(1));
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == out_columns && out.stride(1) == 1 &&
                   out.scalar_type() == at::kBFloat16,
-              "out must be [M, N] bf16, rows contiguous");
-  const uint16_t* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kBFloat16,
-                "bias must be [N] bf16");
-    bp = reinterpret_cast<const uint16_t*>(bias->data_ptr());
-  }
-  if (M == 0 || N == 0) return;
+              "out must be [M, ", out_columns, "] bf16, rows contiguous");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous() &&
+                  bias->scalar_type() == at::kBFloat16,
+              "bias must be [N] bf16");
+  return reinterpret_cast<const uint16_t*>(bias->data_ptr());
+}
+
+}  // namespace
+
+void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const uint16_t* bp = check_gemm_operands(out, x, weight, bias, weight.size(0));
 #ifdef DABBA_HAVE_BF16_GEMM
-  at::Tensor packed = at::empty({(M + 15) / 16 * 16 * K / 2}, x.options().dtype(at::kInt));
-  auto* xp = reinterpret_cast<uint32_t*>(packed.data_ptr());
-  pack_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K, xp);
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t ldy = out.stride(0), tiles = (N + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    gemm_rows(xp, M, K, wp, bp, yp, ldy, N, begin * kTileRows, std::min(N, end * kTileRows));
-  });
+  if (x.size(0) > 0 && weight.size(0) > 0) gemm<false>(x, weight, 0, bp, out);
+#endif
+}
+
+void bf16_gemm_silu_and_mul(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "weight must be [2 * d, K]: gate rows, then up rows");
+  const uint16_t* bp = check_gemm_operands(out, x, weight, bias, weight.size(0) / 2);
+#ifdef DABBA_HAVE_BF16_GEMM
+  if (x.size(0) > 0 && weight.size(0) > 0) gemm<true>(x, weight, weight.size(0) / 2, bp, out);
 #endif
 }
 
@@ -192,7 +241,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10
     bf16_gemv(y, x, weight, bias);
     return y;
   }
-  if (bf16 && weight.size(1) % 2 == 0 && gemm_available()) {
+  if (bf16 && x.size(0) <= kGemmMaxRows && weight.size(1) % 2 == 0 && gemm_available()) {
     at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
     bf16_gemm(y, x, weight, bias);
     return y;
@@ -200,12 +249,32 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   return at::linear(x, weight, bias);
 }
 
+at::Tensor dense_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weight,
+                                     const c10::optional<at::Tensor>& bias) {
+  const bool gemm_rows = x.dim() == 2 && x.size(0) > kGemvMaxRows && x.size(0) <= kGemmMaxRows;
+  if (gemm_rows && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous() &&
+      weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0 && weight.size(0) % 2 == 0 &&
+      (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous())) && gemm_available()) {
+    at::Tensor y = at::empty({x.size(0), weight.size(0) / 2}, x.options());
+    bf16_gemm_silu_and_mul(y, x, weight, bias);
+    return y;
+  }
+  const at::Tensor gate_up = dense_linear(x, weight, bias);
+  at::Tensor y = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  silu_and_mul(y, gate_up);
+  return y;
+}
+
 }  // namespace dabba
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("dense_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("dense_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::dense_linear));
+  m.def("dense_linear_silu_and_mul(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("dense_linear_silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(dabba::dense_linear_silu_and_mul));
   m.def("gemm_available() -> bool", &dabba::gemm_available);
   m.def("bf16_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.impl("bf16_gemm", c10::DispatchKey::CPU, TORCH_FN(dabba::bf16_gemm));
+  m.def("bf16_gemm_silu_and_mul(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.impl("bf16_gemm_silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(dabba::bf16_gemm_silu_and_mul));
 }

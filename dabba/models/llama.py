@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from dabba.attention.backend import get_forward_context
-from dabba.layers.activation import SiluAndMul
 from dabba.layers.attention import Attention
 from dabba.layers.embedding import LMHead, VocabEmbedding
 from dabba.layers.layernorm import RMSNorm
@@ -37,10 +36,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], shard_ids=(0, 1), prefix=f"{prefix}.gate_up_proj",
                                    quant_config=quant_config)
         self.down_proj = Linear(inter, [cfg.hidden_size], prefix=f"{prefix}.down_proj", quant_config=quant_config)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x, silu_and_mul=True))
 
 
 class LlamaAttention(nn.Module):

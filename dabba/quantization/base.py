@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dabba import native
+from dabba.layers.activation import silu_and_mul
 
 QUANTIZATION_METHODS = ("int8", "int4")  # applied at load time; "gptq" comes from a checkpoint
 
@@ -32,6 +33,11 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """SwiGLU of a merged gate_up layer: silu(gate) * up of ``apply``'s output. A method may fuse
+        the two; the native layer loop does what this does (NativeLinear::silu_and_mul)."""
+        return silu_and_mul(self.apply(layer, x, bias))
+
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
         """How the native layer loop (csrc/decode_cpu.cpp) computes what ``apply`` does on the CPU;
         None where it cannot, and the model then runs its layers in Python."""
@@ -51,6 +57,10 @@ class NativeLinearSpec:
 class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return native.linear(x, layer.weight, bias)
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        fused = native.linear_silu_and_mul(x, layer.weight, bias)
+        return fused if fused is not None else super().apply_silu_and_mul(layer, x, bias)
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
         return NativeLinearSpec(NativeLinearSpec.DENSE, layer.weight)

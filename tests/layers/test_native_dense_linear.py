@@ -63,6 +63,8 @@ def test_odd_in_features_and_other_cases_fall_back() -> None:
     assert torch.equal(native.linear(odd_x, odd_w), F.linear(odd_x, odd_w))
     assert_rounded_products(native.linear(odd_x[:4], odd_w), odd_x[:4], odd_w, None)  # the GEMV masks K's tail
     assert native.linear(x[:0], w).shape == (0, 64)
+    long = torch.randn(native.GEMM_MAX_ROWS + 1, 128).bfloat16()  # a long prefill: oneDNN's blocking wins
+    assert torch.equal(native.linear(long, w), F.linear(long, w))
 
 
 def test_kernels_reject_bad_shapes() -> None:
@@ -76,3 +78,31 @@ def test_kernels_reject_bad_shapes() -> None:
                                       torch.randn(64, 128).bfloat16(), None)
     with pytest.raises(RuntimeError, match="even K"):
         torch.ops.dabba_cpu.bf16_gemm(out, torch.randn(1, 31).bfloat16(), torch.randn(64, 31).bfloat16(), None)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 20, 33, 64, 100, 257])
+@pytest.mark.parametrize("d, in_features", [(1536, 576), (37, 70), (8, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_fused_into_the_gemm_is_bit_identical(rows, d, in_features, bias) -> None:
+    """Past the GEMV's rows the GEMM stores silu(gate) * up itself: exactly what the projection
+    followed by silu_and_mul gives."""
+    from dabba.layers.activation import silu_and_mul
+
+    torch.manual_seed(rows + d)
+    x = torch.randn(rows, in_features).bfloat16()
+    w = (torch.randn(2 * d, in_features) * 0.2).bfloat16()
+    b = torch.randn(2 * d).bfloat16() if bias else None
+    fused = native.linear_silu_and_mul(x, w, b)
+    assert fused.shape == (rows, d) and torch.equal(fused, silu_and_mul(native.linear(x, w, b)))
+    gate, up = F.linear(x, w, b).chunk(2, dim=-1)
+    torch.testing.assert_close(fused, F.silu(gate) * up, atol=0.05, rtol=0.02)
+
+
+def test_swiglu_kernel_rejects_bad_shapes() -> None:
+    x = torch.randn(16, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="gate rows, then up rows"):
+        torch.ops.dabba_cpu.bf16_gemm_silu_and_mul(torch.empty(16, 3, dtype=torch.bfloat16), x,
+                                                   torch.randn(7, 64).bfloat16(), None)
+    with pytest.raises(RuntimeError, match=r"out must be \[M, 4\]"):
+        torch.ops.dabba_cpu.bf16_gemm_silu_and_mul(torch.empty(16, 8, dtype=torch.bfloat16), x,
+                                                   torch.randn(8, 64).bfloat16(), None)
