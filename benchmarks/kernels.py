@@ -6,9 +6,10 @@ dabba/csrc's comments come from here.
 
 - linear: one pass over every layer's weights (cold: more bytes than the caches hold) at 1-4096
   rows: dabba's bf16 linear (the GEMV to native.GEMV_MAX_ROWS rows, the GEMM to GEMM_MAX_ROWS) against
-  F.linear, GB/s of weights and GFLOP/s; its INT8 GEMV against _weight_int8pack_mm.
+  F.linear, GB/s of weights and GFLOP/s; its INT8 linear (GEMV, then GEMM on codes widened to bf16)
+  against _weight_int8pack_mm.
 - int8_prefill: the INT8 linear at prefill's row counts, _weight_int8pack_mm against codes
-  dequantized per call + F.linear (rtn.py switches at native.INT8_DEQUANT_MIN_ROWS).
+  dequantized per call + dabba's linear (what rows past native.GEMM_MAX_ROWS get).
 - attention: decode over --decode-seqs sequences of --decode-context positions (blocks shuffled, as
   a long-running server's are, and in order), and one prompt of each --prompt-lens, per layer.
 """
@@ -73,14 +74,15 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
                 lambda: [native.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
             row["bf16_native_gb_s"] = 2 * weights / row["bf16_native_ms"] / 1e6
             row["bf16_native_gflop_s"] = 2 * m * weights / row["bf16_native_ms"] / 1e6
-        if m <= native.INT8_GEMV_MAX_ROWS:
-            row["int8_pack_mm_ms"] = best_ms(
-                lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for layer in codes for q, s in layer],
-                repeats)
-            if native.int8_gemv_available():
-                row["int8_gemv_ms"] = best_ms(
-                    lambda: [native.int8_linear(xs[q.shape[1]], q, s) for layer in codes for q, s in layer], repeats)
-                row["int8_gemv_gb_s"] = weights / row["int8_gemv_ms"] / 1e6
+        row["int8_pack_mm_ms"] = best_ms(
+            lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for layer in codes for q, s in layer],
+            repeats)
+        if native.int8_gemv_available() and native.gemm_available():
+            row["int8_kernel"] = ("gemv" if m <= native.INT8_GEMV_MAX_ROWS else "pack_mm" if m < native.INT8_GEMM_MIN_ROWS
+                                  else "gemm" if m <= native.GEMM_MAX_ROWS else "dequantize_linear")
+            row["int8_native_ms"] = best_ms(
+                lambda: [native.int8_linear(xs[q.shape[1]], q, s) for layer in codes for q, s in layer], repeats)
+            row["int8_native_gb_s"] = weights / row["int8_native_ms"] / 1e6
         out.append(row)
     return out
 

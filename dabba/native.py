@@ -20,7 +20,8 @@ SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "ge
 GEMV_MAX_ROWS = 8  # activation rows up to which a bf16 linear takes the native GEMV (csrc/cpu_ops.h)
 GEMM_MAX_ROWS = 256  # and the native GEMM beyond, up to here; F.linear (oneDNN) past it
 INT8_GEMV_MAX_ROWS = 6  # the same for INT8 codes
-INT8_DEQUANT_MIN_ROWS = 96  # from here an INT8 linear dequantizes its codes and takes oneDNN's GEMM
+INT8_GEMM_MIN_ROWS = 13  # INT8's GEMM from here to GEMM_MAX_ROWS (bf16 activations)
+INT8_DEQUANT_MIN_ROWS = 96  # past the GEMM (or float32 from here) INT8 dequantizes its codes for a linear
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,13 +83,10 @@ def int8_gemv_available() -> bool:
 
 def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x (codes * scales[:, None])^T + bias on the CPU for decode's few rows through the native INT8
-    GEMV (csrc/int8_gemv_cpu.cpp), or None where it does not apply: the caller keeps PyTorch's
-    _weight_int8pack_mm, which reads the codes at three quarters of the speed."""
-    if not (x.dim() == 2 and x.shape[0] <= INT8_GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float32)
-            and x.device.type == "cpu" and x.stride(1) == 1 and codes.is_contiguous() and scales.dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype) and int8_gemv_available()):
-        return None
-    out = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype)
-    torch.ops.dabba_cpu.int8_gemv(out, x, codes, scales, bias)
-    return out
+    """x (codes * scales[:, None])^T + bias on the CPU through dabba's INT8 kernels: the INT8 GEMV for
+    decode's few rows (csrc/int8_gemv_cpu.cpp), the GEMM on codes widened to bf16 from
+    INT8_GEMM_MIN_ROWS to GEMM_MAX_ROWS (csrc/gemm_cpu.cpp), codes dequantized + linear for long
+    prefills, else PyTorch's _weight_int8pack_mm. None off the CPU or without the native kernels."""
+    if x.dim() == 2 and x.device.type == "cpu" and load_cpu_ops():
+        return torch.ops.dabba_cpu.int8_linear(x, codes, scales, bias)
+    return None

@@ -16,11 +16,11 @@ def test_kernels_benchmark_reports_each_kernel(capsys) -> None:
     result = json.loads(capsys.readouterr().out)
     one, many = result["linear"]
     assert one["rows"] == 1 and one["bf16_f_linear_ms"] > 0 and one["int8_pack_mm_ms"] > 0
-    assert ("int8_gemv_ms" in one) == native.int8_gemv_available()
     if native.gemv_available() and native.gemm_available():
         assert one["bf16_kernel"] == "gemv" and one["bf16_native_ms"] > 0
         assert many["bf16_kernel"] == "gemm" and many["bf16_native_gflop_s"] > 0  # 13 rows: past the GEMV
-    assert "int8_gemv_ms" not in many
+        assert one["int8_kernel"] == "gemv" and many["int8_kernel"] == "gemm" and many["int8_native_ms"] > 0
+        assert native.INT8_GEMM_MIN_ROWS <= 13  # (the case above)
     assert result["int8_prefill"][0]["rows"] == 100 and result["int8_prefill"][0]["dequantize_linear_ms"] > 0
     if native.load_cpu_ops():
         attention = result["attention"]

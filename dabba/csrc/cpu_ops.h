@@ -31,8 +31,12 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
 // 1.2-1.4x at 1-6 rows, 0.8-0.95x at 8-12.
 constexpr int kGemvMaxRows = 8;
 constexpr int kInt8GemvMaxRows = 6;
-// From this many rows an INT8 linear dequantizes its codes to x's dtype and runs oneDNN's GEMM:
-// _weight_int8pack_mm is 1.6x slower at 128 rows and 2.1x at 512, and level at 32-64.
+// From this many rows an INT8 linear takes int8_gemm (codes widened to bf16 per call: 10.9 ms over
+// SmolLM's 30 layers at 8-16 rows, where that widening sets the pace; _weight_int8pack_mm 7.5 at
+// 8, 10.3 at 12, 13.1 at 14; at 64 rows 21.7 against 45.7).
+constexpr int kInt8GemmMinRows = 13;
+// Past the GEMM's rows a float32 or long INT8 prefill dequantizes its codes to x's dtype and runs
+// dense_linear: _weight_int8pack_mm is 1.6x slower at 128 rows and 2.1x at 512.
 constexpr int kInt8DequantMinRows = 96;
 bool gemv_available();
 void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
@@ -54,6 +58,15 @@ void bf16_gemm_silu_and_mul(at::Tensor out, const at::Tensor& x, const at::Tenso
                             const c10::optional<at::Tensor>& bias);
 at::Tensor dense_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weight,
                                      const c10::optional<at::Tensor>& bias);
+// INT8 codes [N, K] with a bf16 scale per row: (x Q^T) * s (+ b), each 16 code rows widened to
+// bf16 once per call and multiplied by the same tiles.
+void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+               const c10::optional<at::Tensor>& bias);
+// (x Q^T) * s + b on the CPU, the one place that picks the INT8 kernel: the INT8 GEMV up to
+// kInt8GemvMaxRows rows, int8_gemm from kInt8GemmMinRows to kGemmMaxRows (bf16 x), codes
+// dequantized + dense_linear from kInt8DequantMinRows, else _weight_int8pack_mm.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias);
 
 // int8_gemv_cpu.cpp: up to kInt8GemvMaxRows rows of x against int8 codes with a scale per output channel
 bool int8_gemv_available();

@@ -41,17 +41,8 @@ struct NativeLinear {
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (kind == kDense) return dense_linear(x, weight, bias);  // as dabba.native.linear
-    if (kind == kInt8 && x.size(0) <= kInt8GemvMaxRows && int8_gemv_available() &&
-        (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && scales.scalar_type() == x.scalar_type() &&
-        (!bias.has_value() || bias->scalar_type() == x.scalar_type())) {  // dabba.native.int8_linear
-      at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-      int8_gemv(y, x, weight, scales, bias);
-      return y;
-    }
-    if (kind == kInt8 && x.size(0) >= kInt8DequantMinRows)  // as rtn.py: a long prefill, through oneDNN
-      return dense_linear(x, weight.to(x.scalar_type()) * scales.unsqueeze(1), bias);
-    at::Tensor y = kind == kInt8 ? at::_weight_int8pack_mm(x, weight, scales)
-                                 : at::_weight_int4pack_mm_for_cpu(x, weight, group_size, scales);
+    if (kind == kInt8) return int8_linear(x, weight, scales, bias);  // as dabba.native.int8_linear
+    const at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, weight, group_size, scales);
     return bias.has_value() ? y + *bias : y;
   }
 };

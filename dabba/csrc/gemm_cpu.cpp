@@ -82,8 +82,15 @@ inline void store_quad(const __m256i (&cols)[4], int valid_cols, uint16_t* y, in
     if (kRowOf[q] < rows) std::memcpy(y + kRowOf[q] * ldy, &quads[q], bytes);
 }
 
-// A column's float32 sums plus its bias, rounded to bf16 once (round to nearest even).
-inline __m256i round_column(__m512 sums, const uint16_t* bias) {
+// A column's float32 sums plus its bias, rounded to bf16 once (round to nearest even). With INT8
+// codes, times the column's scale, rounded, then plus the bias, as _weight_int8pack_mm + bias.
+inline __m256i round_column(__m512 sums, const uint16_t* scale, const uint16_t* bias) {
+  if (scale) {
+    sums = _mm512_mul_ps(sums, _mm512_set1_ps(bf16_bits_to_float(*scale)));
+    if (!bias) return (__m256i)_mm512_cvtneps_pbh(sums);
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sums);
+    sums = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+  }
   if (bias) sums = _mm512_add_ps(sums, _mm512_set1_ps(bf16_bits_to_float(*bias)));
   return (__m256i)_mm512_cvtneps_pbh(sums);
 }
@@ -103,7 +110,7 @@ inline __m256i silu_mul_column(__m256i gate, __m256i up) {
 // sit up_rows further on in a merged gate_up weight; out = silu(gate) * up, NR/2 columns.
 template <int MV, int NR, bool kSwiGLU>
 void gemm_tile(const uint32_t* xp, int64_t pairs, const uint16_t* w, int64_t up_rows, int64_t K, int valid,
-               const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t rows) {
+               const uint16_t* scale, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t rows) {
   constexpr int kCols = kSwiGLU ? NR / 2 : NR;
   __m512 acc[NR][MV];
   for (int n = 0; n < NR; ++n)
@@ -129,14 +136,18 @@ void gemm_tile(const uint32_t* xp, int64_t pairs, const uint16_t* w, int64_t up_
     for (int c = 0; c < kCols && c < valid; c += 4) {
       __m256i cols[4];
       for (int i = 0; i < 4; ++i) {
-        cols[i] = round_column(acc[c + i][v], bias ? bias + c + i : nullptr);
+        cols[i] = round_column(acc[c + i][v], scale ? scale + c + i : nullptr, bias ? bias + c + i : nullptr);
         if constexpr (kSwiGLU)
-          cols[i] = silu_mul_column(cols[i], round_column(acc[kCols + c + i][v], bias ? bias + up_rows + c + i : nullptr));
+          cols[i] = silu_mul_column(cols[i], round_column(acc[kCols + c + i][v], nullptr,
+                                                          bias ? bias + up_rows + c + i : nullptr));
       }
       store_quad(cols, valid - c, y + v * 16 * ldy + c, ldy, v_rows);
     }
   }
 }
+
+// 16-row vectors of x a tile takes next: 2, but 3 or 1 for the last of an odd count.
+inline int chunk_vectors(int64_t left) { return left == 3 ? 3 : left == 1 ? 1 : 2; }
 
 // Output columns [n_begin, n_end) against all of x, in chunks of 32 rows of x (8 weight rows a
 // tile, 16 accumulators); an odd count of 16-row vectors ends with 48 (8 weight rows, 24
@@ -148,13 +159,12 @@ void gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, int6
   for (int64_t block = n_begin; block < n_end; block += kBlockRows) {
     const int64_t block_end = std::min(n_end, block + kBlockRows);
     for (int64_t v = 0; v < vectors;) {
-      const int64_t left = vectors - v;
-      const int chunk = left == 3 ? 3 : left == 1 ? 1 : 2;
+      const int chunk = chunk_vectors(vectors - v);
       const uint32_t* xv = xp + v * pairs * 16;
       const int64_t rows = M - v * 16;
       auto run = [&](auto tile, int64_t cols) {
         for (int64_t n = block; n < block_end; n += cols)
-          tile(xv, pairs, w + n * K, up_rows, K, static_cast<int>(std::min<int64_t>(cols, N - n)),
+          tile(xv, pairs, w + n * K, up_rows, K, static_cast<int>(std::min<int64_t>(cols, N - n)), nullptr,
                bias ? bias + n : nullptr, y + v * 16 * ldy + n, ldy, rows);
       };
       constexpr int kPerCol = kSwiGLU ? 2 : 1;  // weight rows per output column
@@ -166,18 +176,66 @@ void gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, int6
   }
 }
 
-// Packs x and splits the output columns across threads.
-template <bool kSwiGLU>
-void gemm(const at::Tensor& x, const at::Tensor& weight, int64_t up_rows, const uint16_t* bias, at::Tensor& out) {
+// int8 codes -> bf16, exactly (|q| <= 128 needs 8 significant bits; bf16 has 8).
+inline void widen_codes(const int8_t* q, int64_t K, uint16_t* dst) {
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
+    _mm512_storeu_si512(dst + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // lo in the low half
+  }
+  for (; k < K; ++k) dst[k] = float_to_bf16_bits(static_cast<float>(q[k]));
+}
+
+// INT8 codes: y = (x Q^T) * s (+ b). Each 16 code rows are widened to bf16 once, into a buffer
+// that the bf16 tiles then read for every row chunk of x; the scale multiplies the float32 sums.
+void int8_gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const int8_t* q, const uint16_t* scales,
+                    const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t N, int64_t n_begin, int64_t n_end) {
+  const int64_t pairs = K / 2, vectors = (M + 15) / 16;
+  std::vector<uint16_t> rows_bf16(16 * K);
+  const uint16_t* w = rows_bf16.data();
+  for (int64_t n = n_begin; n < n_end; n += 16) {
+    const int valid = static_cast<int>(std::min<int64_t>(16, N - n));
+    for (int r = 0; r < valid; ++r) widen_codes(q + (n + r) * K, K, rows_bf16.data() + r * K);
+    const uint16_t* s = scales + n;
+    const uint16_t* b = bias ? bias + n : nullptr;
+    for (int64_t v = 0; v < vectors;) {
+      const int chunk = chunk_vectors(vectors - v);
+      const uint32_t* xv = xp + v * pairs * 16;
+      uint16_t* yv = y + v * 16 * ldy + n;
+      const int64_t rows = M - v * 16;
+      auto halves = [&](auto tile) {  // 8 code rows a tile
+        tile(xv, pairs, w, 0, K, std::min(valid, 8), s, b, yv, ldy, rows);
+        if (valid > 8) tile(xv, pairs, w + 8 * K, 0, K, valid - 8, s + 8, b ? b + 8 : nullptr, yv + 8, ldy, rows);
+      };
+      if (chunk == 1) gemm_tile<1, 16, false>(xv, pairs, w, 0, K, valid, s, b, yv, ldy, rows);
+      else if (chunk == 2) halves(gemm_tile<2, 8, false>);
+      else halves(gemm_tile<3, 8, false>);
+      v += chunk;
+    }
+  }
+}
+
+// x packed once, output columns split across threads in tiles of kTileRows.
+template <typename Rows>
+void gemm_columns(const at::Tensor& x, at::Tensor& out, Rows&& rows) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   at::Tensor packed = at::empty({(M + 15) / 16 * 16 * K / 2}, x.options().dtype(at::kInt));
   auto* xp = reinterpret_cast<uint32_t*>(packed.data_ptr());
   pack_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K, xp);
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t ldy = out.stride(0), tiles = (N + kTileRows - 1) / kTileRows;
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    gemm_rows<kSwiGLU>(xp, M, K, wp, up_rows, bias, yp, ldy, N, begin * kTileRows, std::min(N, end * kTileRows));
+    rows(xp, yp, begin * kTileRows, std::min(N, end * kTileRows));
+  });
+}
+
+template <bool kSwiGLU>
+void gemm(const at::Tensor& x, const at::Tensor& weight, int64_t up_rows, const uint16_t* bias, at::Tensor& out) {
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  gemm_columns(x, out, [&](const uint32_t* xp, uint16_t* yp, int64_t begin, int64_t end) {
+    gemm_rows<kSwiGLU>(xp, x.size(0), x.size(1), wp, up_rows, bias, yp, out.stride(0), out.size(1), begin, end);
   });
 }
 
@@ -232,6 +290,35 @@ void bf16_gemm_silu_and_mul(at::Tensor out, const at::Tensor& x, const at::Tenso
 #endif
 }
 
+void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+               const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(gemm_available(), "int8_gemm: built without AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16, rows contiguous");
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kChar && codes.size(1) == x.size(1),
+              "codes must be contiguous [N, K] int8");
+  TORCH_CHECK(x.size(1) % 2 == 0, "int8_gemm needs an even K (pairs of K per lane), got ", x.size(1));
+  const int64_t M = x.size(0), N = codes.size(0), K = x.size(1);
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous() && scales.scalar_type() == at::kBFloat16,
+              "scales must be [N] bf16");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.stride(1) == 1 &&
+                  out.scalar_type() == at::kBFloat16,
+              "out must be [M, N] bf16, rows contiguous");
+  const uint16_t* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kBFloat16,
+                "bias must be [N] bf16");
+    bp = reinterpret_cast<const uint16_t*>(bias->data_ptr());
+  }
+#ifdef DABBA_HAVE_BF16_GEMM
+  if (M == 0 || N == 0) return;
+  const auto* qp = codes.data_ptr<int8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  gemm_columns(x, out, [&](const uint32_t* xp, uint16_t* yp, int64_t begin, int64_t end) {
+    int8_gemm_rows(xp, M, K, qp, sp, bp, yp, out.stride(0), N, begin, end);
+  });
+#endif
+}
+
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const bool bf16 = x.dim() == 2 && x.size(0) > 0 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 &&
                     weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
@@ -265,6 +352,32 @@ at::Tensor dense_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weig
   return y;
 }
 
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias) {
+  const auto dtype = x.scalar_type();
+  const bool operands = x.dim() == 2 && x.size(0) > 0 && x.stride(1) == 1 &&
+                        (dtype == at::kBFloat16 || dtype == at::kFloat) && codes.is_contiguous() &&
+                        scales.scalar_type() == dtype && scales.is_contiguous() &&
+                        (!bias.has_value() || (bias->scalar_type() == dtype && bias->is_contiguous()));
+  if (operands && x.size(0) <= kInt8GemvMaxRows && int8_gemv_available()) {
+    at::Tensor y = at::empty({x.size(0), codes.size(0)}, x.options());
+    int8_gemv(y, x, codes, scales, bias);
+    return y;
+  }
+  // PyTorch's _weight_int8pack_mm (2.13, CPU) crashes when K is not a multiple of 32: never hand it one.
+  const bool pack_mm_safe = x.size(-1) % 32 == 0;
+  if (operands && dtype == at::kBFloat16 && (x.size(0) >= kInt8GemmMinRows || !pack_mm_safe) &&
+      x.size(0) <= kGemmMaxRows && x.size(1) % 2 == 0 && gemm_available()) {
+    at::Tensor y = at::empty({x.size(0), codes.size(0)}, x.options());
+    int8_gemm(y, x, codes, scales, bias);
+    return y;
+  }
+  if (x.size(0) >= kInt8DequantMinRows || !pack_mm_safe)  // a long prefill: the bf16 GEMM wins even after dequantizing
+    return dense_linear(x, codes.to(dtype) * scales.unsqueeze(1), bias);
+  const at::Tensor y = at::_weight_int8pack_mm(x, codes, scales);
+  return bias.has_value() ? y + *bias : y;
+}
+
 }  // namespace dabba
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
@@ -272,6 +385,10 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.impl("dense_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::dense_linear));
   m.def("dense_linear_silu_and_mul(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("dense_linear_silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(dabba::dense_linear_silu_and_mul));
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
+  m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::int8_linear));
+  m.def("int8_gemm(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> ()");
+  m.impl("int8_gemm", c10::DispatchKey::CPU, TORCH_FN(dabba::int8_gemm));
   m.def("gemm_available() -> bool", &dabba::gemm_available);
   m.def("bf16_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.impl("bf16_gemm", c10::DispatchKey::CPU, TORCH_FN(dabba::bf16_gemm));

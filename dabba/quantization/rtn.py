@@ -5,9 +5,9 @@
     symmetric:  r_min = -r_max = -max|w|,   q = clamp(round(w / s), -2^(b-1), 2^(b-1) - 1), w ~ q * s
 
 On CPU the methods use PyTorch's weight-packed kernels (``_weight_int8pack_mm`` and the int4
-"tinygemm" ``_weight_int4pack_mm_for_cpu``); INT8 takes dabba's own GEMV for decode's few rows
-(csrc/int8_gemv_cpu.cpp, which reads the same codes) and, for long prefills, the bf16 GEMM on
-codes dequantized per call. Elsewhere they dequantize and multiply.
+"tinygemm" ``_weight_int4pack_mm_for_cpu``); INT8 takes dabba's own kernels, which read the same
+codes: the GEMV for decode's few rows (csrc/int8_gemv_cpu.cpp), the GEMM on codes widened to bf16
+for batches (csrc/gemm_cpu.cpp), and for long prefills the bf16 GEMM on codes dequantized per call. Elsewhere they dequantize and multiply.
 """
 from __future__ import annotations
 
@@ -114,11 +114,7 @@ class Int8RTNMethod(LinearMethod):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x.device.type == "cpu":
-            y = native.int8_linear(x2, layer.qweight, layer.scales, bias)  # decode's few rows
-            if y is None and x2.shape[0] >= native.INT8_DEQUANT_MIN_ROWS:
-                # A long prefill is compute-bound: _weight_int8pack_mm's products run at half the
-                # rate of a bf16 GEMM, which wins even after dequantizing the codes per call.
-                y = native.linear(x2, layer.qweight.to(x2.dtype) * layer.scales[:, None], bias)
+            y = native.int8_linear(x2, layer.qweight, layer.scales, bias)  # dabba's kernels pick
             if y is not None:
                 return y.view(*shape[:-1], -1)
             y = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, layer.scales)

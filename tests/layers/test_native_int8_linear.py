@@ -1,0 +1,124 @@
+"""dabba's INT8 linear kernels against exact products of the same codes. The GEMV (decode's few
+rows) quantizes each activation row to int16 with one scale, so every output may be off by that
+rounding (at most max|x| / 65534 per element, times the codes' magnitudes), float32 summation and
+the output's own rounding, and no more; the GEMM (batches) multiplies the bf16 rows by the codes
+widened to bf16, exactly, so only the summation and the roundings remain."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dabba import native
+
+pytestmark = pytest.mark.skipif(not (native.int8_gemv_available() and native.gemm_available()),
+                                reason="no AVX-512 VNNI / BF16 kernels here")
+
+
+def _bound(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, int16_x: bool = True
+           ) -> torch.Tensor:
+    xd, qd, sd = x.double(), q.double(), s.double()
+    amax = xd.abs().amax(1, keepdim=True)
+    quant = (amax / 65534) * qd.abs().sum(1) * sd.abs() * int16_x  # int16 rounding of x, through every code
+    sums = (xd.abs() @ qd.abs().T) * sd.abs() * 2**-20  # float32 additions
+    out = xd @ qd.T * sd + (b.double() if b is not None else 0)
+    ulp = 2**-7 if x.dtype == torch.bfloat16 else 2**-22  # the product's rounding, then the bias add's
+    return quant + sums + (out.abs() + (b.double().abs() if b is not None else 0)) * ulp + 1e-30
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 6])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (37, 70), (13, 1536), (9, 31), (5, 5000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_gemv_matches_exact_products(rows, out_features, in_features, dtype, bias) -> None:
+    torch.manual_seed(rows * 7 + out_features)
+    x = torch.randn(rows, in_features).to(dtype)
+    x[0, 3] = 40.0  # an outlier channel sets the int16 scale of its row
+    q = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
+    s = (torch.rand(out_features) * 0.01 + 1e-3).to(dtype)
+    b = torch.randn(out_features).to(dtype) if bias else None
+    got = native.int8_linear(x, q, s, b)
+    assert got is not None and got.dtype == dtype and got.shape == (rows, out_features)
+    exact = x.double() @ q.double().T * s.double() + (b.double() if b is not None else 0)
+    bound = _bound(x, q, s, b)
+    assert ((got.double() - exact).abs() <= bound).all()
+    if in_features % 64 == 0:  # (PyTorch's kernel crashes on some odd shapes, such as 37 x 70)
+        ref = torch.ops.aten._weight_int8pack_mm(x, q, s)  # what longer batches get
+        ref = ref + b if b is not None else ref
+        assert ((got.double() - ref.double()).abs() <= 2 * bound).all()
+
+
+# rows: the GEMM's chunks of 2 vectors, a last one of 3 or 1, partial vectors; out_features:
+# whole and partial tiles of 16 code rows, and of the 8-row halves
+@pytest.mark.parametrize("rows", [7, 9, 17, 40, 64, 100, 256])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (37, 70), (13, 1536), (200, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_gemm_matches_exact_products(rows, out_features, in_features, bias) -> None:
+    torch.manual_seed(rows * 7 + out_features)
+    x = torch.randn(rows, in_features).bfloat16()
+    q = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
+    s = (torch.rand(out_features) * 0.01 + 1e-3).bfloat16()
+    b = torch.randn(out_features).bfloat16() if bias else None
+    got = native.int8_linear(x, q, s, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    exact = x.double() @ q.double().T * s.double() + (b.double() if b is not None else 0)
+    bound = _bound(x, q, s, b, int16_x=False)
+    assert ((got.double() - exact).abs() <= bound).all()
+    direct = torch.empty_like(got)
+    torch.ops.dabba_cpu.int8_gemm(direct, x, q, s, b)  # the kernel itself, whatever the row count
+    assert torch.equal(direct, got) or rows < native.INT8_GEMM_MIN_ROWS
+    assert ((direct.double() - exact).abs() <= bound).all()
+    if in_features % 32 == 0:  # (PyTorch's kernel crashes past that, such as 37 x 70)
+        ref = torch.ops.aten._weight_int8pack_mm(x, q, s)
+        ref = ref + b if b is not None else ref
+        assert ((got.double() - ref.double()).abs() <= 2 * bound).all()
+
+
+def test_widths_that_crash_pytorchs_kernel_take_ours() -> None:
+    """_weight_int8pack_mm segfaults when in_features is not a multiple of 32: rows that would go to
+    it take the GEMM (even in_features) or dequantized codes (odd)."""
+    for in_features in (70, 31):
+        q = torch.randint(-128, 128, (37, in_features), dtype=torch.int8)
+        s = (torch.rand(37) * 0.01).bfloat16()
+        for rows in (native.INT8_GEMV_MAX_ROWS + 1, native.INT8_GEMM_MIN_ROWS - 1, native.GEMM_MAX_ROWS + 1):
+            x = torch.randn(rows, in_features).bfloat16()
+            exact = x.double() @ q.double().T * s.double()
+            bound = _bound(x, q, s, None, int16_x=False)
+            if rows > native.GEMM_MAX_ROWS or in_features % 2:  # dequantized codes: each q * s rounds first
+                bound = bound + x.double().abs() @ (q.double().abs() * s.double()[:, None]).T * 2**-8
+            assert ((native.int8_linear(x, q, s).double() - exact).abs() <= bound).all()
+
+
+def test_zero_rows_and_fallbacks() -> None:
+    q = torch.randint(-128, 128, (64, 128), dtype=torch.int8)
+    s = torch.rand(64).bfloat16()
+    zero = torch.zeros(2, 128).bfloat16()
+    assert torch.equal(native.int8_linear(zero, q, s), torch.zeros(2, 64).bfloat16())
+    for rows in (3, 20):  # a row stride wider than the row: still the GEMV, the GEMM
+        padded = torch.randn(rows, 256).bfloat16()[:, :128]
+        assert ((native.int8_linear(padded, q, s).double() - padded.double() @ q.double().T * s.double()).abs()
+                <= _bound(padded, q, s, None)).all()
+    x16 = torch.randn(20, 128).half()  # neither kernel: PyTorch's
+    assert torch.equal(native.int8_linear(x16, q, s.half()), torch.ops.aten._weight_int8pack_mm(x16, q, s.half()))
+    x32 = torch.randn(native.INT8_DEQUANT_MIN_ROWS, 128)  # a long float32 prefill: dequantized codes, F.linear
+    torch.testing.assert_close(native.int8_linear(x32, q, s.float()), x32 @ (q.float() * s.float()[:, None]).T)
+
+
+def test_kernels_reject_bad_shapes() -> None:
+    out = torch.empty(1, 64, dtype=torch.bfloat16)
+    s = torch.rand(64).bfloat16()
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.dabba_cpu.int8_gemv(out, torch.randn(1, 128).bfloat16(), torch.zeros(64, 100, dtype=torch.int8),
+                                      s, None)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        torch.ops.dabba_cpu.int8_gemv(out, torch.randn(1, 128).bfloat16(), torch.zeros(64, 128, dtype=torch.int8),
+                                      s.float(), None)
+    with pytest.raises(RuntimeError, match=f"1 to {native.INT8_GEMV_MAX_ROWS} rows"):
+        torch.ops.dabba_cpu.int8_gemv(torch.empty(native.INT8_GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16),
+                                      torch.randn(native.INT8_GEMV_MAX_ROWS + 1, 128).bfloat16(),
+                                      torch.zeros(64, 128, dtype=torch.int8), s, None)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        torch.ops.dabba_cpu.int8_gemm(torch.empty(9, 64, dtype=torch.bfloat16), torch.randn(9, 128).bfloat16(),
+                                      torch.zeros(64, 128, dtype=torch.int8), s.float(), None)
+    with pytest.raises(RuntimeError, match="even K"):
+        torch.ops.dabba_cpu.int8_gemm(torch.empty(9, 64, dtype=torch.bfloat16), torch.randn(9, 31).bfloat16(),
+                                      torch.zeros(64, 31, dtype=torch.int8), s, None)
