@@ -22,7 +22,7 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
     ("llama", "bfloat16", None), ("llama", "float32", None), ("llama", "bfloat16", "int8"),
     ("llama", "bfloat16", "int4"), ("qwen2", "bfloat16", None), ("mistral", "bfloat16", "int4"),
 ])
-@pytest.mark.parametrize("batch", [1, 6, 13])  # 13: past both GEMV kernels' rows
+@pytest.mark.parametrize("batch", [1, 6, 13])  # 13: past both GEMVs, into the bf16 and INT8 GEMMs
 def test_native_decode_is_bit_identical_to_python(checkpoints, family, dtype, quantization, batch) -> None:
     ckpt = checkpoints[family]
     # no prefix caching: the second run must prefill exactly as the first did
