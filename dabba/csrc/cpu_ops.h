@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
+
 namespace dabba {
 
 // elementwise_cpu.cpp
@@ -22,6 +24,11 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      double scale);
+
+// The bf16 linear kernels' common checks: out [M, N] bf16 with contiguous rows, and an optional
+// bias [bias_size] bf16. Returns the bias's bits, or null (gemm_cpu.cpp).
+const uint16_t* check_bf16_output(const at::Tensor& out, int64_t M, int64_t N, const c10::optional<at::Tensor>& bias,
+                                  int64_t bias_size);
 
 // gemv_cpu.cpp
 // Activation rows the GEMV kernels take in one pass over the weight. Beyond them the products, not

@@ -257,31 +257,34 @@ bool gemm_available() {
 #endif
 }
 
+const uint16_t* check_bf16_output(const at::Tensor& out, int64_t M, int64_t N, const c10::optional<at::Tensor>& bias,
+                                  int64_t bias_size) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.stride(1) == 1 &&
+                  out.scalar_type() == at::kBFloat16,
+              "out must be [M, ", N, "] bf16, rows contiguous");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == bias_size && bias->is_contiguous() &&
+                  bias->scalar_type() == at::kBFloat16,
+              "bias must be [", bias_size, "] bf16");
+  return reinterpret_cast<const uint16_t*>(bias->data_ptr());
+}
+
 namespace {
 
-// The checks both entry points share; returns the bias's bits or null.
-const uint16_t* check_gemm_operands(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                                    const c10::optional<at::Tensor>& bias, int64_t out_columns) {
-  TORCH_CHECK(gemm_available(), "bf16_gemm: built without AVX512-BF16");
+// x [M, K] bf16 (K even, rows contiguous), a weight or codes [N, K] of `dtype`, contiguous.
+void check_gemm_input(const char* op, const at::Tensor& x, const at::Tensor& weight, at::ScalarType dtype) {
+  TORCH_CHECK(gemm_available(), op, ": built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16, rows contiguous");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
-                  weight.size(1) == x.size(1),
-              "weight must be a contiguous [N, K] bf16 tensor");
-  TORCH_CHECK(x.size(1) % 2 == 0, "bf16_gemm needs an even K (pairs of K per lane), got ", x.size(1));
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == out_columns && out.stride(1) == 1 &&
-                  out.scalar_type() == at::kBFloat16,
-              "out must be [M, ", out_columns, "] bf16, rows contiguous");
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous() &&
-                  bias->scalar_type() == at::kBFloat16,
-              "bias must be [N] bf16");
-  return reinterpret_cast<const uint16_t*>(bias->data_ptr());
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == dtype && weight.size(1) == x.size(1),
+              "weight must be a contiguous [N, K] ", dtype, " tensor");
+  TORCH_CHECK(x.size(1) % 2 == 0, op, " needs an even K (pairs of K per lane), got ", x.size(1));
 }
 
 }  // namespace
 
 void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  const uint16_t* bp = check_gemm_operands(out, x, weight, bias, weight.size(0));
+  check_gemm_input("bf16_gemm", x, weight, at::kBFloat16);
+  const uint16_t* bp = check_bf16_output(out, x.size(0), weight.size(0), bias, weight.size(0));
 #ifdef DABBA_HAVE_BF16_GEMM
   if (x.size(0) > 0 && weight.size(0) > 0) gemm<false>(x, weight, 0, bp, out);
 #endif
@@ -290,7 +293,8 @@ void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
 void bf16_gemm_silu_and_mul(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "weight must be [2 * d, K]: gate rows, then up rows");
-  const uint16_t* bp = check_gemm_operands(out, x, weight, bias, weight.size(0) / 2);
+  check_gemm_input("bf16_gemm", x, weight, at::kBFloat16);
+  const uint16_t* bp = check_bf16_output(out, x.size(0), weight.size(0) / 2, bias, weight.size(0));
 #ifdef DABBA_HAVE_BF16_GEMM
   if (x.size(0) > 0 && weight.size(0) > 0) gemm<true>(x, weight, weight.size(0) / 2, bp, out);
 #endif
@@ -298,23 +302,11 @@ void bf16_gemm_silu_and_mul(at::Tensor out, const at::Tensor& x, const at::Tenso
 
 void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(gemm_available(), "int8_gemm: built without AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16, rows contiguous");
-  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kChar && codes.size(1) == x.size(1),
-              "codes must be contiguous [N, K] int8");
-  TORCH_CHECK(x.size(1) % 2 == 0, "int8_gemm needs an even K (pairs of K per lane), got ", x.size(1));
+  check_gemm_input("int8_gemm", x, codes, at::kChar);
   const int64_t M = x.size(0), N = codes.size(0), K = x.size(1);
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous() && scales.scalar_type() == at::kBFloat16,
               "scales must be [N] bf16");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.stride(1) == 1 &&
-                  out.scalar_type() == at::kBFloat16,
-              "out must be [M, N] bf16, rows contiguous");
-  const uint16_t* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kBFloat16,
-                "bias must be [N] bf16");
-    bp = reinterpret_cast<const uint16_t*>(bias->data_ptr());
-  }
+  const uint16_t* bp = check_bf16_output(out, M, N, bias, N);
 #ifdef DABBA_HAVE_BF16_GEMM
   if (M == 0 || N == 0) return;
   const auto* qp = codes.data_ptr<int8_t>();

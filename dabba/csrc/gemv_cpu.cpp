@@ -84,15 +84,7 @@ void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
                   weight.size(1) == x.size(1),
               "weight must be a contiguous [N, K] bf16 tensor");
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.stride(1) == 1 &&
-                  out.scalar_type() == at::kBFloat16,
-              "out must be [M, N] bf16, rows contiguous");
-  const uint16_t* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kBFloat16,
-                "bias must be [N] bf16");
-    bp = reinterpret_cast<const uint16_t*>(bias->data_ptr());
-  }
+  const uint16_t* bp = check_bf16_output(out, M, N, bias, N);
 #ifdef DABBA_HAVE_BF16_GEMV
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
