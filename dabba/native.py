@@ -16,7 +16,8 @@ import torch.nn.functional as F
 logger = logging.getLogger("dabba")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "gemm_cpu.cpp", "int8_gemv_cpu.cpp", "decode_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "gemm_cpu.cpp", "int8_gemv_cpu.cpp",
+           "decode_cpu.cpp")
 GEMV_MAX_ROWS = 8  # activation rows up to which a bf16 linear takes the native GEMV (csrc/cpu_ops.h)
 GEMM_MAX_ROWS = 256  # and the native GEMM beyond, up to here; F.linear (oneDNN) past it
 INT8_GEMV_MAX_ROWS = 6  # the same for INT8 codes

@@ -7,7 +7,8 @@
 On CPU the methods use PyTorch's weight-packed kernels (``_weight_int8pack_mm`` and the int4
 "tinygemm" ``_weight_int4pack_mm_for_cpu``); INT8 takes dabba's own kernels, which read the same
 codes: the GEMV for decode's few rows (csrc/int8_gemv_cpu.cpp), the GEMM on codes widened to bf16
-for batches (csrc/gemm_cpu.cpp), and for long prefills the bf16 GEMM on codes dequantized per call. Elsewhere they dequantize and multiply.
+for batches (csrc/gemm_cpu.cpp), and for long prefills a bf16 linear on codes dequantized per call.
+Elsewhere they dequantize and multiply.
 """
 from __future__ import annotations
 
