@@ -22,6 +22,10 @@ from dabba.sampling_params import SamplingParams
 
 logger = logging.getLogger("dabba")
 
+# How often a non-streaming handler checks that its client is still there: a client that gave up
+# stops its requests within this long (a streaming one stops at the next chunk it cannot send).
+DISCONNECT_POLL_S = 0.05
+
 
 class OpenAIError(Exception):
     """An error the client made (or one to show it), with its HTTP status and OpenAI type."""
@@ -109,7 +113,7 @@ class OpenAIServing:
 
         task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
         while not task.done():
-            done, _ = await asyncio.wait([task], timeout=0.1)
+            done, _ = await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
             if not done and await raw.is_disconnected():
                 task.cancel()
                 for stream in streams:
