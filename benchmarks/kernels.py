@@ -5,11 +5,13 @@ dabba/csrc's comments come from here.
     python -m benchmarks.kernels [--layers 30 --repeats 5]
 
 - linear: one pass over every layer's weights (cold: more bytes than the caches hold) at 1-4096
-  rows: dabba's bf16 linear (the GEMV to native.GEMV_MAX_ROWS rows, the GEMM to GEMM_MAX_ROWS) against
-  F.linear, GB/s of weights and GFLOP/s; its INT8 linear (GEMV, then GEMM on codes widened to bf16)
-  against _weight_int8pack_mm.
+  rows: dabba's bf16 linear (the GEMV to gemv_max_rows rows, the GEMM to gemm_max_rows: the
+  kernel's KernelConstants) against F.linear, GB/s of weights and GFLOP/s; its INT8 linear (GEMV,
+  then GEMM on codes widened to bf16) against _weight_int8pack_mm. Each row names the kernel that
+  took it and whether its outputs agreed with the op it is timed against (a wrong kernel's timing
+  means nothing).
 - int8_prefill: the INT8 linear at prefill's row counts, _weight_int8pack_mm against codes
-  dequantized per call + dabba's linear (what rows past native.GEMM_MAX_ROWS get).
+  dequantized per call + dabba's linear (what rows past gemm_max_rows get).
 - attention: decode over --decode-seqs sequences of --decode-context positions (blocks shuffled, as
   a long-running server's are, and in order), and one prompt of each --prompt-lens, per layer.
 """
@@ -54,9 +56,15 @@ def best_ms(fn: Callable[[], Any], repeats: int) -> float:
     return sorted(times)[min(1, len(times) - 1)] * 1e3
 
 
+def agree(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    """Equal up to bf16 rounding of differently ordered sums: within 2% of each output's largest."""
+    return all(bool((g.float() - w.float()).abs().max() <= 0.02 * w.float().abs().max()) for g, w in zip(got, want))
+
+
 def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> list[dict[str, Any]]:
     from dabba import native
 
+    limits = native.kernel_constants()
     linears = shape.linears()
     dense = [[torch.randn(n, k).bfloat16() for n, k in linears] for _ in range(layers)]
     codes = [[(torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n) / 100).bfloat16())
@@ -68,8 +76,10 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
         row: dict[str, Any] = {"rows": m}
         row["bf16_f_linear_ms"] = best_ms(lambda: [F.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
         if native.gemv_available() and native.gemm_available():
-            row["bf16_kernel"] = ("gemv" if m <= native.GEMV_MAX_ROWS else "gemm" if m <= native.GEMM_MAX_ROWS
+            row["bf16_kernel"] = ("gemv" if m <= limits.gemv_max_rows else "gemm" if m <= limits.gemm_max_rows
                                   else "f_linear")
+            row["bf16_agrees"] = agree([native.linear(xs[w.shape[1]], w) for w in dense[0]],
+                                       [F.linear(xs[w.shape[1]], w) for w in dense[0]])
             row["bf16_native_ms"] = best_ms(
                 lambda: [native.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
             row["bf16_native_gb_s"] = 2 * weights / row["bf16_native_ms"] / 1e6
@@ -78,8 +88,10 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
             lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for layer in codes for q, s in layer],
             repeats)
         if native.int8_gemv_available() and native.gemm_available():
-            row["int8_kernel"] = ("gemv" if m <= native.INT8_GEMV_MAX_ROWS else "pack_mm" if m < native.INT8_GEMM_MIN_ROWS
-                                  else "gemm" if m <= native.GEMM_MAX_ROWS else "dequantize_linear")
+            row["int8_kernel"] = ("gemv" if m <= limits.int8_gemv_max_rows else "pack_mm" if m < limits.int8_gemm_min_rows
+                                  else "gemm" if m <= limits.gemm_max_rows else "dequantize_linear")
+            row["int8_agrees"] = agree([native.int8_linear(xs[q.shape[1]], q, s) for q, s in codes[0]],
+                                       [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in codes[0]])
             row["int8_native_ms"] = best_ms(
                 lambda: [native.int8_linear(xs[q.shape[1]], q, s) for layer in codes for q, s in layer], repeats)
             row["int8_native_gb_s"] = weights / row["int8_native_ms"] / 1e6
@@ -99,7 +111,9 @@ def bench_int8_prefill(shape: Shape, layers: int, rows: list[int], repeats: int)
                                   for layer in codes for q, s in layer], repeats)
         dequantized = best_ms(lambda: [native.linear(xs[q.shape[1]], q.to(torch.bfloat16) * s[:, None])
                                        for layer in codes for q, s in layer], repeats)
-        out.append({"rows": m, "int8_pack_mm_ms": packed, "dequantize_linear_ms": dequantized})
+        agrees = agree([native.linear(xs[q.shape[1]], q.to(torch.bfloat16) * s[:, None]) for q, s in codes[0]],
+                       [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in codes[0]])
+        out.append({"rows": m, "int8_pack_mm_ms": packed, "dequantize_linear_ms": dequantized, "agrees": agrees})
     return out
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+NATIVE_LAYER_LOOP = ("auto", "on", "off")
 
 # The small model dabba trains itself (tools/train_demo_model.py), shipped in the package: the
 # default MODEL of `dabba serve`, `generate` and `chat`.
@@ -53,6 +54,11 @@ class ModelConfig:
     seed: int = _help("Seed for requests that sample without a seed of their own.", 0)
     quantization: str | None = _help('Weight quantization at load time: "int8" (per channel) or "int4" (groups of 128; 64 or 32 where 128 does not tile a layer), round to nearest.', None)
     attention_backend: str = _help('"auto" (native CPU kernels on CPU, else the reference), "torch_ref" or "cpu".', "auto")
+    native_layer_loop: str = _help(
+        '"auto": run every step\'s layers in the native C++ loop (csrc/decode_cpu.cpp) where it computes exactly '
+        'what the Python layers do (CPU attention backend, a family and linear layers with a native form), '
+        'else the Python layers; "on": the loop, or an error saying why not; "off": the Python layers, the '
+        'reference (forward hooks and changes to a layer\'s forward take effect only there).', "auto")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -65,6 +71,8 @@ class ModelConfig:
             raise ValueError(f'quantization must be "int8", "int4" or None, got {self.quantization!r}')
         if self.attention_backend not in ("auto", "torch_ref", "cpu"):
             raise ValueError(f'attention_backend must be "auto", "torch_ref" or "cpu", got {self.attention_backend!r}')
+        if self.native_layer_loop not in NATIVE_LAYER_LOOP:
+            raise ValueError(f"native_layer_loop must be one of {NATIVE_LAYER_LOOP}, got {self.native_layer_loop!r}")
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ def kl_divergence(model: str, reference: str, text: str, quantization: str | Non
     from dabba.engine.tokenizer import Tokenizer
     from dabba.models.config import ArchConfig
     from dabba.models.loader import load_model
-    from dabba.quantization.base import QuantConfig
+    from dabba.quantization.config import QuantConfig
 
     ids = Tokenizer(reference).encode(text, add_special_tokens=False)
     num = min(max_windows, len(ids) // max_length)

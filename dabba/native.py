@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,12 +18,7 @@ logger = logging.getLogger("dabba")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "gemm_cpu.cpp", "int8_gemv_cpu.cpp",
-           "decode_cpu.cpp")
-GEMV_MAX_ROWS = 8  # activation rows up to which a bf16 linear takes the native GEMV (csrc/cpu_ops.h)
-GEMM_MAX_ROWS = 256  # and the native GEMM beyond, up to here; F.linear (oneDNN) past it
-INT8_GEMV_MAX_ROWS = 6  # the same for INT8 codes
-INT8_GEMM_MIN_ROWS = 13  # INT8's GEMM from here to GEMM_MAX_ROWS (bf16 activations)
-INT8_DEQUANT_MIN_ROWS = 96  # past the GEMM (or float32 from here) INT8 dequantizes its codes for a linear
+           "decode_cpu.cpp", "kernel_constants.cpp")
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,6 +32,30 @@ def load_cpu_ops() -> bool:
     except Exception as e:  # no compiler, no ninja, unsupported platform: the reference still works
         logger.warning("native CPU kernels unavailable (%s); using plain PyTorch", e)
         return False
+
+
+@dataclass(frozen=True)
+class KernelConstants:
+    """The numbers the C++ kernels choose by, read from the build (csrc/cpu_ops.h defines them
+    once): activation rows up to which a linear takes each kernel, and the native layer loop's
+    linear kinds by name."""
+
+    gemv_max_rows: int  # bf16: the GEMV up to here
+    gemm_max_rows: int  # and the GEMM beyond, up to here; F.linear (oneDNN) past it
+    int8_gemv_max_rows: int  # INT8 codes: the GEMV up to here
+    int8_gemm_min_rows: int  # INT8's GEMM from here to gemm_max_rows (bf16 activations)
+    int8_dequant_min_rows: int  # past the GEMM (or float32 from here) INT8 dequantizes its codes
+    linear_kinds: dict[str, int]  # "dense", "int8", "int4" -> LinearKind in csrc/cpu_ops.h
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_constants() -> KernelConstants | None:
+    """None where the kernels could not be built (nothing then chooses by these numbers)."""
+    if not load_cpu_ops():
+        return None
+    raw = dict(torch.ops.dabba_cpu.kernel_constants())
+    kinds = {name.removeprefix("linear_kind."): raw.pop(name) for name in list(raw) if name.startswith("linear_kind.")}
+    return KernelConstants(linear_kinds=kinds, **raw)
 
 
 def use_cpu_kernels(x: torch.Tensor) -> bool:
@@ -61,7 +81,7 @@ def gemm_available() -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with bf16 rows on the CPU through dabba's kernels: the GEMV for decode's few rows
     (it streams the weight at close to memory bandwidth, oneDNN at about half of it) and the GEMM
-    beyond, up to GEMM_MAX_ROWS (1.3-2x oneDNN's as PyTorch calls it; csrc/gemm_cpu.cpp). Long
+    beyond, up to gemm_max_rows (1.3-2x oneDNN's as PyTorch calls it; csrc/gemm_cpu.cpp). Long
     prefills and other cases keep F.linear."""
     if x.dim() == 2 and x.device.type == "cpu" and weight.device.type == "cpu" and load_cpu_ops():
         return torch.ops.dabba_cpu.dense_linear(x, weight, bias)
@@ -86,7 +106,7 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x (codes * scales[:, None])^T + bias on the CPU through dabba's INT8 kernels: the INT8 GEMV for
     decode's few rows (csrc/int8_gemv_cpu.cpp), the GEMM on codes widened to bf16 from
-    INT8_GEMM_MIN_ROWS to GEMM_MAX_ROWS (csrc/gemm_cpu.cpp), codes dequantized + linear for long
+    int8_gemm_min_rows to gemm_max_rows (csrc/gemm_cpu.cpp; KernelConstants), codes dequantized + linear for long
     prefills, else PyTorch's _weight_int8pack_mm. None off the CPU or without the native kernels."""
     if x.dim() == 2 and x.device.type == "cpu" and load_cpu_ops():
         return torch.ops.dabba_cpu.int8_linear(x, codes, scales, bias)

@@ -20,7 +20,7 @@ from dabba.layers.embedding import LMHead
 from dabba.layers.linear import Linear
 from dabba.models.config import ArchConfig
 from dabba.models.registry import get_model_class
-from dabba.quantization.base import QuantConfig
+from dabba.quantization.config import QuantConfig
 
 WEIGHT_QUANTIZATIONS = (None, "int8", "int4")
 

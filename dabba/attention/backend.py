@@ -62,12 +62,6 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write this step's k/v into the cache, then attend over each request's whole context."""
 
-    def native_inputs(self, metadata: Any) -> tuple[torch.Tensor, ...] | None:
-        """(block_table, seq_lens, slot_mapping, query_start_loc) when this step can run in the
-        native layer loop (csrc/decode_cpu.cpp, which reads the CPU backend's cache layout);
-        query_start_loc is None when every request decodes one token."""
-        return None
-
 
 @dataclass
 class ForwardContext:

@@ -29,7 +29,9 @@ class CpuMetadata:
 
 
 class CpuBackend(AttentionBackend):
-    """Full-precision caches only: an 8-bit cache runs on the reference backend (selector.py)."""
+    """Full-precision caches only: an 8-bit cache runs on the reference backend (selector.py).
+    The native layer loop reads this backend's metadata and cache layout and calls the same
+    attention kernels as forward() below."""
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
@@ -43,11 +45,6 @@ class CpuBackend(AttentionBackend):
     def split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         return kv_cache[0].view(num_kv_heads, num_blocks, head_dim, block_size), kv_cache[1]
-
-    def native_inputs(self, metadata: CpuMetadata) -> tuple[torch.Tensor, ...]:
-        """The native loop calls the same attention kernel as forward() below."""
-        return (metadata.block_table, metadata.seq_lens, metadata.slot_mapping,
-                None if metadata.decode_only else metadata.query_start_loc)
 
     def write_kv(self, key_cache, value_cache, k, v, metadata: CpuMetadata) -> None:
         torch.ops.dabba_cpu.write_kv_cache(key_cache, value_cache, k, v, metadata.slot_mapping)

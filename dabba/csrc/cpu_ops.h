@@ -9,6 +9,15 @@
 
 namespace dabba {
 
+// How one linear layer of the native layer loop computes x W^T + b (decode_cpu.cpp): its
+// LinearMethod's form on the CPU. Python reads these numbers from kernel_constants() (below) by
+// name ("dense", "int8", "int4"), so they are written only here.
+enum class LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+
+// kernel_constants.cpp: the row-count thresholds below and the LinearKind values by name,
+// registered as torch.ops.dabba_cpu.kernel_constants() for dabba/native.py.
+c10::Dict<std::string, int64_t> kernel_constants();
+
 // elementwise_cpu.cpp
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);

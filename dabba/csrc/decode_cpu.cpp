@@ -9,7 +9,8 @@
 //
 // Per layer: [fused add +] RMSNorm, qkv projection, rotary in place, KV write, paged attention,
 // o projection, fused add + RMSNorm, gate_up projection with SiLU-and-mul, down projection; then the
-// final fused add + RMSNorm. Built once per model (dabba/models/native_decode.py).
+// final fused add + RMSNorm. Built once per model (dabba/models/native_layer_loop.py); the model
+// runner chooses between it and the Python layers (dabba/worker/model_runner.py).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -22,8 +23,7 @@ namespace dabba {
 
 // How one linear layer computes x W^T + b, as its Python LinearMethod does on the CPU.
 struct NativeLinear {
-  enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
-  int64_t kind;
+  LinearKind kind;
   at::Tensor weight;  // dense [N, K]; int8 codes [N, K]; int4 codes in PyTorch's packed CPU layout
   at::Tensor scales;  // int8: [N]; int4: scales_and_zeros; dense: unused
   int64_t group_size;  // int4
@@ -32,7 +32,7 @@ struct NativeLinear {
   // SwiGLU of a merged gate_up projection's output: fused into the GEMM where dense, as
   // LinearMethod.apply_silu_and_mul does.
   at::Tensor silu_and_mul(const at::Tensor& x) const {
-    if (kind == kDense) return dense_linear_silu_and_mul(x, weight, bias);
+    if (kind == LinearKind::kDense) return dense_linear_silu_and_mul(x, weight, bias);
     const at::Tensor gate_up = (*this)(x);
     at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
     dabba::silu_and_mul(act, gate_up);
@@ -40,8 +40,8 @@ struct NativeLinear {
   }
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (kind == kDense) return dense_linear(x, weight, bias);  // as dabba.native.linear
-    if (kind == kInt8) return int8_linear(x, weight, scales, bias);  // as dabba.native.int8_linear
+    if (kind == LinearKind::kDense) return dense_linear(x, weight, bias);  // as dabba.native.linear
+    if (kind == LinearKind::kInt8) return int8_linear(x, weight, scales, bias);  // as dabba.native.int8_linear
     const at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, weight, group_size, scales);
     return bias.has_value() ? y + *bias : y;
   }
@@ -59,8 +59,8 @@ class NativeDecoder : public torch::CustomClassHolder {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         final_norm_(std::move(final_norm)) {}
 
-  // One decoder layer; its four linears (qkv, o, gate_up, down) as kinds, weights, scales (empty
-  // where unused), group sizes and biases (empty where none).
+  // One decoder layer; its four linears (qkv, o, gate_up, down) as LinearKind values, weights,
+  // scales (empty where unused), group sizes and biases (empty where none).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<int64_t> kinds,
                  std::vector<at::Tensor> weights, std::vector<at::Tensor> scales, std::vector<int64_t> group_sizes,
                  std::vector<at::Tensor> biases) {
@@ -69,8 +69,10 @@ class NativeDecoder : public torch::CustomClassHolder {
                 "add_layer: four linears (qkv, o, gate_up, down)");
     NativeLinear linears[4];
     for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK(kinds[i] >= NativeLinear::kDense && kinds[i] <= NativeLinear::kInt4, "unknown linear kind");
-      linears[i] = NativeLinear{kinds[i], weights[i], scales[i], group_sizes[i],
+      TORCH_CHECK(kinds[i] >= static_cast<int64_t>(LinearKind::kDense) &&
+                      kinds[i] <= static_cast<int64_t>(LinearKind::kInt4),
+                  "unknown linear kind ", kinds[i]);
+      linears[i] = NativeLinear{static_cast<LinearKind>(kinds[i]), weights[i], scales[i], group_sizes[i],
                                 biases[i].numel() ? c10::optional<at::Tensor>(biases[i]) : c10::nullopt};
     }
     layers_.push_back(NativeLayer{std::move(input_norm), std::move(post_norm), linears[0], linears[1], linears[2],

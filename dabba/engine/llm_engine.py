@@ -20,7 +20,7 @@ from dabba.engine.output_processor import OutputProcessor
 from dabba.engine.tokenizer import Tokenizer
 from dabba.models.config import ArchConfig
 from dabba.outputs import RequestOutput
-from dabba.quantization.base import QuantConfig
+from dabba.quantization.config import QuantConfig
 from dabba.sampling_params import SamplingParams
 from dabba.worker.model_runner import ModelRunner
 
@@ -82,7 +82,7 @@ class LLMEngine:
         cc = config.cache_config
         self.model_runner = ModelRunner(
             str(model_dir), self.arch, resolve_dtype(mc.dtype, self.arch.torch_dtype), resolve_device(mc.device),
-            self.max_model_len, mc.seed, mc.attention_backend, quant_config, cc.kv_cache_dtype,
+            self.max_model_len, mc.seed, mc.attention_backend, quant_config, cc.kv_cache_dtype, mc.native_layer_loop,
         )
         self.cache_layout = self.model_runner.initialize_kv_cache(cc, config.scheduler_config.max_num_seqs)
         self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dabba.quantization.base import QuantConfig, UnquantizedLinearMethod
+from dabba.quantization.base import UnquantizedLinearMethod
+from dabba.quantization.config import QuantConfig
 
 
 class Linear(nn.Module):

@@ -43,6 +43,15 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...]
     quantization_config: dict | None = None  # a pre-quantized checkpoint's (GPTQ, AWQ)
 
+    @property
+    def missing_native_form(self) -> str | None:
+        """Why this family's layers have no form in the native layer loop (csrc/decode_cpu.cpp runs
+        the Llama block: RMSNorm, SwiGLU, RoPE on whole heads, optional q/k/v and o biases); None
+        where they have one. A family adding a feature the loop lacks says so here."""
+        if self.qk_norm:
+            return f"{self.architecture}'s per-head q/k RMSNorm is not in the native loop"
+        return None
+
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> "ArchConfig":
         path = Path(model_dir) / "config.json"

@@ -9,15 +9,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from dabba.attention.backend import get_forward_context
 from dabba.layers.attention import Attention
 from dabba.layers.embedding import LMHead, VocabEmbedding
 from dabba.layers.layernorm import RMSNorm
 from dabba.layers.linear import Linear
 from dabba.layers.rotary import RotaryEmbedding, apply_rotary
 from dabba.models.config import ArchConfig
-from dabba.models.native_decode import build_native_decoder
-from dabba.quantization.base import QuantConfig
+from dabba.quantization.config import QuantConfig
 
 # checkpoint name fragment -> (merged parameter fragment, shard id)
 STACKED_PARAMS = {
@@ -104,16 +102,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layer_cls(cfg, i, f"{prefix}.layers.{i}", quant_config)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.native_decoder = None  # the C++ layer loop, once weights are loaded (native_decode.py)
+
+    def embed(self, input_ids: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The layers' inputs: embedded tokens [num_tokens, hidden] and RoPE's (cos, sin) (the
+        native layer loop starts from here too)."""
+        x = self.embed_tokens(input_ids)
+        return x, self.rotary.cos_sin(positions, x.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        rope = self.rotary.cos_sin(positions, x.dtype)
-        if self.native_decoder is not None:
-            ctx = get_forward_context()
-            inputs = ctx.backend.native_inputs(ctx.metadata)
-            if inputs is not None:  # the CPU backend's cache: the same layers, in C++
-                return self.native_decoder.forward(x, rope[0], rope[1], ctx.kv_caches, *inputs)
+        x, rope = self.embed(input_ids, positions)
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual)
@@ -135,11 +133,6 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
-
-    def enable_native_decode(self) -> bool:
-        """After loading: decode steps on the CPU through the native loop where it applies."""
-        self.model.native_decoder = build_native_decoder(self.model)
-        return self.model.native_decoder is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -15,7 +15,7 @@ from torch import nn
 
 from dabba.models.config import ArchConfig
 from dabba.models.registry import get_model_class
-from dabba.quantization.base import QuantConfig
+from dabba.quantization.config import QuantConfig
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -68,5 +68,4 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
-    model.enable_native_decode()
     return model.eval()

@@ -5,7 +5,7 @@ import torch
 
 from dabba.layers.layernorm import RMSNorm
 from dabba.models.config import ArchConfig
-from dabba.quantization.base import QuantConfig
+from dabba.quantization.config import QuantConfig
 from dabba.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 

@@ -1,8 +1,9 @@
-"""The per-layer quantization interface, and the config that hands a method to each layer.
+"""The per-layer quantization interface (the model's QuantConfig, in config.py, hands each layer its
+method).
 
-A Linear layer asks the model's QuantConfig for its method. The method owns the layer's
-weight format: ``process_weights_after_loading`` turns the checkpoint's weight into the
-kernel's layout once, ``apply`` computes x W^T + b every forward.
+The method owns the layer's weight format: ``process_weights_after_loading`` turns the checkpoint's
+weight into the kernel's layout once, ``apply`` computes x W^T + b every forward, and
+``native_spec`` says how the native layer loop computes the same.
 """
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ from torch import nn
 
 from dabba import native
 from dabba.layers.activation import silu_and_mul
-
-QUANTIZATION_METHODS = ("int8", "int4")  # applied at load time; "gptq" comes from a checkpoint
-
 
 class LinearMethod:
     def create_weights(self, layer: nn.Module) -> None:
@@ -46,12 +44,10 @@ class LinearMethod:
 
 @dataclass(frozen=True)
 class NativeLinearSpec:
-    kind: int  # NativeLinear::Kind in csrc/decode_cpu.cpp
+    kind: str  # "dense", "int8" or "int4": a LinearKind of csrc/cpu_ops.h by name (native.KernelConstants)
     weight: torch.Tensor
     scales: torch.Tensor | None = None
     group_size: int = 0
-
-    DENSE, INT8, INT4 = 0, 1, 2
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -63,74 +59,4 @@ class UnquantizedLinearMethod(LinearMethod):
         return fused if fused is not None else super().apply_silu_and_mul(layer, x, bias)
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
-        return NativeLinearSpec(NativeLinearSpec.DENSE, layer.weight)
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """Round-to-nearest weight-only quantization applied at load time.
-
-    int8: symmetric, per output channel. int4: asymmetric with an integer zero point, per group
-    of ``group_size`` input channels (64 or 32 for a layer whose width the group does not tile).
-    Scale s = (r_max - r_min) / (2^bits - 1).
-    """
-
-    method: str
-    group_size: int = 128
-    bits: int = 4  # "gptq" checkpoints: 4 or 8
-    desc_act: bool = False  # "gptq" checkpoints: act-order (g_idx not monotonic)
-
-    def __post_init__(self) -> None:
-        if self.method not in QUANTIZATION_METHODS + ("gptq", "awq"):
-            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.method!r}")
-        if self.group_size < 1 and not (self.method == "gptq" and self.group_size == -1):
-            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
-
-    @classmethod
-    def from_checkpoint(cls, qc: dict) -> "QuantConfig":
-        """config.json's quantization_config, as GPTQ tools write it."""
-        method = qc.get("quant_method")
-        if method == "awq":
-            if str(qc.get("version", "gemm")).lower() != "gemm" or qc.get("bits", qc.get("w_bit", 4)) != 4:
-                raise ValueError(f"unsupported AWQ checkpoint (version {qc.get('version')!r}, bits "
-                                 f"{qc.get('bits', qc.get('w_bit'))!r}): supported is version gemm, 4 bits")
-            if not qc.get("zero_point", True):
-                raise ValueError("unsupported AWQ checkpoint: zero_point false")
-            return cls("awq", group_size=int(qc.get("group_size", qc.get("q_group_size", 128))), bits=4)
-        if method != "gptq":
-            raise ValueError(f"unsupported quantization_config quant_method {method!r} (supported: 'gptq', 'awq')")
-        if qc.get("checkpoint_format", "gptq") != "gptq":
-            raise ValueError(f"unsupported GPTQ checkpoint_format {qc.get('checkpoint_format')!r} (supported: 'gptq')")
-        if qc.get("bits") not in (4, 8):
-            raise ValueError(f"unsupported GPTQ bits {qc.get('bits')!r} (supported: 4, 8)")
-        return cls("gptq", group_size=int(qc.get("group_size", 128)), bits=int(qc["bits"]),
-                   desc_act=bool(qc.get("desc_act", False)))
-
-    def get_lm_head_method(self) -> LinearMethod | None:
-        """Load-time int8 and int4 also quantize the LM head, to INT8 per output channel: at
-        SmolLM's size it is a fifth of the weights, the largest single read of a decode step.
-        (llama.cpp likewise keeps output.weight at 6 to 8 bits under Q4_0.) A tied embedding
-        keeps its full-precision rows for lookups. GPTQ/AWQ checkpoints leave the head as saved."""
-        from dabba.quantization.rtn import Int8RTNMethod
-
-        return Int8RTNMethod() if self.method in QUANTIZATION_METHODS else None
-
-    def get_linear_method(self, layer: nn.Module) -> LinearMethod:
-        from dabba.quantization.rtn import Int4RTNMethod, Int8RTNMethod
-
-        if self.method in ("gptq", "awq"):
-            from dabba.quantization.gptq_format import AWQLinearMethod, GPTQLinearMethod
-
-            group_size = self.group_size if self.group_size > 0 else layer.in_features
-            if self.method == "gptq":
-                return GPTQLinearMethod(self.bits, group_size, self.desc_act)
-            return AWQLinearMethod(group_size)
-
-        if self.method == "int8":
-            return Int8RTNMethod()
-        # Groups must tile the layer's input width (SmolLM's 576 is not a multiple of 128):
-        # fall back to smaller groups, or leave the layer unquantized.
-        for group_size in (self.group_size, 64, 32):
-            if layer.in_features % group_size == 0 and group_size <= self.group_size:
-                return Int4RTNMethod(group_size)
-        return UnquantizedLinearMethod()
+        return NativeLinearSpec("dense", layer.weight)

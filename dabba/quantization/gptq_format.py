@@ -14,7 +14,7 @@ from torch import nn
 
 from dabba.quantization.base import LinearMethod, NativeLinearSpec
 from dabba.quantization.formats import awq_unpack, gptq_unpack
-from dabba.quantization.rtn import int4_bytes, int4_matmul_cpu, int4_native_spec, register_int4_for_cpu
+from dabba.quantization.kernels import int4_bytes, int4_matmul_cpu, int4_native_spec, register_int4_for_cpu
 
 
 class GPTQLinearMethod(LinearMethod):

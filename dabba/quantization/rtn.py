@@ -20,6 +20,7 @@ from torch import nn
 
 from dabba import native
 from dabba.quantization.base import LinearMethod, NativeLinearSpec
+from dabba.quantization.kernels import int4_bytes, int4_matmul_cpu, int4_native_spec, register_int4_for_cpu
 
 
 @dataclass
@@ -55,41 +56,6 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> Qu
     return QuantizedWeight(q.to(torch.int32).view(out, k), scale, zero, group_size)
 
 
-def register_int4_for_cpu(layer: nn.Module, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                          dtype: torch.dtype) -> None:
-    """codes [out, in] in [0, 16), scale/zero [out, groups] -> PyTorch's int4 CPU ("tinygemm")
-    layout. tinygemm computes (q - 8) * scale + zero, so its zero is (8 - z) * s."""
-    layer.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1),
-                          persistent=False)
-    scale_zero = torch.stack([scale.float(), (8 - zero).float() * scale.float()], dim=-1)  # [out, groups, 2]
-    layer.register_buffer("scales_and_zeros", scale_zero.transpose(0, 1).contiguous().to(dtype), persistent=False)
-
-
-def int4_bytes(out: int, k: int, group_size: int, dtype: torch.dtype, device_type: str) -> int:
-    """CPU: tinygemm's [out, in / 2] bytes plus (scale, zero) pairs per group in ``dtype``;
-    elsewhere one byte per code plus a scale in ``dtype`` and a byte zero per group."""
-    groups = k // group_size
-    if device_type == "cpu":
-        return out * k // 2 + groups * out * 2 * dtype.itemsize
-    return out * k + groups * out * (dtype.itemsize + 1)
-
-
-def int4_matmul_cpu(layer: nn.Module, x: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
-    shape = x.shape
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), layer.qweight, group_size,
-                                                   layer.scales_and_zeros)
-    if bias is not None:
-        y = y + bias
-    return y.view(*shape[:-1], -1)
-
-
-def int4_native_spec(layer: nn.Module, group_size: int) -> NativeLinearSpec | None:
-    """The int4 CPU kernel's operands, where the layer was packed for it (int4_matmul_cpu)."""
-    if getattr(layer, "scales_and_zeros", None) is None:
-        return None
-    return NativeLinearSpec(NativeLinearSpec.INT4, layer.qweight, layer.scales_and_zeros, group_size)
-
-
 def _drop_weight(layer: nn.Module) -> None:
     del layer.weight
     layer.register_parameter("weight", None)
@@ -109,7 +75,7 @@ class Int8RTNMethod(LinearMethod):
         return layer.out_features * layer.in_features + layer.out_features * dtype.itemsize
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
-        return NativeLinearSpec(NativeLinearSpec.INT8, layer.qweight, layer.scales)
+        return NativeLinearSpec("int8", layer.qweight, layer.scales)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape

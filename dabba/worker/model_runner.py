@@ -1,6 +1,9 @@
 """Runs one step: all scheduled tokens of all requests as one flat batch, one forward pass.
 
 prepare inputs -> forward (under forward_context) -> logits of sampling rows -> sample.
+
+The forward runs the model's Python layers (the reference) or the native layer loop, the same
+layers in C++ (models/native_layer_loop.py); ``_select_layer_loop`` makes that choice once, here.
 """
 from __future__ import annotations
 
@@ -11,13 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from dabba.attention.backend import forward_context
+from dabba.attention.cpu import CpuBackend
 from dabba.attention.kv_quant import SCALE_DTYPE, kv_bytes_per_token, make_kv_quant
 from dabba.attention.selector import get_attention_backend
 from dabba.config import CacheConfig
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from dabba.models.config import ArchConfig
 from dabba.models.loader import load_model
-from dabba.quantization.base import QuantConfig
+from dabba.models.native_layer_loop import NativeLayerLoop, missing_native_form
+from dabba.quantization.config import QuantConfig
 from dabba.worker.input_batch import ModelInputs, RequestStates
 from dabba.worker.memory import allocate_kv_cache, default_kv_cache_memory, keep_freed_host_memory
 from dabba.worker.sampler import Sampler
@@ -41,7 +46,8 @@ class CacheLayout:
 class ModelRunner:
     def __init__(self, model_dir: str, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
                  max_model_len: int, seed: int, attention_backend: str = "auto",
-                 quant_config: QuantConfig | None = None, kv_cache_dtype: str = "auto") -> None:
+                 quant_config: QuantConfig | None = None, kv_cache_dtype: str = "auto",
+                 native_layer_loop: str = "auto") -> None:
         self.arch = arch
         self.dtype = dtype
         self.device = device
@@ -60,10 +66,29 @@ class ModelRunner:
                     self.weight_bytes / 2**20, str(dtype).removeprefix("torch."),
                     f", {quant_config.method}" if quant_config else "", device, time.perf_counter() - start,
                     type(self.backend).__name__)
+        self.native_loop, self.layer_loop_reason = self._select_layer_loop(native_layer_loop)
+        logger.info("Layers run %s: %s", "in the native loop (csrc/decode_cpu.cpp)" if self.native_loop
+                    else "in Python", self.layer_loop_reason)
         self.sampler = Sampler(device, seed)
         self.requests = RequestStates()
         self.kv_caches: list = []  # per layer: a tensor, or (codes, scales) for an 8-bit cache
         self.layout: CacheLayout | None = None
+
+    def _select_layer_loop(self, setting: str) -> tuple[NativeLayerLoop | None, str]:
+        """Which implementation of the layers runs every step (prompts and decodes alike), and why.
+        The native loop reads the CPU backend's cache layout and must compute exactly what the
+        Python layers do; "auto" takes it where both hold, "on" insists, "off" never takes it."""
+        if setting == "off":
+            return None, "native_layer_loop='off'"
+        if not isinstance(self.backend, CpuBackend):
+            why = f"the {type(self.backend).__name__} attention backend (the loop reads the CPU backend's cache)"
+        else:
+            why = missing_native_form(self.model, self.arch)
+        if why is None:
+            return NativeLayerLoop(self.model), f"native_layer_loop={setting!r}, and every layer has a native form"
+        if setting == "on":
+            raise ValueError(f"native_layer_loop='on', but {why}; use 'auto' or 'off'")
+        return None, why
 
     def initialize_kv_cache(self, cache_config: CacheConfig, max_num_seqs: int) -> CacheLayout:
         bs = cache_config.block_size
@@ -101,7 +126,10 @@ class ModelRunner:
         inputs = self.requests.prepare_inputs(sched, self.layout.block_size, self.device)
         metadata = self.backend.build_metadata(inputs.attn)
         with forward_context(self.backend, metadata, self.kv_caches):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
+            if self.native_loop is not None:
+                hidden = self.native_loop(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden))
         if not inputs.sampling_req_ids:
             return output

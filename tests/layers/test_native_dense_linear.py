@@ -12,6 +12,7 @@ from dabba import native
 
 pytestmark = pytest.mark.skipif(not (native.gemv_available() and native.gemm_available()),
                                 reason="no AVX512-BF16 kernels here")
+limits = native.kernel_constants()  # the row thresholds the kernels choose by (csrc/cpu_ops.h)
 
 
 def assert_rounded_products(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
@@ -63,7 +64,7 @@ def test_odd_in_features_and_other_cases_fall_back() -> None:
     assert torch.equal(native.linear(odd_x, odd_w), F.linear(odd_x, odd_w))
     assert_rounded_products(native.linear(odd_x[:4], odd_w), odd_x[:4], odd_w, None)  # the GEMV masks K's tail
     assert native.linear(x[:0], w).shape == (0, 64)
-    long = torch.randn(native.GEMM_MAX_ROWS + 1, 128).bfloat16()  # a long prefill: oneDNN's blocking wins
+    long = torch.randn(limits.gemm_max_rows + 1, 128).bfloat16()  # a long prefill: oneDNN's blocking wins
     assert torch.equal(native.linear(long, w), F.linear(long, w))
 
 
@@ -72,9 +73,9 @@ def test_kernels_reject_bad_shapes() -> None:
     for op in (torch.ops.dabba_cpu.bf16_gemv, torch.ops.dabba_cpu.bf16_gemm):
         with pytest.raises(RuntimeError, match="weight must be"):
             op(out, torch.randn(1, 128).bfloat16(), torch.randn(64, 100).bfloat16(), None)
-    with pytest.raises(RuntimeError, match=f"1 to {native.GEMV_MAX_ROWS} rows"):
-        torch.ops.dabba_cpu.bf16_gemv(torch.empty(native.GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16),
-                                      torch.randn(native.GEMV_MAX_ROWS + 1, 128).bfloat16(),
+    with pytest.raises(RuntimeError, match=f"1 to {limits.gemv_max_rows} rows"):
+        torch.ops.dabba_cpu.bf16_gemv(torch.empty(limits.gemv_max_rows + 1, 64, dtype=torch.bfloat16),
+                                      torch.randn(limits.gemv_max_rows + 1, 128).bfloat16(),
                                       torch.randn(64, 128).bfloat16(), None)
     with pytest.raises(RuntimeError, match="even K"):
         torch.ops.dabba_cpu.bf16_gemm(out, torch.randn(1, 31).bfloat16(), torch.randn(64, 31).bfloat16(), None)

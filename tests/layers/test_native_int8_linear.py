@@ -12,6 +12,7 @@ from dabba import native
 
 pytestmark = pytest.mark.skipif(not (native.int8_gemv_available() and native.gemm_available()),
                                 reason="no AVX-512 VNNI / BF16 kernels here")
+limits = native.kernel_constants()  # the row thresholds the kernels choose by (csrc/cpu_ops.h)
 
 
 def _bound(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, int16_x: bool = True
@@ -65,7 +66,7 @@ def test_int8_gemm_matches_exact_products(rows, out_features, in_features, bias)
     assert ((got.double() - exact).abs() <= bound).all()
     direct = torch.empty_like(got)
     torch.ops.dabba_cpu.int8_gemm(direct, x, q, s, b)  # the kernel itself, whatever the row count
-    assert torch.equal(direct, got) or rows < native.INT8_GEMM_MIN_ROWS
+    assert torch.equal(direct, got) or rows < limits.int8_gemm_min_rows
     assert ((direct.double() - exact).abs() <= bound).all()
     if in_features % 32 == 0:  # (PyTorch's kernel crashes past that, such as 37 x 70)
         ref = torch.ops.aten._weight_int8pack_mm(x, q, s)
@@ -79,11 +80,11 @@ def test_widths_that_crash_pytorchs_kernel_take_ours() -> None:
     for in_features in (70, 31):
         q = torch.randint(-128, 128, (37, in_features), dtype=torch.int8)
         s = (torch.rand(37) * 0.01).bfloat16()
-        for rows in (native.INT8_GEMV_MAX_ROWS + 1, native.INT8_GEMM_MIN_ROWS - 1, native.GEMM_MAX_ROWS + 1):
+        for rows in (limits.int8_gemv_max_rows + 1, limits.int8_gemm_min_rows - 1, limits.gemm_max_rows + 1):
             x = torch.randn(rows, in_features).bfloat16()
             exact = x.double() @ q.double().T * s.double()
             bound = _bound(x, q, s, None, int16_x=False)
-            if rows > native.GEMM_MAX_ROWS or in_features % 2:  # dequantized codes: each q * s rounds first
+            if rows > limits.gemm_max_rows or in_features % 2:  # dequantized codes: each q * s rounds first
                 bound = bound + x.double().abs() @ (q.double().abs() * s.double()[:, None]).T * 2**-8
             assert ((native.int8_linear(x, q, s).double() - exact).abs() <= bound).all()
 
@@ -99,7 +100,7 @@ def test_zero_rows_and_fallbacks() -> None:
                 <= _bound(padded, q, s, None)).all()
     x16 = torch.randn(20, 128).half()  # neither kernel: PyTorch's
     assert torch.equal(native.int8_linear(x16, q, s.half()), torch.ops.aten._weight_int8pack_mm(x16, q, s.half()))
-    x32 = torch.randn(native.INT8_DEQUANT_MIN_ROWS, 128)  # a long float32 prefill: dequantized codes, F.linear
+    x32 = torch.randn(limits.int8_dequant_min_rows, 128)  # a long float32 prefill: dequantized codes, F.linear
     torch.testing.assert_close(native.int8_linear(x32, q, s.float()), x32 @ (q.float() * s.float()[:, None]).T)
 
 
@@ -112,9 +113,9 @@ def test_kernels_reject_bad_shapes() -> None:
     with pytest.raises(RuntimeError, match="scales must be"):
         torch.ops.dabba_cpu.int8_gemv(out, torch.randn(1, 128).bfloat16(), torch.zeros(64, 128, dtype=torch.int8),
                                       s.float(), None)
-    with pytest.raises(RuntimeError, match=f"1 to {native.INT8_GEMV_MAX_ROWS} rows"):
-        torch.ops.dabba_cpu.int8_gemv(torch.empty(native.INT8_GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16),
-                                      torch.randn(native.INT8_GEMV_MAX_ROWS + 1, 128).bfloat16(),
+    with pytest.raises(RuntimeError, match=f"1 to {limits.int8_gemv_max_rows} rows"):
+        torch.ops.dabba_cpu.int8_gemv(torch.empty(limits.int8_gemv_max_rows + 1, 64, dtype=torch.bfloat16),
+                                      torch.randn(limits.int8_gemv_max_rows + 1, 128).bfloat16(),
                                       torch.zeros(64, 128, dtype=torch.int8), s, None)
     with pytest.raises(RuntimeError, match="scales must be"):
         torch.ops.dabba_cpu.int8_gemm(torch.empty(9, 64, dtype=torch.bfloat16), torch.randn(9, 128).bfloat16(),

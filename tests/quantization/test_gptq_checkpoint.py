@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dabba import LLM, SamplingParams
+from dabba.native import load_cpu_ops
 from dabba.quantization.formats import gptq_pack
 from dabba.quantization.gptq import gptq_quantize
 from tests.conftest import token_prompts
@@ -66,6 +67,10 @@ def test_gptq_checkpoint_matches_its_dequantized_weights(checkpoints, tmp_path, 
     runner = gptq.llm_engine.model_runner
     layer = runner.model.model.layers[0].self_attn.qkv_proj
     assert layer.quant_method.packed == (not act_order)  # int4 kernel unless act-order forces the fallback
+    if load_cpu_ops():  # act-order layers (dequantized) have no form in the native layer loop
+        assert (runner.native_loop is None) == act_order
+        if act_order:
+            assert runner.layer_loop_reason == "model.layers.0.self_attn.qkv_proj (GPTQLinearMethod) has no native form"
     assert_same_prompt_logprobs(gptq, plain, ckpt.prompts[3:8])
     prompts = token_prompts(ckpt.prompts[3:8])
     out = gptq.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)

@@ -13,7 +13,7 @@ from dabba.config import DEMO_MODEL
 from dabba.entrypoints.cli import main
 from dabba.evaluation import perplexity
 from dabba.layers.linear import Linear
-from dabba.quantization.base import QuantConfig
+from dabba.quantization.config import QuantConfig
 from dabba.quantization.rtn import quantize
 
 

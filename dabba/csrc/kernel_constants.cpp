@@ -1,0 +1,29 @@
+// The kernels' row-count thresholds and linear kinds as Python sees them (dabba/native.py's
+// KernelConstants): defined once in cpu_ops.h, exported from the build that uses them.
+#include <ATen/core/Dict.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "cpu_ops.h"
+
+namespace dabba {
+
+c10::Dict<std::string, int64_t> kernel_constants() {
+  c10::Dict<std::string, int64_t> constants;
+  constants.insert("gemv_max_rows", kGemvMaxRows);
+  constants.insert("gemm_max_rows", kGemmMaxRows);
+  constants.insert("int8_gemv_max_rows", kInt8GemvMaxRows);
+  constants.insert("int8_gemm_min_rows", kInt8GemmMinRows);
+  constants.insert("int8_dequant_min_rows", kInt8DequantMinRows);
+  constants.insert("linear_kind.dense", static_cast<int64_t>(LinearKind::kDense));
+  constants.insert("linear_kind.int8", static_cast<int64_t>(LinearKind::kInt8));
+  constants.insert("linear_kind.int4", static_cast<int64_t>(LinearKind::kInt4));
+  return constants;
+}
+
+}  // namespace dabba
+
+TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
+  m.def("kernel_constants() -> Dict(str, int)", &dabba::kernel_constants);  // no tensor: a catch-all
+}

@@ -1,0 +1,77 @@
+"""The model's quantization config: which method each linear layer gets, from a load-time choice
+(``quantization="int8"|"int4"``) or a pre-quantized checkpoint's quantization_config."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from dabba.quantization.base import LinearMethod, UnquantizedLinearMethod
+from dabba.quantization.gptq_format import AWQLinearMethod, GPTQLinearMethod
+from dabba.quantization.rtn import Int4RTNMethod, Int8RTNMethod
+
+QUANTIZATION_METHODS = ("int8", "int4")  # applied at load time; "gptq" and "awq" come from a checkpoint
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Round-to-nearest weight-only quantization applied at load time.
+
+    int8: symmetric, per output channel. int4: asymmetric with an integer zero point, per group
+    of ``group_size`` input channels (64 or 32 for a layer whose width the group does not tile).
+    Scale s = (r_max - r_min) / (2^bits - 1).
+    """
+
+    method: str
+    group_size: int = 128
+    bits: int = 4  # "gptq" checkpoints: 4 or 8
+    desc_act: bool = False  # "gptq" checkpoints: act-order (g_idx not monotonic)
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS + ("gptq", "awq"):
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.method!r}")
+        if self.group_size < 1 and not (self.method == "gptq" and self.group_size == -1):
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+
+    @classmethod
+    def from_checkpoint(cls, qc: dict) -> "QuantConfig":
+        """config.json's quantization_config, as GPTQ tools write it."""
+        method = qc.get("quant_method")
+        if method == "awq":
+            if str(qc.get("version", "gemm")).lower() != "gemm" or qc.get("bits", qc.get("w_bit", 4)) != 4:
+                raise ValueError(f"unsupported AWQ checkpoint (version {qc.get('version')!r}, bits "
+                                 f"{qc.get('bits', qc.get('w_bit'))!r}): supported is version gemm, 4 bits")
+            if not qc.get("zero_point", True):
+                raise ValueError("unsupported AWQ checkpoint: zero_point false")
+            return cls("awq", group_size=int(qc.get("group_size", qc.get("q_group_size", 128))), bits=4)
+        if method != "gptq":
+            raise ValueError(f"unsupported quantization_config quant_method {method!r} (supported: 'gptq', 'awq')")
+        if qc.get("checkpoint_format", "gptq") != "gptq":
+            raise ValueError(f"unsupported GPTQ checkpoint_format {qc.get('checkpoint_format')!r} (supported: 'gptq')")
+        if qc.get("bits") not in (4, 8):
+            raise ValueError(f"unsupported GPTQ bits {qc.get('bits')!r} (supported: 4, 8)")
+        return cls("gptq", group_size=int(qc.get("group_size", 128)), bits=int(qc["bits"]),
+                   desc_act=bool(qc.get("desc_act", False)))
+
+    def get_lm_head_method(self) -> LinearMethod | None:
+        """Load-time int8 and int4 also quantize the LM head, to INT8 per output channel: at
+        SmolLM's size it is a fifth of the weights, the largest single read of a decode step.
+        (llama.cpp likewise keeps output.weight at 6 to 8 bits under Q4_0.) A tied embedding
+        keeps its full-precision rows for lookups. GPTQ/AWQ checkpoints leave the head as saved."""
+        return Int8RTNMethod() if self.method in QUANTIZATION_METHODS else None
+
+    def get_linear_method(self, layer: nn.Module) -> LinearMethod:
+        if self.method in ("gptq", "awq"):
+            group_size = self.group_size if self.group_size > 0 else layer.in_features
+            if self.method == "gptq":
+                return GPTQLinearMethod(self.bits, group_size, self.desc_act)
+            return AWQLinearMethod(group_size)
+
+        if self.method == "int8":
+            return Int8RTNMethod()
+        # Groups must tile the layer's input width (SmolLM's 576 is not a multiple of 128):
+        # fall back to smaller groups, or leave the layer unquantized.
+        for group_size in (self.group_size, 64, 32):
+            if layer.in_features % group_size == 0 and group_size <= self.group_size:
+                return Int4RTNMethod(group_size)
+        return UnquantizedLinearMethod()

@@ -1,0 +1,88 @@
+"""The native layer loop (csrc/decode_cpu.cpp) against the Python layers it stands in for: the same
+kernels in the same order, so greedy tokens and their logprobs must be bit-identical, for dense
+bf16 and float32, load-time INT8 and INT4, q/k/v biases (Qwen2) and batches of one and many. The
+model runner chooses the path once (``native_layer_loop``): these tests observe which layers ran
+(a forward hook on a decoder layer fires only in Python) and the reason it logs."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dabba import LLM, SamplingParams
+from dabba.native import load_cpu_ops
+from tests.conftest import token_prompts
+
+pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="native CPU kernels cannot be built here")
+
+
+def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def count_python_layer_calls(llm: LLM) -> list[int]:
+    """A forward hook on the first decoder layer: it fires once per step the Python layers run."""
+    calls = [0]
+    layer = llm.llm_engine.model_runner.model.model.layers[0]
+    layer.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("family, dtype, quantization", [
+    ("llama", "bfloat16", None), ("llama", "float32", None), ("llama", "bfloat16", "int8"),
+    ("llama", "bfloat16", "int4"), ("qwen2", "bfloat16", None), ("mistral", "bfloat16", "int4"),
+])
+def test_native_loop_is_bit_identical_to_the_python_layers(checkpoints, family, dtype, quantization) -> None:
+    ckpt = checkpoints[family]
+    # no prefix caching: both engines must prefill every prompt in full
+    kwargs = dict(dtype=dtype, quantization=quantization, kv_cache_memory=2**22, enable_prefix_caching=False)
+    native, python = (LLM(str(ckpt.path), native_layer_loop=setting, **kwargs) for setting in ("on", "off"))
+    native_calls, python_calls = count_python_layer_calls(native), count_python_layer_calls(python)
+    for batch in (1, 6, 13):  # 13: past both GEMVs, into the bf16 and INT8 GEMMs
+        prompts = (ckpt.prompts * 2)[:batch]
+        assert generate(native, prompts) == generate(python, prompts), batch
+    assert native_calls == [0]  # every step ran in C++
+    assert python_calls[0] >= 3 * 12  # every step ran the Python layers (prompt + 11 decodes, or more)
+
+
+def test_auto_takes_the_native_loop_where_it_applies_and_says_why(checkpoints, dabba_log) -> None:
+    llama = LLM(str(checkpoints["llama"].path), kv_cache_memory=2**22)
+    runner = llama.llm_engine.model_runner
+    assert runner.native_loop is not None
+    assert runner.layer_loop_reason == "native_layer_loop='auto', and every layer has a native form"
+    assert any(r.getMessage() == f"Layers run in the native loop (csrc/decode_cpu.cpp): {runner.layer_loop_reason}"
+               for r in dabba_log)
+    calls = count_python_layer_calls(llama)
+    generate(llama, checkpoints["llama"].prompts[:2])
+    assert calls == [0]
+
+
+@pytest.mark.parametrize("family, options, reason", [
+    ("qwen3", {}, "Qwen3ForCausalLM's per-head q/k RMSNorm is not in the native loop"),
+    ("llama", {"kv_cache_dtype": "int8"},
+     "the TorchRefBackend attention backend (the loop reads the CPU backend's cache)"),
+    ("llama", {"attention_backend": "torch_ref"},
+     "the TorchRefBackend attention backend (the loop reads the CPU backend's cache)"),
+    ("llama", {"native_layer_loop": "off"}, "native_layer_loop='off'"),
+])
+def test_without_a_native_form_every_step_runs_the_python_layers(checkpoints, dabba_log, family, options,
+                                                                 reason) -> None:
+    llm = LLM(str(checkpoints[family].path), kv_cache_memory=2**22, **options)
+    runner = llm.llm_engine.model_runner
+    assert runner.native_loop is None and runner.layer_loop_reason == reason
+    assert any(r.levelno == logging.INFO and r.getMessage() == f"Layers run in Python: {reason}" for r in dabba_log)
+    calls = count_python_layer_calls(llm)
+    out = llm.generate(token_prompts(checkpoints[family].prompts[:2]),
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    assert calls[0] >= 4  # the prompt step and three decodes, at least, went through the hooked layer
+
+
+def test_on_refuses_a_model_it_cannot_run_exactly(checkpoints) -> None:
+    with pytest.raises(ValueError, match=r"native_layer_loop='on', but Qwen3ForCausalLM's per-head q/k RMSNorm "
+                                         r"is not in the native loop; use 'auto' or 'off'"):
+        LLM(str(checkpoints["qwen3"].path), kv_cache_memory=2**22, native_layer_loop="on")
+    with pytest.raises(ValueError, match="native_layer_loop must be one of"):
+        LLM(str(checkpoints["llama"].path), kv_cache_memory=2**22, native_layer_loop="yes")
