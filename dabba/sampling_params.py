@@ -2,7 +2,16 @@
 use, with the same meanings)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's values)."""
+
+    CUMULATIVE = 0  # every step: everything so far
+    DELTA = 1  # every step: only what is new (the prompt and its logprobs in the first output only)
+    FINAL_ONLY = 2  # once, when every sample finished: everything
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -49,6 +58,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled token's)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (plus the prompt token's)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
@@ -83,6 +93,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= 20), name, "None or an integer in [0, 20]", value)
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind", self.output_kind)
 
     @property
     def greedy(self) -> bool:

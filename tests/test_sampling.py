@@ -208,6 +208,7 @@ def test_seeded_sampling_with_filters_and_penalties_ignores_the_batch(checkpoint
     (dict(logprobs=21), r"logprobs must be None or an integer in \[0, 20\]"),
     (dict(prompt_logprobs=-1), r"prompt_logprobs must be None or an integer in \[0, 20\]"),
     (dict(seed=1.5), r"seed must be an integer or None"),
+    (dict(output_kind=1), r"output_kind must be a RequestOutputKind, got 1"),
 ])
 def test_invalid_values_name_the_field_and_range(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):

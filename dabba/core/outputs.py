@@ -1,4 +1,5 @@
-"""The only two things that cross between core/ and worker/."""
+"""What crosses out of core/: SchedulerOutput and ModelRunnerOutput between core/ and worker/, and
+EngineCoreOutputs from core/ to engine/. Plain data only, so each side could run in its own process."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -59,3 +60,29 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request -> (position of the first prompt token covered, one entry per covered prompt token)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one request got this step (core -> engine): only what is new, never the whole request.
+    A prefill chunk that sampled nothing appears only when it brought prompt logprobs."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort"; None while running
+    stop_reason: int | None = None  # the stop token id that ended it; None for eos, length or running
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when the worker computed them
+    # (position of the first prompt token covered, one entry per covered prompt token), as in ModelRunnerOutput
+    new_prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first scheduling
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One step's outputs, in the step's batch order."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)

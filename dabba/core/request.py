@@ -69,7 +69,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
     num_preemptions: int = 0
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_reason: int | None = None  # the stop token id that ended it (stop strings are the engine's)
     block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Iterable
 
 from dabba.config import SchedulerConfig
 from dabba.core.kv_cache_manager import KVCacheManager, cdiv
-from dabba.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
+                                NewRequestData, SchedulerOutput)
 from dabba.core.request import Request, RequestStatus
 
 
@@ -153,23 +155,37 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=Request.sort_key)
 
-    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
-        """Advance progress, append sampled tokens, finish requests. Returns requests with new tokens."""
-        updated = []
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Advance progress, append sampled tokens, finish requests. Returns what is new for each
+        request this step (the engine's only view of the requests)."""
+        outputs = EngineCoreOutputs()
         for request_id, num_tokens in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None:  # aborted while the step ran
                 continue
             request.num_computed_tokens += num_tokens
+            prompt_logprobs = runner_out.prompt_logprobs.get(request_id)
             token_id = runner_out.sampled_token_ids.get(request_id)
-            if token_id is None:
-                continue  # a prefill chunk that has not reached the end of the prompt
+            if token_id is None:  # a prefill chunk that has not reached the end of the prompt
+                if prompt_logprobs is not None:
+                    outputs.outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=prompt_logprobs,
+                                                            num_cached_tokens=request.num_cached_tokens))
+                continue
             request.append_output_token(token_id)
             status = self._check_stop(request, token_id)
             if status is not None:
                 self._finish(request, status)
-            updated.append(request)
-        return updated
+            logprobs = runner_out.logprobs.get(request_id)
+            outputs.outputs.append(EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=[token_id],
+                finish_reason=request.status.finish_reason,
+                stop_reason=request.stop_reason,
+                new_logprobs=[logprobs] if logprobs is not None else None,
+                new_prompt_logprobs=prompt_logprobs,
+                num_cached_tokens=request.num_cached_tokens,
+            ))
+        return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -184,14 +200,13 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         return None
 
-    def finish_request(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
-        """Finish from outside the step (a stop string matched in the text). If the same token
-        already finished it (max_tokens), the stop string still names the reason, as in vLLM."""
-        request.stop_reason = stop_reason
-        if request.status.is_finished:
-            request.status = status
-        else:
-            self._finish(request, status)
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish from outside the step (the engine found a stop string in the text); ids that
+        already finished (the same token reached max_tokens, or eos) are skipped."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)  # only unfinished requests are kept
+            if request is not None:
+                self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request in self.running:

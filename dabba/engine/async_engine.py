@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 from dabba.engine.llm_engine import LLMEngine, PromptType
 from dabba.engine.metrics import EngineMetrics
+from dabba.engine.output_processor import IterationStats
 from dabba.outputs import RequestOutput
 from dabba.sampling_params import SamplingParams
 
@@ -31,8 +32,6 @@ class _Stream:
     queue: asyncio.Queue
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
-    num_prompt_tokens_counted: bool = False
-    num_tokens: int = 0
 
     def put(self, item: object) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -128,8 +127,8 @@ class AsyncLLMEngine:
                 block = not self.engine.has_unfinished_requests()
                 self._apply_commands(block)
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    self._publish(outputs)
+                    outputs, stats = self.engine.step_with_stats()
+                    self._publish(outputs, stats)
                 self.metrics.observe_scheduler(self.engine.get_stats())
         except BaseException as e:  # the loop is dead: fail every stream rather than hang them
             logger.exception("engine loop failed")
@@ -163,26 +162,29 @@ class AsyncLLMEngine:
                 self.engine.abort_request(command[1])
                 self._streams.pop(command[1], None)
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
+        """Metrics come from the step's stats, not from the outputs: a DELTA output holds only
+        this step's tokens, and a FINAL_ONLY request has no output until it finished."""
         now = time.monotonic()
+        for request_id, request_stats in stats.requests.items():
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            if request_stats.is_first:
+                self.metrics.prompt_tokens.inc(request_stats.num_prompt_tokens)
+                stream.first_token = now
+                self.metrics.time_to_first_token.observe(now - stream.arrival)
+            self.metrics.generation_tokens.inc(request_stats.num_new_tokens)
+            if request_stats.finished:
+                self.metrics.e2e_request_latency.observe(now - stream.arrival)
+                if request_stats.num_output_tokens > 1 and stream.first_token is not None:
+                    self.metrics.time_per_output_token.observe(
+                        (now - stream.first_token) / (request_stats.num_output_tokens - 1))
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            num_tokens = sum(len(o.token_ids) for o in out.outputs)
-            if not stream.num_prompt_tokens_counted:
-                self.metrics.prompt_tokens.inc(len(out.prompt_token_ids) * len(out.outputs))
-                stream.num_prompt_tokens_counted = True
-            self.metrics.generation_tokens.inc(num_tokens - stream.num_tokens)
-            if stream.first_token is None and num_tokens:
-                stream.first_token = now
-                self.metrics.time_to_first_token.observe(now - stream.arrival)
-            stream.num_tokens = num_tokens
             if out.finished:
-                self.metrics.e2e_request_latency.observe(now - stream.arrival)
-                per_sample = max(len(o.token_ids) for o in out.outputs)
-                if per_sample > 1 and stream.first_token is not None:
-                    self.metrics.time_per_output_token.observe((now - stream.first_token) / (per_sample - 1))
                 del self._streams[out.request_id]
             stream.put(out)
 

@@ -24,7 +24,9 @@ class IncrementalDetokenizer:
         self.include_stop = params.include_stop_str_in_output
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
+        self.num_chars_released = 0  # by new_output_text
         self.stopped = False
+        self.flushed = False  # the final full decode replaced the streamed text
 
     def update(self, new_token_ids: list[int], check_stop: bool = True) -> str | None:
         """Decode new tokens; returns the stop string if one is now complete (the text is then
@@ -57,10 +59,25 @@ class IncrementalDetokenizer:
 
     def output_text(self, finished: bool) -> str:
         """All text once finished; while running, all but what might still become a stop string."""
-        if finished and not self.stopped:
+        end = self._num_released(finished)  # first: it may replace self.text with the full decode
+        return self.text[:end]
+
+    def new_output_text(self, finished: bool) -> str:
+        """The text released since the previous call (DELTA outputs). The pieces concatenate to
+        ``output_text(finished=True)``: released text is never taken back, since a stop string can
+        only start inside the held-back tail and the final decode only adds to the streamed text."""
+        end = self._num_released(finished)
+        new = self.text[self.num_chars_released:end]
+        self.num_chars_released = max(end, self.num_chars_released)
+        return new
+
+    def _num_released(self, finished: bool) -> int:
+        """How many characters of ``self.text`` may be shown."""
+        if finished and not self.stopped and not self.flushed:
             # Flush bytes the stream still holds (an unfinished character at the very end
-            # decodes to U+FFFD, as in a full decode).
+            # decodes to U+FFFD, as in a full decode); once, however often it is asked after.
             self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+            self.flushed = True
         if finished or not self.stop:
-            return self.text
-        return self.text[: max(len(self.text) - self.hold_back, 0)]
+            return len(self.text)
+        return max(len(self.text) - self.hold_back, 0)

@@ -1,6 +1,7 @@
 """The synchronous engine: add requests, then step until done.
 
-step() = Scheduler.schedule -> ModelRunner.execute_model -> Scheduler.update_from_output -> outputs.
+step() = Scheduler.schedule -> ModelRunner.execute_model -> Scheduler.update_from_output (EngineCoreOutputs)
+-> OutputProcessor.process_outputs (RequestOutputs, stop strings found) -> Scheduler.finish_requests.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dabba.config import EngineConfig
 from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.request import Request, RequestStatus
 from dabba.core.scheduler import Scheduler, SchedulerStats
-from dabba.engine.output_processor import OutputProcessor
+from dabba.engine.output_processor import IterationStats, OutputProcessor
 from dabba.engine.tokenizer import Tokenizer
 from dabba.models.config import ArchConfig
 from dabba.outputs import RequestOutput
@@ -141,7 +142,7 @@ class LLMEngine:
             for child in added:
                 self.scheduler.abort_request(child.request_id)
             raise
-        self.output_processor.add_request(request_id, text, params, children)
+        self.output_processor.add_request(request_id, text, token_ids, params, [c.request_id for c in children])
 
     def _parse_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -172,19 +173,19 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the current output of every prompt that got new tokens (its
-        ``finished`` flag says whether all its samples are done)."""
+        """Run one step; returns an output for each prompt that has one to give under its
+        output kind (its ``finished`` flag says whether all its samples are done)."""
+        return self.step_with_stats()[0]
+
+    def step_with_stats(self) -> tuple[list[RequestOutput], IterationStats]:
+        """step(), plus what the step generated per prompt, for metrics whatever the output kind."""
         sched_out = self.scheduler.schedule()
         runner_out = self.model_runner.execute_model(sched_out)
-        updated = self.scheduler.update_from_output(sched_out, runner_out)
-        self.output_processor.add_prompt_logprobs(runner_out.prompt_logprobs)
-        parents: dict[str, str] = {}  # parent id -> one of its updated children
-        for request in updated:
-            stop = self.output_processor.update(request, runner_out.logprobs.get(request.request_id))
-            if stop is not None:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
-            parents.setdefault(self.output_processor.sample_of[request.request_id][0].request_id, request.request_id)
-        return [self.output_processor.make_output(child_id) for child_id in parents.values()]
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        processed = self.output_processor.process_outputs(core_outputs)
+        # Stop strings are found in the text, which only the engine holds: the scheduler learns by id.
+        self.scheduler.finish_requests(processed.reqs_to_finish, RequestStatus.FINISHED_STOPPED)
+        return processed.request_outputs, processed.iteration_stats
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

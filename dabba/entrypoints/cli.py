@@ -66,11 +66,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """A terminal chat that streams the reply as it is generated; an empty line or EOF ends it."""
-    from dabba import SamplingParams
     from dabba.engine.llm_engine import LLMEngine
+    from dabba.sampling_params import RequestOutputKind, SamplingParams
 
     engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            output_kind=RequestOutputKind.DELTA)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     turn = 0
     while True:
@@ -84,13 +85,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         engine.add_request(f"chat-{turn}", {"prompt": text, "prompt_token_ids": engine.tokenizer.encode(
             text, add_special_tokens=False)}, params)
-        printed, reply = 0, ""
+        reply = ""
         print("assistant> ", end="", flush=True)
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                reply = out.outputs[0].text
-                print(reply[printed:], end="", flush=True)
-                printed = len(reply)
+            for out in engine.step():  # DELTA: only the newly released text
+                reply += out.outputs[0].text
+                print(out.outputs[0].text, end="", flush=True)
         print()
         messages.append({"role": "assistant", "content": reply})
         turn += 1

@@ -1,6 +1,7 @@
 """The offline Python API: ``LLM(model).generate(prompts, params)``."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Sequence
 
@@ -11,7 +12,7 @@ from dabba.core.scheduler import SchedulerStats
 from dabba.engine.llm_engine import LLMEngine, PromptType
 from dabba.engine.tokenizer import Tokenizer
 from dabba.outputs import RequestOutput
-from dabba.sampling_params import SamplingParams
+from dabba.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -47,7 +48,8 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in input order."""
+        """Run every prompt to completion; results come back in input order. Each prompt's
+        result is its one FINAL_ONLY output, whatever output_kind the params name."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -56,6 +58,7 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
@@ -76,9 +79,7 @@ class LLM:
         with tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             num_output_tokens = 0
             while len(results) < len(prompts) and engine.has_unfinished_requests():
-                for out in engine.step():
-                    if not out.finished:
-                        continue
+                for out in engine.step():  # FINAL_ONLY: each output is a finished prompt
                     results[out.request_id] = out
                     num_output_tokens += sum(len(o.token_ids) for o in out.outputs)
                     bar.update(1)

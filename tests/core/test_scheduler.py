@@ -3,8 +3,9 @@
 Every step goes through ``FakeWorker``, which keeps what a model runner keeps (token ids, block
 table, computed count) from the ``SchedulerOutput`` alone and samples a token for each request
 that reached the end of its known tokens. After each step ``run_step`` checks that the worker's
-view equals the scheduler's and that the KV bookkeeping is intact, so every test also checks
-the core -> worker contract. Block size 4 throughout.
+view equals the scheduler's, that the EngineCoreOutputs hold exactly the sampled tokens, and that
+the KV bookkeeping is intact, so every test also checks the core -> worker and core -> engine
+contracts. Block size 4 throughout.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 
 from dabba.config import SchedulerConfig
 from dabba.core.kv_cache_manager import KVCacheManager, cdiv
-from dabba.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
+                                NewRequestData, SchedulerOutput, TokenLogprobs)
 from dabba.core.request import Request, RequestStatus
 from dabba.core.scheduler import Scheduler, SchedulerStats
 from dabba.sampling_params import SamplingParams
@@ -101,7 +103,7 @@ class FakeWorker:
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
-def run_step(scheduler: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutput, list[Request]]:
+def run_step(scheduler: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutput, EngineCoreOutputs]:
     """schedule -> worker -> update_from_output, checking the invariants every step must keep."""
     config = scheduler.config
     out = scheduler.schedule()
@@ -113,7 +115,11 @@ def run_step(scheduler: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutput,
         n.request_id for n in out.scheduled_new_reqs]
     assert not (out.finished_req_ids & set(scheduled))
 
-    updated = scheduler.update_from_output(out, worker.execute(out))
+    runner_out = worker.execute(out)
+    core_outputs = scheduler.update_from_output(out, runner_out)
+    # The engine hears of each sampled token once, in batch order (the FakeWorker sends no logprobs).
+    assert [(o.request_id, o.new_token_ids) for o in core_outputs.outputs] == [
+        (rid, [runner_out.sampled_token_ids[rid]]) for rid in scheduled if rid in runner_out.sampled_token_ids]
 
     kv = scheduler.kv_cache_manager
     kv.check_integrity()
@@ -128,7 +134,7 @@ def run_step(scheduler: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutput,
     for request in scheduler.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert kv.get_block_ids(request.request_id) == []
-    return out, updated
+    return out, core_outputs
 
 
 def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 500) -> list[SchedulerOutput]:
@@ -168,7 +174,7 @@ def test_one_request_prefills_then_decodes_until_max_tokens():
     assert out.scheduled_cached_reqs == []
     assert out.num_scheduled_tokens == {"a": 6}
     assert out.finished_req_ids == set()
-    assert updated == [a]
+    assert updated.outputs == [EngineCoreOutput("a", [1000], num_cached_tokens=0)]
     assert (a.status, a.num_computed_tokens, a.num_cached_tokens, a.output_token_ids) == (
         RequestStatus.RUNNING, 6, 0, [1000])
 
@@ -178,7 +184,7 @@ def test_one_request_prefills_then_decodes_until_max_tokens():
 
     out, updated = run_step(scheduler, worker)
     assert out.scheduled_cached_reqs == [CachedRequestData("a", new_block_ids=[], num_computed_tokens=7)]
-    assert updated == [a]
+    assert updated.outputs == [EngineCoreOutput("a", [1002], finish_reason="length")]
     assert a.output_token_ids == [1000, 1001, 1002]
     assert (a.status, a.status.finish_reason, a.stop_reason) == (RequestStatus.FINISHED_LENGTH, "length", None)
     assert scheduler.running == [] and not scheduler.has_unfinished_requests()
@@ -201,7 +207,7 @@ def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
     out, updated = run_step(scheduler, worker)
     assert out.num_scheduled_tokens == {"a": 8}
     assert out.scheduled_new_reqs[0].block_ids == [0, 1]
-    assert updated == [] and a.output_token_ids == []  # mid-prompt: nothing sampled
+    assert updated.outputs == [] and a.output_token_ids == []  # mid-prompt: nothing sampled
 
     expected = [  # (new block ids, num_computed_tokens before the step, tokens this step)
         ([2, 3], 8, 8),
@@ -585,6 +591,81 @@ def test_each_stop_condition_ends_its_request_with_its_reason():
     assert_all_blocks_free(scheduler)
 
 
+# ---- what the engine hears (EngineCoreOutputs) -------------------------------------------------
+
+def logprobs_of(token_id: int) -> TokenLogprobs:
+    return TokenLogprobs([token_id, 3], [-0.5, -1.5], 1)
+
+
+def step_with_logprobs(scheduler: Scheduler, worker: FakeWorker) -> EngineCoreOutputs:
+    """One step whose worker also reports each sampled token's logprobs and, for each prompt
+    chunk, one entry per prompt token it covered (the scheduler passes both on untouched)."""
+    out = scheduler.schedule()
+    computed_before = {**{c.request_id: c.num_computed_tokens for c in out.scheduled_cached_reqs},
+                       **{n.request_id: n.num_computed_tokens for n in out.scheduled_new_reqs}}
+    runner_out = worker.execute(out)
+    runner_out.logprobs = {rid: logprobs_of(t) for rid, t in runner_out.sampled_token_ids.items()}
+    for rid, num_tokens in out.num_scheduled_tokens.items():
+        start = computed_before[rid]
+        covered = worker.token_ids[rid][start:min(start + num_tokens, worker.num_prompt_tokens[rid])]
+        if covered:
+            runner_out.prompt_logprobs[rid] = (start, [logprobs_of(t) for t in covered])
+    core_outputs = scheduler.update_from_output(out, runner_out)
+    scheduler.kv_cache_manager.check_integrity()
+    return core_outputs
+
+
+def test_engine_core_outputs_hold_exactly_each_steps_news():
+    """A scripted schedule: a prefill chunk that samples nothing reports only its prompt logprobs;
+    a sampled token comes with its logprobs; a prefix hit shows in num_cached_tokens; each
+    finish reason (stop token, eos, length) comes with the token that caused it."""
+    scripts = {"a": [1000, 7], "b": [1000, 1001], "c": [EOS]}
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    worker = FakeWorker(sample=lambda rid, k: scripts[rid][k])
+    a = make_request("a", 6, max_tokens=3, stop_token_ids=(7,))
+    scheduler.add_request(a)
+    pa = a.prompt_token_ids
+
+    assert step_with_logprobs(scheduler, worker).outputs == [
+        EngineCoreOutput("a", [1000], new_logprobs=[logprobs_of(1000)],
+                         new_prompt_logprobs=(0, [logprobs_of(t) for t in pa]), num_cached_tokens=0)]
+
+    b = make_request("b", pa[:4] + fresh_tokens(5), max_tokens=2)  # a's first block: a prefix hit of 4
+    c = make_request("c", 3, max_tokens=4)
+    scheduler.add_request(b)
+    scheduler.add_request(c)
+    # a decodes (1 token), b computes its 5 uncached prompt tokens, c gets the 2 left of the budget.
+    assert step_with_logprobs(scheduler, worker).outputs == [
+        EngineCoreOutput("a", [7], "stop", 7, [logprobs_of(7)], None, 0),
+        EngineCoreOutput("b", [1000], None, None, [logprobs_of(1000)],
+                         (4, [logprobs_of(t) for t in b.prompt_token_ids[4:]]), 4),
+        EngineCoreOutput("c", [], new_prompt_logprobs=(0, [logprobs_of(t) for t in c.prompt_token_ids[:2]]),
+                         num_cached_tokens=0),
+    ]
+    assert step_with_logprobs(scheduler, worker).outputs == [
+        EngineCoreOutput("b", [1001], "length", None, [logprobs_of(1001)], None, 4),
+        EngineCoreOutput("c", [EOS], "stop", None, [logprobs_of(EOS)], (2, [logprobs_of(c.prompt_token_ids[2])]), 0),
+    ]
+    assert not scheduler.has_unfinished_requests()
+    assert_all_blocks_free(scheduler)
+
+
+def test_finish_requests_by_id_frees_them_and_skips_those_already_finished():
+    scheduler, worker = make_scheduler(num_blocks=8), FakeWorker()
+    a, b = make_request("a", 6, max_tokens=1), make_request("b", 5)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    _, core_outputs = run_step(scheduler, worker)
+    assert [o.finish_reason for o in core_outputs.outputs] == ["length", None]  # a reached max_tokens
+
+    scheduler.finish_requests(["a", "b", "never-added"], RequestStatus.FINISHED_STOPPED)
+    assert (a.status, b.status) == (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+    assert not scheduler.has_unfinished_requests()
+    assert_all_blocks_free(scheduler)
+    out = scheduler.schedule()
+    assert (out.finished_req_ids, out.is_empty) == ({"a", "b"}, True)
+
+
 # ---- abort -----------------------------------------------------------------------------------
 
 def test_abort_frees_a_running_request_and_tells_the_worker():
@@ -643,7 +724,7 @@ def test_a_request_aborted_while_its_step_runs_is_skipped_by_update_from_output(
     runner_out = worker.execute(out)
     scheduler.abort_request("a")
     updated = scheduler.update_from_output(out, runner_out)
-    assert updated == [b]
+    assert updated.outputs == [EngineCoreOutput("b", [1000])]
     assert a.output_token_ids == [] and a.status == RequestStatus.FINISHED_ABORTED
     assert b.output_token_ids == [1000]
     scheduler.kv_cache_manager.check_integrity()
@@ -665,13 +746,22 @@ def test_a_crowded_mix_of_requests_all_finish_and_free_every_block():
     requests = list(pending)
 
     num_steps = 0
+    heard: dict[str, list[EngineCoreOutput]] = {r.request_id: [] for r in requests}
     while pending or scheduler.has_unfinished_requests():
         for _ in range(min(len(pending), 3)):  # a few arrivals per step
             scheduler.add_request(pending.pop(0))
-        out, _ = run_step(scheduler, worker)
+        out, core_outputs = run_step(scheduler, worker)
+        for o in core_outputs.outputs:
+            heard[o.request_id].append(o)
         assert not out.is_empty
         num_steps += 1
         assert num_steps < 1000
+
+    # Recomputing a preempted request's tokens tells the engine nothing: each token once, one finish.
+    for request in requests:
+        outputs = heard[request.request_id]
+        assert [t for o in outputs for t in o.new_token_ids] == request.output_token_ids
+        assert [o.finish_reason for o in outputs] == [None] * (len(outputs) - 1) + ["length"]
 
     for request in requests:
         assert request.status == RequestStatus.FINISHED_LENGTH

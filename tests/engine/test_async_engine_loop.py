@@ -12,13 +12,13 @@ from dabba.engine.async_engine import AsyncLLMEngine
 def test_engine_loop_runs_on_the_calling_thread(checkpoints) -> None:
     engine = LLM(str(checkpoints["llama"].path), dtype="float32", kv_cache_memory=2**22).llm_engine
     stepped_on = set()
-    step = engine.step
+    step = engine.step_with_stats
 
     def recording_step():
         stepped_on.add(threading.get_ident())
         return step()
 
-    engine.step = recording_step
+    engine.step_with_stats = recording_step
     async_engine = AsyncLLMEngine(engine, "m", start_thread=False)
     result = {}
 

@@ -193,6 +193,25 @@ def test_held_back_text_is_released_when_finished_without_a_match(tokenizer) -> 
     assert detok.output_text(finished=True) == "ab ##"
 
 
+@pytest.mark.parametrize(("text", "stop"), [("ab ## cd ### ef", "###"), ("ab ## cd", "###"), ("a 🙂 b 🙂c", "🙂c"),
+                                            ("x 漢字 y", "字 y"), *((t, None) for t in ROUND_TRIP_TEXTS)])
+def test_new_output_text_hands_on_exactly_the_released_text(tokenizer, text, stop) -> None:
+    """What DELTA outputs carry: after every token, the pieces so far add up to output_text()."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    whole, pieces = detokenizer(tokenizer, stop=stop), detokenizer(tokenizer, stop=stop)
+    deltas = []
+    for k, token_id in enumerate(ids):
+        match = whole.update([token_id])
+        assert pieces.update([token_id]) == match
+        finished = match is not None or k == len(ids) - 1
+        deltas.append(pieces.new_output_text(finished))
+        assert "".join(deltas) == whole.output_text(finished)
+        if finished:
+            break
+    assert pieces.new_output_text(True) == ""  # nothing is handed on twice
+    assert "".join(deltas) == (text[: text.find(stop)] if stop and stop in text else text)
+
+
 @pytest.mark.parametrize(
     ("stops", "matched", "before"),
     [

@@ -25,16 +25,21 @@ def live_server(path: str, model_name: str, api_key: str | None) -> Iterator[tup
     """Yields (base URL, engine); stops the server on exit."""
     engine = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", max_num_batched_tokens=256))
     app = build_app(engine, model_name, api_key=api_key)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
+    # bound here and handed to uvicorn, so no other process can take the port in between
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.time() + 30
+    deadline = time.monotonic() + 120  # a bound on a hang only
     while not srv.started:
-        assert time.time() < deadline, "server did not start"
+        assert thread.is_alive(), "server failed to start (see its log above)"
+        assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.05)
     try:
         yield f"http://127.0.0.1:{port}", engine
     finally:
         srv.should_exit = True
         thread.join(timeout=30)
+        sock.close()

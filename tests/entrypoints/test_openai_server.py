@@ -198,24 +198,91 @@ def test_64_concurrent_streams_finish_correctly(server, reference) -> None:
     wait_idle(server)
 
 
-def test_a_client_that_disconnects_leaves_nothing_running(server) -> None:
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 480, "temperature": 0, "stream": True, "ignore_eos": True}
-    before = metric(server, "dabba:generation_tokens_total")
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
-        assert metric(server, "dabba:num_requests_running") == 1
-    wait_idle(server)  # aborted, its KV blocks freed
-    assert metric(server, "dabba:generation_tokens_total") - before < 480, "it ran to the end instead"
-    # the same for a non-streaming request whose client gives up (soon: the tiny model makes its
-    # 480 tokens in a few tenths of a second, and the server looks every DISCONNECT_POLL_S)
-    before = metric(server, "dabba:generation_tokens_total")
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False},
-                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.02)
+def test_a_client_that_disconnects_leaves_nothing_running(server, monkeypatch) -> None:
+    """A client that hangs up (streaming or not) gets its request aborted and its KV blocks freed.
+
+    Nothing here races a clock: the client hangs up once /metrics shows the request running with
+    a token made, and the engine holds the request there until the abort reaches it (else the tiny
+    model could make all 480 tokens before the server, which looks every DISCONNECT_POLL_S,
+    notices), so "aborted, not run to the end" is observed, not inferred from speed."""
+    import json
+    import socket
+    import threading
+
+    class HoldAfterFirstToken:
+        """Once the model ran (the prefill of the one-token prompt samples its first token), the
+        engine reports no unfinished requests, so its loop only waits for commands, until
+        abort_request() ran; it records the requests it aborted while they were unfinished."""
+
+        def __init__(self) -> None:
+            engine = server.engine
+            self.model_ran = threading.Event()
+            self.aborted = threading.Event()
+            self.aborted_live: list[str] = []
+            self.execute_model = engine.model_runner.execute_model
+            self.has_unfinished_requests = engine.has_unfinished_requests
+            self.abort_request = engine.abort_request
+            monkeypatch.setattr(engine.model_runner, "execute_model", self.recorded_execute_model)
+            monkeypatch.setattr(engine, "has_unfinished_requests", self.held_has_unfinished_requests)
+            monkeypatch.setattr(engine, "abort_request", self.recorded_abort_request)
+
+        def recorded_execute_model(self, *args, **kwargs):
+            out = self.execute_model(*args, **kwargs)
+            self.model_ran.set()
+            return out
+
+        def held_has_unfinished_requests(self) -> bool:
+            if self.model_ran.is_set() and not self.aborted.is_set():
+                return False
+            return self.has_unfinished_requests()
+
+        def recorded_abort_request(self, request_id: str) -> None:
+            if self.has_unfinished_requests():
+                self.aborted_live.append(request_id)
+            self.abort_request(request_id)
+            self.aborted.set()
+
+    def wait_until(condition, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting until {what}"
+            time.sleep(0.02)
+
+    def running_with_a_token(before: float) -> bool:
+        return (metric(server, "dabba:num_requests_running") == 1
+                and metric(server, "dabba:generation_tokens_total") > before)
+
+    def check_aborted(hold: HoldAfterFirstToken, before: float) -> None:
+        assert hold.aborted.wait(60), "the server never aborted the request"
+        assert len(hold.aborted_live) == 1, hold.aborted_live  # aborted while it ran, not after it ended
+        wait_idle(server)  # its KV blocks freed
+        assert metric(server, "dabba:generation_tokens_total") - before < 480, "it ran to the end instead"
+        monkeypatch.undo()
+
     wait_idle(server)
-    assert metric(server, "dabba:generation_tokens_total") - before < 480, "it ran to the end instead"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 480, "temperature": 0, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    # streaming: hang up after the first token, while the request runs
+    hold = HoldAfterFirstToken()
+    before = metric(server, "dabba:generation_tokens_total")
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        wait_until(lambda: running_with_a_token(before), "the request runs and made a token")
+    check_aborted(hold, before)
+
+    # non-streaming: the client sends the request on a raw socket and closes it while it runs
+    hold = HoldAfterFirstToken()
+    before = metric(server, "dabba:generation_tokens_total")
+    url = httpx.URL(server.url)
+    payload = json.dumps({**body, "stream": False}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\n"
+               f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
+    with socket.create_connection((url.host, url.port), timeout=60) as sock:
+        sock.sendall(request)
+        wait_until(lambda: running_with_a_token(before), "the request runs and made a token")
+    check_aborted(hold, before)
 
 
 def test_streaming_several_prompts_and_samples(server) -> None:
@@ -238,3 +305,54 @@ def test_streaming_several_prompts_and_samples(server) -> None:
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
     assert streamed == {c.index: c.message.content for c in full.choices}
+
+
+def test_streams_with_stop_strings_logprobs_and_echo_equal_the_single_responses(server, reference) -> None:
+    """Streams take DELTA outputs, single responses FINAL_ONLY: text held back for a stop string,
+    the echoed prompt and every token's logprobs reach the streaming client once, in order."""
+    ref = reference[PROMPTS[2]]
+    stop = ref[5:9]
+    kwargs = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=[stop], logprobs=2, echo=True,
+                  extra_body={"ignore_eos": True})
+    full = server.client.completions.create(**kwargs).model_dump()
+    chunks = list(server.client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in choices) == full["choices"][0]["text"] == PROMPTS[2] + ref[: ref.index(stop)]
+    for field in ("tokens", "token_logprobs", "top_logprobs"):
+        assert [x for c in choices for x in getattr(c.logprobs, field)] == full["choices"][0]["logprobs"][field]
+    assert [c.finish_reason for c in choices] == [None] * (len(choices) - 1) + ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full["usage"]
+
+    messages = [{"role": "user", "content": "What is JSON?"}]
+    chat = dict(model=MODEL, messages=messages, max_tokens=20, temperature=0, logprobs=True, top_logprobs=2)
+    text = server.client.chat.completions.create(**chat).choices[0].message.content
+    # 3 characters that first occur mid-reply: a stop string with text held back
+    stop = next(text[i:i + 3] for i in range(3, len(text) - 3)
+                if text.find(text[i:i + 3]) == i and text[i:i + 3].strip())
+    full = server.client.chat.completions.create(stop=[stop], **chat)
+    chunks = list(server.client.chat.completions.create(stop=[stop], stream=True,
+                                                        stream_options={"include_usage": True}, **chat))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    streamed = "".join(c.delta.content or "" for c in choices)
+    assert streamed == full.choices[0].message.content == text[: text.index(stop)]
+    assert [t for c in choices if c.logprobs for t in c.logprobs.content] == full.choices[0].logprobs.content
+    assert (choices[-1].finish_reason, choices[-1].stop_reason) == ("stop", stop) == (full.choices[0].finish_reason,
+                                                                                     full.choices[0].stop_reason)
+    assert chunks[-1].usage == full.usage
+
+
+def test_metrics_count_streams_and_single_responses_alike(server) -> None:
+    """Metrics come from each step's stats, whatever the outputs carry (FINAL_ONLY: one output)."""
+    names = ["dabba:prompt_tokens_total", "dabba:generation_tokens_total", "dabba:time_to_first_token_seconds_count",
+             "dabba:time_per_output_token_seconds_count", "dabba:e2e_request_latency_seconds_count"]
+    num_prompt_tokens = len(server.engine.tokenizer.encode(PROMPTS[1]))
+    kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=5, n=2, temperature=0, extra_body={"ignore_eos": True})
+    wait_idle(server)
+    for stream in (False, True):
+        before = {name: metric(server, name) for name in names}
+        response = server.client.completions.create(stream=stream, **kwargs)
+        if stream:
+            list(response)
+        # n=2 counts the prompt twice, as before outputs travelled as deltas
+        assert {name: metric(server, name) - before[name] for name in names} == dict(zip(names, [
+            2 * num_prompt_tokens, 2 * 5, 1, 1, 1]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -17,8 +17,8 @@ from dabba.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, 
                                                ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                CompletionResponse, ErrorInfo, ErrorResponse, SamplingFields,
                                                TokenLogprob, TopLogprob, UsageInfo, random_id)
-from dabba.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from dabba.sampling_params import SamplingParams
+from dabba.outputs import PositionLogprobs, RequestOutput
+from dabba.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("dabba")
 
@@ -48,11 +48,13 @@ def _param_of(message: str) -> str | None:
 
 @dataclass
 class _Choice:
-    """Streaming progress of one choice (prompt i, sample j)."""
+    """Streaming progress of one choice (prompt i, sample j), kept from its DELTA outputs."""
 
-    text_sent: int = 0
-    tokens_sent: int = 0
-    finished: bool = False
+    num_chars: int = 0  # of its text so far
+    num_tokens: int = 0
+    # chat: tokens not sent yet (a chunk goes out with text or a finish reason), and their logprobs
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[PositionLogprobs] = field(default_factory=list)
 
 
 class OpenAIServing:
@@ -69,6 +71,7 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        """A stream takes each step's news (DELTA); a single response takes the end (FINAL_ONLY)."""
         try:
             logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         except ValueError:
@@ -82,7 +85,8 @@ class OpenAIServing:
                 logit_bias=logit_bias or None, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                 stop_token_ids=req.stop_token_ids or [], skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, **optional,
+                prompt_logprobs=prompt_logprobs,
+                output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY, **optional,
             )
         except ValueError as e:
             raise OpenAIError(400, str(e), param=_param_of(str(e))) from None
@@ -104,7 +108,7 @@ class OpenAIServing:
         return streams
 
     async def _finals(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
-        """Wait for every stream's last output; a client that hangs up aborts them all."""
+        """Wait for every stream's (FINAL_ONLY) output; a client that hangs up aborts them all."""
         async def last(stream: RequestStream) -> RequestOutput:
             out = None
             async for out in stream:
@@ -204,24 +208,25 @@ class OpenAIServing:
                 if req.echo:
                     text = self._prompt_text(out) + text
                 if req.logprobs is not None:
-                    logprobs = self._completion_logprobs(out, o, req.echo)
+                    logprobs = self._completion_logprobs(o.token_ids, o.logprobs, 0, out if req.echo else None)
                 choices.append(CompletionChoice(index=i * params.n + o.index, text=text, logprobs=logprobs,
                                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         return JSONResponse(CompletionResponse(id=base_id, model=self.served_model_name, choices=choices,
-                                               usage=_usage(outs)).model_dump())
+                                               usage=_final_usage(outs)).model_dump())
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
 
-    def _completion_logprobs(self, out: RequestOutput, o: CompletionOutput, echo: bool,
-                             start_token: int = 0, text_offset: int = 0) -> CompletionLogprobs:
-        """OpenAI's legacy shape, from token ``start_token`` of the output (the prompt first
-        when echoing); ``text_offset`` is where that token's text starts in the choice's text."""
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None, text_offset: int,
+                             echo: RequestOutput | None = None) -> CompletionLogprobs:
+        """OpenAI's legacy shape for these output tokens, after the prompt's when echoing (``echo``
+        is the output that carries the prompt); ``text_offset`` is where the first token's text
+        starts in the choice's text."""
         lp = CompletionLogprobs()
         positions: list[tuple[int, PositionLogprobs | None]] = []
-        if echo and start_token == 0:
-            positions += list(zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)))
-        positions += list(zip(o.token_ids, o.logprobs or []))[start_token:]
+        if echo is not None:
+            positions += list(zip(echo.prompt_token_ids, echo.prompt_logprobs or [None] * len(echo.prompt_token_ids)))
+        positions += list(zip(token_ids, logprobs or []))
         offset = text_offset
         for token_id, position in positions:
             token = self._token_text(token_id)
@@ -238,33 +243,31 @@ class OpenAIServing:
 
     async def _completion_events(self, req: CompletionRequest, base_id: str, streams: list[RequestStream],
                                  params: SamplingParams) -> AsyncIterator[dict]:
+        """One chunk per DELTA output of a choice (each holds at least one new token)."""
+        prompts: dict[int, RequestOutput] = {}  # prompt index -> its first output, the one that carries the prompt
         progress: dict[int, _Choice] = {}
-        last: dict[int, RequestOutput] = {}
         async for i, out in self._merged(streams):
-            last[i] = out
+            prompt = prompts.setdefault(i, out)
             for o in out.outputs:
                 index = i * params.n + o.index
                 state = progress.setdefault(index, _Choice())
-                if state.finished:
-                    continue
-                text = o.text[state.text_sent:]
-                if req.echo and state.text_sent == 0 and state.tokens_sent == 0:
-                    text = self._prompt_text(out) + text
+                starting = state.num_tokens == 0
+                text = self._prompt_text(prompt) + o.text if req.echo and starting else o.text
                 logprobs = None
                 if req.logprobs is not None:
-                    first = state.tokens_sent == 0
-                    offset = state.text_sent + (len(self._prompt_text(out)) if req.echo and not first else 0)
-                    logprobs = self._completion_logprobs(out, o, req.echo and first, state.tokens_sent, offset)
-                finish = o.finish_reason
-                if not text and finish is None and len(o.token_ids) == state.tokens_sent:
-                    continue
-                state.text_sent, state.tokens_sent, state.finished = len(o.text), len(o.token_ids), finish is not None
+                    offset = state.num_chars + (len(self._prompt_text(prompt)) if req.echo and not starting else 0)
+                    logprobs = self._completion_logprobs(o.token_ids, o.logprobs, offset,
+                                                         prompt if req.echo and starting else None)
+                state.num_chars += len(o.text)
+                state.num_tokens += len(o.token_ids)
                 yield CompletionResponse(id=base_id, model=self.served_model_name, choices=[
-                    CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
+                    CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=o.finish_reason,
                                      stop_reason=o.stop_reason)]).model_dump()
         if req.stream_options and req.stream_options.include_usage:
+            num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts.values())
             yield CompletionResponse(id=base_id, model=self.served_model_name, choices=[],
-                                     usage=_usage([last[i] for i in sorted(last)])).model_dump()
+                                     usage=_usage(num_prompt_tokens, sum(c.num_tokens for c in progress.values()))
+                                     ).model_dump()
 
     # ---- /v1/chat/completions -------------------------------------------------------------
     def chat_prompt(self, messages: list, add_generation_prompt: bool) -> dict:
@@ -299,14 +302,15 @@ class OpenAIServing:
             return self._streaming(self._chat_events(req, request_id, streams, params))
         (out,) = await self._finals(streams, raw)
         choices = [ChatChoice(index=o.index, message=ChatMessageOut(content=o.text),
-                              logprobs=self._chat_logprobs(o, 0, top) if req.logprobs else None,
+                              logprobs=self._chat_logprobs(o.token_ids, o.logprobs, top) if req.logprobs else None,
                               finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
         return JSONResponse(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                                   usage=_usage([out])).model_dump())
+                                                   usage=_final_usage([out])).model_dump())
 
-    def _chat_logprobs(self, o: CompletionOutput, start: int, num_top: int) -> ChatLogprobs:
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None,
+                       num_top: int) -> ChatLogprobs:
         content = []
-        for token_id, position in list(zip(o.token_ids, o.logprobs or []))[start:]:
+        for token_id, position in zip(token_ids, logprobs or []):
             token = self._token_text(token_id)
             top = sorted(position.values(), key=lambda p: p.rank)
             content.append(TokenLogprob(token=token, logprob=position[token_id].logprob, bytes=list(token.encode()),
@@ -317,6 +321,8 @@ class OpenAIServing:
 
     async def _chat_events(self, req: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
                            params: SamplingParams) -> AsyncIterator[dict]:
+        """A chunk per DELTA output of a choice that brings text or its finish; tokens that
+        brought no text yet (held back, or a partial character) go out with the next chunk."""
         def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> dict:
             return ChatCompletionChunk(id=request_id, model=self.served_model_name,
                                        choices=[choice] if choice else [], usage=usage).model_dump()
@@ -324,26 +330,34 @@ class OpenAIServing:
         progress = {i: _Choice() for i in range(params.n)}
         for i in range(params.n):
             yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
-        last = None
+        first: RequestOutput | None = None  # the output that carries the prompt
         async for _, out in self._merged(streams):
-            last = out
+            if first is None:
+                first = out
             for o in out.outputs:
                 state = progress[o.index]
-                if state.finished:
+                state.num_tokens += len(o.token_ids)
+                if req.logprobs:
+                    state.pending_token_ids += o.token_ids
+                    state.pending_logprobs += o.logprobs or []
+                if not o.text and o.finish_reason is None:
                     continue
-                text = o.text[state.text_sent:]
-                finish = o.finish_reason
-                if not text and finish is None:
-                    continue
-                logprobs = self._chat_logprobs(o, state.tokens_sent, params.logprobs or 0) if req.logprobs else None
-                state.text_sent, state.tokens_sent, state.finished = len(o.text), len(o.token_ids), finish is not None
-                yield chunk(ChatStreamChoice(index=o.index, delta=ChatDelta(content=text), logprobs=logprobs,
-                                             finish_reason=finish, stop_reason=o.stop_reason))
-        if req.stream_options and req.stream_options.include_usage and last is not None:
-            yield chunk(None, _usage([last]))
+                logprobs = None
+                if req.logprobs:
+                    logprobs = self._chat_logprobs(state.pending_token_ids, state.pending_logprobs,
+                                                   params.logprobs or 0)
+                    state.pending_token_ids, state.pending_logprobs = [], []
+                yield chunk(ChatStreamChoice(index=o.index, delta=ChatDelta(content=o.text), logprobs=logprobs,
+                                             finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        if req.stream_options and req.stream_options.include_usage and first is not None:
+            yield chunk(None, _usage(len(first.prompt_token_ids), sum(c.num_tokens for c in progress.values())))
 
 
-def _usage(outs: list[RequestOutput]) -> UsageInfo:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def _usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                     total_tokens=num_prompt_tokens + num_completion_tokens)
+
+
+def _final_usage(outs: list[RequestOutput]) -> UsageInfo:
+    """Of cumulative (FINAL_ONLY) outputs: each prompt once, every sample's tokens."""
+    return _usage(sum(len(o.prompt_token_ids) for o in outs), sum(len(c.token_ids) for o in outs for c in o.outputs))
