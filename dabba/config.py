@@ -47,7 +47,13 @@ def _help(text: str, default: Any = dataclasses.MISSING, parse: Any = None) -> A
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = _help("Path to a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).")
+    model: str = _help("A Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a Hub repo id "
+                       "(owner/name), downloaded into the Hugging Face cache (or download_dir) on first use.")
+    revision: str | None = _help("The Hub revision (branch, tag or commit) of a model given as a repo id; default: main.",
+                                 None)
+    tokenizer: str | None = _help("The tokenizer's directory or Hub repo id, where it is not the model's.", None)
+    download_dir: str | None = _help("Where Hub downloads go (and are looked for); default: the Hugging Face cache "
+                                     "(HF_HOME, HF_HUB_CACHE).", None)
     dtype: str = _help('Weights and activations dtype: "auto" (from config.json), "bfloat16", "float16", "float32".', "auto")
     max_model_len: int | None = _help("Longest sequence (prompt + output) in tokens; default: the model's limit.", None)
     device: str = _help('"auto" (CUDA if available, else CPU), "cpu" or "cuda".', "auto")

@@ -19,6 +19,7 @@ from dabba.engine.llm_engine import resolve_dtype, resolve_max_model_len
 from dabba.layers.embedding import LMHead
 from dabba.layers.linear import Linear
 from dabba.models.config import ArchConfig
+from dabba.models.hub import CONFIG_FILES, resolve_model_dir
 from dabba.models.registry import get_model_class
 from dabba.quantization.config import QuantConfig
 
@@ -105,14 +106,16 @@ def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfi
 
 def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_len: int | None = None,
          quantization: str | None = None, kv_cache_dtype: str | None = None, dtype: str = "auto",
-         block_size: int = 16, device_type: str = "cpu", total_memory: int | None = None) -> MemoryPlan:
+         block_size: int = 16, device_type: str = "cpu", total_memory: int | None = None,
+         revision: str | None = None, download_dir: str | None = None) -> MemoryPlan:
     """Every combination, or only the given ``quantization`` ("none" for unquantized weights) /
     ``kv_cache_dtype``. With
     ``total_memory`` the KV cache gets what each row's weights leave of it (as on a GPU of that
-    size), so smaller weights mean more sequences."""
+    size), so smaller weights mean more sequences. A Hub repo id ``model`` costs only its
+    config.json: nothing here reads weights."""
     if (kv_cache_memory is None) == (total_memory is None):
         raise ValueError("give exactly one of kv_cache_memory and total_memory")
-    arch = ArchConfig.from_hf(model)
+    arch = ArchConfig.from_hf(resolve_model_dir(str(model), revision, download_dir, CONFIG_FILES))
     torch_dtype = resolve_dtype(dtype, arch.torch_dtype)
     max_len = resolve_max_model_len(max_model_len, arch)
     if arch.quantization_config:

@@ -84,11 +84,6 @@ def test_missing_and_unexpected_tensors(checkpoints, tmp_path) -> None:
         LLM(str(path))
 
 
-def test_not_a_directory() -> None:
-    with pytest.raises(ValueError, match="not a local directory"):
-        LLM("HuggingFaceTB/SmolLM2-135M")
-
-
 @pytest.mark.parametrize("dtype, expected", [("auto", torch.float32), ("bfloat16", torch.bfloat16),
                                              ("float16", torch.float16), ("float32", torch.float32)])
 def test_dtype(checkpoints, dtype, expected) -> None:

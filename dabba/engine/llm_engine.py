@@ -20,6 +20,7 @@ from dabba.core.scheduler import Scheduler, SchedulerStats
 from dabba.engine.output_processor import IterationStats, OutputProcessor
 from dabba.engine.tokenizer import Tokenizer
 from dabba.models.config import ArchConfig
+from dabba.models.hub import TOKENIZER_FILES, resolve_model_dir
 from dabba.outputs import RequestOutput
 from dabba.quantization.config import QuantConfig
 from dabba.sampling_params import SamplingParams
@@ -66,11 +67,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model_config
-        model_dir = Path(mc.model)
-        if not model_dir.is_dir():
-            raise ValueError(f"model={mc.model!r} is not a local directory; dabba loads Hugging Face checkpoint directories")
+        model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir)
+        tokenizer_dir = (model_dir if mc.tokenizer is None else
+                         resolve_model_dir(mc.tokenizer, None, mc.download_dir, TOKENIZER_FILES, field="tokenizer"))
         self.arch = ArchConfig.from_hf(model_dir)
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = Tokenizer(tokenizer_dir)
         self.generation_config = load_generation_config(model_dir)
         self.max_model_len = resolve_max_model_len(mc.max_model_len, self.arch)
         self.eos_token_ids = self._eos_token_ids()

@@ -127,7 +127,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     kv_memory = None if args.memory is not None and args.kv_cache_memory is None else (args.kv_cache_memory or 4 * 2**30)
     result = plan(args.model, kv_memory, args.max_model_len, args.quantization, args.kv_cache_dtype, args.dtype,
-                  args.block_size, total_memory=args.memory)
+                  args.block_size, total_memory=args.memory, revision=args.revision, download_dir=args.download_dir)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
     return 0
 
@@ -189,7 +189,7 @@ def _model_command(sub, name: str, help_text: str, func) -> argparse.ArgumentPar
     """A subcommand that runs a model: MODEL (default: the demo model) plus every engine flag."""
     cmd = sub.add_parser(name, help=help_text)
     cmd.add_argument("model", nargs="?", default=DEMO_MODEL,
-                     help="Hugging Face checkpoint directory (default: the bundled demo model)")
+                     help="a Hugging Face checkpoint directory or Hub repo id (default: the bundled demo model)")
     cmd.set_defaults(func=func)
     return cmd
 
@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", default="auto", help='"auto" (config.json\'s), "bfloat16", "float16", "float32"')
     pl.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.add_argument("--revision", default=None, help="the Hub revision of a model given as a repo id (default: main)")
+    pl.add_argument("--download-dir", default=None,
+                    help="where Hub downloads go (default: the Hugging Face cache); a plan fetches config.json only")
 
     from dabba.benchmark.offline import add_workload_args
 
