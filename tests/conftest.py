@@ -13,6 +13,7 @@ from dabba import LLM, SamplingParams
 from dabba.outputs import RequestOutput
 from tools.tiny_checkpoint import make_checkpoint
 
+PHI3_FACTORS = [1.714, 2.633, 2.11, 2.812, 2.877, 1.197, 1.04, 3.512, 1.778, 1.703, 3.987, 2.411]
 # Odd shapes on purpose: head_dim not 64, GQA ratios 1, 2 and 4, tied and untied, rope scaling.
 CHECKPOINTS = {
     "llama": dict(arch="LlamaForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=24,
@@ -25,6 +26,15 @@ CHECKPOINTS = {
                   tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
     "qwen3": dict(arch="Qwen3ForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=40,
                   tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Phi-4-mini's shape in small: fused qkv/gate_up tensors, 3/4 of each head rotates (24 of 32 dims),
+    # longrope past an original window of 64 (attention factor sqrt(1 + ln 8 / ln 64)), a sliding
+    # window that caps max_model_len (448 > 64: the long factors). Short and long factors are equal:
+    # transformers switches between them by a sequence's current length, dabba picks one per engine
+    # (tests/test_phi3.py tests each against transformers).
+    "phi3": dict(arch="Phi3ForCausalLM", num_attention_heads=3, num_key_value_heads=1, head_dim=32,
+                 tie_word_embeddings=False, original_max_position_embeddings=64, sliding_window=448,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                  "short_factor": PHI3_FACTORS, "long_factor": PHI3_FACTORS}),
 }
 # A wider init than transformers' default 0.02 makes the next token depend strongly on context,
 # so a wrong position, mask or block would change the greedy output.

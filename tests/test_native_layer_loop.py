@@ -1,8 +1,9 @@
 """The native layer loop (csrc/decode_cpu.cpp) against the Python layers it stands in for: the same
 kernels in the same order, so greedy tokens and their logprobs must be bit-identical, for dense
-bf16 and float32, load-time INT8 and INT4, q/k/v biases (Qwen2) and batches of one and many. The
-model runner chooses the path once (``native_layer_loop``): these tests observe which layers ran
-(a forward hook on a decoder layer fires only in Python) and the reason it logs."""
+bf16 and float32, load-time INT8 and INT4, q/k/v biases (Qwen2), partial rotary (Phi-3) and
+batches of one and many. The model runner chooses the path once (``native_layer_loop``): these
+tests observe which layers ran (a forward hook on a decoder layer fires only in Python) and the
+reason it logs."""
 from __future__ import annotations
 
 import logging
@@ -33,6 +34,7 @@ def count_python_layer_calls(llm: LLM) -> list[int]:
 @pytest.mark.parametrize("family, dtype, quantization", [
     ("llama", "bfloat16", None), ("llama", "float32", None), ("llama", "bfloat16", "int8"),
     ("llama", "bfloat16", "int4"), ("qwen2", "bfloat16", None), ("mistral", "bfloat16", "int4"),
+    ("phi3", "bfloat16", None), ("phi3", "float32", "int8"),  # 24 of 32 dims rotate, longrope tables
 ])
 def test_native_loop_is_bit_identical_to_the_python_layers(checkpoints, family, dtype, quantization) -> None:
     ckpt = checkpoints[family]

@@ -54,6 +54,7 @@ def train_tokenizer(vocab_size: int = 1024):
 ARCH_CONFIGS = {
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
+    "Phi3ForCausalLM": "Phi3Config",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
 }

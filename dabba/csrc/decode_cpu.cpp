@@ -7,10 +7,11 @@
 // Python path's (tested), which stays the reference. It serves decode steps and steps with
 // prompt chunks alike: only the attention kernel differs.
 //
-// Per layer: [fused add +] RMSNorm, qkv projection, rotary in place, KV write, paged attention,
-// o projection, fused add + RMSNorm, gate_up projection with SiLU-and-mul, down projection; then the
-// final fused add + RMSNorm. Built once per model (dabba/models/native_layer_loop.py); the model
-// runner chooses between it and the Python layers (dabba/worker/model_runner.py).
+// Per layer: [fused add +] RMSNorm, qkv projection, rotary in place (each head's first rotary_dim
+// dims), KV write, paged attention, o projection, fused add + RMSNorm, gate_up projection with
+// SiLU-and-mul, down projection; then the final fused add + RMSNorm. Built once per model
+// (dabba/models/native_layer_loop.py); the model runner chooses between it and the Python layers
+// (dabba/worker/model_runner.py).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -79,7 +80,7 @@ class NativeDecoder : public torch::CustomClassHolder {
                                   linears[3]});
   }
 
-  // x: the step's embedded tokens [num_tokens, hidden]; cos/sin [num_tokens, head_dim]; per layer
+  // x: the step's embedded tokens [num_tokens, hidden]; cos/sin [num_tokens, rotary_dim]; per layer
   // the CPU backend's cache [2, kv_heads, blocks, block_size, head_dim] (keys stored transposed
   // per block). query_start_loc: each request's tokens, as the CPU backend's paged_attention
   // takes them; none when every request decodes one token. Returns the final norm's output.
@@ -102,7 +103,8 @@ class NativeDecoder : public torch::CustomClassHolder {
       const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
       const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
-      rotary_embedding(q, k, cos, sin);
+      // the first cos.size(1) dims of each head (all of it, or a partial rotary_dim), as apply_rotary
+      rotary_embedding(q.narrow(2, 0, cos.size(1)), k.narrow(2, 0, cos.size(1)), cos, sin);
       const at::Tensor& cache = kv_caches[i];
       const at::Tensor value_cache = cache[1];
       const at::Tensor key_cache = cache[0].view({value_cache.size(0), value_cache.size(1), value_cache.size(3),

@@ -1,5 +1,6 @@
-"""Rotary position embedding (half-rotation layout, as Llama/Qwen checkpoints use), with
-"linear" and "llama3" frequency scaling."""
+"""Rotary position embedding (half-rotation layout, as Llama/Qwen/Phi checkpoints use), with
+"linear", "llama3" and "longrope" frequency scaling, over the whole head or its first rotary_dim
+dims (partial rotary: the rest pass through)."""
 from __future__ import annotations
 
 import math
@@ -11,8 +12,14 @@ from dabba.models.config import RopeScaling
 from dabba import native
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, max_position: int = 0) -> torch.Tensor:
+    """[head_dim / 2] (``head_dim``: the rotated dims). Longrope takes its long factors where
+    ``max_position`` exceeds the original window (see use_long_factors)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if scaling.rope_type == "longrope":  # as transformers' _compute_longrope_parameters, op for op
+        factors = scaling.long_factor if use_long_factors(scaling, max_position) else scaling.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
     if scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
     elif scaling.rope_type == "llama3":
@@ -28,33 +35,70 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
     return inv_freq
 
 
+def use_long_factors(scaling: RopeScaling, max_position: int) -> bool:
+    """Longrope's choice, fixed for the engine's life: the long factors when a sequence can
+    outgrow the original window (max_model_len > original_max_position_embeddings).
+
+    transformers chooses per forward by the sequence's current length (and recomputes the cache
+    when a sequence crosses the window), so for sequences of at most
+    original_max_position_embeddings tokens it uses the short factors where dabba, serving a
+    longer max_model_len, uses the long ones (vLLM switches per batch, by its largest position).
+    A max_model_len within the window gives the short factors, exactly as transformers computes
+    such sequences."""
+    return max_position > scaling.original_max_position_embeddings
+
+
+def describe_longrope(scaling: RopeScaling, max_position: int) -> str:
+    original = scaling.original_max_position_embeddings
+    if use_long_factors(scaling, max_position):
+        return (f"longrope: the long factors for every sequence (max_model_len {max_position} > "
+                f"original_max_position_embeddings {original}); transformers uses the short ones for "
+                f"sequences of at most {original} tokens")
+    return (f"longrope: the short factors (max_model_len {max_position} <= original_max_position_embeddings "
+            f"{original}), as transformers for sequences this short")
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling) -> None:
+    """cos/sin tables of ``rotary_dim`` columns (the head_dim, or its rotated part) for positions
+    below ``max_position``; longrope's attention factor is folded into them, as transformers does."""
+
+    def __init__(self, rotary_dim: int, max_position: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq = rope_inv_freq(rotary_dim, theta, scaling, max_position)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
+        cos, sin = emb.cos(), emb.sin()
+        if scaling.rope_type == "longrope":
+            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Once per step, shared by every layer: [num_tokens, head_dim] each, in the model dtype."""
+        """Once per step, shared by every layer: [num_tokens, rotary_dim] each, in the model dtype."""
         return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim].
+    """q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]; cos/sin
+    [num_tokens, rotary_dim]: the first rotary_dim dims of each head rotate, the rest pass through.
 
-    On CPU the native kernel rotates in place (q and k may be views into the fused qkv output).
+    On CPU the native kernel rotates in place (q and k may be views into the fused qkv output;
+    with a partial rotary_dim it gets views of each head's first rotary_dim dims).
     """
     cos, sin = cos_sin
+    rotary_dim = cos.shape[-1]
     if q.stride(-1) == 1 and k.stride(-1) == 1 and native.use_cpu_kernels(q):
-        torch.ops.dabba_cpu.rotary_embedding(q, k, cos, sin)
+        torch.ops.dabba_cpu.rotary_embedding(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
         return q, k
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    if rotary_dim == q.shape[-1]:
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    return (torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q_pass), dim=-1),
+            torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k_pass), dim=-1))

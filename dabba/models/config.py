@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# transformers' Phi3Config reads these as longrope ("su": Phi-3's first long-context configs)
+PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
+PHI3_ROPE_TYPES = ("default", "longrope")  # all that transformers' Phi3Config.validate_rope accepts
 
 
 @dataclass(frozen=True)
@@ -16,7 +21,12 @@ class RopeScaling:
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 and longrope
+    # longrope: the per-frequency divisors (rotary_dim / 2 each) and the factor cos/sin are
+    # multiplied by (transformers' attention_scaling: sqrt(1 + ln(factor) / ln(original)) unless given)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -42,11 +52,15 @@ class ArchConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     quantization_config: dict | None = None  # a pre-quantized checkpoint's (GPTQ, AWQ)
+    # RoPE rotates the first rotary_dim dims of each head (head_dim * partial_rotary_factor,
+    # Phi-4-mini: 0.75); the rest pass through. None: the whole head.
+    rotary_dim: int | None = None
 
     @property
     def missing_native_form(self) -> str | None:
         """Why this family's layers have no form in the native layer loop (csrc/decode_cpu.cpp runs
-        the Llama block: RMSNorm, SwiGLU, RoPE on whole heads, optional q/k/v and o biases); None
+        the Llama block: RMSNorm, SwiGLU, RoPE on each head's first rotary_dim dims with the cos/sin
+        tables Python computes (so partial rotary and longrope), optional q/k/v and o biases); None
         where they have one. A family adding a feature the loop lacks says so here."""
         if self.qk_norm:
             return f"{self.architecture}'s per-head q/k RMSNorm is not in the native loop"
@@ -89,18 +103,29 @@ class ArchConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("unsupported config: partial_rotary_factor != 1")
-        scaling = RopeScaling(
-            rope_type=rope_type,
-            factor=float(rope.get("factor", 1.0)),
-            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
-        )
+        supported = ROPE_TYPES
+        if arch == "Phi3ForCausalLM":
+            rope_type, supported = PHI3_ROPE_ALIASES.get(rope_type, rope_type), PHI3_ROPE_TYPES
+        if rope_type not in supported:
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r} for {arch}; supported: {supported}")
+        max_position_embeddings = cfg.get("max_position_embeddings", 2048)
+        partial_rotary_factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if partial_rotary_factor != 1.0 and arch != "Phi3ForCausalLM":  # their transformers classes ignore it
+            raise ValueError(f"unsupported config: partial_rotary_factor != 1 for {arch}")
+        rotary_dim = _rotary_dim(head_dim, partial_rotary_factor)
+        if rope_type == "longrope":
+            scaling = _longrope_scaling(arch, cfg, rope, rotary_dim or head_dim, max_position_embeddings)
+        else:
+            scaling = RopeScaling(
+                rope_type=rope_type,
+                factor=float(rope.get("factor", 1.0)),
+                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+            )
 
+        # Mistral and Phi3 attend within it whenever it is set (transformers masks with it), so the
+        # engine caps max_model_len at it; Qwen only with use_sliding_window
         sliding_window = cfg.get("sliding_window")
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
             sliding_window = None
@@ -119,7 +144,7 @@ class ArchConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
@@ -129,4 +154,44 @@ class ArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             quantization_config=quantization or None,
+            rotary_dim=rotary_dim,
         )
+
+
+def _rotary_dim(head_dim: int, partial_rotary_factor: float) -> int | None:
+    """int(head_dim * factor) as transformers computes it; None for the whole head."""
+    if not 0.0 < partial_rotary_factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor={partial_rotary_factor} must be in (0, 1]")
+    rotary_dim = int(head_dim * partial_rotary_factor)
+    if rotary_dim == head_dim:
+        return None
+    if rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor={partial_rotary_factor} of head_dim {head_dim} rotates an odd "
+                         f"number of dims ({rotary_dim}); RoPE rotates pairs")
+    return rotary_dim
+
+
+def _longrope_scaling(arch: str, cfg: dict[str, Any], rope: dict[str, Any], rotary_dim: int,
+                      max_position_embeddings: int) -> RopeScaling:
+    """LongRoPE (Phi-3.5, Phi-4-mini) as transformers' _compute_longrope_parameters reads it."""
+    # transformers gives a top-level original_max_position_embeddings priority over the rope dict's;
+    # Phi3Config always has one (default 4096), other configs fall back to max_position_embeddings
+    original = cfg.get("original_max_position_embeddings")
+    if original is None:
+        original = 4096 if arch == "Phi3ForCausalLM" else rope.get("original_max_position_embeddings",
+                                                                    max_position_embeddings)
+    original = int(original)
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = rope.get(key)
+        if not isinstance(values, list) or len(values) != rotary_dim // 2:
+            raise ValueError(f"longrope's {key} must be a list of rotary_dim / 2 = {rotary_dim // 2} numbers, "
+                             f"got {values!r}")
+        factors[key] = tuple(float(v) for v in values)
+    factor = rope.get("factor")
+    factor = float(factor) if factor is not None else max_position_embeddings / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention_factor), **factors)

@@ -1,4 +1,5 @@
-"""Llama family: Llama, Mistral and Qwen2 (q/k/v bias) share this code.
+"""Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Phi-3 (fused checkpoint tensors, partial
+rotary, longrope: all in ArchConfig and the loader) share this code.
 
 Weights arrive under the Hugging Face names; q/k/v and gate/up are merged into one GEMM each.
 """
@@ -98,7 +99,7 @@ class LlamaModel(nn.Module):
                  quant_config: QuantConfig | None, prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(layer_cls(cfg, i, f"{prefix}.layers.{i}", quant_config)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -138,7 +139,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in; fail loudly on unexpected or missing ones."""
+        """Copy checkpoint tensors in; fail loudly on unexpected or missing ones. A merged layer's
+        tensor arrives per shard (q_proj, k_proj, v_proj) or already fused under the merged name
+        (Phi-3's qkv_proj, gate_up_proj: [q; k; v] and [gate; up] rows), which fills every shard."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         unexpected = []
@@ -163,7 +166,11 @@ class LlamaForCausalLM(nn.Module):
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint tensor {tuple(tensor.shape)} != expected {tuple(param.shape)}")
                 param.data.copy_(tensor)
-            loaded.add(f"{target}#{shard_id}")
+            if shard_id is None:
+                owner = self.get_submodule(target.rsplit(".", 1)[0])
+                loaded.update(f"{target}#{sid}" for sid in (getattr(owner, "shard_ids", None) or (None,)))
+            else:
+                loaded.add(f"{target}#{shard_id}")
         if unexpected:
             raise ValueError(f"checkpoint has unexpected tensors: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
         expected = set()

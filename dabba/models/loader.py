@@ -6,6 +6,7 @@ so dabba refuses it rather than unpickling it.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -13,11 +14,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from dabba.layers.rotary import describe_longrope
 from dabba.models.config import ArchConfig
 from dabba.models.registry import get_model_class
 from dabba.quantization.config import QuantConfig
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+logger = logging.getLogger("dabba")
 
 
 def find_weight_files(model_dir: Path) -> list[Path]:
@@ -56,6 +60,8 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
     model_dir = Path(model_dir)
     files = find_weight_files(model_dir)
     model_cls = get_model_class(arch.architecture)
+    if arch.rope_scaling.rope_type == "longrope":
+        logger.info(describe_longrope(arch.rope_scaling, max_position))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

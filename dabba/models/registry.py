@@ -9,6 +9,7 @@ from dabba.models.qwen3 import Qwen3ForCausalLM
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,  # fused qkv/gate_up tensors, partial rotary, longrope: ArchConfig
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }

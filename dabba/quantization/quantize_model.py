@@ -159,8 +159,11 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
                 packed.update(pack_linear(f"model.layers.{i}.{name}", m, codes, opts))
             hidden, residual = layer(rope, hidden, residual)  # the quantized layer feeds the next one
 
-    # everything else is copied from the source checkpoint (AWQ's scaled norms in the source dtype)
-    quantized_prefixes = {k.rsplit(".", 1)[0] for k in packed}
+    # everything else is copied from the source checkpoint (AWQ's scaled norms in the source dtype);
+    # a merged layer's source may be its shards or one fused tensor (Phi-3's qkv_proj, gate_up_proj)
+    quantized_prefixes = {k.rsplit(".", 1)[0] for k in packed} | {
+        f"model.layers.{i}.{name}" for i, layer in enumerate(model.model.layers)
+        for name, m in layer.named_modules() if isinstance(m, Linear)}
     for file in find_weight_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
