@@ -20,17 +20,20 @@ CHECKPOINTS = {
                   tie_word_embeddings=False,
                   rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # A sliding window of 40 keys, shorter than most prompts + outputs (up to 364 tokens), not a
+    # multiple of the 16-token block: every layer attends only within it (transformers' sdpa
+    # and eager masks agree on it; test_parity checks the window changes the reference).
     "mistral": dict(arch="MistralForCausalLM", num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-                    tie_word_embeddings=True, max_shard_size="200KB"),
+                    tie_word_embeddings=True, max_shard_size="200KB", sliding_window=40),
     "qwen2": dict(arch="Qwen2ForCausalLM", hidden_size=96, num_attention_heads=6, num_key_value_heads=6, head_dim=16,
                   tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
     "qwen3": dict(arch="Qwen3ForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=40,
                   tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     # Phi-4-mini's shape in small: fused qkv/gate_up tensors, 3/4 of each head rotates (24 of 32 dims),
     # longrope past an original window of 64 (attention factor sqrt(1 + ln 8 / ln 64)), a sliding
-    # window that caps max_model_len (448 > 64: the long factors). Short and long factors are equal:
-    # transformers switches between them by a sequence's current length, dabba picks one per engine
-    # (tests/test_phi3.py tests each against transformers).
+    # window of 448 that covers the tests' sequences. max_model_len 512 > 64: the long factors. Short
+    # and long factors are equal: transformers switches between them by a sequence's current length,
+    # dabba picks one per engine (tests/test_phi3.py tests each against transformers).
     "phi3": dict(arch="Phi3ForCausalLM", num_attention_heads=3, num_key_value_heads=1, head_dim=32,
                  tie_word_embeddings=False, original_max_position_embeddings=64, sliding_window=448,
                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,

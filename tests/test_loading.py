@@ -122,6 +122,30 @@ def test_qwen2_has_qkv_bias_without_o_bias() -> None:
     assert (cfg.qkv_bias, cfg.o_bias, cfg.qk_norm) == (True, False, False)
 
 
+@pytest.mark.parametrize("arch, extra", [
+    ("MistralForCausalLM", {"sliding_window": 40}), ("MistralForCausalLM", {"sliding_window": None}),
+    ("Phi3ForCausalLM", {"sliding_window": 48}),
+    ("Qwen2ForCausalLM", {"sliding_window": 40}),  # use_sliding_window off: no window
+    ("Qwen2ForCausalLM", {"sliding_window": 40, "use_sliding_window": True, "max_window_layers": 1}),
+    ("Qwen3ForCausalLM", {"sliding_window": 40, "use_sliding_window": True, "max_window_layers": 2}),
+])
+def test_per_layer_sliding_windows_follow_transformers(arch, extra) -> None:
+    """Each layer's window as transformers' config would mask it: Mistral and Phi-3 every layer,
+    Qwen2/3 only with use_sliding_window and then the layers from max_window_layers on."""
+    import transformers
+
+    from tools.tiny_checkpoint import ARCH_CONFIGS
+
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 3,
+            "num_attention_heads": 2}
+    cfg = ArchConfig.from_dict({"architectures": [arch], **base, **extra})
+    hf = getattr(transformers, ARCH_CONFIGS[arch])(**base, **extra)
+    expected = [hf.sliding_window if getattr(hf, "layer_types", None) is None or t == "sliding_attention" else None
+                for t in (getattr(hf, "layer_types", None) or [None] * 3)]
+    assert [cfg.layer_sliding_window(i) for i in range(3)] == expected
+    assert cfg.sliding_window in (None, 40, 48)
+
+
 def test_tokenizer_matches_transformers(checkpoints) -> None:
     from transformers import AutoTokenizer
 

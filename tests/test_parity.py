@@ -89,3 +89,21 @@ def test_greedy_under_preemption(checkpoint: Checkpoint, prefix_caching: bool) -
     outputs = run_checked(llm, token_prompts(checkpoint.prompts), GREEDY)
     assert_matches_reference(outputs, checkpoint)
     assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_the_mistral_reference_attends_within_its_sliding_window(checkpoints) -> None:
+    """The suite's Mistral checkpoint slides (window 40 < its longer prompts): transformers without
+    the window continues the 300-token prompt differently, so the parity tests above would fail
+    an engine that attended the whole context."""
+    from transformers import AutoModelForCausalLM
+
+    from dabba.models.config import ArchConfig
+    from tests.conftest import hf_greedy
+
+    ckpt = checkpoints["mistral"]
+    arch = ArchConfig.from_hf(ckpt.path)
+    assert arch.sliding_window == 40 and max(map(len, ckpt.prompts)) > 40
+    assert LLM(str(ckpt.path), kv_cache_memory=2**22).llm_engine.max_model_len == arch.max_position_embeddings
+    full = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32, sliding_window=None).eval()
+    assert full.config.sliding_window is None
+    assert hf_greedy(full, ckpt.prompts[9:10], NUM_NEW_TOKENS) != ckpt.reference[9:10]

@@ -95,11 +95,12 @@ def test_unsupported_rope_is_refused(checkpoints, tmp_path, rope, message) -> No
 
 def test_the_long_or_short_choice_is_logged(checkpoints, dabba_log) -> None:
     path = str(checkpoints["phi3"].path)
-    assert LLM(path, kv_cache_memory=2**22).llm_engine.max_model_len == 448  # capped at the sliding window
+    # max_position_embeddings; the sliding window (448) no longer caps it: attention slides
+    assert LLM(path, kv_cache_memory=2**22).llm_engine.max_model_len == 512
     short = LLM(path, kv_cache_memory=2**22, max_model_len=64)
     messages = [r.getMessage() for r in dabba_log if r.levelno == logging.INFO and "longrope" in r.getMessage()]
     assert messages == [
-        "longrope: the long factors for every sequence (max_model_len 448 > original_max_position_embeddings 64); "
+        "longrope: the long factors for every sequence (max_model_len 512 > original_max_position_embeddings 64); "
         "transformers uses the short ones for sequences of at most 64 tokens",
         "longrope: the short factors (max_model_len 64 <= original_max_position_embeddings 64), as transformers "
         "for sequences this short",

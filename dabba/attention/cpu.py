@@ -53,15 +53,18 @@ class CpuBackend(AttentionBackend):
         """Blocks in table order -> [kv_heads, len(block_ids), block_size, d] keys and values (tests)."""
         return key_cache.index_select(1, block_ids).transpose(2, 3), value_cache.index_select(1, block_ids)
 
-    def forward(self, q, k, v, kv_cache, metadata: CpuMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, metadata: CpuMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         key_cache, value_cache = self.split_cache(kv_cache)
         # Write first: a request attends to this step's own keys, read back from the cache.
         self.write_kv(key_cache, value_cache, k, v, metadata)
         out = torch.empty_like(q)
         if metadata.decode_only:
             torch.ops.dabba_cpu.paged_decode_attention(out, q.contiguous(), key_cache, value_cache,
-                                                       metadata.block_table, metadata.seq_lens, scale)
+                                                       metadata.block_table, metadata.seq_lens, scale,
+                                                       sliding_window or 0)
         else:
             torch.ops.dabba_cpu.paged_attention(out, q.contiguous(), key_cache, value_cache, metadata.block_table,
-                                                metadata.query_start_loc, metadata.seq_lens, scale)
+                                                metadata.query_start_loc, metadata.seq_lens, scale,
+                                                sliding_window or 0)
         return out

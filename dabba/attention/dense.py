@@ -2,6 +2,7 @@
 passes that run the model's layers directly on batches of fixed windows."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from dabba.attention.backend import AttentionBackend
@@ -19,9 +20,15 @@ class DenseCausalBackend(AttentionBackend):
     def build_metadata(self, common):
         return None
 
-    def forward(self, q, k, v, kv_cache, metadata, scale):
+    def forward(self, q, k, v, kv_cache, metadata, scale, sliding_window=None):
         n = q.shape[0] // self.seq_len
         def split(t):  # [tokens, heads, d] -> [seqs, heads, L, d]
             return t.view(n, self.seq_len, *t.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True, scale=scale, enable_gqa=True)
+        mask = None  # causal
+        if sliding_window is not None and sliding_window < self.seq_len:
+            pos = torch.arange(self.seq_len, device=q.device)
+            offset = pos[:, None] - pos[None, :]  # query position - key position
+            mask = (offset >= 0) & (offset < sliding_window)  # True = may attend
+        out = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask, is_causal=mask is None,
+                                             scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(q.shape)

@@ -1,7 +1,8 @@
 """Reference attention in plain PyTorch over the paged cache: gather blocks, then SDPA.
 
 The oracle other backends must match. Runs on CPU and CUDA alike. Each prefill chunk gets its
-own SDPA (causal over its fresh keys when it has no earlier context, masked otherwise). Decodes
+own SDPA (causal over its fresh keys when it has no earlier context, masked otherwise; with a
+layer's sliding window W, masked to the keys p - W + 1 .. p of each query position p). Decodes
 (one query token each) are batched: their blocks are gathered into one padded, masked batch and
 attended with two batched matmuls and a float32 softmax; on CPU that is ~15x faster than SDPA in
 bf16 for a single query row.
@@ -113,8 +114,11 @@ class TorchRefBackend(AttentionBackend):
         return tuple(self.kv_quant.dequantize(codes.index_select(1, block_ids), scales.index_select(1, block_ids))
                      for codes, scales in (key_cache, value_cache))
 
-    def decode(self, q, key_cache, value_cache, metadata: TorchRefMetadata, scale: float) -> torch.Tensor:
-        """Batched over decodes: [num_decodes, heads, d] -> [num_decodes, heads, d]."""
+    def decode(self, q, key_cache, value_cache, metadata: TorchRefMetadata, scale: float,
+               sliding_window: int | None = None) -> torch.Tensor:
+        """Batched over decodes: [num_decodes, heads, d] -> [num_decodes, heads, d]. A decode at
+        position p = seq_len - 1 with a window W sees keys p - W + 1 .. p: those before seq_len - W
+        are masked like padding."""
         num_decodes, num_blocks = metadata.decode_block_table.shape
         kd, vd = self.gather_context(key_cache, value_cache, metadata.decode_block_table.flatten())
         num_kv_heads, head_dim = kd.shape[0], kd.shape[-1]
@@ -124,7 +128,12 @@ class TorchRefBackend(AttentionBackend):
         # [num_decodes, heads, d] -> [kv_heads, num_decodes, heads per kv head, d]
         qd = q.view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)
         scores = torch.matmul(qd, kd.transpose(-1, -2)).float().mul_(scale)
-        scores.masked_fill_(metadata.decode_mask, float("-inf"))
+        mask = metadata.decode_mask  # [1, num_decodes, 1, max_blocks * block_size], True = masked
+        if sliding_window is not None:
+            key_positions = torch.arange(mask.shape[-1], device=mask.device)
+            slid_out = key_positions[None, :] < (metadata.decode_seq_lens - sliding_window)[:, None]
+            mask = mask | slid_out[None, :, None, :]
+        scores.masked_fill_(mask, float("-inf"))
         od = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), vd)
         return od.transpose(0, 1).reshape(q.shape)
 
@@ -136,18 +145,27 @@ class TorchRefBackend(AttentionBackend):
                                              scale=scale, enable_gqa=True)
         return out[0]
 
+    @staticmethod
+    def window_mask(context_len: int, seq_len: int, sliding_window: int, device) -> torch.Tensor:
+        """[query_len, seq_len] bool, True = may attend: query position p sees keys p - W + 1 .. p."""
+        positions = torch.arange(context_len, seq_len, device=device)[:, None]
+        keys = torch.arange(seq_len, device=device)[None, :]
+        return (keys <= positions) & (keys > positions - sliding_window)
+
     # ---- the step -------------------------------------------------------------------------
-    def forward(self, q, k, v, kv_cache, metadata: TorchRefMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, metadata: TorchRefMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         key_cache, value_cache = self.split_cache(kv_cache)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         # Write first: a request may read blocks another request fills in this same step.
         k, v = self.write_kv(key_cache, value_cache, k, v, metadata)
         if not metadata.prefills:  # decodes only: token i is request i's one query
-            return self.decode(q, key_cache, value_cache, metadata, scale)
+            return self.decode(q, key_cache, value_cache, metadata, scale, sliding_window)
         out = torch.empty_like(q)
 
         if metadata.decode_token_idx is not None:
-            out[metadata.decode_token_idx] = self.decode(q[metadata.decode_token_idx], key_cache, value_cache, metadata, scale)
+            idx = metadata.decode_token_idx
+            out[idx] = self.decode(q[idx], key_cache, value_cache, metadata, scale, sliding_window)
 
         for p in metadata.prefills:
             qp = q[p.start:p.end].transpose(0, 1).contiguous()  # [heads, query_len, d]
@@ -159,5 +177,8 @@ class TorchRefBackend(AttentionBackend):
                 kp, vp = self.gather_context(key_cache, value_cache, p.block_ids)
                 kp = kp.reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
                 vp = vp.reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
-            out[p.start:p.end] = self.prefill(qp, kp, vp, p.mask, scale).transpose(0, 1)
+            mask, seq_len = p.mask, p.context_len + p.end - p.start
+            if sliding_window is not None and sliding_window < seq_len:
+                mask = self.window_mask(p.context_len, seq_len, sliding_window, q.device)
+            out[p.start:p.end] = self.prefill(qp, kp, vp, mask, scale).transpose(0, 1)
         return out

@@ -29,10 +29,10 @@ void write_kv_cache(at::Tensor key_cache, at::Tensor value_cache, const at::Tens
                     const at::Tensor& slot_mapping);
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                            double scale);
+                            double scale, int64_t sliding_window);
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     double scale);
+                     double scale, int64_t sliding_window);  // sliding_window <= 0: none
 
 // The bf16 linear kernels' common checks: out [M, N] bf16 with contiguous rows, and an optional
 // bias [bias_size] bf16. Returns the bias's bits, or null (gemm_cpu.cpp).

@@ -51,6 +51,7 @@ struct NativeLinear {
 struct NativeLayer {
   at::Tensor input_norm, post_norm;
   NativeLinear qkv, o, gate_up, down;
+  int64_t sliding_window;  // the layer's attention window in keys; 0: none
 };
 
 class NativeDecoder : public torch::CustomClassHolder {
@@ -61,10 +62,12 @@ class NativeDecoder : public torch::CustomClassHolder {
         final_norm_(std::move(final_norm)) {}
 
   // One decoder layer; its four linears (qkv, o, gate_up, down) as LinearKind values, weights,
-  // scales (empty where unused), group sizes and biases (empty where none).
+  // scales (empty where unused), group sizes and biases (empty where none); its attention's
+  // sliding window (0: none; per layer, as models interleave sliding and global layers).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<int64_t> kinds,
                  std::vector<at::Tensor> weights, std::vector<at::Tensor> scales, std::vector<int64_t> group_sizes,
-                 std::vector<at::Tensor> biases) {
+                 std::vector<at::Tensor> biases, int64_t sliding_window) {
+    TORCH_CHECK(sliding_window >= 0, "add_layer: sliding_window must be >= 0 (0: none)");
     TORCH_CHECK(kinds.size() == 4 && weights.size() == 4 && scales.size() == 4 && group_sizes.size() == 4 &&
                     biases.size() == 4,
                 "add_layer: four linears (qkv, o, gate_up, down)");
@@ -77,7 +80,7 @@ class NativeDecoder : public torch::CustomClassHolder {
                                 biases[i].numel() ? c10::optional<at::Tensor>(biases[i]) : c10::nullopt};
     }
     layers_.push_back(NativeLayer{std::move(input_norm), std::move(post_norm), linears[0], linears[1], linears[2],
-                                  linears[3]});
+                                  linears[3], sliding_window});
   }
 
   // x: the step's embedded tokens [num_tokens, hidden]; cos/sin [num_tokens, rotary_dim]; per layer
@@ -112,9 +115,11 @@ class NativeDecoder : public torch::CustomClassHolder {
       write_kv_cache(key_cache, value_cache, k, v, slot_mapping);
       const at::Tensor attn = at::empty({n, num_heads_, head_dim_}, x.options());
       if (query_start_loc.has_value())
-        paged_attention(attn, q.contiguous(), key_cache, value_cache, block_table, *query_start_loc, seq_lens, scale_);
+        paged_attention(attn, q.contiguous(), key_cache, value_cache, block_table, *query_start_loc, seq_lens, scale_,
+                        layer.sliding_window);
       else
-        paged_decode_attention(attn, q.contiguous(), key_cache, value_cache, block_table, seq_lens, scale_);
+        paged_decode_attention(attn, q.contiguous(), key_cache, value_cache, block_table, seq_lens, scale_,
+                               layer.sliding_window);
       x = layer.o(attn.view({n, q_size}));
       fused_add_rms_norm(x, residual, layer.post_norm, eps_);
       x = layer.down(layer.gate_up.silu_and_mul(x));

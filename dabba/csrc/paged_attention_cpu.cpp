@@ -11,6 +11,9 @@
 //   out          [num_seqs, num_heads, head_dim]
 // Query head h uses kv head h / (num_heads / num_kv_heads) (grouped-query attention).
 // paged_attention takes q/out per token [num_tokens, ...] and query_start_loc [num_seqs + 1].
+// sliding_window W > 0: a query at position p attends only keys at positions p - W + 1 .. p (W keys,
+// its own included; transformers' sliding_window_overlay: kv_idx > q_idx - W); the blocks wholly
+// before that are never read. 0 or negative: no window.
 //
 // With keys transposed, the scores of one query against a block's 16 keys are 16 lanes of one
 // vector, accumulated over head_dim with broadcast FMAs: no horizontal sums. Values keep rows
@@ -319,23 +322,31 @@ void group_weighted_values(const Shape& sh, const float* probs, const scalar_t* 
   }
 }
 
-// Each row's softmax over its own length; the positions past it (later tokens of a prefill tile)
-// get probability 0, so the value pass can run every row to the tile's longest length.
-inline void softmax_rows(float* scores, int64_t rows, int64_t padded_len, int64_t seq_len, const int64_t* row_lens) {
+// Each row's softmax over its own range [row_starts[r], row_lens[r]) (row_starts null: from 0);
+// the positions outside it (later tokens of a prefill tile, keys that slid out of a row's window)
+// get probability 0, so the value pass can run every row over the tile's whole range.
+inline void softmax_rows(float* scores, int64_t rows, int64_t padded_len, int64_t seq_len, const int64_t* row_lens,
+                         const int64_t* row_starts) {
   for (int64_t r = 0; r < rows; ++r) {
-    softmax_inplace(scores + r * padded_len, row_lens[r]);
-    std::fill(scores + r * padded_len + row_lens[r], scores + r * padded_len + seq_len, 0.f);
+    float* s = scores + r * padded_len;
+    if (row_starts == nullptr) {
+      softmax_inplace(s, row_lens[r]);
+    } else {
+      softmax_inplace(s + row_starts[r], row_lens[r] - row_starts[r]);
+      std::fill(s, s + row_starts[r], 0.f);
+    }
+    std::fill(s + row_lens[r], s + seq_len, 0.f);
   }
 }
 
 // Both passes for sh.group query rows that share a kv head (the G heads of one token, or of
 // several tokens of one prompt); false if the shape needs the per-row loops.
 // q: the rows as stored (contiguous), qf: the same scaled, in float32; row r attends positions
-// [0, row_lens[r]), all within seq_len.
+// [row_starts[r], row_lens[r]) (row_starts null: from 0), all within seq_len.
 template <typename scalar_t>
 bool group_attention(const Shape& sh, const scalar_t* q, float scale, const float* qf, const scalar_t* k_ptr,
                      const scalar_t* v_ptr, const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len,
-                     const int64_t* row_lens, float* scores, float* out) {
+                     const int64_t* row_lens, const int64_t* row_starts, float* scores, float* out) {
   if (sh.block_size != kLanes || sh.head_dim % kLanes) return false;
   auto run = [&](auto group) {
     constexpr int G = decltype(group)::value;
@@ -350,7 +361,7 @@ bool group_attention(const Shape& sh, const scalar_t* q, float scale, const floa
 #else
     group_block_scores<scalar_t, G>(sh, qf, k_ptr, blocks, kvh, seq_len, padded_len, scores);
 #endif
-    softmax_rows(scores, G, padded_len, seq_len, row_lens);
+    softmax_rows(scores, G, padded_len, seq_len, row_lens, row_starts);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       group_weighted_values_bf16<G>(sh, scores, reinterpret_cast<const uint16_t*>(v_ptr), blocks, kvh, seq_len,
@@ -384,40 +395,58 @@ template <typename scalar_t>
 struct TileBuffers {
   std::vector<scalar_t> q;
   std::vector<float> qf, acc, scores;
-  std::vector<int64_t> row_lens;
+  std::vector<int64_t> row_lens, row_starts;
 };
+
+// The block holding the first key a query at `pos` sees: with a sliding window of W keys (W > 0)
+// it sees positions pos - W + 1 .. pos (the query's own key counts), else 0 .. pos.
+inline int64_t first_visible_block(int64_t pos, int64_t window, int64_t block_size) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) / block_size : 0;
+}
 
 // Query tokens tok0 .. tok0 + nt - 1 of one sequence (positions pos0 .. pos0 + nt - 1, its block
 // table `blocks`) against kv head kvh. Each token's G query heads are a row each; all nt * G rows
-// share every key and value load. Row (t, g) attends positions [0, pos0 + t]: causal.
+// share every key and value load. Row (t, g) attends positions [0, pos0 + t]: causal; with a
+// sliding window (window > 0) only [pos0 + t - window + 1, pos0 + t]. Then the blocks before the
+// tile's first visible key are skipped whole: the passes run over positions skip .. pos0 + nt - 1
+// (skip a multiple of block_size), and each row masks the keys before its own window.
+//
+//   | skipped blocks | boundary block | ... | tile's keys |
+//   0               skip        pos0 - window + 1   pos0 + nt
 template <typename scalar_t>
 void attend_tile(const Shape& sh, const scalar_t* q_ptr, scalar_t* out_ptr, const scalar_t* k_ptr,
                  const scalar_t* v_ptr, const int64_t* blocks, int64_t tok0, int64_t nt, int64_t pos0, int64_t kvh,
-                 float fscale, TileBuffers<scalar_t>& b) {
+                 float fscale, int64_t window, TileBuffers<scalar_t>& b) {
   Shape tile = sh;
   tile.group = nt * sh.group;
   const int64_t rows = tile.group, d_head = sh.head_dim;
-  const int64_t seq_len = pos0 + nt;
+  const int64_t first_block = first_visible_block(pos0, window, sh.block_size);
+  const int64_t skip = first_block * sh.block_size;
+  blocks += first_block;
+  const int64_t seq_len = pos0 + nt - skip;
   const int64_t padded_len = (seq_len + sh.block_size - 1) / sh.block_size * sh.block_size;
   b.q.resize(rows * d_head);
   b.qf.resize(rows * d_head);
   b.acc.resize(rows * d_head);
   b.scores.resize(rows * padded_len);
   b.row_lens.resize(rows);
+  b.row_starts.resize(rows);
   for (int64_t t = 0; t < nt; ++t)
     for (int64_t g = 0; g < sh.group; ++g) {
       const int64_t r = t * sh.group + g;
       const scalar_t* src = q_ptr + ((tok0 + t) * sh.num_heads + kvh * sh.group + g) * d_head;
       std::memcpy(b.q.data() + r * d_head, src, d_head * sizeof(scalar_t));
       for (int64_t d = 0; d < d_head; ++d) b.qf[r * d_head + d] = static_cast<float>(src[d]) * fscale;
-      b.row_lens[r] = pos0 + t + 1;
+      b.row_lens[r] = pos0 + t + 1 - skip;
+      b.row_starts[r] = window > 0 ? std::max<int64_t>(0, pos0 + t - window + 1) - skip : 0;
     }
+  const int64_t* row_starts = window > 0 ? b.row_starts.data() : nullptr;
   float* scores = b.scores.data();
   float* acc = b.acc.data();
   if (!group_attention(tile, b.q.data(), fscale, b.qf.data(), k_ptr, v_ptr, blocks, kvh, seq_len, padded_len,
-                       b.row_lens.data(), scores, acc)) {
+                       b.row_lens.data(), row_starts, scores, acc)) {
     block_scores(tile, b.qf.data(), k_ptr, blocks, kvh, seq_len, padded_len, scores);
-    softmax_rows(scores, rows, padded_len, seq_len, b.row_lens.data());
+    softmax_rows(scores, rows, padded_len, seq_len, b.row_lens.data(), row_starts);
     if (d_head % kLanes || d_head / kLanes > 8) {
       weighted_values_scalar(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc);
     } else {
@@ -452,7 +481,7 @@ Shape make_shape(const at::Tensor& q, const at::Tensor& key_cache, const at::Ten
 template <typename scalar_t>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_table,
-                           const at::Tensor& seq_lens, double scale) {
+                           const at::Tensor& seq_lens, double scale, int64_t window) {
   const Shape sh = make_shape(q, key_cache, block_table);
   const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
@@ -466,10 +495,12 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       const int64_t s = item / sh.num_kv_heads, kvh = item % sh.num_kv_heads;
       if (item + 1 < end) {
         const int64_t next = (item + 1) / sh.num_kv_heads;
-        prefetch_first_blocks(sh, k_ptr, bt_ptr + next * sh.max_blocks, len_ptr[next], (item + 1) % sh.num_kv_heads);
+        const int64_t first = first_visible_block(len_ptr[next] - 1, window, sh.block_size);
+        prefetch_first_blocks(sh, k_ptr, bt_ptr + next * sh.max_blocks + first, len_ptr[next] - first * sh.block_size,
+                              (item + 1) % sh.num_kv_heads);
       }
       attend_tile(sh, q_ptr, out_ptr, k_ptr, v_ptr, bt_ptr + s * sh.max_blocks, s, 1, len_ptr[s] - 1, kvh,
-                  static_cast<float>(scale), buffers);
+                  static_cast<float>(scale), window, buffers);
     }
   });
 }
@@ -483,7 +514,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 template <typename scalar_t>
 void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table,
-                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                            int64_t window) {
   const Shape sh = make_shape(q, key_cache, block_table);
   const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
@@ -507,7 +539,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
       const int64_t i = item / sh.num_kv_heads, kvh = item % sh.num_kv_heads;
       const Tile& tile = tiles[i % 2 ? num_tiles - 1 - i / 2 : i / 2];  // 0, n-1, 1, n-2, ...
       attend_tile(sh, q_ptr, out_ptr, k_ptr, v_ptr, bt_ptr + tile.req * sh.max_blocks, tile.tok0, tile.nt, tile.pos0,
-                  kvh, static_cast<float>(scale), buffers);
+                  kvh, static_cast<float>(scale), window, buffers);
     }
   });
 }
@@ -532,19 +564,20 @@ void check_attention_operands(const at::Tensor& out, const at::Tensor& q, const 
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
   check_attention_operands(out, q, key_cache, value_cache, block_table);
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == q.size(0) &&
                   block_table.size(0) >= q.size(0),
               "seq_lens must be contiguous int64 [num_seqs], a block table row per sequence");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_table, seq_lens, scale);
+    decode_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_table, seq_lens, scale,
+                                    std::max<int64_t>(sliding_window, 0));
   });
 }
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     double scale) {
+                     double scale, int64_t sliding_window) {
   check_attention_operands(out, q, key_cache, value_cache, block_table);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
@@ -554,7 +587,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
   TORCH_CHECK(query_start_loc.data_ptr<int64_t>()[seq_lens.numel()] == q.size(0),
               "query_start_loc must end at q's number of tokens");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    prefill_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale);
+    prefill_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
+                                     std::max<int64_t>(sliding_window, 0));
   });
 }
 
@@ -609,9 +643,9 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.impl("write_kv_cache", c10::DispatchKey::CPU, TORCH_FN(dabba::write_kv_cache));
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_table, Tensor seq_lens, float scale) -> ()");
+        "Tensor block_table, Tensor seq_lens, float scale, int sliding_window=0) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(dabba::paged_decode_attention));
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int sliding_window=0) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(dabba::paged_attention));
 }

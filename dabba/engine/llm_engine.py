@@ -49,8 +49,6 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> torch.dtype:
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
     limit = arch.max_position_embeddings
-    if arch.sliding_window is not None and arch.sliding_window < limit:
-        limit = arch.sliding_window  # sliding-window attention is not implemented: stay inside the window
     if requested is None:
         return limit
     if requested > limit:

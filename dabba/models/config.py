@@ -55,6 +55,16 @@ class ArchConfig:
     # RoPE rotates the first rotary_dim dims of each head (head_dim * partial_rotary_factor,
     # Phi-4-mini: 0.75); the rest pass through. None: the whole head.
     rotary_dim: int | None = None
+    # Which layers attend within sliding_window, one flag per layer; None: every layer (Mistral,
+    # Phi-3). Qwen2/3: their layer_types, by default the layers from max_window_layers on.
+    sliding_layers: tuple[bool, ...] | None = None
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """Layer ``layer_idx``'s attention window in keys (a query sees itself and the window - 1
+        keys before it), or None where it attends the whole context."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer_idx]):
+            return None
+        return self.sliding_window
 
     @property
     def missing_native_form(self) -> str | None:
@@ -124,11 +134,18 @@ class ArchConfig:
                 original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
             )
 
-        # Mistral and Phi3 attend within it whenever it is set (transformers masks with it), so the
-        # engine caps max_model_len at it; Qwen only with use_sliding_window
+        # Mistral and Phi3 attend within it whenever it is set (transformers masks with it), in every
+        # layer; Qwen only with use_sliding_window, in layers max_window_layers.. (transformers'
+        # Qwen2Config.layer_types)
         sliding_window = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
-            sliding_window = None
+        sliding_layers = None
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            if not cfg.get("use_sliding_window", False):
+                sliding_window = None
+            layer_types = cfg.get("layer_types") or [
+                "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
+                for i in range(cfg["num_hidden_layers"])]
+            sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
 
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -155,6 +172,7 @@ class ArchConfig:
             eos_token_ids=eos_ids,
             quantization_config=quantization or None,
             rotary_dim=rotary_dim,
+            sliding_layers=sliding_layers,
         )
 
 

@@ -54,7 +54,8 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, [cfg.hidden_size], bias=cfg.o_bias, prefix=f"{prefix}.o_proj",
                              quant_config=quant_config)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx,
+                              cfg.layer_sliding_window(layer_idx))
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook for families that normalise q/k per head before RoPE (Qwen3)."""

@@ -65,7 +65,8 @@ class NativeLayerLoop:
                                    [kinds[s.kind] for s in specs], [s.weight for s in specs],
                                    [empty if s.scales is None else s.scales for s in specs],
                                    [s.group_size for s in specs],
-                                   [empty if linear.bias is None else linear.bias for linear in linears])
+                                   [empty if linear.bias is None else linear.bias for linear in linears],
+                                   layer.self_attn.attn.sliding_window or 0)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: CpuMetadata,
                  kv_caches: list[torch.Tensor]) -> torch.Tensor:

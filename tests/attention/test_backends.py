@@ -129,3 +129,115 @@ def test_prompt_kernel_rejects_inconsistent_indices() -> None:
     with pytest.raises(RuntimeError, match="query longer than its sequence"):
         torch.ops.dabba_cpu.paged_attention(torch.empty_like(q), q, cache[0], cache[1], torch.zeros(1, 4, dtype=torch.long),
                                             torch.tensor([0, 5]), torch.tensor([4]), 1.0)
+
+
+# Windows below, at and across block boundaries: 1 (a query sees only itself), smaller than a block,
+# a block exactly, not a multiple of one, and around the contexts' own lengths (70 + 1 = 71 keys:
+# 70 drops the first key, 71 keeps all, the same as no window).
+@pytest.mark.parametrize("sliding_window", [1, 5, 8, 16, 23, 40, 70, 71, 300])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [
+    (9, 3, 64, 16), (8, 1, 32, 16), (4, 2, 24, 16), (6, 6, 16, 8),  # grouped passes, bf16 pairs, per-head loops
+])
+@pytest.mark.parametrize("query_lens, context_lens", [([1, 1, 37, 1, 5, 1], [70, 3, 0, 130, 40, 0]),
+                                                      ([1, 1, 1, 1], [70, 0, 130, 15]),
+                                                      ([150, 1, 33], [0, 17, 260])],
+                         ids=["mixed", "decodes", "long"])
+def test_cpu_backend_matches_reference_with_a_sliding_window(sliding_window, dtype, atol, num_heads, num_kv_heads,
+                                                             head_dim, block_size, query_lens, context_lens) -> None:
+    torch.manual_seed(0)
+    num_blocks = 80
+    common = make_step(query_lens, context_lens, block_size, num_blocks)
+    T = sum(query_lens)
+    q, k, v = (torch.randn(T, h, head_dim, dtype=dtype) for h in (num_heads, num_kv_heads, num_kv_heads))
+    ctx_k = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    ctx_v = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    outs = []
+    for backend in (TorchRefBackend(), CpuBackend()):
+        cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
+        key_cache, value_cache = backend.split_cache(cache)
+        md_all = SimpleNamespace(slot_mapping=torch.arange(num_blocks * block_size))
+        backend.write_kv(key_cache, value_cache, ctx_k.flatten(1, 2).transpose(0, 1),
+                         ctx_v.flatten(1, 2).transpose(0, 1), md_all)
+        md = backend.build_metadata(common)
+        outs.append(backend.forward(q, k, v, cache, md, head_dim ** -0.5, sliding_window).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)
+
+
+def explicit_windowed_attention(q, keys, values, table, qsl, seq_lens, scale, window):
+    """Per query row, by hand: position p attends keys max(0, p - window + 1) .. p."""
+    num_kv_heads, _, _, head_dim = keys.shape
+    num_heads = q.shape[1]
+    out = torch.empty_like(q)
+    for s in range(len(seq_lens)):
+        n, query_len = int(seq_lens[s]), int(qsl[s + 1] - qsl[s])
+        k = keys[:, table[s]].reshape(num_kv_heads, -1, head_dim)[:, :n]
+        v = values[:, table[s]].reshape(num_kv_heads, -1, head_dim)[:, :n]
+        for i in range(query_len):
+            pos = n - query_len + i
+            lo = max(0, pos - window + 1)
+            for h in range(num_heads):
+                kvh = h // (num_heads // num_kv_heads)
+                p = torch.softmax((k[kvh, lo:pos + 1] @ q[qsl[s] + i, h]) * scale, dim=0)
+                out[qsl[s] + i, h] = p @ v[kvh, lo:pos + 1]
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 2, 15, 16, 17, 32, 33, 49, 50, 64])
+def test_kernels_against_an_explicit_sliding_window(window) -> None:
+    """Both kernels alone, float32: a query at position p sees exactly the `window` keys ending at p
+    (transformers: kv_idx > q_idx - sliding_window), so window 50 at seq_len 50 sees every key and
+    window 49 drops key 0."""
+    torch.manual_seed(3)
+    num_kv_heads, num_blocks, block_size, head_dim, num_heads = 2, 20, 16, 32, 6
+    values = torch.randn(num_kv_heads, num_blocks, block_size, head_dim)
+    keys = torch.randn(num_kv_heads, num_blocks, block_size, head_dim)
+    table = torch.tensor([[3, 7, 1, 0], [19, 2, 0, 0], [5, 6, 8, 9]])
+    seq_lens = torch.tensor([50, 17, 64])
+    qsl = torch.tensor([0, 23, 24, 88])
+    q = torch.randn(88, num_heads, head_dim)
+    out = torch.empty_like(q)
+    torch.ops.dabba_cpu.paged_attention(out, q, keys.transpose(2, 3).contiguous(), values, table, qsl, seq_lens, 0.3,
+                                        window)
+    expected = explicit_windowed_attention(q, keys, values, table, qsl, seq_lens, 0.3, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+    decode_q = torch.randn(3, num_heads, head_dim)
+    decode_out = torch.empty_like(decode_q)
+    torch.ops.dabba_cpu.paged_decode_attention(decode_out, decode_q, keys.transpose(2, 3).contiguous(), values, table,
+                                               seq_lens, 0.3, window)
+    expected = explicit_windowed_attention(decode_q, keys, values, table, torch.arange(4), seq_lens, 0.3, window)
+    torch.testing.assert_close(decode_out, expected, atol=1e-5, rtol=1e-5)
+    if window >= 64:  # covers every context: the same as no window
+        torch.ops.dabba_cpu.paged_attention(expected := torch.empty_like(q), q, keys.transpose(2, 3).contiguous(),
+                                            values, table, qsl, seq_lens, 0.3)
+        assert torch.equal(out, expected)
+
+
+def test_reference_window_mask_is_transformers_sliding_window_mask() -> None:
+    """The reference's prompt mask equals transformers' own sliding-window causal mask function."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    fn = sliding_window_causal_mask_function(5)
+    expected = fn(torch.tensor(0), torch.tensor(0), torch.arange(12, 20)[:, None], torch.arange(20)[None, :])
+    assert expected.shape == (8, 20) and expected.sum(1).tolist() == [5] * 8
+    assert torch.equal(TorchRefBackend.window_mask(12, 20, 5, "cpu"), expected)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 1, 7, 16, 33])
+def test_dense_calibration_backend_slides_like_the_reference(sliding_window) -> None:
+    """DenseCausalBackend (calibration and evaluation passes, no cache) applies a layer's window as
+    the reference backend does on a whole 33-token prompt (window 33: all of it)."""
+    from dabba.attention.dense import DenseCausalBackend
+
+    torch.manual_seed(4)
+    seq_len, num_heads, num_kv_heads, head_dim, block_size = 33, 4, 2, 16, 16
+    q, k, v = (torch.randn(seq_len, h, head_dim) for h in (num_heads, num_kv_heads, num_kv_heads))
+    ref = TorchRefBackend()
+    common = make_step([seq_len], [0], block_size, 4)
+    cache = torch.zeros(ref.kv_cache_shape(4, block_size, num_kv_heads, head_dim))
+    expected = ref.forward(q, k, v, cache, ref.build_metadata(common), 0.25, sliding_window)
+    got = DenseCausalBackend(seq_len).forward(q, k, v, None, None, 0.25, sliding_window)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if sliding_window == 1:  # each token sees only itself
+        torch.testing.assert_close(got, v.repeat_interleave(num_heads // num_kv_heads, dim=1))
