@@ -2,10 +2,10 @@
 passes that run the model's layers directly on batches of fixed windows."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from dabba.attention.backend import AttentionBackend
+from dabba.attention.torch_ref import window_mask
 
 
 class DenseCausalBackend(AttentionBackend):
@@ -26,9 +26,7 @@ class DenseCausalBackend(AttentionBackend):
             return t.view(n, self.seq_len, *t.shape[1:]).transpose(1, 2)
         mask = None  # causal
         if sliding_window is not None and sliding_window < self.seq_len:
-            pos = torch.arange(self.seq_len, device=q.device)
-            offset = pos[:, None] - pos[None, :]  # query position - key position
-            mask = (offset >= 0) & (offset < sliding_window)  # True = may attend
+            mask = window_mask(0, self.seq_len, sliding_window, q.device)
         out = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask, is_causal=mask is None,
                                              scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(q.shape)

@@ -47,6 +47,14 @@ class TorchRefMetadata:
     prefills: list[PrefillChunk]
 
 
+def window_mask(context_len: int, seq_len: int, sliding_window: int, device) -> torch.Tensor:
+    """[seq_len - context_len, seq_len] bool, True = may attend: the queries at positions
+    context_len .. seq_len - 1, each seeing keys p - W + 1 .. p (causal within the window)."""
+    positions = torch.arange(context_len, seq_len, device=device)[:, None]
+    keys = torch.arange(seq_len, device=device)[None, :]
+    return (keys <= positions) & (keys > positions - sliding_window)
+
+
 class TorchRefBackend(AttentionBackend):
     def __init__(self, kv_quant: KVQuant | None = None) -> None:
         self.kv_quant = kv_quant
@@ -145,13 +153,6 @@ class TorchRefBackend(AttentionBackend):
                                              scale=scale, enable_gqa=True)
         return out[0]
 
-    @staticmethod
-    def window_mask(context_len: int, seq_len: int, sliding_window: int, device) -> torch.Tensor:
-        """[query_len, seq_len] bool, True = may attend: query position p sees keys p - W + 1 .. p."""
-        positions = torch.arange(context_len, seq_len, device=device)[:, None]
-        keys = torch.arange(seq_len, device=device)[None, :]
-        return (keys <= positions) & (keys > positions - sliding_window)
-
     # ---- the step -------------------------------------------------------------------------
     def forward(self, q, k, v, kv_cache, metadata: TorchRefMetadata, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:
@@ -179,6 +180,6 @@ class TorchRefBackend(AttentionBackend):
                 vp = vp.reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
             mask, seq_len = p.mask, p.context_len + p.end - p.start
             if sliding_window is not None and sliding_window < seq_len:
-                mask = self.window_mask(p.context_len, seq_len, sliding_window, q.device)
+                mask = window_mask(p.context_len, seq_len, sliding_window, q.device)
             out[p.start:p.end] = self.prefill(qp, kp, vp, mask, scale).transpose(0, 1)
         return out

@@ -92,11 +92,15 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, 
     """
     cos, sin = cos_sin
     rotary_dim = cos.shape[-1]
+    partial = rotary_dim != q.shape[-1]
     if q.stride(-1) == 1 and k.stride(-1) == 1 and native.use_cpu_kernels(q):
-        torch.ops.dabba_cpu.rotary_embedding(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
+        if partial:  # each head's first rotary_dim dims, rotated in place through views
+            torch.ops.dabba_cpu.rotary_embedding(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
+        else:
+            torch.ops.dabba_cpu.rotary_embedding(q, k, cos, sin)
         return q, k
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    if rotary_dim == q.shape[-1]:
+    if not partial:
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
     q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
     k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]

@@ -9,7 +9,7 @@ import torch
 
 from dabba.attention.backend import CommonAttentionMetadata
 from dabba.attention.cpu import CpuBackend
-from dabba.attention.torch_ref import TorchRefBackend
+from dabba.attention.torch_ref import TorchRefBackend, window_mask
 from dabba.native import load_cpu_ops
 
 pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="native CPU kernel cannot be built here")
@@ -37,6 +37,31 @@ def make_step(query_lens, context_lens, block_size, num_blocks, seed=0):
     return common
 
 
+def run_both_backends(dtype, num_heads, num_kv_heads, head_dim, block_size, query_lens, context_lens,
+                      sliding_window=None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One step on the reference and the CPU backend, each cache filled with the same earlier
+    tokens (the same logical context in both layouts): per backend (output, keys, values), the
+    caches' contents read back in table order."""
+    torch.manual_seed(0)
+    num_blocks = 80
+    common = make_step(query_lens, context_lens, block_size, num_blocks)
+    T = sum(query_lens)
+    q, k, v = (torch.randn(T, h, head_dim, dtype=dtype) for h in (num_heads, num_kv_heads, num_kv_heads))
+    ctx_k = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    ctx_v = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    outs = []
+    for backend in (TorchRefBackend(), CpuBackend()):
+        cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
+        key_cache, value_cache = backend.split_cache(cache)
+        md_all = SimpleNamespace(slot_mapping=torch.arange(num_blocks * block_size))  # write_kv reads only the slots
+        backend.write_kv(key_cache, value_cache, ctx_k.flatten(1, 2).transpose(0, 1),
+                         ctx_v.flatten(1, 2).transpose(0, 1), md_all)
+        out = backend.forward(q, k, v, cache, backend.build_metadata(common), head_dim ** -0.5, sliding_window)
+        kg, vg = backend.gather_context(key_cache, value_cache, torch.arange(num_blocks))
+        outs.append((out.float(), kg.reshape(num_kv_heads, -1, head_dim), vg.reshape(num_kv_heads, -1, head_dim)))
+    return outs
+
+
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [
     (9, 3, 64, 16), (8, 1, 32, 16), (12, 2, 128, 16), (9, 9, 16, 16),  # query heads in groups of 3, 8, 6, 1
@@ -48,28 +73,8 @@ def make_step(query_lens, context_lens, block_size, num_blocks, seed=0):
                          ids=["mixed", "decodes", "long"])
 def test_cpu_backend_matches_reference(dtype, atol, num_heads, num_kv_heads, head_dim, block_size, query_lens,
                                        context_lens) -> None:
-    torch.manual_seed(0)
-    num_blocks = 80
-    common = make_step(query_lens, context_lens, block_size, num_blocks)
-    T = sum(query_lens)
-    q = torch.randn(T, num_heads, head_dim, dtype=dtype)
-    k = torch.randn(T, num_kv_heads, head_dim, dtype=dtype)
-    v = torch.randn(T, num_kv_heads, head_dim, dtype=dtype)
-    # Same logical context in both layouts: fill each backend's cache with the same earlier tokens.
-    ctx_k = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
-    ctx_v = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
-    outs = []
-    for backend in (TorchRefBackend(), CpuBackend()):
-        cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
-        key_cache, value_cache = backend.split_cache(cache)
-        all_slots = torch.arange(num_blocks * block_size)
-        md = backend.build_metadata(common)
-        md_all = SimpleNamespace(slot_mapping=all_slots)  # write_kv reads only the slots
-        backend.write_kv(key_cache, value_cache, ctx_k.flatten(1, 2).transpose(0, 1), ctx_v.flatten(1, 2).transpose(0, 1), md_all)
-        out = backend.forward(q, k, v, cache, md, head_dim ** -0.5)
-        kg, vg = backend.gather_context(key_cache, value_cache, torch.arange(num_blocks))
-        outs.append((out.float(), kg.reshape(num_kv_heads, -1, head_dim), vg.reshape(num_kv_heads, -1, head_dim)))
-    (ref, ref_k, ref_v), (got, got_k, got_v) = outs
+    (ref, ref_k, ref_v), (got, got_k, got_v) = run_both_backends(dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                                                 query_lens, context_lens)
     assert torch.equal(ref_k, got_k) and torch.equal(ref_v, got_v), "the caches hold different keys/values"
     torch.testing.assert_close(got, ref, atol=atol, rtol=0)
 
@@ -145,23 +150,9 @@ def test_prompt_kernel_rejects_inconsistent_indices() -> None:
                          ids=["mixed", "decodes", "long"])
 def test_cpu_backend_matches_reference_with_a_sliding_window(sliding_window, dtype, atol, num_heads, num_kv_heads,
                                                              head_dim, block_size, query_lens, context_lens) -> None:
-    torch.manual_seed(0)
-    num_blocks = 80
-    common = make_step(query_lens, context_lens, block_size, num_blocks)
-    T = sum(query_lens)
-    q, k, v = (torch.randn(T, h, head_dim, dtype=dtype) for h in (num_heads, num_kv_heads, num_kv_heads))
-    ctx_k = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
-    ctx_v = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
-    outs = []
-    for backend in (TorchRefBackend(), CpuBackend()):
-        cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
-        key_cache, value_cache = backend.split_cache(cache)
-        md_all = SimpleNamespace(slot_mapping=torch.arange(num_blocks * block_size))
-        backend.write_kv(key_cache, value_cache, ctx_k.flatten(1, 2).transpose(0, 1),
-                         ctx_v.flatten(1, 2).transpose(0, 1), md_all)
-        md = backend.build_metadata(common)
-        outs.append(backend.forward(q, k, v, cache, md, head_dim ** -0.5, sliding_window).float())
-    torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)
+    (ref, _, _), (got, _, _) = run_both_backends(dtype, num_heads, num_kv_heads, head_dim, block_size, query_lens,
+                                                 context_lens, sliding_window)
+    torch.testing.assert_close(got, ref, atol=atol, rtol=0)
 
 
 def explicit_windowed_attention(q, keys, values, table, qsl, seq_lens, scale, window):
@@ -221,7 +212,7 @@ def test_reference_window_mask_is_transformers_sliding_window_mask() -> None:
     fn = sliding_window_causal_mask_function(5)
     expected = fn(torch.tensor(0), torch.tensor(0), torch.arange(12, 20)[:, None], torch.arange(20)[None, :])
     assert expected.shape == (8, 20) and expected.sum(1).tolist() == [5] * 8
-    assert torch.equal(TorchRefBackend.window_mask(12, 20, 5, "cpu"), expected)
+    assert torch.equal(window_mask(12, 20, 5, "cpu"), expected)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 1, 7, 16, 33])
