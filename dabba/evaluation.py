@@ -115,7 +115,7 @@ def kl_divergence(model: str, reference: str, text: str, quantization: str | Non
         positions = torch.arange(max_length).repeat(len(chunk))
         logprobs = []
         for m in models:
-            with forward_context(backend, None, [None] * m.config.num_hidden_layers):
+            with forward_context(backend, [None], [None] * m.config.num_hidden_layers):
                 logits = m.compute_logits(m(chunk.flatten(), positions)).float()
             logprobs.append(torch.log_softmax(logits.view(len(chunk), max_length, -1)[:, :-1], dim=-1))
         ref, cand = logprobs

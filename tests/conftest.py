@@ -119,8 +119,8 @@ def run_checked(llm: LLM, prompts: list, params: SamplingParams | list[SamplingP
         for out in engine.step():
             results[out.request_id] = out
         engine.kv_cache_manager.check_integrity()
-    pool = engine.kv_cache_manager.pool
-    assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
+    kv = engine.kv_cache_manager
+    assert kv.pool.num_free_blocks == kv.num_usable_blocks, "blocks leaked"
     assert not engine.kv_cache_manager.req_to_blocks
     assert not engine.output_processor.parents and not engine.output_processor.sample_of, "outputs state leaked"
     assert not engine.model_runner.requests.states or set(engine.model_runner.requests.states) <= set(ids)

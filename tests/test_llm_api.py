@@ -138,7 +138,7 @@ def test_a_bad_prompt_in_a_batch_leaves_nothing_behind(llm, llama) -> None:
     with pytest.raises(ValueError, match="outside"):
         llm.generate(prompts, greedy(8), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
-    assert llm.llm_engine.kv_cache_manager.pool.num_free_blocks == llm.llm_engine.kv_cache_manager.num_blocks
+    assert llm.llm_engine.kv_cache_manager.pool.num_free_blocks == llm.llm_engine.kv_cache_manager.num_usable_blocks
 
 
 def test_max_tokens_none_runs_to_max_model_len(llama) -> None:

@@ -10,7 +10,7 @@ import contextlib
 import contextvars
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -70,16 +70,21 @@ class AttentionBackend(ABC):
 @dataclass
 class ForwardContext:
     backend: AttentionBackend
-    metadata: Any
+    metadata: list[Any]  # one per KV-cache group: each group's layers read their own block tables
     kv_caches: list[torch.Tensor]  # one per layer
+    layer_groups: Sequence[int] | None = None  # layer -> its group; None: one group
+
+    def layer_metadata(self, layer_idx: int) -> Any:
+        return self.metadata[0 if self.layer_groups is None else self.layer_groups[layer_idx]]
 
 
 _forward_context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("dabba_forward_context", default=None)
 
 
 @contextlib.contextmanager
-def forward_context(backend: AttentionBackend, metadata: Any, kv_caches: list[torch.Tensor]) -> Iterator[None]:
-    token = _forward_context.set(ForwardContext(backend, metadata, kv_caches))
+def forward_context(backend: AttentionBackend, metadata: list[Any], kv_caches: list[torch.Tensor],
+                    layer_groups: Sequence[int] | None = None) -> Iterator[None]:
+    token = _forward_context.set(ForwardContext(backend, metadata, kv_caches, layer_groups))
     try:
         yield
     finally:

@@ -1,15 +1,20 @@
-"""Per-request block tables over the block pool, with prefix caching. Three verbs:
-``get_computed_blocks`` (prefix hit), ``allocate_slots`` and ``free``."""
+"""Per-request block tables over the block pool, one per KV-cache group, with prefix caching.
+Three verbs: ``get_computed_blocks`` (prefix hit), ``allocate_slots`` and ``free``.
+
+Every group (kv_cache_groups.py) keeps its own table per request over the one shared pool. A
+sliding-window group frees the blocks its window has passed and puts the pool's null block in
+their place, so a long sequence holds only about a window's worth of blocks in such a group.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from dabba.core.block_pool import BlockPool, KVCacheBlock
+from dabba.core.kv_cache_groups import KVCacheGroup, cdiv
 from dabba.core.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+BlockTables = tuple[list[KVCacheBlock], ...]  # one table per group
 
 
 @dataclass
@@ -25,17 +30,34 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 groups: Sequence[KVCacheGroup] | None = None, max_chunk: int | None = None) -> None:
+        """``groups``: the model's KV-cache groups (default: one group, full attention);
+        ``max_chunk``: the most tokens a request computes in one step (bounds what a sliding
+        group holds; default: a whole sequence)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already published
+        self.groups = tuple(groups) if groups else (KVCacheGroup((), None),)
+        self.max_chunk = max_chunk
+        sliding = any(g.sliding_window is not None for g in self.groups)
+        self.pool = BlockPool(num_blocks, enable_caching, with_null_block=sliding)
+        self.req_to_blocks: dict[str, BlockTables] = {}
+        self.num_cached_blocks: dict[str, list[int]] = {}  # per group: leading blocks already published
         self.prefix_stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all but the null block."""
+        return self.pool.num_blocks - (self.pool.null_block is not None)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Most blocks a request with ``num_tokens`` cached tokens holds at once, over all groups."""
+        chunk = self.max_chunk or num_tokens
+        return sum(g.blocks_needed(num_tokens, self.block_size, chunk) for g in self.groups)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, so the next prompts prefill in full (benchmarks' cold
@@ -47,93 +69,158 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        """Blocks held by requests / blocks they could hold (the null block counts in neither)."""
+        return (self.num_usable_blocks - self.pool.num_free_blocks) / self.num_usable_blocks
 
     def filled_slots(self, num_computed_tokens: dict[str, int]) -> int:
         """Slots of in-use blocks that hold a computed token; a block shared by several requests
         (a cached prefix) is counted once, as it is stored once."""
         bs, filled = self.block_size, {}
-        for request_id, blocks in self.req_to_blocks.items():
+        for request_id, tables in self.req_to_blocks.items():
             n = num_computed_tokens.get(request_id, 0)
-            for i, block in enumerate(blocks[: -(-n // bs)]):
-                filled[block.block_id] = max(filled.get(block.block_id, 0), min(bs, n - i * bs))
+            for blocks in tables:
+                for i, block in enumerate(blocks[: -(-n // bs)]):
+                    if block is not self.pool.null_block:
+                        filled[block.block_id] = max(filled.get(block.block_id, 0), min(bs, n - i * bs))
         return sum(filled.values())
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's table in each group (the null block's id where a window has passed)."""
+        tables = self.req_to_blocks.get(request_id)
+        if tables is None:
+            return tuple([] for _ in self.groups)
+        return tuple([b.block_id for b in blocks] for blocks in tables)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of cached full blocks matching the request's prefix.
+    def get_computed_blocks(self, request: Request) -> tuple[BlockTables, int]:
+        """Longest prefix of the request whose cached blocks serve every group: a full-attention
+        group needs every block of it, a sliding group only those its window still sees from
+        the first token to compute (the rest become the null block). Returns each group's hit
+        blocks and the number of hit tokens.
 
         At most ``num_tokens - 1`` tokens may come from the cache: the last token must be
         computed to give the logits of the next one.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt token's hidden state computed
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
+            return tuple([] for _ in self.groups), 0  # prompt logprobs need every prompt token's hidden state
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        num_hit = len(hashes)
+        while True:  # a group's hit is at most the others': shrink until all groups agree
+            hits = tuple(self._longest_hit(g, hashes, num_hit) for g in range(len(self.groups)))
+            shortest = min(len(h) for h in hits)
+            if shortest == num_hit:
+                return hits, num_hit * self.block_size
+            num_hit = shortest
+
+    def _longest_hit(self, g: int, hashes: list, max_blocks: int) -> list[KVCacheBlock]:
+        """Group g's longest hit of at most ``max_blocks`` blocks (the null block where unneeded)."""
+        group = self.groups[g]
+        if group.sliding_window is None:
+            hits = []
+            for block_hash in hashes[:max_blocks]:
+                block = self.pool.get_cached_block((g, block_hash))
+                if block is None:
+                    break
+                hits.append(block)
+            return hits
+        # The largest k whose last cdiv(W - 1, block_size) blocks (all k, if fewer) are cached:
+        # scan back from max_blocks, tracking the run of cached blocks that starts at i.
+        need = cdiv(group.sliding_window - 1, self.block_size)
+        if need == 0:
+            return [self.pool.null_block] * max_blocks
+        run: list[KVCacheBlock] = []
+        for i in range(max_blocks - 1, -1, -1):
+            block = self.pool.get_cached_block((g, hashes[i]))
             if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+                run = []
+                continue
+            run.insert(0, block)
+            if len(run) == need or i == 0:
+                return [self.pool.null_block] * i + run
+        return []
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
-    ) -> list[KVCacheBlock] | None:
-        """Give the request room for ``num_new_tokens`` more tokens, or None if blocks are short.
+        self, request: Request, num_new_tokens: int, new_computed_blocks: BlockTables | None = None
+    ) -> tuple[list[KVCacheBlock], ...] | None:
+        """Give the request room for ``num_new_tokens`` more tokens in every group, or None if
+        blocks are short. Returns each group's new blocks.
 
         ::
 
             | computed | prefix hit (new_computed_blocks) | new tokens  |
             0   num_computed_tokens                 num_computed   total
         """
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        new_computed = new_computed_blocks or tuple([] for _ in self.groups)
+        tables = self.req_to_blocks.get(request.request_id) or tuple([] for _ in self.groups)
+        num_computed = request.num_computed_tokens + len(new_computed[0]) * self.block_size
         total = num_computed + num_new_tokens
-        num_required = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        for g, blocks in enumerate(tables):  # blocks the windows have passed go back to the pool first
+            self._free_skipped(g, blocks, num_computed)
+        num_required = [max(cdiv(total, self.block_size) - len(blocks) - len(hits), 0)
+                        for blocks, hits in zip(tables, new_computed)]
         # Hit blocks nobody holds sit in the free queue: touching them removes them from it.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_required > self.pool.num_free_blocks - num_evictable_hits:
+        num_evictable_hits = sum(1 for hits in new_computed for b in hits
+                                 if b.ref_cnt == 0 and b is not self.pool.null_block)
+        if sum(num_required) > self.pool.num_free_blocks - num_evictable_hits:
             return None
 
         if request.request_id not in self.req_to_blocks:
             self.prefix_stats.num_queried_tokens += request.num_tokens
-            self.prefix_stats.num_hit_tokens += len(new_computed_blocks) * self.block_size
-        self.pool.touch(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(max(num_required, 0))
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        blocks.extend(new_computed_blocks)
-        blocks.extend(new_blocks)
-        self._cache_full_blocks(request, blocks, min(total, request.num_tokens) // self.block_size)
-        return new_blocks
+            self.prefix_stats.num_hit_tokens += len(new_computed[0]) * self.block_size
+            self.req_to_blocks[request.request_id] = tables
+            self.num_cached_blocks[request.request_id] = [0] * len(self.groups)
+        for hits in new_computed:  # every group's hits first: a new block must not be another group's hit
+            self.pool.touch(hits)
+        new_blocks = []
+        for g, (blocks, hits, n) in enumerate(zip(tables, new_computed, num_required)):
+            new = self.pool.get_new_blocks(n)
+            blocks.extend(hits)
+            blocks.extend(new)
+            new_blocks.append(new)
+            self._cache_full_blocks(request, g, blocks, min(total, request.num_tokens) // self.block_size)
+        return tuple(new_blocks)
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full: int) -> None:
-        """Publish blocks whose tokens are all known and computed by the end of this step.
+    def _free_skipped(self, g: int, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Swap the blocks group g's window has passed for the null block and free them."""
+        skipped = min(self.groups[g].num_skipped_blocks(num_computed, self.block_size), len(blocks))
+        freed = []
+        for i in range(skipped - 1, -1, -1):  # newest first: scanning back stops at the first null
+            if blocks[i] is self.pool.null_block:
+                break
+            freed.append(blocks[i])
+            blocks[i] = self.pool.null_block
+        self.pool.free_blocks(freed[::-1])  # oldest first: evicted first
+
+    def _cache_full_blocks(self, request: Request, g: int, blocks: list[KVCacheBlock], num_full: int) -> None:
+        """Publish blocks whose tokens are all known and computed by the end of this step, under
+        (group, chained hash): groups hold different layers.
 
         A block computed in the same step as another request reads it is safe: every layer
         writes the whole step's KV before any attention reads it.
         """
         if not self.enable_caching:
             return
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        for i in range(start, num_full):
-            self.pool.cache_full_block(blocks[i], request.block_hashes[i])
-        self.num_cached_blocks[request.request_id] = max(start, num_full)
+        done = self.num_cached_blocks[request.request_id]
+        for i in range(done[g], num_full):
+            if blocks[i] is not self.pool.null_block:
+                self.pool.cache_full_block(blocks[i], (g, request.block_hashes[i]))
+        done[g] = max(done[g], num_full)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first so shared prefixes are evicted last."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+        tables = self.req_to_blocks.pop(request.request_id, ())
         self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(list(reversed(blocks)))
+        for blocks in tables:
+            self.pool.free_blocks(list(reversed(blocks)))
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
-            for b in blocks:
-                held[b.block_id] = held.get(b.block_id, 0) + 1
+        for tables in self.req_to_blocks.values():
+            assert len(tables) == len(self.groups)
+            for blocks in tables:
+                for b in blocks:
+                    if b is not self.pool.null_block:
+                        held[b.block_id] = held.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
-            assert b.ref_cnt == held.get(b.block_id, 0), (b, held.get(b.block_id, 0))
+            if b is not self.pool.null_block:
+                assert b.ref_cnt == held.get(b.block_id, 0), (b, held.get(b.block_id, 0))

@@ -14,7 +14,7 @@ class NewRequestData:
     request_id: str
     token_ids: list[int]  # prompt + any output so far
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # its table in each KV-cache group
     num_computed_tokens: int  # prefix-cache hit
     num_output_tokens: int  # where output starts in token_ids (seeded sampling is keyed on it)
     eos_token_ids: frozenset[int] = frozenset()  # banned with the stop tokens before min_tokens
@@ -25,7 +25,7 @@ class CachedRequestData:
     """A request the worker holds; it already appended every token it sampled."""
 
     request_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # appended to its table in each KV-cache group
     num_computed_tokens: int
 
 

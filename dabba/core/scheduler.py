@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from dabba.config import SchedulerConfig
-from dabba.core.kv_cache_manager import KVCacheManager, cdiv
+from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
 from dabba.core.request import Request, RequestStatus
@@ -66,11 +66,11 @@ class Scheduler:
                 f"exceeds max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
             )
         # The last sampled token is never fed back, so it never needs a KV slot.
-        num_blocks = cdiv(need - 1, self.kv_cache_manager.block_size)
-        if num_blocks > self.kv_cache_manager.num_blocks:
+        num_blocks = self.kv_cache_manager.blocks_needed(need - 1)
+        if num_blocks > self.kv_cache_manager.num_usable_blocks:
             raise ValueError(
                 f"request needs {num_blocks} KV blocks but the cache has only "
-                f"{self.kv_cache_manager.num_blocks}; raise kv_cache_memory or lower max_tokens"
+                f"{self.kv_cache_manager.num_usable_blocks}; raise kv_cache_memory or lower max_tokens"
             )
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=Request.sort_key)
@@ -108,9 +108,9 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new)
             if new_blocks is None:
                 break
-            out.scheduled_cached_reqs.append(
-                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
-            )
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                request.request_id, tuple([b.block_id for b in blocks] for blocks in new_blocks),
+                request.num_computed_tokens))
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
             i += 1
@@ -220,14 +220,14 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
-        used = kv.num_blocks - kv.pool.num_free_blocks
+        used = kv.num_usable_blocks - kv.pool.num_free_blocks
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=kv.usage,
             prefix_cache_hit_rate=kv.prefix_stats.hit_rate,
             num_preemptions=self.num_preemptions,
-            kv_blocks_total=kv.num_blocks,
+            kv_blocks_total=kv.num_usable_blocks,
             kv_blocks_used=used,
             kv_slots_allocated=used * kv.block_size,
             kv_tokens_stored=kv.filled_slots({r.request_id: r.num_computed_tokens for r in self.running}),

@@ -85,12 +85,20 @@ class NativeDecoder : public torch::CustomClassHolder {
 
   // x: the step's embedded tokens [num_tokens, hidden]; cos/sin [num_tokens, rotary_dim]; per layer
   // the CPU backend's cache [2, kv_heads, blocks, block_size, head_dim] (keys stored transposed
-  // per block). query_start_loc: each request's tokens, as the CPU backend's paged_attention
-  // takes them; none when every request decodes one token. Returns the final norm's output.
+  // per block). Per KV-cache group (dabba/core/kv_cache_groups.py) its block table and slot
+  // mapping; layer_groups: each layer's group (empty: one group). query_start_loc: each
+  // request's tokens, as the CPU backend's paged_attention takes them; none when every request
+  // decodes one token. Returns the final norm's output.
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> kv_caches,
-                     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
+                     std::vector<at::Tensor> block_tables, std::vector<at::Tensor> slot_mappings,
+                     std::vector<int64_t> layer_groups, const at::Tensor& seq_lens,
                      const c10::optional<at::Tensor>& query_start_loc) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
+    TORCH_CHECK(block_tables.size() == slot_mappings.size() && !block_tables.empty(),
+                "one block table and slot mapping per KV-cache group");
+    TORCH_CHECK(layer_groups.empty() || layer_groups.size() == layers_.size(), "one group per layer");
+    for (const int64_t g : layer_groups)
+      TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(block_tables.size()), "layer group ", g, " out of range");
     const int64_t n = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -108,11 +116,13 @@ class NativeDecoder : public torch::CustomClassHolder {
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
       // the first cos.size(1) dims of each head (all of it, or a partial rotary_dim), as apply_rotary
       rotary_embedding(q.narrow(2, 0, cos.size(1)), k.narrow(2, 0, cos.size(1)), cos, sin);
+      const size_t group = layer_groups.empty() ? 0 : static_cast<size_t>(layer_groups[i]);
+      const at::Tensor& block_table = block_tables[group];
       const at::Tensor& cache = kv_caches[i];
       const at::Tensor value_cache = cache[1];
       const at::Tensor key_cache = cache[0].view({value_cache.size(0), value_cache.size(1), value_cache.size(3),
                                                  value_cache.size(2)});
-      write_kv_cache(key_cache, value_cache, k, v, slot_mapping);
+      write_kv_cache(key_cache, value_cache, k, v, slot_mappings[group]);
       const at::Tensor attn = at::empty({n, num_heads_, head_dim_}, x.options());
       if (query_start_loc.has_value())
         paged_attention(attn, q.contiguous(), key_cache, value_cache, block_table, *query_start_loc, seq_lens, scale_,

@@ -84,8 +84,10 @@ class LLMEngine:
             str(model_dir), self.arch, resolve_dtype(mc.dtype, self.arch.torch_dtype), resolve_device(mc.device),
             self.max_model_len, mc.seed, mc.attention_backend, quant_config, cc.kv_cache_dtype, mc.native_layer_loop,
         )
-        self.cache_layout = self.model_runner.initialize_kv_cache(cc, config.scheduler_config.max_num_seqs)
-        self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        sc = config.scheduler_config
+        self.cache_layout = self.model_runner.initialize_kv_cache(cc, sc.max_num_seqs, sc.max_num_batched_tokens)
+        self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                               self.cache_layout.groups, sc.max_num_batched_tokens)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
 

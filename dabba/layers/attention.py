@@ -26,6 +26,6 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         ctx = get_forward_context()
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale,
-                                  self.sliding_window)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.layer_metadata(self.layer_idx),
+                                  self.scale, self.sliding_window)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -68,9 +68,12 @@ class NativeLayerLoop:
                                    [empty if linear.bias is None else linear.bias for linear in linears],
                                    layer.self_attn.attn.sliding_window or 0)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: CpuMetadata,
-                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """The final norm's output [num_tokens, hidden], as LlamaModel.forward returns it."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list[CpuMetadata],
+                 kv_caches: list[torch.Tensor], layer_groups: list[int] | None = None) -> torch.Tensor:
+        """The final norm's output [num_tokens, hidden], as LlamaModel.forward returns it.
+        ``metadata``: one per KV-cache group; ``layer_groups``: each layer's (None: one group)."""
         x, (cos, sin) = self.model.embed(input_ids, positions)
-        return self.decoder.forward(x, cos, sin, kv_caches, metadata.block_table, metadata.seq_lens,
-                                    metadata.slot_mapping, None if metadata.decode_only else metadata.query_start_loc)
+        first = metadata[0]
+        return self.decoder.forward(x, cos, sin, kv_caches, [m.block_table for m in metadata],
+                                    [m.slot_mapping for m in metadata], layer_groups or [], first.seq_lens,
+                                    None if first.decode_only else first.query_start_loc)

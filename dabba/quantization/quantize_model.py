@@ -128,7 +128,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
     hidden, residual = model.model.embed_tokens(ids.flatten()), None
     packed: dict[str, torch.Tensor] = {}
     changed: dict[str, torch.Tensor] = {}  # AWQ folds its scales into the norms
-    with forward_context(backend, None, [None] * len(model.model.layers)):
+    with forward_context(backend, [None], [None] * len(model.model.layers)):
         for i, layer in enumerate(tqdm(model.model.layers, desc=f"{opts.method} {opts.bits}-bit", unit="layer")):
             linears = {name: m for name, m in layer.named_modules() if isinstance(m, Linear)}
             hessians = {name: HessianAccumulator(m.in_features) for name, m in linears.items()

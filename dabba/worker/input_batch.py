@@ -16,7 +16,7 @@ class CachedRequestState:
     request_id: str
     token_ids: list[int]  # prompt + outputs; the worker appends what it samples
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # its table in each KV-cache group
     num_computed_tokens: int
     num_prompt_tokens: int  # where the outputs start (also for resumed requests)
     eos_token_ids: frozenset[int] = frozenset()
@@ -30,7 +30,7 @@ class CachedRequestState:
 class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
-    attn: CommonAttentionMetadata
+    attn: list[CommonAttentionMetadata]  # one per KV-cache group: the same requests, that group's tables
     logits_indices: torch.Tensor  # [num_sampling_reqs]: last scheduled token of each request that samples
     sampling_req_ids: list[str]  # requests that sample this step, in logits_indices order
 
@@ -49,14 +49,15 @@ class RequestStates:
                 request_id=new.request_id,
                 token_ids=list(new.token_ids),
                 sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
+                block_ids=tuple(list(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 num_prompt_tokens=len(new.token_ids) - new.num_output_tokens,
                 eos_token_ids=new.eos_token_ids,
             )
         for cached in sched.scheduled_cached_reqs:
             state = self.states[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for table, new_ids in zip(state.block_ids, cached.new_block_ids):
+                table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def prepare_inputs(self, sched: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
@@ -78,12 +79,23 @@ class RequestStates:
         positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req_of_token] + num_computed[req_of_token]
 
         input_ids = np.empty(len(positions), dtype=np.int64)
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((len(req_ids), max_blocks), dtype=np.int64)
         for i, s in enumerate(states):
             input_ids[query_start_loc[i]:query_start_loc[i + 1]] = s.token_ids[num_computed[i]:seq_lens[i]]
-            block_table[i, : len(s.block_ids)] = s.block_ids
-        slot_mapping = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
+        attn = []
+        for g in range(len(states[0].block_ids)):
+            max_blocks = max(len(s.block_ids[g]) for s in states)
+            block_table = np.zeros((len(req_ids), max_blocks), dtype=np.int64)
+            for i, s in enumerate(states):
+                block_table[i, : len(s.block_ids[g])] = s.block_ids[g]
+            slot_mapping = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
+            attn.append(CommonAttentionMetadata(
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                block_table=block_table,
+                slot_mapping=torch.from_numpy(slot_mapping).to(device),
+                block_size=block_size,
+                device=device,
+            ))
 
         # A request samples when this step reaches the end of its known tokens.
         samples = np.array([seq_lens[i] == len(s.token_ids) for i, s in enumerate(states)], dtype=bool)
@@ -91,14 +103,7 @@ class RequestStates:
         return ModelInputs(
             input_ids=torch.from_numpy(input_ids).to(device),
             positions=torch.from_numpy(positions).to(device),
-            attn=CommonAttentionMetadata(
-                query_start_loc=query_start_loc,
-                seq_lens=seq_lens,
-                block_table=block_table,
-                slot_mapping=torch.from_numpy(slot_mapping).to(device),
-                block_size=block_size,
-                device=device,
-            ),
+            attn=attn,
             logits_indices=torch.from_numpy(logits_indices).to(device),
             sampling_req_ids=[r for r, s in zip(req_ids, samples) if s],
         )

@@ -18,6 +18,7 @@ from dabba.attention.cpu import CpuBackend
 from dabba.attention.kv_quant import SCALE_DTYPE, kv_bytes_per_token, make_kv_quant
 from dabba.attention.selector import get_attention_backend
 from dabba.config import CacheConfig
+from dabba.core.kv_cache_groups import KVCacheGroup, group_layers, group_size, layer_slots
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from dabba.models.config import ArchConfig
 from dabba.models.loader import load_model
@@ -39,8 +40,9 @@ class CacheLayout:
 
     num_blocks: int
     block_size: int
-    bytes_per_block: int
+    bytes_per_block: int  # a block of every layer position of a group (kv_cache_groups.group_size)
     kv_cache_memory: int  # the budget the blocks were carved from
+    groups: tuple[KVCacheGroup, ...]  # layers sharing a block table (core/kv_cache_groups.py)
 
 
 class ModelRunner:
@@ -72,6 +74,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.requests = RequestStates()
         self.kv_caches: list = []  # per layer: a tensor, or (codes, scales) for an 8-bit cache
+        self.layer_groups: list[int] | None = None  # per layer: its KV-cache group; None: one group
         self.layout: CacheLayout | None = None
 
     def _select_layer_loop(self, setting: str) -> tuple[NativeLayerLoop | None, str]:
@@ -90,30 +93,42 @@ class ModelRunner:
             raise ValueError(f"native_layer_loop='on', but {why}; use 'auto' or 'off'")
         return None, why
 
-    def initialize_kv_cache(self, cache_config: CacheConfig, max_num_seqs: int) -> CacheLayout:
+    def initialize_kv_cache(self, cache_config: CacheConfig, max_num_seqs: int, max_chunk: int) -> CacheLayout:
+        """Carve the budget into blocks of the shared pool. Layers are grouped by attention kind
+        (a sliding-window group frees what its window has passed); a block holds one block of
+        each layer position of a group, and layer j of every group lives in cache tensor j."""
         bs = cache_config.block_size
         arch = self.arch
-        bytes_per_block = bs * kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
+        groups = tuple(group_layers([arch.layer_sliding_window(i) for i in range(arch.num_hidden_layers)]))
+        num_tensors = group_size(groups)
+        bytes_per_block = bs * kv_bytes_per_token(num_tensors, arch.num_key_value_heads, arch.head_dim,
                                                   self.kv_cache_dtype, self.dtype)
         budget = cache_config.kv_cache_memory
         if budget is None:
-            blocks_per_seq = -(-self.max_model_len // bs)
-            budget = default_kv_cache_memory(self.device, max_num_seqs * blocks_per_seq * bytes_per_block)
+            blocks_per_seq = sum(g.blocks_needed(self.max_model_len, bs, max_chunk) for g in groups)
+            null_block = any(g.sliding_window is not None for g in groups)  # the pool's placeholder
+            budget = default_kv_cache_memory(self.device, (max_num_seqs * blocks_per_seq + null_block) * bytes_per_block)
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes is less than one KV block ({bytes_per_block} bytes)")
         shape = self.backend.kv_cache_shape(num_blocks, bs, self.arch.num_key_value_heads, self.arch.head_dim)
         if self.kv_quant is None:
-            self.kv_caches = allocate_kv_cache(shape, arch.num_hidden_layers, self.dtype, self.device)
+            tensors = allocate_kv_cache(shape, num_tensors, self.dtype, self.device)
         else:
-            codes = allocate_kv_cache(shape, arch.num_hidden_layers, self.kv_quant.storage_dtype, self.device)
-            scales = allocate_kv_cache(shape[:-1], arch.num_hidden_layers, SCALE_DTYPE, self.device)
-            self.kv_caches = list(zip(codes, scales))
-        self.layout = CacheLayout(num_blocks, bs, bytes_per_block, budget)
+            codes = allocate_kv_cache(shape, num_tensors, self.kv_quant.storage_dtype, self.device)
+            scales = allocate_kv_cache(shape[:-1], num_tensors, SCALE_DTYPE, self.device)
+            tensors = list(zip(codes, scales))
+        slots = layer_slots(groups)
+        self.kv_caches = [tensors[slots[i][1]] for i in range(arch.num_hidden_layers)]
+        self.layer_groups = None if len(groups) == 1 else [slots[i][0] for i in range(arch.num_hidden_layers)]
+        self.layout = CacheLayout(num_blocks, bs, bytes_per_block, budget, groups)
+        sliding = [g for g in groups if g.sliding_window is not None]
         logger.info(
-            "KV cache (%s): %d blocks of %d tokens (%.1f MiB); holds %.2f concurrent sequences of max_model_len=%d",
+            "KV cache (%s): %d blocks of %d tokens (%.1f MiB); holds %.2f concurrent sequences of max_model_len=%d%s",
             self.kv_cache_dtype, num_blocks, bs, num_blocks * bytes_per_block / 2**20,
-            num_blocks * bs / self.max_model_len, self.max_model_len,
+            num_blocks / sum(g.blocks_needed(self.max_model_len, bs, max_chunk) for g in groups), self.max_model_len,
+            f"; {len(groups)} groups of {num_tensors} layers, {len(sliding)} of them sliding-window (their blocks "
+            "are freed once the window passes)" if sliding else "",
         )
         return self.layout
 
@@ -124,10 +139,11 @@ class ModelRunner:
             return ModelRunnerOutput()
         assert self.layout is not None, "initialize_kv_cache() first"
         inputs = self.requests.prepare_inputs(sched, self.layout.block_size, self.device)
-        metadata = self.backend.build_metadata(inputs.attn)
-        with forward_context(self.backend, metadata, self.kv_caches):
+        metadata = [self.backend.build_metadata(common) for common in inputs.attn]
+        with forward_context(self.backend, metadata, self.kv_caches, self.layer_groups):
             if self.native_loop is not None:
-                hidden = self.native_loop(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
+                hidden = self.native_loop(inputs.input_ids, inputs.positions, metadata, self.kv_caches,
+                                          self.layer_groups)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden))
@@ -158,7 +174,7 @@ class ModelRunner:
             num_rows = min(num_scheduled, state.num_prompt_tokens - 1 - start)
             if n is None or num_rows <= 0:
                 continue
-            first_row = int(inputs.attn.query_start_loc[i])
+            first_row = int(inputs.attn[0].query_start_loc[i])
             targets = torch.tensor(state.token_ids[start + 1:start + 1 + num_rows], device=self.device)
             entries = []
             for lo in range(0, num_rows, PROMPT_LOGPROBS_ROWS):  # bound the [rows, vocab] logits

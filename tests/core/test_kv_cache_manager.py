@@ -27,13 +27,16 @@ def make_request(request_id: str, prompt: list[int]) -> Request:
 
 
 def ids(blocks) -> list[int]:
+    """Block ids of a list of blocks, or of the one group's list in a per-group tuple."""
+    if isinstance(blocks, tuple):
+        (blocks,) = blocks
     return [b.block_id for b in blocks]
 
 
 def prefill(kv: KVCacheManager, request: Request) -> tuple[list[int], list[int]]:
     """Admit the request and compute its whole prompt in one step; returns (hit ids, new ids)."""
     hits, num_hit = kv.get_computed_blocks(request)
-    assert num_hit == len(hits) * BLOCK_SIZE
+    assert num_hit == len(ids(hits)) * BLOCK_SIZE
     new_blocks = kv.allocate_slots(request, request.num_tokens - num_hit, hits)
     assert new_blocks is not None
     request.num_computed_tokens = request.num_tokens
@@ -62,7 +65,7 @@ def ref_cnts(kv: KVCacheManager) -> list[int]:
 def hit_ids(kv: KVCacheManager, prompt: list[int]) -> list[int]:
     """Block ids a new request with this prompt would hit (a pure query: nothing changes)."""
     hits, num_hit = kv.get_computed_blocks(make_request("probe", prompt))
-    assert num_hit == len(hits) * BLOCK_SIZE
+    assert num_hit == len(ids(hits)) * BLOCK_SIZE
     return ids(hits)
 
 
@@ -71,9 +74,9 @@ def snapshot(kv: KVCacheManager):
     return (
         free_queue_ids(kv),
         ref_cnts(kv),
-        {h: b.block_id for h, b in kv.pool.cached.items()},
+        {h: b.block_id for (_, h), b in kv.pool.cached.items()},
         {rid: ids(blocks) for rid, blocks in kv.req_to_blocks.items()},
-        dict(kv.num_cached_blocks),
+        {rid: list(n) for rid, n in kv.num_cached_blocks.items()},
         (kv.prefix_stats.num_queried_tokens, kv.prefix_stats.num_hit_tokens),
         kv.pool.num_evictions,
     )
@@ -89,7 +92,7 @@ def test_allocate_slots_rounds_up_to_whole_blocks(num_tokens, expected_block_ids
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
     request = make_request("a", fresh_tokens(num_tokens))
     assert prefill(kv, request) == ([], expected_block_ids)
-    assert kv.get_block_ids("a") == expected_block_ids
+    assert kv.get_block_ids("a") == (expected_block_ids,)
     assert kv.pool.num_free_blocks == 8 - len(expected_block_ids)
     assert free_queue_ids(kv) == list(range(len(expected_block_ids), 8))
 
@@ -103,9 +106,9 @@ def test_decode_takes_a_new_block_only_when_crossing_a_block_boundary():
     # a computes its 6th, 7th, 8th token in block 1; the 9th needs a block: the next free one is 3.
     assert [decode(kv, a, t) for t in (1, 2, 3, 4, 5)] == [[], [], [], [3], []]
     assert a.num_computed_tokens == 10
-    assert kv.get_block_ids("a") == [0, 1, 3]
-    assert kv.get_block_ids("b") == [2]
-    assert kv.get_block_ids("unknown") == []
+    assert kv.get_block_ids("a") == ([0, 1, 3],)
+    assert kv.get_block_ids("b") == ([2],)
+    assert kv.get_block_ids("unknown") == ([],)
     assert ref_cnts(kv) == [1, 1, 1, 1, 0, 0, 0, 0]
 
 
@@ -129,7 +132,7 @@ def test_allocate_slots_returns_none_when_blocks_are_short_and_changes_nothing()
     before = snapshot(kv)
     assert kv.allocate_slots(a, 1) is None
     assert snapshot(kv) == before
-    assert kv.get_block_ids("a") == [0, 1, 2]
+    assert kv.get_block_ids("a") == ([0, 1, 2],)
     kv.check_integrity()
 
 
@@ -159,7 +162,7 @@ def test_shared_prefix_shares_block_ids_and_counts_hits_in_tokens():
     b = make_request("b", prefix + fresh_tokens(3))  # 11 tokens
     assert prefill(kv, a) == ([], [0, 1, 2])
     assert prefill(kv, b) == ([0, 1], [3])
-    assert kv.get_block_ids("b") == [0, 1, 3]
+    assert kv.get_block_ids("b") == ([0, 1, 3],)
     assert ref_cnts(kv) == [2, 2, 1, 1, 0, 0, 0, 0]
     assert kv.prefix_stats.num_queried_tokens == 10 + 11
     assert kv.prefix_stats.num_hit_tokens == 8
@@ -211,8 +214,8 @@ def test_a_hit_is_a_run_of_leading_blocks_and_stops_at_the_first_miss():
     assert free_queue_ids(kv) == [3, 4, 2, 0, 1]
     for i in range(4):
         prefill(kv, make_request(f"filler{i}", fresh_tokens(4)))
-    assert kv.pool.get_cached_block(a.block_hashes[0]) is None
-    assert kv.pool.get_cached_block(a.block_hashes[1]) is blocks[1]
+    assert kv.pool.get_cached_block((0, a.block_hashes[0])) is None
+    assert kv.pool.get_cached_block((0, a.block_hashes[1])) is blocks[1]
     assert hit_ids(kv, prompt) == []
 
 
@@ -247,7 +250,7 @@ def test_prefix_hits_on_unused_cached_blocks_take_them_out_of_the_free_count():
     assert prefill(kv, b8) == ([0], [1])
     assert kv.pool.num_evictions == 1
     assert kv.pool.num_free_blocks == 0
-    assert {h: blk.block_id for h, blk in kv.pool.cached.items()} == {
+    assert {h: blk.block_id for (_, h), blk in kv.pool.cached.items()} == {
         a.block_hashes[0]: 0, a.block_hashes[1]: 1, x.block_hashes[0]: 2, x.block_hashes[1]: 3}
 
     # Once x is gone, the 13-token request fits: its hits are held, so only 2 blocks are needed.
@@ -264,16 +267,16 @@ def test_chunked_prefill_publishes_only_blocks_computed_by_the_end_of_the_chunk(
     prompt = fresh_tokens(10)
     a = make_request("a", prompt)
     assert ids(kv.allocate_slots(a, 6)) == [0, 1]  # tokens 0..5: block 0 full, block 1 half
-    assert {h: blk.block_id for h, blk in kv.pool.cached.items()} == {a.block_hashes[0]: 0}
+    assert {h: blk.block_id for (_, h), blk in kv.pool.cached.items()} == {a.block_hashes[0]: 0}
     assert hit_ids(kv, prompt + fresh_tokens(1)) == [0]
     a.num_computed_tokens = 6
     assert ids(kv.allocate_slots(a, 4)) == [2]  # tokens 6..9
     a.num_computed_tokens = 10
-    assert {h: blk.block_id for h, blk in kv.pool.cached.items()} == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
+    assert {h: blk.block_id for (_, h), blk in kv.pool.cached.items()} == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
     assert decode(kv, a, 1) == []  # token 10
     assert len(kv.pool.cached) == 2
     assert decode(kv, a, 2) == []  # token 11 fills block 2
-    assert kv.pool.blocks[2].block_hash == a.block_hashes[2]
+    assert kv.pool.blocks[2].block_hash == (0, a.block_hashes[2])
     assert hit_ids(kv, prompt + [1, 2] + fresh_tokens(1)) == [0, 1, 2]
 
 
@@ -284,7 +287,7 @@ def test_a_duplicate_of_a_cached_block_stays_private():
     assert prefill(kv, a) == ([], [0, 1])
     # b computes the same prompt without using the hit (as if admitted before a was cached).
     assert ids(kv.allocate_slots(b, 5)) == [2, 3]
-    assert kv.pool.get_cached_block(a.block_hashes[0]).block_id == 0
+    assert kv.pool.get_cached_block((0, a.block_hashes[0])).block_id == 0
     assert kv.pool.blocks[2].block_hash is None
     kv.check_integrity()
 

@@ -16,6 +16,7 @@ from typing import Callable
 import pytest
 
 from dabba.config import SchedulerConfig
+from dabba.core.kv_cache_groups import KVCacheGroup
 from dabba.core.kv_cache_manager import KVCacheManager, cdiv
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput, TokenLogprobs)
@@ -44,8 +45,9 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 256,
     enable_caching: bool = True,
+    groups: tuple[KVCacheGroup, ...] | None = None,
 ) -> Scheduler:
-    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching)
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching, groups, max_num_batched_tokens)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     return Scheduler(config, kv, max_model_len)
 
@@ -74,7 +76,7 @@ class FakeWorker:
         self.token_ids: dict[str, list[int]] = {}
         self.num_prompt_tokens: dict[str, int] = {}
         self.num_computed_tokens: dict[str, int] = {}
-        self.block_ids: dict[str, list[int]] = {}
+        self.block_ids: dict[str, tuple[list[int], ...]] = {}  # per KV-cache group
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in out.finished_req_ids:
@@ -85,17 +87,18 @@ class FakeWorker:
             self.token_ids[new.request_id] = list(new.token_ids)
             self.num_prompt_tokens[new.request_id] = len(new.token_ids) - new.num_output_tokens
             self.num_computed_tokens[new.request_id] = new.num_computed_tokens
-            self.block_ids[new.request_id] = list(new.block_ids)
+            self.block_ids[new.request_id] = tuple(list(table) for table in new.block_ids)
         for cached in out.scheduled_cached_reqs:
             assert cached.num_computed_tokens == self.num_computed_tokens[cached.request_id]
-            self.block_ids[cached.request_id] += cached.new_block_ids
+            for table, new_ids in zip(self.block_ids[cached.request_id], cached.new_block_ids):
+                table.extend(new_ids)
         sampled = {}
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             self.num_computed_tokens[request_id] += num_tokens
             num_computed = self.num_computed_tokens[request_id]
             tokens = self.token_ids[request_id]
             assert num_computed <= len(tokens)
-            assert cdiv(num_computed, BLOCK_SIZE) <= len(self.block_ids[request_id]), "no slot for a token"
+            assert all(cdiv(num_computed, BLOCK_SIZE) <= len(t) for t in self.block_ids[request_id]), "no slot"
             if num_computed == len(tokens):
                 token_id = self.sample(request_id, len(tokens) - self.num_prompt_tokens[request_id])
                 tokens.append(token_id)
@@ -128,12 +131,17 @@ def run_step(scheduler: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutput,
     for request in scheduler.running:
         rid = request.request_id
         assert request.status == RequestStatus.RUNNING
-        assert worker.block_ids[rid] == kv.get_block_ids(rid)
+        # The worker's tables equal the manager's, but for blocks a sliding window has passed:
+        # the manager frees them (null block), the worker keeps their stale ids, never read.
+        null = kv.pool.null_block
+        for theirs, ours in zip(worker.block_ids[rid], kv.get_block_ids(rid), strict=True):
+            assert len(theirs) == len(ours)
+            assert all(w == k or (null is not None and k == null.block_id) for w, k in zip(theirs, ours))
         assert worker.token_ids[rid] == request.all_token_ids
         assert worker.num_computed_tokens[rid] == request.num_computed_tokens
     for request in scheduler.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert kv.get_block_ids(request.request_id) == []
+        assert kv.get_block_ids(request.request_id) == ([],)
     return out, core_outputs
 
 
@@ -149,7 +157,7 @@ def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int =
 
 def assert_all_blocks_free(scheduler: Scheduler) -> None:
     kv = scheduler.kv_cache_manager
-    assert kv.pool.num_free_blocks == kv.num_blocks
+    assert kv.pool.num_free_blocks == kv.num_usable_blocks
     assert kv.req_to_blocks == {}
     assert scheduler.requests == {}
     kv.check_integrity()
@@ -169,7 +177,7 @@ def test_one_request_prefills_then_decodes_until_max_tokens():
 
     out, updated = run_step(scheduler, worker)
     assert out.scheduled_new_reqs == [
-        NewRequestData("a", a.prompt_token_ids, a.sampling_params, block_ids=[0, 1], num_computed_tokens=0,
+        NewRequestData("a", a.prompt_token_ids, a.sampling_params, block_ids=([0, 1],), num_computed_tokens=0,
                        num_output_tokens=0, eos_token_ids=frozenset({EOS}))]
     assert out.scheduled_cached_reqs == []
     assert out.num_scheduled_tokens == {"a": 6}
@@ -179,11 +187,11 @@ def test_one_request_prefills_then_decodes_until_max_tokens():
         RequestStatus.RUNNING, 6, 0, [1000])
 
     out, _ = run_step(scheduler, worker)
-    assert out.scheduled_cached_reqs == [CachedRequestData("a", new_block_ids=[], num_computed_tokens=6)]
+    assert out.scheduled_cached_reqs == [CachedRequestData("a", new_block_ids=([],), num_computed_tokens=6)]
     assert out.num_scheduled_tokens == {"a": 1}
 
     out, updated = run_step(scheduler, worker)
-    assert out.scheduled_cached_reqs == [CachedRequestData("a", new_block_ids=[], num_computed_tokens=7)]
+    assert out.scheduled_cached_reqs == [CachedRequestData("a", new_block_ids=([],), num_computed_tokens=7)]
     assert updated.outputs == [EngineCoreOutput("a", [1002], finish_reason="length")]
     assert a.output_token_ids == [1000, 1001, 1002]
     assert (a.status, a.status.finish_reason, a.stop_reason) == (RequestStatus.FINISHED_LENGTH, "length", None)
@@ -206,7 +214,7 @@ def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
 
     out, updated = run_step(scheduler, worker)
     assert out.num_scheduled_tokens == {"a": 8}
-    assert out.scheduled_new_reqs[0].block_ids == [0, 1]
+    assert out.scheduled_new_reqs[0].block_ids == ([0, 1],)
     assert updated.outputs == [] and a.output_token_ids == []  # mid-prompt: nothing sampled
 
     expected = [  # (new block ids, num_computed_tokens before the step, tokens this step)
@@ -216,7 +224,7 @@ def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
     ]
     for new_block_ids, num_computed, num_tokens in expected:
         out, _ = run_step(scheduler, worker)
-        assert out.scheduled_cached_reqs == [CachedRequestData("a", new_block_ids, num_computed)]
+        assert out.scheduled_cached_reqs == [CachedRequestData("a", (new_block_ids,), num_computed)]
         assert out.num_scheduled_tokens == {"a": num_tokens}
     assert a.output_token_ids == [1000, 1001]
     assert a.status == RequestStatus.FINISHED_LENGTH
@@ -233,12 +241,12 @@ def test_running_requests_are_served_first_then_new_prefills_fill_the_budget():
 
     out, _ = run_step(scheduler, worker)  # a's decode, then 7 tokens of b's prompt
     assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 7)]
-    assert out.scheduled_cached_reqs == [CachedRequestData("a", new_block_ids=[1], num_computed_tokens=4)]
-    assert out.scheduled_new_reqs[0].block_ids == [2, 3]
+    assert out.scheduled_cached_reqs == [CachedRequestData("a", new_block_ids=([1],), num_computed_tokens=4)]
+    assert out.scheduled_new_reqs[0].block_ids == ([2, 3],)
 
     out, _ = run_step(scheduler, worker)  # a's decode and the rest of b's prompt
     assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 3)]
-    assert out.scheduled_cached_reqs == [CachedRequestData("a", [], 5), CachedRequestData("b", [4], 7)]
+    assert out.scheduled_cached_reqs == [CachedRequestData("a", ([],), 5), CachedRequestData("b", ([4],), 7)]
     assert b.output_token_ids == [1000]
 
     run_to_completion(scheduler, worker)
@@ -275,13 +283,13 @@ def test_the_budget_is_split_exactly_across_decodes_chunks_and_new_prompts():
 
     out, _ = run_step(scheduler, worker)
     assert out.num_scheduled_tokens == {"a": 5, "b": 5, "c": 2}
-    assert [n.block_ids for n in out.scheduled_new_reqs] == [[0, 1], [2, 3], [4]]
+    assert [n.block_ids[0] for n in out.scheduled_new_reqs] == [[0, 1], [2, 3], [4]]
 
     out, _ = run_step(scheduler, worker)
     assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 1), ("c", 3), ("d", 5), ("e", 2)]
     assert out.total_num_scheduled_tokens == 12
-    assert [c.new_block_ids for c in out.scheduled_cached_reqs] == [[], [], [5]]
-    assert [n.block_ids for n in out.scheduled_new_reqs] == [[6, 7], [8]]
+    assert [c.new_block_ids[0] for c in out.scheduled_cached_reqs] == [[], [], [5]]
+    assert [n.block_ids[0] for n in out.scheduled_new_reqs] == [[6, 7], [8]]
 
     run_to_completion(scheduler, worker)
     assert_all_blocks_free(scheduler)
@@ -321,7 +329,7 @@ def test_priority_orders_admission_and_decodes_within_one_step():
         scheduler.add_request(make_request(rid, 2, max_tokens=2, priority=priority))
     out, _ = run_step(scheduler, worker)
     assert new_ids(out) == ["r2", "r3", "r1", "r4"]
-    assert [n.block_ids for n in out.scheduled_new_reqs] == [[0], [1], [2], [3]]
+    assert [n.block_ids[0] for n in out.scheduled_new_reqs] == [[0], [1], [2], [3]]
     out, _ = run_step(scheduler, worker)
     assert list(out.num_scheduled_tokens) == ["r2", "r3", "r1", "r4"]
     assert_all_blocks_free(scheduler)
@@ -338,7 +346,7 @@ def test_the_newest_request_is_preempted_and_resumed_with_its_output_kept():
     scheduler.add_request(b)
 
     out, _ = run_step(scheduler, worker)
-    assert [n.block_ids for n in out.scheduled_new_reqs] == [[0, 1], [2, 3]]
+    assert [n.block_ids[0] for n in out.scheduled_new_reqs] == [[0, 1], [2, 3]]
     out, _ = run_step(scheduler, worker)  # both decode the 8th token: still 2 blocks each
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}
 
@@ -346,15 +354,15 @@ def test_the_newest_request_is_preempted_and_resumed_with_its_output_kept():
     # to the queue last block first ([3, 2]) and a takes block 3, evicting b's cached block.
     out, _ = run_step(scheduler, worker)
     assert out.finished_req_ids == {"b"}
-    assert out.scheduled_cached_reqs == [CachedRequestData("a", new_block_ids=[3], num_computed_tokens=8)]
+    assert out.scheduled_cached_reqs == [CachedRequestData("a", new_block_ids=([3],), num_computed_tokens=8)]
     assert out.num_scheduled_tokens == {"a": 1}
     assert out.scheduled_new_reqs == []  # no admission in a step that had to preempt
     assert (b.status, b.num_computed_tokens, b.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
     assert b.output_token_ids == [1000, 1001]
     assert scheduler.waiting == [b] and scheduler.running == [a]
     assert scheduler.num_preemptions == 1
-    assert kv.get_block_ids("a") == [0, 1, 3]
-    assert kv.get_block_ids("b") == []
+    assert kv.get_block_ids("a") == ([0, 1, 3],)
+    assert kv.get_block_ids("b") == ([],)
     assert list(kv.pool.free_queue) == [2]
     assert kv.pool.num_evictions == 1
     assert scheduler.get_stats() == SchedulerStats(
@@ -373,7 +381,7 @@ def test_the_newest_request_is_preempted_and_resumed_with_its_output_kept():
     out, _ = run_step(scheduler, worker)
     assert out.finished_req_ids == {"a"}
     assert out.scheduled_new_reqs == [
-        NewRequestData("b", b.prompt_token_ids + [1000, 1001], b.sampling_params, block_ids=[2, 3, 1],
+        NewRequestData("b", b.prompt_token_ids + [1000, 1001], b.sampling_params, block_ids=([2, 3, 1],),
                        num_computed_tokens=4, num_output_tokens=2, eos_token_ids=frozenset({EOS}))]
     assert out.num_scheduled_tokens == {"b": 5}
     assert (kv.prefix_stats.num_queried_tokens, kv.prefix_stats.num_hit_tokens) == (7 + 7 + 9, 4)
@@ -396,7 +404,7 @@ def test_only_as_many_requests_as_needed_are_preempted():
     # c's blocks [4, 5] are freed as [5, 4]: a takes 5, b takes 4.
     out, _ = run_step(scheduler, worker)
     assert out.finished_req_ids == {"c"}
-    assert out.scheduled_cached_reqs == [CachedRequestData("a", [5], 8), CachedRequestData("b", [4], 8)]
+    assert out.scheduled_cached_reqs == [CachedRequestData("a", ([5],), 8), CachedRequestData("b", ([4],), 8)]
     assert scheduler.num_preemptions == 1
     run_to_completion(scheduler, worker)
     assert scheduler.num_preemptions == 1
@@ -436,7 +444,7 @@ def test_no_request_is_admitted_in_a_step_that_had_to_preempt():
     assert [r.request_id for r in scheduler.waiting] == ["urgent", "b"]
     out, _ = run_step(scheduler, worker)  # memory was not tight this step: urgent gets block 2
     assert out.num_scheduled_tokens == {"a": 1, "urgent": 1}
-    assert out.scheduled_new_reqs[0].block_ids == [2]
+    assert out.scheduled_new_reqs[0].block_ids == ([2],)
     run_to_completion(scheduler, worker)
     assert scheduler.num_preemptions == 1
     assert_all_blocks_free(scheduler)
@@ -456,11 +464,11 @@ def test_a_request_that_is_itself_the_newest_preempts_itself():
     assert out.num_scheduled_tokens == {"a": 1}
     assert (b.status, b.output_token_ids) == (RequestStatus.PREEMPTED, [1000, 1001])
     out, _ = run_step(scheduler, worker)  # a takes block 3 and finishes; b cannot fit yet
-    assert out.scheduled_cached_reqs == [CachedRequestData("a", [3], 8)]
+    assert out.scheduled_cached_reqs == [CachedRequestData("a", ([3],), 8)]
     assert out.scheduled_new_reqs == []
     out, _ = run_step(scheduler, worker)
     assert out.scheduled_new_reqs == [
-        NewRequestData("b", b.prompt_token_ids + [1000, 1001], b.sampling_params, block_ids=[2, 3, 1],
+        NewRequestData("b", b.prompt_token_ids + [1000, 1001], b.sampling_params, block_ids=([2, 3, 1],),
                        num_computed_tokens=4, num_output_tokens=2, eos_token_ids=frozenset({EOS}))]
     run_to_completion(scheduler, worker)
     assert b.output_token_ids == [1000, 1001, 1002, 1003]
@@ -478,7 +486,7 @@ def test_a_later_request_skips_the_cached_prefix():
     b = make_request("b", prompt + fresh_tokens(3))  # 12 tokens: 2 of a's blocks hit
     scheduler.add_request(b)
     out, _ = run_step(scheduler, worker)
-    assert out.scheduled_new_reqs[0].block_ids == [0, 1, 3]
+    assert out.scheduled_new_reqs[0].block_ids == ([0, 1, 3],)
     assert out.scheduled_new_reqs[0].num_computed_tokens == 8
     assert out.num_scheduled_tokens == {"b": 4}
     assert b.num_cached_tokens == 8
@@ -494,7 +502,7 @@ def test_a_request_admitted_in_the_same_step_hits_blocks_computed_in_that_step()
     scheduler.add_request(make_request("d", prompt, max_tokens=2))
     out, _ = run_step(scheduler, worker)
     assert out.num_scheduled_tokens == {"c": 9, "d": 1}
-    assert [(n.block_ids, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [([0, 1, 2], 0), ([0, 1, 3], 8)]
+    assert [(n.block_ids[0], n.num_computed_tokens) for n in out.scheduled_new_reqs] == [([0, 1, 2], 0), ([0, 1, 3], 8)]
     run_to_completion(scheduler, worker)
     assert_all_blocks_free(scheduler)
 
@@ -506,7 +514,7 @@ def test_without_prefix_caching_nothing_is_skipped():
     scheduler.add_request(make_request("d", prompt, max_tokens=2))
     out, _ = run_step(scheduler, worker)
     assert out.num_scheduled_tokens == {"c": 9, "d": 9}
-    assert [n.block_ids for n in out.scheduled_new_reqs] == [[0, 1, 2], [3, 4, 5]]
+    assert [n.block_ids[0] for n in out.scheduled_new_reqs] == [[0, 1, 2], [3, 4, 5]]
     run_to_completion(scheduler, worker)
     assert scheduler.get_stats().prefix_cache_hit_rate == 0.0
     assert_all_blocks_free(scheduler)
@@ -679,7 +687,7 @@ def test_abort_frees_a_running_request_and_tells_the_worker():
     assert scheduler.abort_request("a") is a
     assert (a.status, a.status.finish_reason) == (RequestStatus.FINISHED_ABORTED, "abort")
     assert scheduler.running == [b]
-    assert scheduler.kv_cache_manager.get_block_ids("a") == []
+    assert scheduler.kv_cache_manager.get_block_ids("a") == ([],)
     assert scheduler.kv_cache_manager.pool.num_free_blocks == 6
     scheduler.kv_cache_manager.check_integrity()
     assert scheduler.abort_request("a") is None

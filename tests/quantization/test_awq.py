@@ -78,7 +78,7 @@ def test_folded_scales_keep_the_full_precision_layer(checkpoints, name) -> None:
     torch.manual_seed(0)
     x = torch.randn(4 * seq_len, arch.hidden_size)
     rope = model.model.rotary.cos_sin(torch.arange(seq_len).repeat(4), torch.float32)
-    with forward_context(DenseCausalBackend(seq_len), None, [None] * arch.num_hidden_layers):
+    with forward_context(DenseCausalBackend(seq_len), [None], [None] * arch.num_hidden_layers):
         inputs: dict[str, list[torch.Tensor]] = {}
         hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: inputs.setdefault(n, []).append(args[0].clone()))
                  for n, m in layer.named_modules() if isinstance(m, Linear)]
