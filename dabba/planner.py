@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from dabba.attention.kv_quant import KV_CACHE_DTYPES, kv_bytes_per_token
+from dabba.config import SchedulerConfig
+from dabba.core.kv_cache_groups import group_layers, group_size
 from dabba.engine.llm_engine import resolve_dtype, resolve_max_model_len
 from dabba.layers.embedding import LMHead
 from dabba.layers.linear import Linear
@@ -52,6 +54,9 @@ class MemoryPlan:
     max_model_len: int
     block_size: int
     rows: list[PlanRow] = field(default_factory=list)
+    # with sliding-window layers: how the cache groups them (KV B/block is then a block of one
+    # group's layers, and B/token counts every layer as if it kept the whole context)
+    kv_cache_groups: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,6 +70,7 @@ class MemoryPlan:
             (f"KV cache memory {self.kv_cache_memory / mib:.1f} MiB" if self.total_memory is None else
              f"{self.total_memory / mib:.1f} MiB in all, the KV cache gets what the weights leave")
             + f"; blocks of {self.block_size} tokens, sequences of max_model_len={self.max_model_len} tokens",
+            *([f"KV-cache groups: {self.kv_cache_groups}"] if self.kv_cache_groups else []),
             "",
             f"{'weights':>8} {'kv dtype':>8} {'weights MiB':>12} {'KV MiB':>9} {'KV B/token':>11} {'KV B/block':>11} "
             f"{'blocks':>8} {'sequences':>10}",
@@ -107,7 +113,8 @@ def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfi
 def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_len: int | None = None,
          quantization: str | None = None, kv_cache_dtype: str | None = None, dtype: str = "auto",
          block_size: int = 16, device_type: str = "cpu", total_memory: int | None = None,
-         revision: str | None = None, download_dir: str | None = None) -> MemoryPlan:
+         revision: str | None = None, download_dir: str | None = None,
+         max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens) -> MemoryPlan:
     """Every combination, or only the given ``quantization`` ("none" for unquantized weights) /
     ``kv_cache_dtype``. With
     ``total_memory`` the KV cache gets what each row's weights leave of it (as on a GPU of that
@@ -134,14 +141,24 @@ def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_l
     result = MemoryPlan(str(model), L, H, d, str(torch_dtype).removeprefix("torch."), p,
                         f"2 · B · S · L · n_kv_heads · head_dim · p = 2 · B · S · {L} · {H} · {d} · {p} "
                         f"= {2 * L * H * d * p} · B · S bytes", kv_cache_memory, total_memory, max_len, block_size)
-    blocks_per_seq = -(-max_len // block_size)
+    # As the engine: layers grouped by attention kind, a pool block holding one block of each layer
+    # position of a group; a sliding group holds at most its window plus a step's chunk.
+    groups = group_layers([arch.layer_sliding_window(i) for i in range(L)])
+    null_block = any(g.sliding_window is not None for g in groups)
+    blocks_per_seq = sum(g.blocks_needed(max_len, block_size, max_num_batched_tokens) for g in groups)
+    if null_block:
+        windows = sorted({g.sliding_window for g in groups if g.sliding_window is not None})
+        num_sliding = sum(len(g.layer_ids) for g in groups if g.sliding_window is not None)
+        result.kv_cache_groups = (f"{len(groups)} groups of {group_size(groups)} layers; {num_sliding} of {L} layers "
+                                  f"slide (window {', '.join(map(str, windows))}) and hold at most window + "
+                                  f"max_num_batched_tokens={max_num_batched_tokens} tokens")
     for name, qc in weight_options:
         w_bytes = weights_bytes(arch, torch_dtype, qc, device_type)
         for kv in [kv_cache_dtype] if kv_cache_dtype else KV_CACHE_DTYPES:
             per_token = kv_bytes_per_token(L, H, d, kv, torch_dtype)
-            per_block = per_token * block_size
+            per_block = kv_bytes_per_token(group_size(groups), H, d, kv, torch_dtype) * block_size
             budget = kv_cache_memory if total_memory is None else max(total_memory - w_bytes, 0)
             num_blocks = budget // per_block
             result.rows.append(PlanRow(name, kv, w_bytes, budget, per_token, per_block, num_blocks,
-                                       num_blocks // blocks_per_seq))
+                                       max(num_blocks - null_block, 0) // blocks_per_seq))
     return result

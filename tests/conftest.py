@@ -38,6 +38,21 @@ CHECKPOINTS = {
                  tie_word_embeddings=False, original_max_position_embeddings=64, sliding_window=448,
                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                                   "short_factor": PHI3_FACTORS, "long_factor": PHI3_FACTORS}),
+    # Gemma 2: GeGLU, (1 + w) norms (perturbed from the identity) around both sublayers, scaled
+    # embeddings, attention scale 20 ** -0.5 (not head_dim's), soft caps small enough to bite
+    # (test_gemma checks each changes transformers' output), layers 0 and 2 sliding within 40 keys
+    # (not a multiple of the 16-token block), untied.
+    "gemma2": dict(arch="Gemma2ForCausalLM", num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=24, query_pre_attn_scalar=20, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                   sliding_window=40, tie_word_embeddings=False, norm_std=0.3),
+    # Gemma 3 (text): q/k norms, 4 layers of which the third is global (sliding_window_pattern 3),
+    # the sliding ones with their own RoPE base (10^4) and the global one 10^6 with linear scaling
+    # (as Gemma 3 4B+), GQA 3:1, tied.
+    "gemma3": dict(arch="Gemma3ForCausalLM", num_hidden_layers=4, num_attention_heads=3, num_key_value_heads=1,
+                   head_dim=32, query_pre_attn_scalar=48, sliding_window=40, sliding_window_pattern=3,
+                   tie_word_embeddings=True, norm_std=0.3,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 # A wider init than transformers' default 0.02 makes the next token depend strongly on context,
 # so a wrong position, mask or block would change the greedy output.

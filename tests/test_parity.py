@@ -83,9 +83,12 @@ def _bytes_per_block(path) -> int:
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_under_preemption(checkpoint: Checkpoint, prefix_caching: bool) -> None:
     # 30 blocks: the longest request alone needs 23 (300 + 64 tokens), all together need ~150.
+    # (Models mixing sliding and global layers group their layers (core/kv_cache_groups.py): the
+    # same memory then holds more blocks of fewer layers each.)
     llm = LLM(str(checkpoint.path), dtype="float32", kv_cache_memory=30 * _bytes_per_block(checkpoint.path),
               enable_prefix_caching=prefix_caching)
-    assert llm.llm_engine.kv_cache_manager.num_blocks == 30
+    layout = llm.llm_engine.model_runner.layout
+    assert layout.num_blocks * layout.bytes_per_block == 30 * _bytes_per_block(checkpoint.path)
     outputs = run_checked(llm, token_prompts(checkpoint.prompts), GREEDY)
     assert_matches_reference(outputs, checkpoint)
     assert llm.llm_engine.scheduler.num_preemptions > 0
@@ -107,3 +110,31 @@ def test_the_mistral_reference_attends_within_its_sliding_window(checkpoints) ->
     full = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32, sliding_window=None).eval()
     assert full.config.sliding_window is None
     assert hf_greedy(full, ckpt.prompts[9:10], NUM_NEW_TOKENS) != ckpt.reference[9:10]
+
+
+@pytest.mark.parametrize("name, change", [
+    ("gemma2", dict(sliding_window=4096)),  # its layers 0 and 2 slide within 40 keys
+    ("gemma2", dict(attn_logit_softcapping=None)),  # its attention scores are capped at 5
+    ("gemma3", dict(sliding_window=4096)),  # layers 0, 1 and 3 slide within 40 keys
+    ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+                                     "sliding_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                           "factor": 4.0}})),  # the sliding layers' own RoPE
+    ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),  # linear
+    ("gemma3", dict(query_pre_attn_scalar=32)),  # 48 ** -0.5, not head_dim ** -0.5
+], ids=["gemma2-window", "gemma2-attn-softcap", "gemma3-window", "gemma3-local-rope", "gemma3-rope-scaling",
+        "gemma3-scale"])
+def test_each_gemma_feature_changes_the_reference(checkpoints, name, change) -> None:
+    """transformers without each of the Gemma checkpoints' features (a window, the attention soft
+    cap, the sliding layers' RoPE base, the global layers' RoPE scaling, query_pre_attn_scalar)
+    continues the 300-token prompt differently, so the parity tests above would fail an engine
+    that lacked it. (The final-logit cap is monotonic, so greedy tokens cannot see it: test_gemma
+    checks it on logprobs.)"""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import hf_greedy
+
+    ckpt = checkpoints[name]
+    model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32, **change).eval()
+    assert all(getattr(model.config, k) == v for k, v in change.items())
+    assert hf_greedy(model, ckpt.prompts[9:10], NUM_NEW_TOKENS) != ckpt.reference[9:10]

@@ -52,6 +52,8 @@ def train_tokenizer(vocab_size: int = 1024):
 
 
 ARCH_CONFIGS = {
+    "Gemma2ForCausalLM": "Gemma2Config",
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
     "Phi3ForCausalLM": "Phi3Config",
@@ -61,8 +63,13 @@ ARCH_CONFIGS = {
 
 
 def make_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", seed: int = 0,
-                    max_shard_size: str | None = None, dtype: str = "float32", **overrides: Any) -> Path:
-    """Save a random-weight model of ``arch`` with a trained tokenizer into ``out_dir``."""
+                    max_shard_size: str | None = None, dtype: str = "float32", norm_std: float | None = None,
+                    **overrides: Any) -> Path:
+    """Save a random-weight model of ``arch`` with a trained tokenizer into ``out_dir``.
+
+    ``norm_std``: add N(0, norm_std) noise to every RMSNorm weight, which transformers initialises
+    to the identity (ones; Gemma's (1 + w) zeros), so that a norm loaded into the wrong place or
+    applied the wrong way changes the output."""
     import torch
     import transformers
 
@@ -83,6 +90,11 @@ def make_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", seed: i
     config.architectures = [arch]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    if norm_std is not None:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(torch.randn_like(param) * norm_std)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir

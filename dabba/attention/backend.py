@@ -60,11 +60,14 @@ class AttentionBackend(ABC):
         metadata: Any,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write this step's k/v into the cache, then attend over each request's context: all of it,
         or with ``sliding_window`` W only the W keys ending at each query's own position
         (positions p - W + 1 .. p; transformers' ``kv_idx > q_idx - sliding_window``). The window
-        is the layer's; the metadata, built once per step, is shared by layers with and without."""
+        is the layer's; the metadata, built once per step (per KV-cache group), is shared by layers
+        with and without. ``softcap``: scores -> softcap * tanh(scores / softcap) after the scale,
+        before the mask (Gemma 2), or None."""
 
 
 @dataclass

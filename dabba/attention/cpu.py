@@ -54,7 +54,7 @@ class CpuBackend(AttentionBackend):
         return key_cache.index_select(1, block_ids).transpose(2, 3), value_cache.index_select(1, block_ids)
 
     def forward(self, q, k, v, kv_cache, metadata: CpuMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         key_cache, value_cache = self.split_cache(kv_cache)
         # Write first: a request attends to this step's own keys, read back from the cache.
         self.write_kv(key_cache, value_cache, k, v, metadata)
@@ -62,9 +62,9 @@ class CpuBackend(AttentionBackend):
         if metadata.decode_only:
             torch.ops.dabba_cpu.paged_decode_attention(out, q.contiguous(), key_cache, value_cache,
                                                        metadata.block_table, metadata.seq_lens, scale,
-                                                       sliding_window or 0)
+                                                       sliding_window or 0, softcap or 0.0)
         else:
             torch.ops.dabba_cpu.paged_attention(out, q.contiguous(), key_cache, value_cache, metadata.block_table,
                                                 metadata.query_start_loc, metadata.seq_lens, scale,
-                                                sliding_window or 0)
+                                                sliding_window or 0, softcap or 0.0)
         return out

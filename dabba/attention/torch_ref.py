@@ -2,7 +2,9 @@
 
 The oracle other backends must match. Runs on CPU and CUDA alike. Each prefill chunk gets its
 own SDPA (causal over its fresh keys when it has no earlier context, masked otherwise; with a
-layer's sliding window W, masked to the keys p - W + 1 .. p of each query position p). Decodes
+layer's sliding window W, masked to the keys p - W + 1 .. p of each query position p). A layer
+with a soft cap (Gemma 2: scores -> cap * tanh(scores / cap), which SDPA cannot apply) gets the
+same attention written out: softcapped_attention. Decodes
 (one query token each) are batched: their blocks are gathered into one padded, masked batch and
 attended with two batched matmuls and a float32 softmax; on CPU that is ~15x faster than SDPA in
 bf16 for a single query row.
@@ -53,6 +55,25 @@ def window_mask(context_len: int, seq_len: int, sliding_window: int, device) -> 
     positions = torch.arange(context_len, seq_len, device=device)[:, None]
     keys = torch.arange(seq_len, device=device)[None, :]
     return (keys <= positions) & (keys > positions - sliding_window)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                         softcap: float) -> torch.Tensor:
+    """SDPA with the scores soft-capped, as transformers' eager attention orders it: (q . k) * scale,
+    then cap * tanh(. / cap), then the mask, a float32 softmax, and the probabilities in q's dtype
+    times v. q [..., heads, query_len, d], k/v [..., kv_heads, seq_len, d] -> like q; ``mask``
+    [query_len, seq_len] is True where a query may attend; None means causal, the queries being the
+    last query_len positions."""
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [..., heads, query_len, seq_len]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        query_len, seq_len = scores.shape[-2:]
+        positions = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= positions
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
 
 
 class TorchRefBackend(AttentionBackend):
@@ -123,10 +144,10 @@ class TorchRefBackend(AttentionBackend):
                      for codes, scales in (key_cache, value_cache))
 
     def decode(self, q, key_cache, value_cache, metadata: TorchRefMetadata, scale: float,
-               sliding_window: int | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Batched over decodes: [num_decodes, heads, d] -> [num_decodes, heads, d]. A decode at
         position p = seq_len - 1 with a window W sees keys p - W + 1 .. p: those before seq_len - W
-        are masked like padding."""
+        are masked like padding. ``softcap``: scores -> softcap * tanh(scores / softcap) before the mask."""
         num_decodes, num_blocks = metadata.decode_block_table.shape
         kd, vd = self.gather_context(key_cache, value_cache, metadata.decode_block_table.flatten())
         num_kv_heads, head_dim = kd.shape[0], kd.shape[-1]
@@ -136,6 +157,8 @@ class TorchRefBackend(AttentionBackend):
         # [num_decodes, heads, d] -> [kv_heads, num_decodes, heads per kv head, d]
         qd = q.view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)
         scores = torch.matmul(qd, kd.transpose(-1, -2)).float().mul_(scale)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         mask = metadata.decode_mask  # [1, num_decodes, 1, max_blocks * block_size], True = masked
         if sliding_window is not None:
             key_positions = torch.arange(mask.shape[-1], device=mask.device)
@@ -145,9 +168,11 @@ class TorchRefBackend(AttentionBackend):
         od = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), vd)
         return od.transpose(0, 1).reshape(q.shape)
 
-    def prefill(self, q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None = None) -> torch.Tensor:
         """One request's chunk: q [heads, query_len, d], k/v [kv_heads, seq_len, d] -> like q.
         ``mask`` [query_len, seq_len] is True where a query may attend; None means plain causal."""
+        if softcap is not None:
+            return softcapped_attention(q, k, v, mask, scale, softcap)
         # SDPA's CPU kernels want 4-D operands.
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
                                              scale=scale, enable_gqa=True)
@@ -155,18 +180,18 @@ class TorchRefBackend(AttentionBackend):
 
     # ---- the step -------------------------------------------------------------------------
     def forward(self, q, k, v, kv_cache, metadata: TorchRefMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         key_cache, value_cache = self.split_cache(kv_cache)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         # Write first: a request may read blocks another request fills in this same step.
         k, v = self.write_kv(key_cache, value_cache, k, v, metadata)
         if not metadata.prefills:  # decodes only: token i is request i's one query
-            return self.decode(q, key_cache, value_cache, metadata, scale, sliding_window)
+            return self.decode(q, key_cache, value_cache, metadata, scale, sliding_window, softcap)
         out = torch.empty_like(q)
 
         if metadata.decode_token_idx is not None:
             idx = metadata.decode_token_idx
-            out[idx] = self.decode(q[idx], key_cache, value_cache, metadata, scale, sliding_window)
+            out[idx] = self.decode(q[idx], key_cache, value_cache, metadata, scale, sliding_window, softcap)
 
         for p in metadata.prefills:
             qp = q[p.start:p.end].transpose(0, 1).contiguous()  # [heads, query_len, d]
@@ -181,5 +206,5 @@ class TorchRefBackend(AttentionBackend):
             mask, seq_len = p.mask, p.context_len + p.end - p.start
             if sliding_window is not None and sliding_window < seq_len:
                 mask = window_mask(p.context_len, seq_len, sliding_window, q.device)
-            out[p.start:p.end] = self.prefill(qp, kp, vp, mask, scale).transpose(0, 1)
+            out[p.start:p.end] = self.prefill(qp, kp, vp, mask, scale, softcap).transpose(0, 1)
         return out

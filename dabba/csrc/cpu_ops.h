@@ -22,17 +22,19 @@ c10::Dict<std::string, int64_t> kernel_constants();
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);
+void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x);
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 
 // paged_attention_cpu.cpp
 void write_kv_cache(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& slot_mapping);
+// sliding_window <= 0: none; softcap <= 0: none (else scores -> softcap * tanh(scores / softcap))
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                            double scale, int64_t sliding_window);
+                            double scale, int64_t sliding_window, double softcap);
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     double scale, int64_t sliding_window);  // sliding_window <= 0: none
+                     double scale, int64_t sliding_window, double softcap);
 
 // The bf16 linear kernels' common checks: out [M, N] bf16 with contiguous rows, and an optional
 // bias [bias_size] bf16. Returns the bias's bits, or null (gemm_cpu.cpp).

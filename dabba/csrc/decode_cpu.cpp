@@ -31,7 +31,7 @@ struct NativeLinear {
   c10::optional<at::Tensor> bias;
 
   // SwiGLU of a merged gate_up projection's output: fused into the GEMM where dense, as
-  // LinearMethod.apply_silu_and_mul does.
+  // LinearMethod.apply_act_and_mul(..., "silu") does.
   at::Tensor silu_and_mul(const at::Tensor& x) const {
     if (kind == LinearKind::kDense) return dense_linear_silu_and_mul(x, weight, bias);
     const at::Tensor gate_up = (*this)(x);
@@ -126,10 +126,10 @@ class NativeDecoder : public torch::CustomClassHolder {
       const at::Tensor attn = at::empty({n, num_heads_, head_dim_}, x.options());
       if (query_start_loc.has_value())
         paged_attention(attn, q.contiguous(), key_cache, value_cache, block_table, *query_start_loc, seq_lens, scale_,
-                        layer.sliding_window);
+                        layer.sliding_window, /*softcap=*/0.0);
       else
         paged_decode_attention(attn, q.contiguous(), key_cache, value_cache, block_table, seq_lens, scale_,
-                               layer.sliding_window);
+                               layer.sliding_window, /*softcap=*/0.0);
       x = layer.o(attn.view({n, q_size}));
       fused_add_rms_norm(x, residual, layer.post_norm, eps_);
       x = layer.down(layer.gate_up.silu_and_mul(x));

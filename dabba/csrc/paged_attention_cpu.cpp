@@ -14,6 +14,8 @@
 // sliding_window W > 0: a query at position p attends only keys at positions p - W + 1 .. p (W keys,
 // its own included; transformers' sliding_window_overlay: kv_idx > q_idx - W); the blocks wholly
 // before that are never read. 0 or negative: no window.
+// softcap c > 0 (Gemma 2): each score (q . k * scale) becomes c * tanh(score / c) before the mask and
+// softmax, as transformers' eager attention does; 0 or negative: none.
 //
 // With keys transposed, the scores of one query against a block's 16 keys are 16 lanes of one
 // vector, accumulated over head_dim with broadcast FMAs: no horizontal sums. Values keep rows
@@ -27,6 +29,7 @@
 #include "cpu_ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -322,19 +325,24 @@ void group_weighted_values(const Shape& sh, const float* probs, const scalar_t* 
   }
 }
 
-// Each row's softmax over its own range [row_starts[r], row_lens[r]) (row_starts null: from 0);
-// the positions outside it (later tokens of a prefill tile, keys that slid out of a row's window)
-// get probability 0, so the value pass can run every row over the tile's whole range.
+// In place: s[0..n) <- cap * tanh(s[0..n) / cap), the soft cap (libm's tanh: exact to float32's
+// rounding, where a cheaper form loses absolute accuracy near 0).
+inline void softcap_inplace(float* s, int64_t n, float cap) {
+  for (int64_t t = 0; t < n; ++t) s[t] = cap * std::tanh(s[t] / cap);
+}
+
+// Each row's softmax over its own range [row_starts[r], row_lens[r]) (row_starts null: from 0),
+// its scores soft-capped first where softcap > 0; the positions outside it (later tokens of a
+// prefill tile, keys that slid out of a row's window) get probability 0, so the value pass can
+// run every row over the tile's whole range.
 inline void softmax_rows(float* scores, int64_t rows, int64_t padded_len, int64_t seq_len, const int64_t* row_lens,
-                         const int64_t* row_starts) {
+                         const int64_t* row_starts, float softcap) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * padded_len;
-    if (row_starts == nullptr) {
-      softmax_inplace(s, row_lens[r]);
-    } else {
-      softmax_inplace(s + row_starts[r], row_lens[r] - row_starts[r]);
-      std::fill(s, s + row_starts[r], 0.f);
-    }
+    const int64_t start = row_starts == nullptr ? 0 : row_starts[r];
+    if (softcap > 0.f) softcap_inplace(s + start, row_lens[r] - start, softcap);
+    softmax_inplace(s + start, row_lens[r] - start);
+    std::fill(s, s + start, 0.f);
     std::fill(s + row_lens[r], s + seq_len, 0.f);
   }
 }
@@ -342,11 +350,12 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t padded_len, int64_
 // Both passes for sh.group query rows that share a kv head (the G heads of one token, or of
 // several tokens of one prompt); false if the shape needs the per-row loops.
 // q: the rows as stored (contiguous), qf: the same scaled, in float32; row r attends positions
-// [row_starts[r], row_lens[r]) (row_starts null: from 0), all within seq_len.
+// [row_starts[r], row_lens[r]) (row_starts null: from 0), all within seq_len; softcap > 0 caps
+// the scores.
 template <typename scalar_t>
 bool group_attention(const Shape& sh, const scalar_t* q, float scale, const float* qf, const scalar_t* k_ptr,
                      const scalar_t* v_ptr, const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len,
-                     const int64_t* row_lens, const int64_t* row_starts, float* scores, float* out) {
+                     const int64_t* row_lens, const int64_t* row_starts, float softcap, float* scores, float* out) {
   if (sh.block_size != kLanes || sh.head_dim % kLanes) return false;
   auto run = [&](auto group) {
     constexpr int G = decltype(group)::value;
@@ -361,7 +370,7 @@ bool group_attention(const Shape& sh, const scalar_t* q, float scale, const floa
 #else
     group_block_scores<scalar_t, G>(sh, qf, k_ptr, blocks, kvh, seq_len, padded_len, scores);
 #endif
-    softmax_rows(scores, G, padded_len, seq_len, row_lens, row_starts);
+    softmax_rows(scores, G, padded_len, seq_len, row_lens, row_starts, softcap);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       group_weighted_values_bf16<G>(sh, scores, reinterpret_cast<const uint16_t*>(v_ptr), blocks, kvh, seq_len,
@@ -407,7 +416,8 @@ inline int64_t first_visible_block(int64_t pos, int64_t window, int64_t block_si
 // Query tokens tok0 .. tok0 + nt - 1 of one sequence (positions pos0 .. pos0 + nt - 1, its block
 // table `blocks`) against kv head kvh. Each token's G query heads are a row each; all nt * G rows
 // share every key and value load. Row (t, g) attends positions [0, pos0 + t]: causal; with a
-// sliding window (window > 0) only [pos0 + t - window + 1, pos0 + t]. Then the blocks before the
+// sliding window (window > 0) only [pos0 + t - window + 1, pos0 + t]; softcap > 0 caps the scores.
+// Then the blocks before the
 // tile's first visible key are skipped whole: the passes run over positions skip .. pos0 + nt - 1
 // (skip a multiple of block_size), and each row masks the keys before its own window.
 //
@@ -416,7 +426,7 @@ inline int64_t first_visible_block(int64_t pos, int64_t window, int64_t block_si
 template <typename scalar_t>
 void attend_tile(const Shape& sh, const scalar_t* q_ptr, scalar_t* out_ptr, const scalar_t* k_ptr,
                  const scalar_t* v_ptr, const int64_t* blocks, int64_t tok0, int64_t nt, int64_t pos0, int64_t kvh,
-                 float fscale, int64_t window, TileBuffers<scalar_t>& b) {
+                 float fscale, int64_t window, float softcap, TileBuffers<scalar_t>& b) {
   Shape tile = sh;
   tile.group = nt * sh.group;
   const int64_t rows = tile.group, d_head = sh.head_dim;
@@ -444,9 +454,9 @@ void attend_tile(const Shape& sh, const scalar_t* q_ptr, scalar_t* out_ptr, cons
   float* scores = b.scores.data();
   float* acc = b.acc.data();
   if (!group_attention(tile, b.q.data(), fscale, b.qf.data(), k_ptr, v_ptr, blocks, kvh, seq_len, padded_len,
-                       b.row_lens.data(), row_starts, scores, acc)) {
+                       b.row_lens.data(), row_starts, softcap, scores, acc)) {
     block_scores(tile, b.qf.data(), k_ptr, blocks, kvh, seq_len, padded_len, scores);
-    softmax_rows(scores, rows, padded_len, seq_len, b.row_lens.data(), row_starts);
+    softmax_rows(scores, rows, padded_len, seq_len, b.row_lens.data(), row_starts, softcap);
     if (d_head % kLanes || d_head / kLanes > 8) {
       weighted_values_scalar(tile, scores, v_ptr, blocks, kvh, seq_len, padded_len, acc);
     } else {
@@ -481,7 +491,7 @@ Shape make_shape(const at::Tensor& q, const at::Tensor& key_cache, const at::Ten
 template <typename scalar_t>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_table,
-                           const at::Tensor& seq_lens, double scale, int64_t window) {
+                           const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   const Shape sh = make_shape(q, key_cache, block_table);
   const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
@@ -500,7 +510,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
                               (item + 1) % sh.num_kv_heads);
       }
       attend_tile(sh, q_ptr, out_ptr, k_ptr, v_ptr, bt_ptr + s * sh.max_blocks, s, 1, len_ptr[s] - 1, kvh,
-                  static_cast<float>(scale), window, buffers);
+                  static_cast<float>(scale), window, static_cast<float>(softcap), buffers);
     }
   });
 }
@@ -515,7 +525,7 @@ template <typename scalar_t>
 void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table,
                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                            int64_t window) {
+                            int64_t window, double softcap) {
   const Shape sh = make_shape(q, key_cache, block_table);
   const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
@@ -539,7 +549,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
       const int64_t i = item / sh.num_kv_heads, kvh = item % sh.num_kv_heads;
       const Tile& tile = tiles[i % 2 ? num_tiles - 1 - i / 2 : i / 2];  // 0, n-1, 1, n-2, ...
       attend_tile(sh, q_ptr, out_ptr, k_ptr, v_ptr, bt_ptr + tile.req * sh.max_blocks, tile.tok0, tile.nt, tile.pos0,
-                  kvh, static_cast<float>(scale), window, buffers);
+                  kvh, static_cast<float>(scale), window, static_cast<float>(softcap), buffers);
     }
   });
 }
@@ -564,20 +574,20 @@ void check_attention_operands(const at::Tensor& out, const at::Tensor& q, const 
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table,
-                            const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+                            const at::Tensor& seq_lens, double scale, int64_t sliding_window, double softcap) {
   check_attention_operands(out, q, key_cache, value_cache, block_table);
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == q.size(0) &&
                   block_table.size(0) >= q.size(0),
               "seq_lens must be contiguous int64 [num_seqs], a block table row per sequence");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_table, seq_lens, scale,
-                                    std::max<int64_t>(sliding_window, 0));
+                                    std::max<int64_t>(sliding_window, 0), std::max(softcap, 0.0));
   });
 }
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     double scale, int64_t sliding_window) {
+                     double scale, int64_t sliding_window, double softcap) {
   check_attention_operands(out, q, key_cache, value_cache, block_table);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
@@ -588,7 +598,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
               "query_start_loc must end at q's number of tokens");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     prefill_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
-                                     std::max<int64_t>(sliding_window, 0));
+                                     std::max<int64_t>(sliding_window, 0), std::max(softcap, 0.0));
   });
 }
 
@@ -643,9 +653,9 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.impl("write_kv_cache", c10::DispatchKey::CPU, TORCH_FN(dabba::write_kv_cache));
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_table, Tensor seq_lens, float scale, int sliding_window=0) -> ()");
+        "Tensor block_table, Tensor seq_lens, float scale, int sliding_window=0, float softcap=0.) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(dabba::paged_decode_attention));
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, int sliding_window=0) -> ()");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int sliding_window=0, float softcap=0.) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(dabba::paged_attention));
 }

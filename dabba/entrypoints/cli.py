@@ -127,7 +127,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     kv_memory = None if args.memory is not None and args.kv_cache_memory is None else (args.kv_cache_memory or 4 * 2**30)
     result = plan(args.model, kv_memory, args.max_model_len, args.quantization, args.kv_cache_dtype, args.dtype,
-                  args.block_size, total_memory=args.memory, revision=args.revision, download_dir=args.download_dir)
+                  args.block_size, total_memory=args.memory, revision=args.revision, download_dir=args.download_dir,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
     return 0
 
@@ -244,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default=None, help="only this KV dtype")
     pl.add_argument("--dtype", default="auto", help='"auto" (config.json\'s), "bfloat16", "float16", "float32"')
     pl.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    pl.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                    help="the engine's token budget per step: a sliding-window layer holds its window plus this "
+                         "(default: 4096)")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.add_argument("--revision", default=None, help="the Hub revision of a model given as a repo id (default: main)")
     pl.add_argument("--download-dir", default=None,

@@ -10,12 +10,22 @@ from dabba.quantization.base import LinearMethod
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    """Token ids -> rows of the weight, times ``scale`` where the family scales them (Gemma:
+    sqrt(hidden_size)). The scale is rounded to the weight's dtype first, as transformers' Gemma
+    does (its normaliser is a float32 tensor cast to the model dtype: sqrt(2304) = 48.0 becomes 48,
+    sqrt(1152) = 33.94 becomes 34.0 in bfloat16); kept as a float, not a buffer, so it is not
+    counted as a weight."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.scale = scale
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        x = F.embedding(input_ids, self.weight)  # [num_tokens, hidden]
+        if self.scale is None:
+            return x
+        return x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(x.dtype)
 
 
 class LMHead(nn.Module):

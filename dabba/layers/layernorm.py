@@ -1,5 +1,6 @@
 """RMSNorm as transformers computes it (float32 statistics, rounded to the model dtype, then
-scaled), optionally fused with the residual add that precedes it in every decoder layer."""
+scaled), optionally fused with the residual add that precedes it in every decoder layer; and
+Gemma's, which scales by (1 + w) in float32 before rounding."""
 from __future__ import annotations
 
 import torch
@@ -35,3 +36,28 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, round to the model dtype, then scale: the reference's rounding order.
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), all in float32, rounded to the model
+    dtype once at the end (Llama's rounds before scaling). The checkpoint stores w; zero is the
+    identity. The same residual fusion as RMSNorm; in plain PyTorch, op for op as transformers'
+    Gemma2RMSNorm / Gemma3RMSNorm, so results are bit-identical to it."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x) over the last dim; or, with ``residual``: residual <- x + residual, returns
+        (norm(residual), residual)."""
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)

@@ -72,11 +72,12 @@ class Linear(nn.Module):
             raise ValueError(f"{self.prefix}: checkpoint tensor {tuple(loaded.shape)} != expected {tuple(target.shape)}")
         target.copy_(loaded)
 
-    def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
-        """x W^T + b; with ``silu_and_mul``, silu(gate) * up of a merged [gate, up] layer's output,
-        fused where the method can. (Through the module call either way: calibration hooks see x.)"""
-        if silu_and_mul:
-            return self.quant_method.apply_silu_and_mul(self, x, self.bias)
+    def forward(self, x: torch.Tensor, act_and_mul: str | None = None) -> torch.Tensor:
+        """x W^T + b; with ``act_and_mul`` ("silu": SwiGLU, "gelu_tanh": GeGLU), act(gate) * up of a
+        merged [gate, up] layer's output, fused where the method can. (Through the module call
+        either way: calibration hooks see x.)"""
+        if act_and_mul is not None:
+            return self.quant_method.apply_act_and_mul(self, x, self.bias, act_and_mul)
         return self.quant_method.apply(self, x, self.bias)
 
     def extra_repr(self) -> str:

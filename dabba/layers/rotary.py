@@ -83,6 +83,25 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
 
 
+class LayerTypeRotary(nn.Module):
+    """RoPE tables per attention kind, for families whose sliding layers rotate with a base of their
+    own (Gemma 3: rope_local_base_freq, default rope; its global layers take rope_theta and the
+    rope scaling). ``cos_sin`` returns {"full_attention": (cos, sin), "sliding_attention": (cos, sin)},
+    the two the same tables where ``local_theta`` is None; each layer takes its kind's."""
+
+    def __init__(self, rotary_dim: int, max_position: int, theta: float, scaling: RopeScaling,
+                 local_theta: float | None) -> None:
+        super().__init__()
+        self.full = RotaryEmbedding(rotary_dim, max_position, theta, scaling)
+        self.sliding = (None if local_theta is None
+                        else RotaryEmbedding(rotary_dim, max_position, local_theta, RopeScaling()))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        full = self.full.cos_sin(positions, dtype)
+        sliding = full if self.sliding is None else self.sliding.cos_sin(positions, dtype)
+        return {"full_attention": full, "sliding_attention": sliding}
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]; cos/sin
     [num_tokens, rotary_dim]: the first rotary_dim dims of each head rotate, the rest pass through.

@@ -7,8 +7,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                           "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_MAX_POSITIONS = {"Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}  # their configs' defaults
+# Architectures dabba knows and refuses, with what to use instead.
+REFUSED_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "Gemma 3's multimodal checkpoints (4B and up: vision tower, "
+                                      "language_model.* tensors) are not supported; the text-only Gemma3ForCausalLM "
+                                      "(model_type gemma3_text, e.g. google/gemma-3-1b-it) is",
+}
+# The gated MLP's activation, by config value: SwiGLU (Llama's "silu") or GeGLU with gelu's tanh
+# approximation (Gemma's "gelu_pytorch_tanh"). dabba.layers.activation.act_and_mul computes them.
+MLP_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # transformers' Phi3Config reads these as longrope ("su": Phi-3's first long-context configs)
 PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
@@ -46,7 +57,7 @@ class ArchConfig:
     tie_word_embeddings: bool
     qkv_bias: bool  # q/k/v projections carry a bias (Qwen2 always; others per attention_bias)
     o_bias: bool  # o_proj carries a bias (attention_bias in Llama/Mistral/Qwen3, never Qwen2)
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3; Gemma 3, Gemma's (1 + w) form)
     sliding_window: int | None
     torch_dtype: str | None
     bos_token_id: int | None
@@ -56,8 +67,26 @@ class ArchConfig:
     # Phi-4-mini: 0.75); the rest pass through. None: the whole head.
     rotary_dim: int | None = None
     # Which layers attend within sliding_window, one flag per layer; None: every layer (Mistral,
-    # Phi-3). Qwen2/3: their layer_types, by default the layers from max_window_layers on.
+    # Phi-3). Qwen2/3 and Gemma: their layer_types, by default (Qwen) the layers from
+    # max_window_layers on, (Gemma 2) every other layer from 0, (Gemma 3) all but every
+    # sliding_window_pattern-th.
     sliding_layers: tuple[bool, ...] | None = None
+    # act(gate) * up in every MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma's gelu_pytorch_tanh).
+    mlp_activation: str = "silu"
+    # Gemma: attention scores are scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # Gemma 2's tanh soft caps, x -> cap * tanh(x / cap): on every layer's attention scores (after
+    # the scale, before the mask and softmax) and on the final logits. None: no cap.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Gemma 3: the sliding layers' RoPE base (default rope, unscaled); rope_theta and rope_scaling
+    # are then the global layers'. None: every layer uses rope_theta and rope_scaling.
+    rope_local_theta: float | None = None
+
+    @property
+    def attn_scale(self) -> float:
+        """What q . k is multiplied by before the softmax (and the soft cap)."""
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """Layer ``layer_idx``'s attention window in keys (a query sees itself and the window - 1
@@ -72,6 +101,9 @@ class ArchConfig:
         the Llama block: RMSNorm, SwiGLU, RoPE on each head's first rotary_dim dims with the cos/sin
         tables Python computes (so partial rotary and longrope), optional q/k/v and o biases); None
         where they have one. A family adding a feature the loop lacks says so here."""
+        if self.architecture in GEMMA_ARCHITECTURES:
+            return (f"{self.architecture}'s (1 + w) RMSNorms, post-attention/feed-forward norms, GeGLU, embedding "
+                    "scale and soft caps are not in the native loop")
         if self.qk_norm:
             return f"{self.architecture}'s per-head q/k RMSNorm is not in the native loop"
         return None
@@ -87,15 +119,24 @@ class ArchConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        refused = next((a for a in archs if a in REFUSED_ARCHITECTURES), None)
+        if arch is None and refused is not None:
+            raise ValueError(f"unsupported architecture {refused!r}: {REFUSED_ARCHITECTURES[refused]}")
         if arch is None:
             remote = " (its config asks for remote code via auto_map, which dabba never runs)" if "auto_map" in cfg else ""
             raise ValueError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}{remote}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is supported")
+        gemma = arch in GEMMA_ARCHITECTURES
+        # transformers' Gemma 2/3 read hidden_activation (their configs may carry a stale hidden_act too)
+        act_field = "hidden_activation" if gemma else "hidden_act"
+        act = cfg.get(act_field) or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act not in MLP_ACTIVATIONS:
+            raise ValueError(f"unsupported {act_field} {act!r}: supported {sorted(MLP_ACTIVATIONS)} "
+                             "('silu': SwiGLU, 'gelu_pytorch_tanh': GeGLU)")
+        if gemma and cfg.get("use_bidirectional_attention"):
+            raise ValueError("unsupported config: use_bidirectional_attention=true (dabba attends causally)")
         if cfg.get("mlp_bias"):
             raise ValueError("unsupported config: mlp_bias=true")
         quantization = cfg.get("quantization_config")
@@ -107,18 +148,18 @@ class ArchConfig:
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        head_dim = cfg.get("head_dim") or (256 if gemma else cfg["hidden_size"] // num_heads)
 
-        # transformers >= 5 writes rope_parameters (with rope_theta inside); older: rope_theta + rope_scaling.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        layer_types = _layer_types(arch, cfg)
+        rope, local_rope = _rope_parameters(arch, cfg, layer_types)
+        rope_theta = float(rope["rope_theta"])
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         supported = ROPE_TYPES
         if arch == "Phi3ForCausalLM":
             rope_type, supported = PHI3_ROPE_ALIASES.get(rope_type, rope_type), PHI3_ROPE_TYPES
         if rope_type not in supported:
             raise ValueError(f"unsupported rope_scaling type {rope_type!r} for {arch}; supported: {supported}")
-        max_position_embeddings = cfg.get("max_position_embeddings", 2048)
+        max_position_embeddings = cfg.get("max_position_embeddings", GEMMA_MAX_POSITIONS.get(arch, 2048))
         partial_rotary_factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         if partial_rotary_factor != 1.0 and arch != "Phi3ForCausalLM":  # their transformers classes ignore it
             raise ValueError(f"unsupported config: partial_rotary_factor != 1 for {arch}")
@@ -135,17 +176,27 @@ class ArchConfig:
             )
 
         # Mistral and Phi3 attend within it whenever it is set (transformers masks with it), in every
-        # layer; Qwen only with use_sliding_window, in layers max_window_layers.. (transformers'
-        # Qwen2Config.layer_types)
-        sliding_window = cfg.get("sliding_window")
-        sliding_layers = None
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-            if not cfg.get("use_sliding_window", False):
-                sliding_window = None
-            layer_types = cfg.get("layer_types") or [
-                "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
-                for i in range(cfg["num_hidden_layers"])]
-            sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
+        # layer; Qwen only with use_sliding_window, and Qwen and Gemma only in the layers their
+        # layer_types name (_layer_types; Gemma's window is 4096 unless the config says otherwise)
+        sliding_window = cfg.get("sliding_window", 4096 if gemma else None)
+        sliding_layers = None if layer_types is None else tuple(t == "sliding_attention" for t in layer_types)
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+            sliding_window = None
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or null, not {sliding_window}")
+        # transformers' Gemma2Config defaults the caps to 50 and 30; Gemma 3 has none, and its attention
+        # never applies attn_logit_softcapping, whatever the config says (only the final cap).
+        caps: dict[str, float | None] = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+        for key, gemma2_default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+            cap = cfg.get(key, gemma2_default if arch == "Gemma2ForCausalLM" else None) if gemma else None
+            if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
+                raise ValueError(f"{key} must be a number > 0 or null, not {cap!r}")
+            caps[key] = None if cap is None else float(cap)
+        if arch == "Gemma3ForCausalLM":
+            caps["attn_logit_softcapping"] = None
+        query_pre_attn_scalar = cfg.get("query_pre_attn_scalar", 256) if gemma else None
+        if gemma and not (isinstance(query_pre_attn_scalar, (int, float)) and query_pre_attn_scalar > 0):
+            raise ValueError(f"query_pre_attn_scalar must be a number > 0, not {query_pre_attn_scalar!r}")
 
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -162,10 +213,10 @@ class ArchConfig:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=sliding_window,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -173,7 +224,71 @@ class ArchConfig:
             quantization_config=quantization or None,
             rotary_dim=rotary_dim,
             sliding_layers=sliding_layers,
+            mlp_activation=MLP_ACTIVATIONS[act],
+            query_pre_attn_scalar=None if query_pre_attn_scalar is None else float(query_pre_attn_scalar),
+            rope_local_theta=None if local_rope is None else float(local_rope["rope_theta"]),
+            **caps,
         )
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(arch: str, cfg: dict[str, Any]) -> list[str] | None:
+    """Each layer's attention kind, as transformers' configs derive it; None where every layer
+    attends alike (Mistral and Phi-3 slide in every layer when sliding_window is set)."""
+    num_layers = cfg["num_hidden_layers"]
+    if arch == "Gemma2ForCausalLM":  # alternate, layer 0 sliding
+        default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    elif arch == "Gemma3ForCausalLM":  # every sliding_window_pattern-th layer global (Gemma 3: 6)
+        pattern = cfg.get("sliding_window_pattern") or 6
+        default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # the layers from max_window_layers on
+        default = ["sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
+                   for i in range(num_layers)]
+    else:
+        return None
+    layer_types = cfg.get("layer_types") or default
+    if len(layer_types) != num_layers or any(t not in LAYER_TYPES for t in layer_types):
+        raise ValueError(f"layer_types must list one of {LAYER_TYPES} per layer ({num_layers}), got {layer_types!r}")
+    return list(layer_types)
+
+
+def _rope_parameters(arch: str, cfg: dict[str, Any], layer_types: list[str] | None) -> tuple[dict, dict | None]:
+    """(the RoPE of the global layers, of the sliding layers where it differs (Gemma 3), else None),
+    each a rope_parameters dict with its rope_theta, from either spelling: transformers >= 5's
+    rope_parameters (flat, or keyed by layer type) or the older rope_theta + rope_scaling (and
+    Gemma 3's rope_local_base_freq for its sliding layers)."""
+    params = cfg.get("rope_parameters")
+    nested = isinstance(params, dict) and any(t in params for t in LAYER_TYPES)
+    if nested and set(params) - set(LAYER_TYPES):
+        raise ValueError(f"rope_parameters mixes per-layer-type entries with others: {sorted(params)}")
+    if arch == "Gemma3ForCausalLM":
+        if params and not nested:
+            raise ValueError("Gemma 3's rope_parameters must be keyed by layer type (full_attention, "
+                             "sliding_attention); transformers ignores a flat one")
+        if nested:
+            full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+        else:
+            full, local = dict(cfg.get("rope_scaling") or {}), {}
+        if full.get("rope_theta") is None:  # (transformers 5 writes the top-level ones as null)
+            full["rope_theta"] = cfg.get("rope_theta") or 1_000_000.0
+        if local.get("rope_theta") is None:
+            local["rope_theta"] = cfg.get("rope_local_base_freq") or 10_000.0
+        local_type = local.get("rope_type", local.get("type", "default"))
+        if local_type != "default" or set(local) - {"rope_type", "type", "rope_theta"}:
+            raise ValueError(f"unsupported rope_parameters for Gemma 3's sliding_attention layers: {local!r} "
+                             "(only the default rope with its own rope_theta)")
+        return full, local
+    if nested:
+        kinds = {t: params[t] for t in (layer_types or LAYER_TYPES) if t in params}
+        if len({json.dumps(p, sort_keys=True) for p in kinds.values()}) > 1:
+            raise ValueError(f"unsupported config: rope_parameters differ by layer type for {arch}: {params!r}")
+        params = next(iter(kinds.values()), {})
+    rope = dict(params or cfg.get("rope_scaling") or {})
+    if rope.get("rope_theta") is None:
+        rope["rope_theta"] = cfg.get("rope_theta") or 10000.0
+    return rope, None
 
 
 def _rotary_dim(head_dim: int, partial_rotary_factor: float) -> int | None:

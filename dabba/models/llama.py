@@ -1,5 +1,5 @@
 """Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Phi-3 (fused checkpoint tensors, partial
-rotary, longrope: all in ArchConfig and the loader) share this code.
+rotary, longrope: all in ArchConfig and the loader) share this code; Qwen3 and Gemma subclass it.
 
 Weights arrive under the Hugging Face names; q/k/v and gate/up are merged into one GEMM each.
 """
@@ -29,15 +29,18 @@ STACKED_PARAMS = {
 
 
 class LlamaMLP(nn.Module):
+    """down(act(gate) * up): SwiGLU, or GeGLU where cfg.mlp_activation says (Gemma)."""
+
     def __init__(self, cfg: ArchConfig, prefix: str, quant_config: QuantConfig | None) -> None:
         super().__init__()
+        self.activation = cfg.mlp_activation
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], shard_ids=(0, 1), prefix=f"{prefix}.gate_up_proj",
                                    quant_config=quant_config)
         self.down_proj = Linear(inter, [cfg.hidden_size], prefix=f"{prefix}.down_proj", quant_config=quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x, silu_and_mul=True))
+        return self.down_proj(self.gate_up_proj(x, act_and_mul=self.activation))
 
 
 class LlamaAttention(nn.Module):
@@ -55,7 +58,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, [cfg.hidden_size], bias=cfg.o_bias, prefix=f"{prefix}.o_proj",
                              quant_config=quant_config)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx,
-                              cfg.layer_sliding_window(layer_idx))
+                              cfg.layer_sliding_window(layer_idx), cfg.attn_scale, cfg.attn_logit_softcapping)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook for families that normalise q/k per head before RoPE (Qwen3)."""
@@ -96,14 +99,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    norm_cls: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: ArchConfig, max_position: int, layer_cls: type[LlamaDecoderLayer],
                  quant_config: QuantConfig | None, prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = self.make_embedding(cfg)
+        self.rotary = self.make_rotary(cfg, max_position)
         self.layers = nn.ModuleList(layer_cls(cfg, i, f"{prefix}.layers.{i}", quant_config)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_embedding(self, cfg: ArchConfig) -> VocabEmbedding:
+        return VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+
+    def make_rotary(self, cfg: ArchConfig, max_position: int) -> nn.Module:
+        return RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
 
     def embed(self, input_ids: torch.Tensor,
               positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -122,12 +133,13 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    layer_cls = LlamaDecoderLayer
+    model_cls: type[nn.Module] = LlamaModel
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, cfg: ArchConfig, max_position: int, quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_position, self.layer_cls, quant_config)
+        self.model = self.model_cls(cfg, max_position, self.layer_cls, quant_config)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               quant_config.get_lm_head_method() if quant_config else None)
         if cfg.tie_word_embeddings:

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from dabba.models.gemma import GemmaForCausalLM
 from dabba.models.llama import LlamaForCausalLM
 from dabba.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": GemmaForCausalLM,  # Gemma 2 and 3 differ only in ArchConfig fields
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # fused qkv/gate_up tensors, partial rotary, longrope: ArchConfig

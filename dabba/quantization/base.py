@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dabba import native
-from dabba.layers.activation import silu_and_mul
+from dabba.layers.activation import act_and_mul
 
 class LinearMethod:
     def create_weights(self, layer: nn.Module) -> None:
@@ -31,10 +31,12 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """SwiGLU of a merged gate_up layer: silu(gate) * up of ``apply``'s output. A method may fuse
-        the two; the native layer loop does what this does (NativeLinear::silu_and_mul)."""
-        return silu_and_mul(self.apply(layer, x, bias))
+    def apply_act_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                          activation: str) -> torch.Tensor:
+        """A gated MLP's merged gate_up layer: ``activation``(gate) * up of ``apply``'s output
+        ("silu": SwiGLU, "gelu_tanh": GeGLU). A method may fuse the two; the native layer loop does
+        what this does for SwiGLU (NativeLinear::silu_and_mul)."""
+        return act_and_mul(self.apply(layer, x, bias), activation)
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
         """How the native layer loop (csrc/decode_cpu.cpp) computes what ``apply`` does on the CPU;
@@ -54,9 +56,11 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return native.linear(x, layer.weight, bias)
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        fused = native.linear_silu_and_mul(x, layer.weight, bias)
-        return fused if fused is not None else super().apply_silu_and_mul(layer, x, bias)
+    def apply_act_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                          activation: str) -> torch.Tensor:
+        # SwiGLU is fused into dabba's GEMM where it runs (stored as computed); GeGLU is not
+        fused = native.linear_silu_and_mul(x, layer.weight, bias) if activation == "silu" else None
+        return fused if fused is not None else super().apply_act_and_mul(layer, x, bias, activation)
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
         return NativeLinearSpec("dense", layer.weight)

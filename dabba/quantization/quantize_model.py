@@ -24,7 +24,7 @@ from dabba.attention.backend import forward_context
 from dabba.attention.dense import DenseCausalBackend
 from dabba.engine.tokenizer import Tokenizer
 from dabba.layers.linear import Linear
-from dabba.models.config import ArchConfig
+from dabba.models.config import GEMMA_ARCHITECTURES, ArchConfig
 from dabba.models.loader import find_weight_files, load_model
 from dabba.quantization.awq import awq_clip_layer, awq_scale_layer
 from dabba.quantization.formats import awq_pack, gptq_pack
@@ -106,6 +106,10 @@ def check_options(model_dir: Path, arch: ArchConfig, opts: QuantizeOptions) -> N
     if opts.method not in ("gptq", "rtn", "awq") or opts.bits not in (4, 8):
         raise ValueError(f"method must be gptq, rtn or awq and bits 4 or 8, got {opts.method}, {opts.bits}")
     if opts.method == "awq":
+        if arch.architecture in GEMMA_ARCHITECTURES:
+            raise ValueError(f"method: AWQ folds its scales into the RMSNorm before each linear, and dabba's AWQ "
+                             f"knows only the Llama block, not {arch.architecture}'s (1 + w) and post-norms; "
+                             "use --method gptq or rtn")
         if opts.bits != 4:
             raise ValueError("bits: AWQ's gemm format holds 4-bit codes only")
         widths = {arch.hidden_size, arch.intermediate_size, arch.num_attention_heads * arch.head_dim}

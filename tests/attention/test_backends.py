@@ -38,7 +38,7 @@ def make_step(query_lens, context_lens, block_size, num_blocks, seed=0):
 
 
 def run_both_backends(dtype, num_heads, num_kv_heads, head_dim, block_size, query_lens, context_lens,
-                      sliding_window=None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                      sliding_window=None, softcap=None, scale=None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One step on the reference and the CPU backend, each cache filled with the same earlier
     tokens (the same logical context in both layouts): per backend (output, keys, values), the
     caches' contents read back in table order."""
@@ -56,7 +56,8 @@ def run_both_backends(dtype, num_heads, num_kv_heads, head_dim, block_size, quer
         md_all = SimpleNamespace(slot_mapping=torch.arange(num_blocks * block_size))  # write_kv reads only the slots
         backend.write_kv(key_cache, value_cache, ctx_k.flatten(1, 2).transpose(0, 1),
                          ctx_v.flatten(1, 2).transpose(0, 1), md_all)
-        out = backend.forward(q, k, v, cache, backend.build_metadata(common), head_dim ** -0.5, sliding_window)
+        out = backend.forward(q, k, v, cache, backend.build_metadata(common), scale or head_dim ** -0.5, sliding_window,
+                              softcap)
         kg, vg = backend.gather_context(key_cache, value_cache, torch.arange(num_blocks))
         outs.append((out.float(), kg.reshape(num_kv_heads, -1, head_dim), vg.reshape(num_kv_heads, -1, head_dim)))
     return outs
@@ -232,3 +233,60 @@ def test_dense_calibration_backend_slides_like_the_reference(sliding_window) -> 
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     if sliding_window == 1:  # each token sees only itself
         torch.testing.assert_close(got, v.repeat_interleave(num_heads // num_kv_heads, dim=1))
+
+
+# Gemma's shapes: head_dim 256 (16 lanes x 16 chunks: the grouped passes, past the 8-chunk per-head
+# loop), GQA 4:1 and 1:1, with and without Gemma 2's attention soft cap and a window; then the soft
+# cap on the per-head loops (head_dim 24, blocks of 8).
+@pytest.mark.parametrize("softcap", [None, 5.0, 50.0])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size, sliding_window", [
+    (8, 2, 256, 16, None), (4, 4, 256, 16, 40), (3, 1, 256, 16, 23), (4, 2, 24, 8, None), (4, 2, 24, 16, 40),
+])
+@pytest.mark.parametrize("query_lens, context_lens", [([1, 1, 37, 1, 5, 1], [70, 3, 0, 130, 40, 0]),
+                                                      ([1, 1, 1], [70, 0, 130])], ids=["mixed", "decodes"])
+def test_cpu_backend_matches_reference_with_gemma_shapes_and_softcap(softcap, dtype, atol, num_heads, num_kv_heads,
+                                                                     head_dim, block_size, sliding_window, query_lens,
+                                                                     context_lens) -> None:
+    # a scale of 0.5 makes raw scores of ~10 at head_dim 256, so a cap of 5 saturates many of them
+    scale = 0.5 if softcap == 5.0 else None
+    (ref, _, _), (got, _, _) = run_both_backends(dtype, num_heads, num_kv_heads, head_dim, block_size, query_lens,
+                                                 context_lens, sliding_window, softcap, scale)
+    torch.testing.assert_close(got, ref, atol=atol, rtol=0)
+    if softcap == 5.0:  # the cap changes the result: the comparison above is not vacuous
+        (uncapped, _, _), _ = run_both_backends(dtype, num_heads, num_kv_heads, head_dim, block_size, query_lens,
+                                                context_lens, sliding_window, None, scale)
+        assert (uncapped - ref).abs().max() > 0.1
+
+
+def test_kernels_against_explicit_softcapped_attention() -> None:
+    """Both kernels alone, float32, head_dim 256: scores = 5 tanh((q . k * scale) / 5), then the
+    causal (and windowed) softmax, written out per query row."""
+    torch.manual_seed(4)
+    num_kv_heads, num_blocks, block_size, head_dim, num_heads, scale, cap = 2, 20, 16, 256, 4, 0.4, 5.0
+    values = torch.randn(num_kv_heads, num_blocks, block_size, head_dim)
+    keys = torch.randn(num_kv_heads, num_blocks, block_size, head_dim)
+    table = torch.tensor([[3, 7, 1, 0], [19, 2, 0, 0], [5, 6, 8, 9]])
+    seq_lens = torch.tensor([50, 17, 64])
+    qsl = torch.tensor([0, 23, 24, 88])
+    q = torch.randn(88, num_heads, head_dim)
+    for window in (0, 21):
+        out = torch.empty_like(q)
+        torch.ops.dabba_cpu.paged_attention(out, q, keys.transpose(2, 3).contiguous(), values, table, qsl, seq_lens,
+                                            scale, window, cap)
+        decode_out = torch.empty_like(q[:3])
+        torch.ops.dabba_cpu.paged_decode_attention(decode_out, q[:3].contiguous(), keys.transpose(2, 3).contiguous(),
+                                                   values, table, seq_lens, scale, window, cap)
+        for s in range(3):
+            n = int(seq_lens[s])
+            k = keys[:, table[s]].reshape(num_kv_heads, -1, head_dim)[:, :n]
+            v = values[:, table[s]].reshape(num_kv_heads, -1, head_dim)[:, :n]
+            rows = [(out, int(qsl[s]) + i, n - int(qsl[s + 1] - qsl[s]) + i) for i in range(int(qsl[s + 1] - qsl[s]))]
+            rows.append((decode_out, s, n - 1))
+            for result, row, pos in rows:
+                lo = max(0, pos - window + 1) if window else 0
+                for h in range(num_heads):
+                    kvh = h // (num_heads // num_kv_heads)
+                    scores = cap * torch.tanh((k[kvh, lo:pos + 1] @ q[row, h]) * scale / cap)
+                    expected = torch.softmax(scores, dim=0) @ v[kvh, lo:pos + 1]
+                    torch.testing.assert_close(result[row, h], expected, atol=1e-5, rtol=1e-5)

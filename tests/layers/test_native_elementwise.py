@@ -54,6 +54,34 @@ def test_silu_and_mul(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul(dtype) -> None:
+    """GeGLU (Gemma's gelu_pytorch_tanh): the kernel's x * sigmoid(2y) form against PyTorch's
+    gelu(approximate="tanh"), and act_and_mul's dispatch to both."""
+    from dabba import native
+    from dabba.layers.activation import act_and_mul
+
+    torch.manual_seed(0)
+    x = torch.randn(19, 2 * 80, dtype=dtype) * 4
+    x[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-8, -1e-8, 1e4, -1e4], dtype=dtype)  # exp's and x^3's edges
+    out = torch.empty(19, 80, dtype=dtype)
+    ops.gelu_tanh_and_mul(out, x)
+    gate, up = x.chunk(2, dim=-1)
+    ref = F.gelu(gate, approximate="tanh") * up
+    assert not torch.equal(ref, F.gelu(gate) * up)  # the tanh form, not erf's
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:  # the same rounding, except in the tail where tanh(y) ~ -1 and both are mostly cancellation
+        differ = out != ref
+        assert not (differ & (ref.abs() > 1e-3 * up.abs())).any(), "bf16 results off the reference rounding"
+        assert differ.float().mean().item() < 0.05
+        torch.testing.assert_close(out, ref, atol=1e-3, rtol=0)
+    assert torch.equal(act_and_mul(x, "gelu_tanh"), out)  # the layer path takes the kernel on CPU
+    assert native.native_rows(x)
+    with pytest.raises(ValueError, match="unknown MLP activation 'relu'"):
+        act_and_mul(x, "relu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_on_strided_views(dtype) -> None:
     torch.manual_seed(0)
     T, H, KVH, D = 11, 4, 2, 24

@@ -58,6 +58,35 @@ def assert_same_prompt_logprobs(quantized: LLM, reference: LLM, prompts: list[li
         assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
 
 
+def write_awq_pair(src, awq_dir, dequant_dir, group_size: int) -> None:
+    """AutoAWQ's "gemm" layout (asymmetric 4-bit codes with zero points), and the same weights
+    dequantized into a plain checkpoint."""
+    from dabba.quantization.formats import awq_pack
+    from dabba.quantization.rtn import quantize
+
+    shutil.copytree(src, awq_dir)
+    shutil.copytree(src, dequant_dir)
+    state = load_file(src / "model.safetensors")
+    packed, dequant = {}, dict(state)
+    for name, w in state.items():
+        if not any(f".{linear}." in name for linear in LINEARS):
+            packed[name] = w
+            continue
+        q = quantize(w, 4, group_size, symmetric=False)
+        prefix = name.removesuffix(".weight")
+        for key, t in awq_pack(q.q, q.zero, q.scale).items():
+            packed[f"{prefix}.{key}"] = t
+        scales = q.scale.half().float()
+        dequant[name] = (q.q.view(w.shape[0], -1, group_size) - q.zero[..., None]).float().mul(
+            scales[..., None]).view_as(w)
+    save_file(packed, awq_dir / "model.safetensors")
+    save_file(dequant, dequant_dir / "model.safetensors")
+    cfg = json.loads((awq_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm",
+                                  "zero_point": True}
+    (awq_dir / "config.json").write_text(json.dumps(cfg))
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_checkpoint_matches_its_dequantized_weights(checkpoints, tmp_path, act_order) -> None:
     ckpt = checkpoints["llama"]
@@ -93,30 +122,7 @@ def test_a_quantized_checkpoint_refuses_load_time_quantization(checkpoints, tmp_
 
 
 def test_awq_checkpoint_matches_its_dequantized_weights(checkpoints, tmp_path) -> None:
-    from dabba.quantization.formats import awq_pack
-    from dabba.quantization.rtn import quantize
-
     ckpt = checkpoints["llama"]
-    shutil.copytree(ckpt.path, tmp_path / "awq")
-    shutil.copytree(ckpt.path, tmp_path / "dequant")
-    state = load_file(ckpt.path / "model.safetensors")
-    packed, dequant = {}, dict(state)
-    for name, w in state.items():
-        if not any(f".{linear}." in name for linear in LINEARS):
-            packed[name] = w
-            continue
-        q = quantize(w, 4, 32, symmetric=False)  # AWQ keeps zero points
-        prefix = name.removesuffix(".weight")
-        for key, t in awq_pack(q.q, q.zero, q.scale).items():
-            packed[f"{prefix}.{key}"] = t
-        scales = q.scale.half().float()
-        dequant[name] = (q.q.view(w.shape[0], -1, 32) - q.zero[..., None]).float().mul(scales[..., None]).view_as(w)
-    save_file(packed, tmp_path / "awq" / "model.safetensors")
-    save_file(dequant, tmp_path / "dequant" / "model.safetensors")
-    cfg = json.loads((tmp_path / "awq" / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
-                                  "zero_point": True}
-    (tmp_path / "awq" / "config.json").write_text(json.dumps(cfg))
-
+    write_awq_pair(ckpt.path, tmp_path / "awq", tmp_path / "dequant", 32)
     awq, plain = LLM(str(tmp_path / "awq"), dtype="float32"), LLM(str(tmp_path / "dequant"), dtype="float32")
     assert_same_prompt_logprobs(awq, plain, ckpt.prompts[3:8])
