@@ -28,7 +28,9 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 log = logging.getLogger("make_gguf")
 
@@ -60,6 +62,34 @@ def patch_unknown_pre_tokenizer() -> None:
     TextModel.get_vocab_base_pre = get_vocab_base_pre
 
 
+@contextlib.contextmanager
+def padded_vocabulary(model_dir: Path) -> Iterator[Path]:
+    """``model_dir``, or a view of it whose tokenizer.json lists config.json's whole vocab_size.
+
+    A shaped random checkpoint pairs a large embedding with the small tokenizer dabba trains; the
+    converter's Gemma 3 trims the embedding to the tokenizer's length, and llama.cpp then refuses
+    the file. Padding the tokenizer with unused special tokens (as Gemma's own tokenizer holds
+    thousands) keeps every row."""
+    vocab_size = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+    tokenizer_path = model_dir / "tokenizer.json"
+    tok = json.loads(tokenizer_path.read_text()) if tokenizer_path.is_file() else None
+    have = len(tok["model"]["vocab"]) + len(tok["added_tokens"]) if tok else None
+    if tok is None or vocab_size is None or have >= vocab_size:
+        yield model_dir
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        view = Path(tmp)
+        for f in model_dir.iterdir():
+            if f.name != "tokenizer.json":
+                (view / f.name).symlink_to(f.resolve())
+        tok["added_tokens"] += [{"id": i, "content": f"<unused{i}>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True}
+                                for i in range(have, vocab_size)]
+        (view / "tokenizer.json").write_text(json.dumps(tok))
+        log.info("padded the tokenizer from %d to vocab_size %d tokens for the converter", have, vocab_size)
+        yield view
+
+
 def convert_in_process(model_dir: Path, llama_cpp_dir: Path, out: Path) -> None:
     """convert_hf_to_gguf.py MODEL --outfile OUT --outtype bf16, in this interpreter."""
     # The tree's own gguf-py first: the converter expects the gguf package of its own revision.
@@ -69,9 +99,10 @@ def convert_in_process(model_dir: Path, llama_cpp_dir: Path, out: Path) -> None:
 
     tmp = out.with_name(out.name + ".part")
     argv = sys.argv
-    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(tmp), "--outtype", "bf16"]
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # stdout carries only this script's JSON
+        with padded_vocabulary(model_dir) as source, contextlib.redirect_stdout(sys.stderr):
+            # stdout carries only this script's JSON
+            sys.argv = ["convert_hf_to_gguf.py", str(source), "--outfile", str(tmp), "--outtype", "bf16"]
             convert_hf_to_gguf.main()
     finally:
         sys.argv = argv
