@@ -125,3 +125,27 @@ def test_neither_a_directory_nor_a_repo_id(tmp_path) -> None:
     for model in (str(tmp_path / "missing"), "./missing", "a/b/c"):
         with pytest.raises(ValueError, match=r"is not a local directory \(nor a Hugging Face Hub repo id"):
             LLM(model)
+
+
+def test_dabba_quantize_takes_a_repo_id(checkpoints, repos, tmp_path) -> None:
+    """`dabba quantize acme/tiny OUT` downloads what dabba reads and writes the checkpoint that
+    quantizing the same weights from a local directory writes."""
+    from safetensors.torch import load_file
+
+    from dabba.entrypoints.cli import main
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"word{i}" for i in range(3000)))
+    flags = ["--method", "rtn", "--bits", "8", "--group-size", "32", "--calibration", str(calib)]
+    with FakeHub(repos) as hub:
+        proc = subprocess.run([sys.executable, "-m", "dabba.entrypoints.cli", "quantize", "acme/tiny",
+                               str(tmp_path / "from_hub"), *flags], cwd=ROOT, env=hub_env(hub, tmp_path / "hf"),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "pytorch_model.bin" not in hub.fetched_files() and "model.safetensors" in hub.fetched_files()
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["out"] == str(tmp_path / "from_hub")
+    assert main(["quantize", str(checkpoints["llama"].path), str(tmp_path / "local"), *flags]) == 0
+    from_hub, local = (load_file(tmp_path / d / "model.safetensors") for d in ("from_hub", "local"))
+    assert from_hub.keys() == local.keys() and all(from_hub[k].equal(local[k]) for k in local)
+    assert json.loads((tmp_path / "from_hub" / "config.json").read_text()) == json.loads(
+        (tmp_path / "local" / "config.json").read_text())

@@ -174,14 +174,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from dabba.models.hub import resolve_model_dir
     from dabba.quantization.quantize_model import QuantizeOptions, quantize_checkpoint
 
-    calibration = args.calibration or str(Path(args.model) / "calibration.txt")
+    model_dir = resolve_model_dir(args.model, args.revision, args.download_dir)
+    calibration = args.calibration or str(model_dir / "calibration.txt")
     if not Path(calibration).is_file():
         raise ValueError(f"no calibration text: pass --calibration FILE ({calibration} does not exist)")
     opts = QuantizeOptions(method=args.method, bits=args.bits, group_size=args.group_size, act_order=args.act_order,
                            num_samples=args.num_samples, seq_len=args.seq_len)
-    config = quantize_checkpoint(args.model, args.out, Path(calibration).read_text(), opts)
+    config = quantize_checkpoint(model_dir, args.out, Path(calibration).read_text(), opts)
     print(json.dumps({"out": args.out, "quantization_config": config}))
     return 0
 
@@ -276,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     qz = sub.add_parser("quantize", help="quantize a checkpoint: GPTQ or round-to-nearest (saved in "
                         "GPTQ's layout), AWQ (saved in AutoAWQ's gemm layout)")
-    qz.add_argument("model", help="Hugging Face checkpoint directory")
+    qz.add_argument("model", help="a Hugging Face checkpoint directory or Hub repo id")
     qz.add_argument("out", help="directory to write the quantized checkpoint to")
     qz.add_argument("--method", choices=["gptq", "awq", "rtn"], default="gptq")
     qz.add_argument("--bits", type=int, choices=[4, 8], default=4)
@@ -285,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--calibration", default=None, help="calibration text (default: MODEL/calibration.txt)")
     qz.add_argument("--num-samples", type=int, default=64, help="calibration windows (default: 64)")
     qz.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window (default: 256)")
+    qz.add_argument("--revision", default=None, help="the Hub revision of a model given as a repo id (default: main)")
+    qz.add_argument("--download-dir", default=None,
+                    help="where a repo id's files are downloaded (default: the Hugging Face cache)")
     qz.set_defaults(func=cmd_quantize)
     return parser
 
