@@ -101,17 +101,24 @@ def test_decode_kernel_against_explicit_softmax() -> None:
             torch.testing.assert_close(out[s, h], p @ v[kvh], atol=1e-5, rtol=1e-5)
 
 
+def three_requests(seed: int, num_kv_heads: int, head_dim: int, num_heads: int):
+    """The kernels' explicit-softmax cases, float32: in a cache of 20 blocks of 16, a 23-token chunk
+    continuing a 27-token context, a decode at position 16 and a 64-token prompt.
+    Returns q [88, heads, d], keys and values [kv_heads, blocks, 16, d], the block table,
+    seq_lens and query_start_loc."""
+    torch.manual_seed(seed)
+    values = torch.randn(num_kv_heads, 20, 16, head_dim)
+    keys = torch.randn(num_kv_heads, 20, 16, head_dim)
+    table = torch.tensor([[3, 7, 1, 0], [19, 2, 0, 0], [5, 6, 8, 9]])
+    q = torch.randn(88, num_heads, head_dim)
+    return q, keys, values, table, torch.tensor([50, 17, 64]), torch.tensor([0, 23, 24, 88])
+
+
 def test_prompt_kernel_against_explicit_causal_softmax() -> None:
     """paged_attention alone, on float32: two prompts continuing their contexts, and a decode."""
-    torch.manual_seed(2)
-    num_kv_heads, num_blocks, block_size, head_dim, num_heads = 2, 20, 16, 32, 6
-    values = torch.randn(num_kv_heads, num_blocks, block_size, head_dim)
-    keys = torch.randn(num_kv_heads, num_blocks, block_size, head_dim)
-    table = torch.tensor([[3, 7, 1, 0], [19, 2, 0, 0], [5, 6, 8, 9]])
-    seq_lens = torch.tensor([50, 17, 64])
+    num_kv_heads, head_dim, num_heads = 2, 32, 6
+    q, keys, values, table, seq_lens, qsl = three_requests(2, num_kv_heads, head_dim, num_heads)
     query_lens = [23, 1, 64]
-    qsl = torch.tensor([0, 23, 24, 88])
-    q = torch.randn(88, num_heads, head_dim)
     out = torch.empty_like(q)
     torch.ops.dabba_cpu.paged_attention(out, q, keys.transpose(2, 3).contiguous(), values, table, qsl, seq_lens, 0.3)
     for s in range(3):
@@ -180,14 +187,8 @@ def test_kernels_against_an_explicit_sliding_window(window) -> None:
     """Both kernels alone, float32: a query at position p sees exactly the `window` keys ending at p
     (transformers: kv_idx > q_idx - sliding_window), so window 50 at seq_len 50 sees every key and
     window 49 drops key 0."""
-    torch.manual_seed(3)
-    num_kv_heads, num_blocks, block_size, head_dim, num_heads = 2, 20, 16, 32, 6
-    values = torch.randn(num_kv_heads, num_blocks, block_size, head_dim)
-    keys = torch.randn(num_kv_heads, num_blocks, block_size, head_dim)
-    table = torch.tensor([[3, 7, 1, 0], [19, 2, 0, 0], [5, 6, 8, 9]])
-    seq_lens = torch.tensor([50, 17, 64])
-    qsl = torch.tensor([0, 23, 24, 88])
-    q = torch.randn(88, num_heads, head_dim)
+    num_kv_heads, head_dim, num_heads = 2, 32, 6
+    q, keys, values, table, seq_lens, qsl = three_requests(3, num_kv_heads, head_dim, num_heads)
     out = torch.empty_like(q)
     torch.ops.dabba_cpu.paged_attention(out, q, keys.transpose(2, 3).contiguous(), values, table, qsl, seq_lens, 0.3,
                                         window)
@@ -262,14 +263,9 @@ def test_cpu_backend_matches_reference_with_gemma_shapes_and_softcap(softcap, dt
 def test_kernels_against_explicit_softcapped_attention() -> None:
     """Both kernels alone, float32, head_dim 256: scores = 5 tanh((q . k * scale) / 5), then the
     causal (and windowed) softmax, written out per query row."""
-    torch.manual_seed(4)
-    num_kv_heads, num_blocks, block_size, head_dim, num_heads, scale, cap = 2, 20, 16, 256, 4, 0.4, 5.0
-    values = torch.randn(num_kv_heads, num_blocks, block_size, head_dim)
-    keys = torch.randn(num_kv_heads, num_blocks, block_size, head_dim)
-    table = torch.tensor([[3, 7, 1, 0], [19, 2, 0, 0], [5, 6, 8, 9]])
-    seq_lens = torch.tensor([50, 17, 64])
-    qsl = torch.tensor([0, 23, 24, 88])
-    q = torch.randn(88, num_heads, head_dim)
+    num_kv_heads, head_dim, num_heads = 2, 256, 4
+    scale, cap = 0.4, 5.0
+    q, keys, values, table, seq_lens, qsl = three_requests(4, num_kv_heads, head_dim, num_heads)
     for window in (0, 21):
         out = torch.empty_like(q)
         torch.ops.dabba_cpu.paged_attention(out, q, keys.transpose(2, 3).contiguous(), values, table, qsl, seq_lens,

@@ -18,9 +18,11 @@ from tests.conftest import token_prompts
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_gptq_pair(src, gptq_dir, dequant_dir, group_size: int, act_order: bool) -> None:
-    """The same 4-bit symmetric weights twice: GPTQ-packed, and dequantized into a plain checkpoint."""
-    shutil.copytree(src, gptq_dir)
+def write_pair(src, packed_dir, dequant_dir, quantize_linear, quantization_config: dict) -> None:
+    """Every linear weight of ``src`` twice: packed (``quantize_linear(name, w)`` -> (its tensors
+    under the checkpoint format's names, the weight they dequantize to)) with
+    ``quantization_config`` in config.json, and dequantized into a plain checkpoint."""
+    shutil.copytree(src, packed_dir)
     shutil.copytree(src, dequant_dir)
     state = load_file(src / "model.safetensors")
     packed, dequant = {}, dict(state)
@@ -28,23 +30,32 @@ def write_gptq_pair(src, gptq_dir, dequant_dir, group_size: int, act_order: bool
         if not any(f".{linear}." in name for linear in LINEARS):
             packed[name] = w
             continue
+        tensors, dequant[name] = quantize_linear(name, w)
+        prefix = name.removesuffix(".weight")
+        packed.update({f"{prefix}.{key}": t for key, t in tensors.items()})
+    save_file(packed, packed_dir / "model.safetensors")
+    save_file(dequant, dequant_dir / "model.safetensors")
+    cfg = json.loads((packed_dir / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config
+    (packed_dir / "config.json").write_text(json.dumps(cfg))
+
+
+def write_gptq_pair(src, gptq_dir, dequant_dir, group_size: int, act_order: bool) -> None:
+    """The same 4-bit symmetric weights twice: GPTQ-packed, and dequantized into a plain checkpoint."""
+    def quantize_linear(name: str, w: torch.Tensor):
         # q/k/v (and gate/up) see the same inputs, hence the same Hessian and act-order g_idx
         layer = int(name.split(".")[2])
         g = torch.Generator().manual_seed(layer * 10_000 + w.shape[1])
         x = torch.randn(512, w.shape[1], generator=g) * torch.exp(torch.randn(w.shape[1], generator=g))
         q = gptq_quantize(w, 2 * x.double().T @ x.double() / 512, 4, group_size, symmetric=True, act_order=act_order)
         codes, zeros = q.q + 8, q.zero + 8  # GPTQ stores unsigned codes: symmetric zero point 8
-        prefix = name.removesuffix(".weight")
-        for key, t in gptq_pack(codes, zeros, q.scale, q.g_idx, 4).items():
-            packed[f"{prefix}.{key}"] = t
         scales = q.scale.half().float()  # the format keeps fp16 scales
-        dequant[name] = (codes - zeros[:, q.g_idx.long()]).float() * scales[:, q.g_idx.long()]
-    save_file(packed, gptq_dir / "model.safetensors")
-    save_file(dequant, dequant_dir / "model.safetensors")
-    cfg = json.loads((gptq_dir / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order,
-                                  "sym": True, "checkpoint_format": "gptq"}
-    (gptq_dir / "config.json").write_text(json.dumps(cfg))
+        return (gptq_pack(codes, zeros, q.scale, q.g_idx, 4),
+                (codes - zeros[:, q.g_idx.long()]).float() * scales[:, q.g_idx.long()])
+
+    write_pair(src, gptq_dir, dequant_dir, quantize_linear,
+               {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order, "sym": True,
+                "checkpoint_format": "gptq"})
 
 
 def assert_same_prompt_logprobs(quantized: LLM, reference: LLM, prompts: list[list[int]]) -> None:
@@ -64,27 +75,14 @@ def write_awq_pair(src, awq_dir, dequant_dir, group_size: int) -> None:
     from dabba.quantization.formats import awq_pack
     from dabba.quantization.rtn import quantize
 
-    shutil.copytree(src, awq_dir)
-    shutil.copytree(src, dequant_dir)
-    state = load_file(src / "model.safetensors")
-    packed, dequant = {}, dict(state)
-    for name, w in state.items():
-        if not any(f".{linear}." in name for linear in LINEARS):
-            packed[name] = w
-            continue
+    def quantize_linear(name: str, w: torch.Tensor):
         q = quantize(w, 4, group_size, symmetric=False)
-        prefix = name.removesuffix(".weight")
-        for key, t in awq_pack(q.q, q.zero, q.scale).items():
-            packed[f"{prefix}.{key}"] = t
         scales = q.scale.half().float()
-        dequant[name] = (q.q.view(w.shape[0], -1, group_size) - q.zero[..., None]).float().mul(
-            scales[..., None]).view_as(w)
-    save_file(packed, awq_dir / "model.safetensors")
-    save_file(dequant, dequant_dir / "model.safetensors")
-    cfg = json.loads((awq_dir / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm",
-                                  "zero_point": True}
-    (awq_dir / "config.json").write_text(json.dumps(cfg))
+        return (awq_pack(q.q, q.zero, q.scale),
+                (q.q.view(w.shape[0], -1, group_size) - q.zero[..., None]).float().mul(scales[..., None]).view_as(w))
+
+    write_pair(src, awq_dir, dequant_dir, quantize_linear,
+               {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm", "zero_point": True})
 
 
 @pytest.mark.parametrize("act_order", [False, True])
