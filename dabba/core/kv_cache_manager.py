@@ -39,8 +39,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.groups = tuple(groups) if groups else (KVCacheGroup((), None),)
         self.max_chunk = max_chunk
-        sliding = any(g.sliding_window is not None for g in self.groups)
-        self.pool = BlockPool(num_blocks, enable_caching, with_null_block=sliding)
+        self.sliding_groups = [g for g, group in enumerate(self.groups) if group.sliding_window is not None]
+        self.pool = BlockPool(num_blocks, enable_caching, with_null_block=bool(self.sliding_groups))
         self.req_to_blocks: dict[str, BlockTables] = {}
         self.num_cached_blocks: dict[str, list[int]] = {}  # per group: leading blocks already published
         self.prefix_stats = PrefixCacheStats()
@@ -153,8 +153,8 @@ class KVCacheManager:
         tables = self.req_to_blocks.get(request.request_id) or tuple([] for _ in self.groups)
         num_computed = request.num_computed_tokens + len(new_computed[0]) * self.block_size
         total = num_computed + num_new_tokens
-        for g, blocks in enumerate(tables):  # blocks the windows have passed go back to the pool first
-            self._free_skipped(g, blocks, num_computed)
+        for g in self.sliding_groups:  # blocks the windows have passed go back to the pool first
+            self._free_skipped(g, tables[g], num_computed)
         num_required = [max(cdiv(total, self.block_size) - len(blocks) - len(hits), 0)
                         for blocks, hits in zip(tables, new_computed)]
         # Hit blocks nobody holds sit in the free queue: touching them removes them from it.
