@@ -70,13 +70,17 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
     codes = [[(torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n) / 100).bfloat16())
               for n, k in linears] for _ in range(layers)]
     weights = sum(n * k for n, k in linears) * layers  # elements per pass
+    amx = native.amx_usable(shape.hidden)  # the GEMM on AMX tiles, and the thresholds that go with it
+    gemv_max_rows = limits.amx_gemv_max_rows if amx else limits.gemv_max_rows
+    int8_gemm_min_rows = limits.amx_int8_gemm_min_rows if amx else limits.int8_gemm_min_rows
+    gemm = "gemm_amx" if amx else "gemm"
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k).bfloat16() for _, k in linears}
         row: dict[str, Any] = {"rows": m}
         row["bf16_f_linear_ms"] = best_ms(lambda: [F.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
         if native.gemv_available() and native.gemm_available():
-            row["bf16_kernel"] = ("gemv" if m <= limits.gemv_max_rows else "gemm" if m <= limits.gemm_max_rows
+            row["bf16_kernel"] = ("gemv" if m <= gemv_max_rows else gemm if m <= limits.gemm_max_rows
                                   else "f_linear")
             row["bf16_agrees"] = agree([native.linear(xs[w.shape[1]], w) for w in dense[0]],
                                        [F.linear(xs[w.shape[1]], w) for w in dense[0]])
@@ -88,8 +92,8 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
             lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for layer in codes for q, s in layer],
             repeats)
         if native.int8_gemv_available() and native.gemm_available():
-            row["int8_kernel"] = ("gemv" if m <= limits.int8_gemv_max_rows else "pack_mm" if m < limits.int8_gemm_min_rows
-                                  else "gemm" if m <= limits.gemm_max_rows else "dequantize_linear")
+            row["int8_kernel"] = ("gemv" if m <= limits.int8_gemv_max_rows else "pack_mm" if m < int8_gemm_min_rows
+                                  else gemm if m <= limits.gemm_max_rows else "dequantize_linear")
             row["int8_agrees"] = agree([native.int8_linear(xs[q.shape[1]], q, s) for q, s in codes[0]],
                                        [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in codes[0]])
             row["int8_native_ms"] = best_ms(

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 logger = logging.getLogger("dabba")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "gemm_cpu.cpp", "int8_gemv_cpu.cpp",
-           "decode_cpu.cpp", "kernel_constants.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "gemm_cpu.cpp", "gemm_amx_cpu.cpp",
+           "int8_gemv_cpu.cpp", "decode_cpu.cpp", "kernel_constants.cpp")
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,6 +45,8 @@ class KernelConstants:
     int8_gemv_max_rows: int  # INT8 codes: the GEMV up to here
     int8_gemm_min_rows: int  # INT8's GEMM from here to gemm_max_rows (bf16 activations)
     int8_dequant_min_rows: int  # past the GEMM (or float32 from here) INT8 dequantizes its codes
+    amx_gemv_max_rows: int  # where the GEMM runs on AMX tiles (amx_usable): the GEMV only up to here
+    amx_int8_gemm_min_rows: int  # and INT8's GEMM from here
     linear_kinds: dict[str, int]  # "dense", "int8", "int4" -> LinearKind in csrc/cpu_ops.h
 
 
@@ -76,6 +78,12 @@ def gemv_available() -> bool:
 @functools.lru_cache(maxsize=None)
 def gemm_available() -> bool:
     return load_cpu_ops() and torch.ops.dabba_cpu.gemm_available()
+
+
+def amx_usable(in_features: int) -> bool:
+    """Whether the GEMM runs on AMX tiles for this many input features here (csrc/gemm_amx_cpu.cpp):
+    the CPU has AMX-BF16, the OS granted the tiles, and the features are a multiple of 32."""
+    return gemm_available() and torch.ops.dabba_cpu.amx_usable(in_features)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,13 +19,18 @@ def test_kernels_benchmark_reports_each_kernel(capsys) -> None:
     assert [row["rows"] for row in result["int8_prefill"]] == [100]
     assert result["int8_prefill"][0]["agrees"] is True
     limits = native.kernel_constants()
+    amx = native.amx_usable(64)  # the GEMM on AMX tiles, with its own thresholds
     if native.gemv_available() and native.gemm_available():
         assert limits.gemv_max_rows < 13 <= limits.gemm_max_rows < 300  # the row counts above span every kernel
-        assert [row["bf16_kernel"] for row in result["linear"]] == ["gemv", "gemv", "gemm", "f_linear"]
+        assert limits.amx_gemv_max_rows < 1
+        expected = ["gemm_amx"] * 3 if amx else ["gemv", "gemv", "gemm"]
+        assert [row["bf16_kernel"] for row in result["linear"]] == expected + ["f_linear"]
         assert all(row["bf16_agrees"] is True for row in result["linear"])
     if native.int8_gemv_available() and native.gemm_available():
         assert limits.int8_gemv_max_rows < 7 < limits.int8_gemm_min_rows <= 13
-        assert [row["int8_kernel"] for row in result["linear"]] == ["gemv", "pack_mm", "gemm", "dequantize_linear"]
+        assert limits.int8_gemv_max_rows < limits.amx_int8_gemm_min_rows <= 7
+        expected = ["gemv", "gemm_amx", "gemm_amx"] if amx else ["gemv", "pack_mm", "gemm"]
+        assert [row["int8_kernel"] for row in result["linear"]] == expected + ["dequantize_linear"]
         assert all(row["int8_agrees"] is True for row in result["linear"])
     if native.load_cpu_ops():
         attention = result["attention"]

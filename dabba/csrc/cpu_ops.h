@@ -63,23 +63,40 @@ void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
 // steps measured in the engine, SmolLM, against F.linear: 22 against 30-38 ms at 64 rows, 41-44
 // against 46-57 at 128, level at 256, 5-12% slower from 512.
 constexpr int kGemmMaxRows = 256;
+// gemm_amx_cpu.cpp: where the CPU has AMX-BF16, the OS grants the process its tile state and K is
+// a multiple of 32, the GEMM (bf16 and INT8 codes) runs on AMX tiles instead, 3-5x the
+// AVX512-BF16 tiles' rate at 16-256 rows. Its tile loads (16 weight rows at once) also stream the
+// weight faster than the GEMV at any row count, so bf16 takes the GEMM from 1 row (4 layers of
+// Qwen2.5-1.5B, 374 MB: 17.2 ms at 1 row against the GEMV's 22.9, 86% of the 25.4 GB/s that
+// benchmarks.membw measured, against 64%; 16.5-17.5 ms at 2-12 rows, the GEMV 27.6-43.5). INT8
+// keeps its GEMV to kInt8GemvMaxRows (12.4-18.8 ms at 1-6 rows, the widening GEMM 22-23) and takes
+// the GEMM from kAmxInt8GemmMinRows (23.8 ms at 7 rows, _weight_int8pack_mm 40.3). 2-core Xeon
+// with AMX; the script is the one in benchmarks.kernels --hidden 1536 --intermediate 8960
+// --num-heads 12 --num-kv-heads 2 --head-dim 128 --layers 4.
+bool amx_usable(int64_t K);
+constexpr int kAmxGemvMaxRows = 0;
+constexpr int kAmxInt8GemmMinRows = 7;
 bool gemm_available();
-void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+// amx: take the AMX tiles where the CPU has them (gemm_amx_cpu.cpp); false keeps the AVX512-BF16
+// ones, the reference.
+void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+               bool amx = true);
 // x W^T + b on the CPU, the one place that picks the kernel: the GEMV up to kGemvMaxRows bf16 rows,
 // the GEMM up to kGemmMaxRows, F.linear beyond and where neither applies (other dtypes, odd K,
 // strided operands).
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // SwiGLU of a merged [gate; up] projection: silu(x G^T) * (x U^T). Where dense_linear takes the GEMM
-// the GEMM applies it as it stores (the [M, 2d] projection is never written); else dense_linear
-// then silu_and_mul. Bit-identical either way.
+// (and with AMX tiles at any row count: a 4096-row prefill of Qwen2.5-1.5B's MLP, 168 ms against
+// F.linear + silu_and_mul's 221) the GEMM applies it as it stores (the [M, 2d] projection is never
+// written); else dense_linear then silu_and_mul. Bit-identical either way below kGemmMaxRows.
 void bf16_gemm_silu_and_mul(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
-                            const c10::optional<at::Tensor>& bias);
+                            const c10::optional<at::Tensor>& bias, bool amx = true);
 at::Tensor dense_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weight,
                                      const c10::optional<at::Tensor>& bias);
 // INT8 codes [N, K] with a bf16 scale per row: (x Q^T) * s (+ b), each 16 code rows widened to
 // bf16 once per call and multiplied by the same tiles.
 void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-               const c10::optional<at::Tensor>& bias);
+               const c10::optional<at::Tensor>& bias, bool amx = true);
 // (x Q^T) * s + b on the CPU, the one place that picks the INT8 kernel: the INT8 GEMV up to
 // kInt8GemvMaxRows rows, int8_gemm from kInt8GemmMinRows to kGemmMaxRows (bf16 x), codes
 // dequantized + dense_linear from kInt8DequantMinRows, else _weight_int8pack_mm.

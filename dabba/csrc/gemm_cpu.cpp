@@ -1,4 +1,6 @@
 // bf16 x bf16 -> bf16 GEMM for batched decode and prefill: y[M, N] = x[M, K] W[N, K]^T (+ b).
+// These are the AVX512-BF16 tiles, the reference; on CPUs with AMX the GEMM takes AMX tiles
+// instead (gemm_amx_cpu.cpp; take_amx below is where that is decided).
 //
 // PyTorch's F.linear calls oneDNN without prepacked weights, so every call reorders the weight
 // first. On SmolLM's shapes that reaches 250-460 GFLOP/s at the 16-64 rows of batched decode;
@@ -31,6 +33,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "bf16_tiles.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
 
@@ -38,11 +41,6 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define DABBA_HAVE_BF16_GEMM 1
-#endif
 
 namespace dabba {
 
@@ -52,54 +50,6 @@ namespace {
 
 constexpr int64_t kTileRows = 16;      // weight rows per work item: a multiple of every NR below
 constexpr int64_t kBlockRows = 192;    // weight rows that stay in L2 while all row chunks of x pass
-
-// r[i] = 16 pairs of row i -> r[c] = pair c of rows 0..15 (a 16 x 16 transpose of 32-bit lanes).
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {  // within 128-bit lanes: rows i, i+1 interleaved
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int g = 0; g < 16; g += 4) {  // s[g + c], lane L: rows g..g+3 of pair 4L + c
-    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // gather lane L of s[c], s[4 + c], s[8 + c], s[12 + c] into pair 4L + c
-    const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-    const __m512i y1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-    t[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    t[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-    t[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    t[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
-// xp[v][j][i] = pair j of row 16v + i; rows past M are zeros. 16 pairs of 16 rows at a time, in
-// registers, on the calling thread: opening a parallel region for it cost more than the packing
-// (a whole 64 x 576 call against 16 weight rows: 13.6 us with the scalar packing split across
-// threads, 5.8 us now).
-void pack_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* xp) {
-  const int64_t pairs = K / 2, vectors = (M + 15) / 16;
-  for (int64_t v = 0; v < vectors; ++v) {
-    uint32_t* dst = xp + v * pairs * 16;
-    const int rows = static_cast<int>(std::min<int64_t>(16, M - v * 16));
-    const uint32_t* src[16];
-    for (int i = 0; i < rows; ++i) src[i] = reinterpret_cast<const uint32_t*>(x + (v * 16 + i) * ldx);
-    int64_t j = 0;
-    for (; j + 16 <= pairs; j += 16) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_si512(src[i] + j) : _mm512_setzero_si512();
-      transpose16(r);
-      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + (j + c) * 16, r[c]);
-    }
-    for (; j < pairs; ++j)
-      for (int i = 0; i < 16; ++i) dst[j * 16 + i] = i < rows ? src[i][j] : 0;
-  }
-}
 
 // Four columns of 16 rows, as bf16 vectors (one per column) -> row by row, 4 adjacent outputs each.
 inline void store_quad(const __m256i (&cols)[4], int valid_cols, uint16_t* y, int64_t ldy, int64_t rows) {
@@ -115,28 +65,6 @@ inline void store_quad(const __m256i (&cols)[4], int valid_cols, uint16_t* y, in
   const size_t bytes = 2 * static_cast<size_t>(std::min(valid_cols, 4));
   for (int q = 0; q < 16; ++q)
     if (kRowOf[q] < rows) std::memcpy(y + kRowOf[q] * ldy, &quads[q], bytes);
-}
-
-// A column's float32 sums plus its bias, rounded to bf16 once (round to nearest even). With INT8
-// codes, times the column's scale, rounded, then plus the bias, as _weight_int8pack_mm + bias.
-inline __m256i round_column(__m512 sums, const uint16_t* scale, const uint16_t* bias) {
-  if (scale) {
-    sums = _mm512_mul_ps(sums, _mm512_set1_ps(bf16_bits_to_float(*scale)));
-    if (!bias) return (__m256i)_mm512_cvtneps_pbh(sums);
-    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sums);
-    sums = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
-  }
-  if (bias) sums = _mm512_add_ps(sums, _mm512_set1_ps(bf16_bits_to_float(*bias)));
-  return (__m256i)_mm512_cvtneps_pbh(sums);
-}
-
-// SwiGLU of two bf16 columns, lane by lane, exactly as silu_and_mul computes it.
-inline __m256i silu_mul_column(__m256i gate, __m256i up) {
-  alignas(32) uint16_t g[16], u[16], out[16];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(g), gate);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(u), up);
-  for (int i = 0; i < 16; ++i) out[i] = silu_mul_bf16_bits(bf16_bits_to_float(g[i]), bf16_bits_to_float(u[i]));
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(out));
 }
 
 // NR weight rows against MV * 16 packed rows of x (rows of them real), over all of K. Plain: the
@@ -211,18 +139,6 @@ void gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, int6
   }
 }
 
-// int8 codes -> bf16, exactly (|q| <= 128 needs 8 significant bits; bf16 has 8).
-inline void widen_codes(const int8_t* q, int64_t K, uint16_t* dst) {
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
-    const __m512 hi =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
-    _mm512_storeu_si512(dst + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // lo in the low half
-  }
-  for (; k < K; ++k) dst[k] = float_to_bf16_bits(static_cast<float>(q[k]));
-}
-
 // INT8 codes: y = (x Q^T) * s (+ b). Each 16 code rows are widened to bf16 once, into a buffer
 // that the bf16 tiles then read for every row chunk of x; the scale multiplies the float32 sums.
 void int8_gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const int8_t* q, const uint16_t* scales,
@@ -252,25 +168,38 @@ void int8_gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const int8_t* q, c
   }
 }
 
-// x packed once, output columns split across threads in tiles of kTileRows.
+// x packed once, output columns split across threads in tiles of `tile` columns.
 template <typename Rows>
-void gemm_columns(const at::Tensor& x, at::Tensor& out, Rows&& rows) {
+void gemm_columns(const at::Tensor& x, at::Tensor& out, int64_t tile, Rows&& rows) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   at::Tensor packed = at::empty({(M + 15) / 16 * 16 * K / 2}, x.options().dtype(at::kInt));
   auto* xp = reinterpret_cast<uint32_t*>(packed.data_ptr());
   pack_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K, xp);
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  const int64_t tiles = (N + tile - 1) / tile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    rows(xp, yp, begin * kTileRows, std::min(N, end * kTileRows));
+    rows(xp, yp, begin * tile, std::min(N, end * tile));
   });
 }
 
+// The one place the GEMM picks its tiles: AMX where the CPU has it and K fits its tiles
+// (gemm_amx_cpu.cpp), else the AVX512-BF16 ones above, which stay the reference (`amx` false
+// forces them, for the tests that hold the two equal).
+inline bool take_amx(int64_t K, bool amx) { return amx && amx_usable(K); }
+
 template <bool kSwiGLU>
-void gemm(const at::Tensor& x, const at::Tensor& weight, int64_t up_rows, const uint16_t* bias, at::Tensor& out) {
+void gemm(const at::Tensor& x, const at::Tensor& weight, int64_t up_rows, const uint16_t* bias, at::Tensor& out,
+          bool amx) {
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  gemm_columns(x, out, [&](const uint32_t* xp, uint16_t* yp, int64_t begin, int64_t end) {
-    gemm_rows<kSwiGLU>(xp, x.size(0), x.size(1), wp, up_rows, bias, yp, out.stride(0), out.size(1), begin, end);
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), ldy = out.stride(0);
+  if (take_amx(K, amx)) {
+    gemm_columns(x, out, kAmxColumns, [&](const uint32_t* xp, uint16_t* yp, int64_t begin, int64_t end) {
+      amx_gemm_rows(kSwiGLU, xp, M, K, wp, up_rows, bias, yp, ldy, N, begin, end);
+    });
+    return;
+  }
+  gemm_columns(x, out, kTileRows, [&](const uint32_t* xp, uint16_t* yp, int64_t begin, int64_t end) {
+    gemm_rows<kSwiGLU>(xp, M, K, wp, up_rows, bias, yp, ldy, N, begin, end);
   });
 }
 
@@ -311,26 +240,27 @@ void check_gemm_input(const char* op, const at::Tensor& x, const at::Tensor& wei
 
 }  // namespace
 
-void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+               bool amx) {
   check_gemm_input("bf16_gemm", x, weight, at::kBFloat16);
   const uint16_t* bp = check_bf16_output(out, x.size(0), weight.size(0), bias, weight.size(0));
 #ifdef DABBA_HAVE_BF16_GEMM
-  if (x.size(0) > 0 && weight.size(0) > 0) gemm<false>(x, weight, 0, bp, out);
+  if (x.size(0) > 0 && weight.size(0) > 0) gemm<false>(x, weight, 0, bp, out, amx);
 #endif
 }
 
 void bf16_gemm_silu_and_mul(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
-                            const c10::optional<at::Tensor>& bias) {
+                            const c10::optional<at::Tensor>& bias, bool amx) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "weight must be [2 * d, K]: gate rows, then up rows");
   check_gemm_input("bf16_gemm", x, weight, at::kBFloat16);
   const uint16_t* bp = check_bf16_output(out, x.size(0), weight.size(0) / 2, bias, weight.size(0));
 #ifdef DABBA_HAVE_BF16_GEMM
-  if (x.size(0) > 0 && weight.size(0) > 0) gemm<true>(x, weight, weight.size(0) / 2, bp, out);
+  if (x.size(0) > 0 && weight.size(0) > 0) gemm<true>(x, weight, weight.size(0) / 2, bp, out, amx);
 #endif
 }
 
 void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-               const c10::optional<at::Tensor>& bias) {
+               const c10::optional<at::Tensor>& bias, bool amx) {
   check_gemm_input("int8_gemm", x, codes, at::kChar);
   const int64_t M = x.size(0), N = codes.size(0), K = x.size(1);
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous() && scales.scalar_type() == at::kBFloat16,
@@ -340,17 +270,33 @@ void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, con
   if (M == 0 || N == 0) return;
   const auto* qp = codes.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  gemm_columns(x, out, [&](const uint32_t* xp, uint16_t* yp, int64_t begin, int64_t end) {
-    int8_gemm_rows(xp, M, K, qp, sp, bp, yp, out.stride(0), N, begin, end);
+  const int64_t ldy = out.stride(0);
+  if (take_amx(K, amx)) {
+    gemm_columns(x, out, kAmxColumns, [&](const uint32_t* xp, uint16_t* yp, int64_t begin, int64_t end) {
+      amx_int8_gemm_rows(xp, M, K, qp, sp, bp, yp, ldy, N, begin, end);
+    });
+    return;
+  }
+  gemm_columns(x, out, kTileRows, [&](const uint32_t* xp, uint16_t* yp, int64_t begin, int64_t end) {
+    int8_gemm_rows(xp, M, K, qp, sp, bp, yp, ldy, N, begin, end);
   });
 #endif
 }
+
+namespace {
+
+// Rows up to which a linear with K inputs takes the GEMV (bf16) or _weight_int8pack_mm (INT8)
+// rather than the GEMM: fewer where the GEMM has AMX tiles.
+int64_t gemv_max_rows(int64_t K) { return amx_usable(K) ? kAmxGemvMaxRows : kGemvMaxRows; }
+int64_t int8_gemm_min_rows(int64_t K) { return amx_usable(K) ? kAmxInt8GemmMinRows : kInt8GemmMinRows; }
+
+}  // namespace
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const bool bf16 = x.dim() == 2 && x.size(0) > 0 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 &&
                     weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
                     (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()));
-  if (bf16 && x.size(0) <= kGemvMaxRows && gemv_available()) {
+  if (bf16 && x.size(0) <= gemv_max_rows(x.size(1)) && gemv_available()) {
     at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
     bf16_gemv(y, x, weight, bias);
     return y;
@@ -365,7 +311,10 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10
 
 at::Tensor dense_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weight,
                                      const c10::optional<at::Tensor>& bias) {
-  const bool gemm_rows = x.dim() == 2 && x.size(0) > kGemvMaxRows && x.size(0) <= kGemmMaxRows;
+  // On AMX tiles the fused GEMM passes F.linear + silu_and_mul at any row count (it never writes
+  // the [M, 2d] projection out); the AVX512 tiles only up to kGemmMaxRows.
+  const bool gemm_rows = x.dim() == 2 && x.size(0) > gemv_max_rows(x.size(1)) &&
+                         (x.size(0) <= kGemmMaxRows || amx_usable(x.size(1)));
   if (gemm_rows && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous() &&
       weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0 && weight.size(0) % 2 == 0 &&
       (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous())) && gemm_available()) {
@@ -393,7 +342,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   }
   // PyTorch's _weight_int8pack_mm (2.13, CPU) crashes when K is not a multiple of 32: never hand it one.
   const bool pack_mm_safe = x.size(-1) % 32 == 0;
-  if (operands && dtype == at::kBFloat16 && (x.size(0) >= kInt8GemmMinRows || !pack_mm_safe) &&
+  if (operands && dtype == at::kBFloat16 && (x.size(0) >= int8_gemm_min_rows(x.size(1)) || !pack_mm_safe) &&
       x.size(0) <= kGemmMaxRows && x.size(1) % 2 == 0 && gemm_available()) {
     at::Tensor y = at::empty({x.size(0), codes.size(0)}, x.options());
     int8_gemm(y, x, codes, scales, bias);
@@ -414,11 +363,12 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.impl("dense_linear_silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(dabba::dense_linear_silu_and_mul));
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::int8_linear));
-  m.def("int8_gemm(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> ()");
+  m.def("int8_gemm(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? bias, bool amx=True) -> ()");
   m.impl("int8_gemm", c10::DispatchKey::CPU, TORCH_FN(dabba::int8_gemm));
   m.def("gemm_available() -> bool", &dabba::gemm_available);
-  m.def("bf16_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.def("amx_usable(int K) -> bool", &dabba::amx_usable);  // no tensor: a catch-all
+  m.def("bf16_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, bool amx=True) -> ()");
   m.impl("bf16_gemm", c10::DispatchKey::CPU, TORCH_FN(dabba::bf16_gemm));
-  m.def("bf16_gemm_silu_and_mul(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.def("bf16_gemm_silu_and_mul(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, bool amx=True) -> ()");
   m.impl("bf16_gemm_silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(dabba::bf16_gemm_silu_and_mul));
 }

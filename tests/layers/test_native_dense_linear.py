@@ -1,7 +1,7 @@
-"""dabba's bf16 linear kernels on the CPU (the GEMV for decode's few rows, the GEMM beyond) against
-float32 arithmetic on the same bf16 operands: they may differ from F.linear only in the order of
-float32 additions, so each output is the float32 result rounded to bf16, give or take an ulp of
-the sum."""
+"""dabba's bf16 linear kernels on the CPU (the GEMV for decode's few rows, the GEMM beyond, on AMX
+tiles where the CPU has them) against float32 arithmetic on the same bf16 operands: they may differ
+from F.linear only in the order of float32 additions, so each output is the float32 result rounded
+to bf16, give or take an ulp of the sum."""
 from __future__ import annotations
 
 import pytest
@@ -39,17 +39,42 @@ def test_linear_matches_float32_products(rows, out_features, in_features, bias) 
     assert_rounded_products(native.linear(x, w, b), x, w, b)
 
 
+amx = native.amx_usable(256)  # the GEMM's AMX tiles are here (else amx=True takes the AVX512 ones too)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 31, 48])
-def test_gemm_kernel_at_any_row_count(rows) -> None:
-    """The GEMM itself, below the GEMV's limit too, into a wider output (a row stride)."""
+@pytest.mark.parametrize("use_amx", [False, True])
+def test_gemm_kernel_at_any_row_count(rows, use_amx) -> None:
+    """The GEMM itself, below the GEMV's limit too, into a wider output (a row stride); both its
+    tiles (AVX512-BF16, the reference, and AMX)."""
     torch.manual_seed(rows)
     x = torch.randn(rows, 256).bfloat16()
     w = torch.randn(45, 256).bfloat16()
     b = torch.randn(45).bfloat16()
     out = torch.full((rows, 60), 7.0, dtype=torch.bfloat16)
-    torch.ops.dabba_cpu.bf16_gemm(out[:, :45], x, w, b)
+    torch.ops.dabba_cpu.bf16_gemm(out[:, :45], x, w, b, use_amx)
     assert_rounded_products(out[:, :45], x, w, b)
     assert (out[:, 45:] == 7.0).all()  # nothing written past the output's columns
+
+
+@pytest.mark.skipif(not amx, reason="no AMX tiles here")
+@pytest.mark.parametrize("out_features", [13, 32, 45, 100, 2 * 17 * 32])
+def test_amx_tiles_match_the_reference_tiles_and_ignore_the_batch(out_features) -> None:
+    """AMX steps take 32 weight rows (a partial last step is padded) against 16 or 32 rows of x and
+    split the output across threads in 32s: every shape of that agrees with the AVX512 tiles to
+    rounding. Each output depends only on its own row of x, so a row's result is the same alone as
+    in any batch."""
+    torch.manual_seed(out_features)
+    x = torch.randn(100, 96).bfloat16()
+    w = (torch.randn(out_features, 96) * 0.1).bfloat16()
+    b = torch.randn(out_features).bfloat16()
+    got, ref = (torch.empty(100, out_features, dtype=torch.bfloat16) for _ in range(2))
+    torch.ops.dabba_cpu.bf16_gemm(got, x, w, b, True)
+    torch.ops.dabba_cpu.bf16_gemm(ref, x, w, b, False)
+    assert_rounded_products(got, x, w, b)
+    assert ((got.double() - ref.double()).abs() <= 2 * (ref.double().abs() * 2**-7 + 1e-3)).all()
+    for rows in (1, 3, 16, 17, 33):
+        assert torch.equal(native.linear(x[5:5 + rows], w, b), got[5:5 + rows])
 
 
 def test_odd_in_features_and_other_cases_fall_back() -> None:
@@ -86,7 +111,8 @@ def test_kernels_reject_bad_shapes() -> None:
 @pytest.mark.parametrize("bias", [False, True])
 def test_swiglu_fused_into_the_gemm_is_bit_identical(rows, d, in_features, bias) -> None:
     """Past the GEMV's rows the GEMM stores silu(gate) * up itself: exactly what the projection
-    followed by silu_and_mul gives."""
+    followed by silu_and_mul gives where the projection takes the GEMM too (on AMX tiles the fused
+    GEMM takes any row count, and the plain projection F.linear past gemm_max_rows)."""
     from dabba.layers.activation import silu_and_mul
 
     torch.manual_seed(rows + d)
@@ -94,7 +120,9 @@ def test_swiglu_fused_into_the_gemm_is_bit_identical(rows, d, in_features, bias)
     w = (torch.randn(2 * d, in_features) * 0.2).bfloat16()
     b = torch.randn(2 * d).bfloat16() if bias else None
     fused = native.linear_silu_and_mul(x, w, b)
-    assert fused.shape == (rows, d) and torch.equal(fused, silu_and_mul(native.linear(x, w, b)))
+    assert fused.shape == (rows, d)
+    if rows <= limits.gemm_max_rows or not native.amx_usable(in_features):
+        assert torch.equal(fused, silu_and_mul(native.linear(x, w, b)))
     gate, up = F.linear(x, w, b).chunk(2, dim=-1)
     torch.testing.assert_close(fused, F.silu(gate) * up, atol=0.05, rtol=0.02)
 

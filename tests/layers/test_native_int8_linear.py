@@ -64,10 +64,12 @@ def test_int8_gemm_matches_exact_products(rows, out_features, in_features, bias)
     exact = x.double() @ q.double().T * s.double() + (b.double() if b is not None else 0)
     bound = _bound(x, q, s, b, int16_x=False)
     assert ((got.double() - exact).abs() <= bound).all()
-    direct = torch.empty_like(got)
+    direct, reference = torch.empty_like(got), torch.empty_like(got)
     torch.ops.dabba_cpu.int8_gemm(direct, x, q, s, b)  # the kernel itself, whatever the row count
     assert torch.equal(direct, got) or rows < limits.int8_gemm_min_rows
     assert ((direct.double() - exact).abs() <= bound).all()
+    torch.ops.dabba_cpu.int8_gemm(reference, x, q, s, b, False)  # the AVX512-BF16 tiles, where AMX took direct
+    assert ((reference.double() - exact).abs() <= bound).all()
     if in_features % 32 == 0:  # (PyTorch's kernel crashes past that, such as 37 x 70)
         ref = torch.ops.aten._weight_int8pack_mm(x, q, s)
         ref = ref + b if b is not None else ref
