@@ -96,12 +96,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """silu(gate) * up of the merged projection x [gate; up]^T on the CPU: where ``linear`` takes
-    the GEMM, the GEMM applies it as it stores, so the projection is never written out. None off
-    the CPU."""
+def linear_act_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       activation: str) -> torch.Tensor | None:
+    """act(gate) * up of the merged projection x [gate; up]^T on the CPU ("silu": SwiGLU,
+    "gelu_tanh": GeGLU): where the GEMM runs, it applies the activation as it stores, so the
+    projection is never written out. None off the CPU."""
     if x.dim() == 2 and x.device.type == "cpu" and weight.device.type == "cpu" and load_cpu_ops():
-        return torch.ops.dabba_cpu.dense_linear_silu_and_mul(x, weight, bias)
+        op = {"silu": torch.ops.dabba_cpu.dense_linear_silu_and_mul,
+              "gelu_tanh": torch.ops.dabba_cpu.dense_linear_gelu_tanh_and_mul}[activation]
+        return op(x, weight, bias)
     return None
 
 

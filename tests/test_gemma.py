@@ -197,9 +197,22 @@ def test_norm_and_embedding_scale_equal_transformers(dtype) -> None:
     theirs, ours = Gemma3RMSNorm(1152, 1e-6).to(dtype), GemmaRMSNorm(1152, 1e-6).to(dtype)
     theirs.weight.data.copy_(w)
     ours.weight.data.copy_(w)
-    assert torch.equal(ours(x), theirs(x))
-    normed, summed = ours(x, residual)
-    assert torch.equal(summed, residual + x) and torch.equal(normed, theirs(residual + x))
+    assert torch.equal(ours._norm(x), theirs(x))  # the reference path, op for op
+
+    def one_rounding_apart(got: torch.Tensor, want: torch.Tensor) -> bool:
+        # the native kernels sum the squares in another order (and take 1/sqrt, not rsqrt): float32
+        # rounding apart before the output's own rounding, so a bf16 output is at most an ulp off
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 1e-5
+        return bool(((got.double() - want.double()).abs() <= ulp * want.double().abs() + 1e-6).all())
+
+    assert one_rounding_apart(ours(x), theirs(x))
+    x_own, residual_own = x.clone(), residual.clone()  # the fused form updates both in place
+    normed, summed = ours(x_own, residual_own)
+    assert torch.equal(summed, residual + x) and one_rounding_apart(normed, theirs(residual + x))
+    q = torch.randn(5, 6 * 256, dtype=dtype).view(5, 6, 256)[:, :4]  # q of a merged q/k/v projection
+    head_norm = GemmaRMSNorm(256, 1e-6).to(dtype)
+    head_norm.weight.data.copy_(w[:256])
+    assert one_rounding_apart(head_norm(q), head_norm._norm(q))
     llama = RMSNorm(1152, 1e-6).to(dtype)
     llama.weight.data.copy_(1 + w.to(dtype))
     if dtype == torch.bfloat16:  # Llama's rounds before it scales: not the same numbers

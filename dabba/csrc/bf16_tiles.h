@@ -16,6 +16,10 @@
 
 namespace dabba {
 
+// What a GEMM stores: its rounded sums, or for a gated MLP's merged [gate; up] weight
+// act(gate) * up, rounded as silu_and_mul / gelu_tanh_and_mul (elementwise_cpu.cpp) round.
+enum class Epilogue { kPlain, kSilu, kGeluTanh };
+
 #ifdef DABBA_HAVE_BF16_GEMM
 
 // r[i] = 16 pairs of row i -> r[c] = pair c of rows 0..15 (a 16 x 16 transpose of 32-bit lanes).
@@ -79,12 +83,16 @@ inline __m256i round_column(__m512 sums, const uint16_t* scale, const uint16_t* 
   return (__m256i)_mm512_cvtneps_pbh(sums);
 }
 
-// SwiGLU of two bf16 columns, lane by lane, exactly as silu_and_mul computes it.
-inline __m256i silu_mul_column(__m256i gate, __m256i up) {
+// A gated epilogue of two bf16 columns, lane by lane, exactly as the elementwise kernels compute it.
+template <Epilogue E>
+inline __m256i gated_column(__m256i gate, __m256i up) {
+  static_assert(E != Epilogue::kPlain, "a gated epilogue");
   alignas(32) uint16_t g[16], u[16], out[16];
   _mm256_store_si256(reinterpret_cast<__m256i*>(g), gate);
   _mm256_store_si256(reinterpret_cast<__m256i*>(u), up);
-  for (int i = 0; i < 16; ++i) out[i] = silu_mul_bf16_bits(bf16_bits_to_float(g[i]), bf16_bits_to_float(u[i]));
+  for (int i = 0; i < 16; ++i)
+    out[i] = E == Epilogue::kSilu ? silu_mul_bf16_bits(bf16_bits_to_float(g[i]), bf16_bits_to_float(u[i]))
+                                  : gelu_mul_bf16_bits(bf16_bits_to_float(g[i]), bf16_bits_to_float(u[i]));
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(out));
 }
 
@@ -103,9 +111,9 @@ inline void widen_codes(const int8_t* q, int64_t K, uint16_t* dst) {
 // The AMX microkernel (gemm_amx_cpu.cpp), over packed x as above, where amx_usable(K) (cpu_ops.h).
 // Columns go by kAmxColumns (threads split N in multiples of it; a partial last step is padded).
 constexpr int64_t kAmxColumns = 32;
-// Plain: y[:, n_begin:n_end] = x W^T (+ b). SwiGLU: W is [gate; up] with up_rows gate rows, and
-// y[:, n] = silu(gate_n) * up_n for n in [n_begin, n_end) < up_rows.
-void amx_gemm_rows(bool swiglu, const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, int64_t up_rows,
+// Plain: y[:, n_begin:n_end] = x W^T (+ b). Gated: W is [gate; up] with up_rows gate rows, and
+// y[:, n] = act(gate_n) * up_n for n in [n_begin, n_end) < up_rows.
+void amx_gemm_rows(Epilogue epilogue, const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, int64_t up_rows,
                    const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t N, int64_t n_begin, int64_t n_end);
 // INT8 codes [N, K] with a bf16 scale per row, widened to bf16 kAmxColumns rows at a time.
 void amx_int8_gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const int8_t* q, const uint16_t* scales,

@@ -21,6 +21,9 @@ c10::Dict<std::string, int64_t> kernel_constants();
 // elementwise_cpu.cpp
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
+// Gemma's: x * rsqrt(mean(x^2) + eps) * (1 + w) in float32, rounded once
+void gemma_rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void gemma_fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x);
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
@@ -85,14 +88,19 @@ void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
 // the GEMM up to kGemmMaxRows, F.linear beyond and where neither applies (other dtypes, odd K,
 // strided operands).
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
-// SwiGLU of a merged [gate; up] projection: silu(x G^T) * (x U^T). Where dense_linear takes the GEMM
-// (and with AMX tiles at any row count: a 4096-row prefill of Qwen2.5-1.5B's MLP, 168 ms against
-// F.linear + silu_and_mul's 221) the GEMM applies it as it stores (the [M, 2d] projection is never
-// written); else dense_linear then silu_and_mul. Bit-identical either way below kGemmMaxRows.
+// A gated MLP's merged [gate; up] projection and activation: silu(x G^T) * (x U^T) (SwiGLU) or
+// gelu_tanh(x G^T) * (x U^T) (GeGLU). Where dense_linear takes the GEMM (and on AMX tiles at any
+// row count: a 4096-row prefill of Qwen2.5-1.5B's MLP, 168 ms against F.linear + silu_and_mul's
+// 221) the GEMM applies it as it stores (the [M, 2d] projection is never written); else
+// dense_linear then the elementwise kernel. Bit-identical either way below kGemmMaxRows.
 void bf16_gemm_silu_and_mul(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias, bool amx = true);
+void bf16_gemm_gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
+                                 const c10::optional<at::Tensor>& bias, bool amx = true);
 at::Tensor dense_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weight,
                                      const c10::optional<at::Tensor>& bias);
+at::Tensor dense_linear_gelu_tanh_and_mul(const at::Tensor& x, const at::Tensor& weight,
+                                          const c10::optional<at::Tensor>& bias);
 // INT8 codes [N, K] with a bf16 scale per row: (x Q^T) * s (+ b), each 16 code rows widened to
 // bf16 once per call and multiplied by the same tiles.
 void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,

@@ -38,7 +38,9 @@ inline float round_to(float x) {
 // One row: out = weight * round(x * rsqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm.
 // The sum of squares runs in 16 lanes: GCC leaves a single float accumulator scalar (without
 // -ffast-math it may not reorder the additions), which made this 30 us per 128 x 576 bf16 rows.
-template <typename scalar_t>
+// kUnitOffset: Gemma's form, x * inv * (1 + w) in float32 and rounded once; else Llama's,
+// round(x * inv) then times w.
+template <typename scalar_t, bool kUnitOffset = false>
 inline void rms_norm_row(scalar_t* out, const scalar_t* x, const scalar_t* weight, int64_t n, float eps) {
   constexpr int64_t kLanes = 16;
   float lanes[kLanes] = {};
@@ -55,6 +57,11 @@ inline void rms_norm_row(scalar_t* out, const scalar_t* x, const scalar_t* weigh
   }
   for (int64_t l = 0; l < kLanes; ++l) sum_sq += lanes[l];
   const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+  if constexpr (kUnitOffset) {
+    for (int64_t i = 0; i < n; ++i)
+      out[i] = Cvt<scalar_t>::store(Cvt<scalar_t>::load(x[i]) * inv * (1.f + Cvt<scalar_t>::load(weight[i])));
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) {
     const float normed = round_to<scalar_t>(Cvt<scalar_t>::load(x[i]) * inv);
     out[i] = Cvt<scalar_t>::store(Cvt<scalar_t>::load(weight[i]) * normed);
@@ -73,7 +80,10 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight) {
               "weight must be [hidden] of x's dtype");
 }
 
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+namespace {
+
+template <bool kUnitOffset>
+void rms_norm_rows(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, weight);
   TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == x.scalar_type(), "bad out");
   const int64_t rows = x.size(0), n = x.size(1);
@@ -82,14 +92,16 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) rms_norm_row(op + r * n, xp + r * n, wp, n, static_cast<float>(eps));
+      for (int64_t r = begin; r < end; ++r)
+        rms_norm_row<scalar_t, kUnitOffset>(op + r * n, xp + r * n, wp, n, static_cast<float>(eps));
     });
   });
 }
 
 // residual <- round(x + residual); x <- rms_norm(residual). The add rounds to the model dtype
 // first, as `hidden = residual + hidden` does in the reference.
-void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+template <bool kUnitOffset>
+void fused_add_rms_norm_rows(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
   check_rows(x, weight);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
               "residual must match x");
@@ -103,10 +115,28 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
         scalar_t* xr = xp + r * n;
         scalar_t* rr = rp + r * n;
         add_row(rr, xr, n);
-        rms_norm_row(xr, rr, wp, n, static_cast<float>(eps));
+        rms_norm_row<scalar_t, kUnitOffset>(xr, rr, wp, n, static_cast<float>(eps));
       }
     });
   });
+}
+
+}  // namespace
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  rms_norm_rows<false>(out, x, weight, eps);
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  fused_add_rms_norm_rows<false>(x, residual, weight, eps);
+}
+
+void gemma_rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  rms_norm_rows<true>(out, x, weight, eps);
+}
+
+void gemma_fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  fused_add_rms_norm_rows<true>(x, residual, weight, eps);
 }
 
 template <typename scalar_t>
@@ -134,18 +164,6 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
       }
     });
   });
-}
-
-// gelu(x, approximate="tanh") = 0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3), in PyTorch's
-// op order (its CPU kernel's), with tanh(|y|) = (1 - e) / (1 + e), e = exp(-2|y|), from the
-// vectorisable exp (libm's tanhf does not vectorise: 13 ns an element, against 1). Equal to
-// PyTorch's within float32 rounding; where tanh(y) nears -1 (x below about -3) both results are
-// mostly cancellation, and below 1e-3 a bf16 result may differ from PyTorch's in the last bit.
-inline float gelu_tanh(float x) {
-  const float y = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
-  const float e = exp_nonpositive(-2.f * __builtin_fabsf(y));
-  const float t = (1.f - e) / (1.f + e);  // tanh(|y|)
-  return 0.5f * x * (1.f + (y >= 0.f ? t : -t));
 }
 
 template <typename scalar_t>
@@ -220,11 +238,15 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const a
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("gemma_rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("gemma_fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(dabba::rms_norm));
   m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(dabba::fused_add_rms_norm));
+  m.impl("gemma_rms_norm", c10::DispatchKey::CPU, TORCH_FN(dabba::gemma_rms_norm));
+  m.impl("gemma_fused_add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(dabba::gemma_fused_add_rms_norm));
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(dabba::silu_and_mul));
   m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, TORCH_FN(dabba::gelu_tanh_and_mul));
   m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(dabba::rotary_embedding));

@@ -12,14 +12,14 @@
 // How: the weight is the A operand, read in place (16 rows of it, 64 bytes of each, per tile
 // load), so it needs no second copy and the GEMV keeps reading it row-major; x, packed once per call
 // as pairs of K for 16 rows (bf16_tiles.h), is the B operand as it lies. A step takes 2 A tiles (32
-// weight rows; for SwiGLU 16 gate rows and the matching 16 up rows) against 1 or 2 B tiles (16 or
+// weight rows; for a gated MLP 16 gate rows and the matching 16 up rows) against 1 or 2 B tiles (16 or
 // 32 rows of x): 4 accumulator tiles, 2 A, 2 B, all 8 tile registers. The sums come out as
 // [weight row][x row]; the epilogue rounds each weight row's 16 sums as the AVX512 tiles do
-// (round_column, silu_mul_column), then transposes 16 x 16 to store rows of y.
+// (round_column, gated_column), then transposes 16 x 16 to store rows of y.
 //
 // Each output element depends on its weight row and its x row only, so a row's result does not
-// change with how many other rows share the call (and the fused SwiGLU equals projection +
-// silu_and_mul bit for bit). The tiles' summation order differs from vdpbf16ps's, so the two
+// change with how many other rows share the call (and the fused SwiGLU / GeGLU equals the projection
+// + silu_and_mul / gelu_tanh_and_mul bit for bit). The tiles' summation order differs from vdpbf16ps's, so the two
 // kernels agree to float32 rounding, not bit for bit.
 #include "bf16_tiles.h"
 #include "cpu_ops.h"
@@ -129,9 +129,9 @@ inline void store_columns(const __m256i (&cols)[16], int cols_valid, uint16_t* y
 }
 
 // One step's sums c (amx_tile's layout) -> y. Plain: tile t holds columns 16t.. of the step.
-// SwiGLU: tile 0 the gate rows, tile 1 the up rows of the same 16 columns.
+// Gated: tile 0 the gate rows, tile 1 the up rows of the same 16 columns.
 template <int MV>
-void store_step(const float* c, bool swiglu, int cols, const uint16_t* scale, const uint16_t* bias,
+void store_step(const float* c, Epilogue epilogue, int cols, const uint16_t* scale, const uint16_t* bias,
                 const uint16_t* up_bias, uint16_t* y, int64_t ldy, int64_t rows) {
   for (int v = 0; v < MV; ++v) {
     const int64_t v_rows = std::min<int64_t>(16, rows - v * 16);
@@ -140,7 +140,7 @@ void store_step(const float* c, bool swiglu, int cols, const uint16_t* scale, co
     const float* t0 = c + v * 256;
     const float* t1 = c + (MV + v) * 256;
     __m256i cols_out[16];
-    if (swiglu) {
+    if (epilogue != Epilogue::kPlain) {
       for (int n = 0; n < 16; ++n) {
         if (n >= cols) {
           cols_out[n] = _mm256_setzero_si256();
@@ -148,7 +148,8 @@ void store_step(const float* c, bool swiglu, int cols, const uint16_t* scale, co
         }
         const __m256i gate = round_column(_mm512_loadu_ps(t0 + n * 16), nullptr, bias ? bias + n : nullptr);
         const __m256i up = round_column(_mm512_loadu_ps(t1 + n * 16), nullptr, up_bias ? up_bias + n : nullptr);
-        cols_out[n] = silu_mul_column(gate, up);
+        cols_out[n] = epilogue == Epilogue::kSilu ? gated_column<Epilogue::kSilu>(gate, up)
+                                                  : gated_column<Epilogue::kGeluTanh>(gate, up);
       }
       store_columns(cols_out, cols, yv, ldy, v_rows);
       continue;
@@ -167,7 +168,7 @@ void store_step(const float* c, bool swiglu, int cols, const uint16_t* scale, co
 
 // All row chunks of x (2 vectors at a time, the last alone if odd) against one step's A rows.
 void run_step(const uint32_t* xp, int64_t M, int64_t pairs, const uint16_t* a0, const uint16_t* a1, int64_t lda_bytes,
-              bool swiglu, int cols, const uint16_t* scale, const uint16_t* bias, const uint16_t* up_bias, uint16_t* y,
+              Epilogue epilogue, int cols, const uint16_t* scale, const uint16_t* bias, const uint16_t* up_bias, uint16_t* y,
               int64_t ldy, float* c) {
   const int64_t vectors = (M + 15) / 16;
   for (int64_t v = 0; v < vectors;) {
@@ -176,11 +177,11 @@ void run_step(const uint32_t* xp, int64_t M, int64_t pairs, const uint16_t* a0, 
     const int64_t rows = M - v * 16;
     if (vectors - v >= 2) {
       amx_tile<2>(xv, pairs, a0, a1, lda_bytes, 0, pairs, nullptr, c);
-      store_step<2>(c, swiglu, cols, scale, bias, up_bias, yv, ldy, rows);
+      store_step<2>(c, epilogue, cols, scale, bias, up_bias, yv, ldy, rows);
       v += 2;
     } else {
       amx_tile<1>(xv, pairs, a0, a1, lda_bytes, 0, pairs, nullptr, c);
-      store_step<1>(c, swiglu, cols, scale, bias, up_bias, yv, ldy, rows);
+      store_step<1>(c, epilogue, cols, scale, bias, up_bias, yv, ldy, rows);
       v += 1;
     }
   }
@@ -222,13 +223,14 @@ bool amx_usable(int64_t K) {
   return granted && K % 32 == 0 && K > 0;
 }
 
-void amx_gemm_rows(bool swiglu, const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, int64_t up_rows,
+void amx_gemm_rows(Epilogue epilogue, const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, int64_t up_rows,
                    const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t N, int64_t n_begin, int64_t n_end) {
   TileScope tiles;
   alignas(64) float c[4 * 256];
   std::vector<uint16_t> pad0, pad1;
-  const int64_t pairs = K / 2, lda = 2 * K, step = swiglu ? 16 : 32, d = depth(K);
-  const int64_t block = block_rows(d) / (swiglu ? 2 : 1), chunk = chunk_vectors(d), vectors = (M + 15) / 16;
+  const bool gated = epilogue != Epilogue::kPlain;
+  const int64_t pairs = K / 2, lda = 2 * K, step = gated ? 16 : 32, d = depth(K);
+  const int64_t block = block_rows(d) / (gated ? 2 : 1), chunk = chunk_vectors(d), vectors = (M + 15) / 16;
   // sums between ranges of K: one step's tiles per (step of the block, pair of vectors of the chunk)
   std::vector<float> carried(d < K ? (block / step) * (chunk / 2) * 4 * 256 : 0);
   for (int64_t b = n_begin; b < n_end; b += block) {
@@ -242,7 +244,7 @@ void amx_gemm_rows(bool swiglu, const uint32_t* xp, int64_t M, int64_t K, const 
         for (int64_t n = b; n < b_end; n += step) {
           const int cols = static_cast<int>(std::min<int64_t>(step, n_end - n));
           const uint16_t* a0 = tile_rows(w, K, n, cols, pad0);
-          const uint16_t* a1 = swiglu ? tile_rows(w, K, up_rows + n, cols, pad1) : tile_rows(w, K, n + 16, cols - 16, pad1);
+          const uint16_t* a1 = gated ? tile_rows(w, K, up_rows + n, cols, pad1) : tile_rows(w, K, n + 16, cols - 16, pad1);
           for (int64_t v = v0; v < v_end; v += 2, slot += 4 * 256) {
             const uint32_t* xv = xp + v * pairs * 16;
             float* out = last ? c : slot;
@@ -250,13 +252,13 @@ void amx_gemm_rows(bool swiglu, const uint32_t* xp, int64_t M, int64_t K, const 
             const int64_t rows = M - v * 16;
             uint16_t* yv = y + v * 16 * ldy + n;
             const uint16_t* bn = bias ? bias + n : nullptr;
-            const uint16_t* up_bias = swiglu && bias ? bias + up_rows + n : nullptr;
+            const uint16_t* up_bias = gated && bias ? bias + up_rows + n : nullptr;
             if (v_end - v >= 2) {
               amx_tile<2>(xv, pairs, a0, a1, lda, j0, j1, in, out);
-              if (last) store_step<2>(c, swiglu, cols, nullptr, bn, up_bias, yv, ldy, rows);
+              if (last) store_step<2>(c, epilogue, cols, nullptr, bn, up_bias, yv, ldy, rows);
             } else {
               amx_tile<1>(xv, pairs, a0, a1, lda, j0, j1, in, out);
-              if (last) store_step<1>(c, swiglu, cols, nullptr, bn, up_bias, yv, ldy, rows);
+              if (last) store_step<1>(c, epilogue, cols, nullptr, bn, up_bias, yv, ldy, rows);
             }
           }
         }
@@ -276,7 +278,7 @@ void amx_int8_gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const int8_t* 
       if (r < cols) widen_codes(q + (n + r) * K, K, rows_bf16.data() + r * K);
       else std::memset(rows_bf16.data() + r * K, 0, K * sizeof(uint16_t));
     }
-    run_step(xp, M, K / 2, rows_bf16.data(), rows_bf16.data() + 16 * K, 2 * K, false, cols, scales + n,
+    run_step(xp, M, K / 2, rows_bf16.data(), rows_bf16.data() + 16 * K, 2 * K, Epilogue::kPlain, cols, scales + n,
              bias ? bias + n : nullptr, nullptr, y + n, ldy, c);
   }
 }
@@ -285,7 +287,7 @@ void amx_int8_gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const int8_t* 
 
 bool amx_usable(int64_t) { return false; }
 
-void amx_gemm_rows(bool, const uint32_t*, int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, uint16_t*,
+void amx_gemm_rows(Epilogue, const uint32_t*, int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, uint16_t*,
                    int64_t, int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "built without AMX");
 }

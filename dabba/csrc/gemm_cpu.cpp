@@ -20,8 +20,9 @@
 // Each output is rounded to bf16 once, after the bias is added, as oneDNN's GEMM does.
 //
 // For an MLP's merged gate_up projection the same tiles take gate rows and the matching up rows
-// together and store silu(gate) * up (rounded as silu_and_mul rounds), so the [M, 2d] projection
-// is never written and read back: 35 ms of a 4096-token prefill step of SmolLM.
+// together and store silu(gate) * up or gelu_tanh(gate) * up (rounded as silu_and_mul and
+// gelu_tanh_and_mul round), so the [M, 2d] projection is never written and read back: 35 ms of a
+// 4096-token prefill step of SmolLM.
 //
 // INT8 codes (quantization/rtn.py) take the same tiles: each 16 code rows are widened to bf16 once
 // per call (exactly: |q| <= 128 needs 8 significant bits) and the row's scale multiplies the
@@ -69,12 +70,13 @@ inline void store_quad(const __m256i (&cols)[4], int valid_cols, uint16_t* y, in
 
 // NR weight rows against MV * 16 packed rows of x (rows of them real), over all of K. Plain: the
 // tile's rows are output columns n..n+NR-1 (valid of them real; the rest repeat the last and are
-// not stored). SwiGLU: its first NR/2 rows are gate rows n.., the rest the matching up rows, which
-// sit up_rows further on in a merged gate_up weight; out = silu(gate) * up, NR/2 columns.
-template <int MV, int NR, bool kSwiGLU>
+// not stored). Gated (E): its first NR/2 rows are gate rows n.., the rest the matching up rows,
+// which sit up_rows further on in a merged gate_up weight; out = act(gate) * up, NR/2 columns.
+template <int MV, int NR, Epilogue E>
 void gemm_tile(const uint32_t* xp, int64_t pairs, const uint16_t* w, int64_t up_rows, int64_t K, int valid,
                const uint16_t* scale, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t rows) {
-  constexpr int kCols = kSwiGLU ? NR / 2 : NR;
+  constexpr bool kGated = E != Epilogue::kPlain;
+  constexpr int kCols = kGated ? NR / 2 : NR;
   __m512 acc[NR][MV];
   for (int n = 0; n < NR; ++n)
     for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_setzero_ps();
@@ -100,8 +102,8 @@ void gemm_tile(const uint32_t* xp, int64_t pairs, const uint16_t* w, int64_t up_
       __m256i cols[4];
       for (int i = 0; i < 4; ++i) {
         cols[i] = round_column(acc[c + i][v], scale ? scale + c + i : nullptr, bias ? bias + c + i : nullptr);
-        if constexpr (kSwiGLU)
-          cols[i] = silu_mul_column(cols[i], round_column(acc[kCols + c + i][v], nullptr,
+        if constexpr (kGated)
+          cols[i] = gated_column<E>(cols[i], round_column(acc[kCols + c + i][v], nullptr,
                                                           bias ? bias + up_rows + c + i : nullptr));
       }
       store_quad(cols, valid - c, y + v * 16 * ldy + c, ldy, v_rows);
@@ -115,7 +117,7 @@ inline int chunk_vectors(int64_t left) { return left == 3 ? 3 : left == 1 ? 1 : 
 // Output columns [n_begin, n_end) against all of x, in chunks of 32 rows of x (8 weight rows a
 // tile, 16 accumulators); an odd count of 16-row vectors ends with 48 (8 weight rows, 24
 // accumulators) or, for 16 rows alone, 16 weight rows a tile.
-template <bool kSwiGLU>
+template <Epilogue E>
 void gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, int64_t up_rows, const uint16_t* bias,
                uint16_t* y, int64_t ldy, int64_t N, int64_t n_begin, int64_t n_end) {
   const int64_t pairs = K / 2, vectors = (M + 15) / 16;
@@ -130,10 +132,10 @@ void gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, int6
           tile(xv, pairs, w + n * K, up_rows, K, static_cast<int>(std::min<int64_t>(cols, N - n)), nullptr,
                bias ? bias + n : nullptr, y + v * 16 * ldy + n, ldy, rows);
       };
-      constexpr int kPerCol = kSwiGLU ? 2 : 1;  // weight rows per output column
-      if (chunk == 2) run(gemm_tile<2, 8, kSwiGLU>, 8 / kPerCol);
-      else if (chunk == 3) run(gemm_tile<3, 8, kSwiGLU>, 8 / kPerCol);
-      else run(gemm_tile<1, 16, kSwiGLU>, 16 / kPerCol);
+      constexpr int kPerCol = E == Epilogue::kPlain ? 1 : 2;  // weight rows per output column
+      if (chunk == 2) run(gemm_tile<2, 8, E>, 8 / kPerCol);
+      else if (chunk == 3) run(gemm_tile<3, 8, E>, 8 / kPerCol);
+      else run(gemm_tile<1, 16, E>, 16 / kPerCol);
       v += chunk;
     }
   }
@@ -160,9 +162,9 @@ void int8_gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const int8_t* q, c
         tile(xv, pairs, w, 0, K, std::min(valid, 8), s, b, yv, ldy, rows);
         if (valid > 8) tile(xv, pairs, w + 8 * K, 0, K, valid - 8, s + 8, b ? b + 8 : nullptr, yv + 8, ldy, rows);
       };
-      if (chunk == 1) gemm_tile<1, 16, false>(xv, pairs, w, 0, K, valid, s, b, yv, ldy, rows);
-      else if (chunk == 2) halves(gemm_tile<2, 8, false>);
-      else halves(gemm_tile<3, 8, false>);
+      if (chunk == 1) gemm_tile<1, 16, Epilogue::kPlain>(xv, pairs, w, 0, K, valid, s, b, yv, ldy, rows);
+      else if (chunk == 2) halves(gemm_tile<2, 8, Epilogue::kPlain>);
+      else halves(gemm_tile<3, 8, Epilogue::kPlain>);
       v += chunk;
     }
   }
@@ -187,19 +189,19 @@ void gemm_columns(const at::Tensor& x, at::Tensor& out, int64_t tile, Rows&& row
 // forces them, for the tests that hold the two equal).
 inline bool take_amx(int64_t K, bool amx) { return amx && amx_usable(K); }
 
-template <bool kSwiGLU>
+template <Epilogue E>
 void gemm(const at::Tensor& x, const at::Tensor& weight, int64_t up_rows, const uint16_t* bias, at::Tensor& out,
           bool amx) {
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), ldy = out.stride(0);
   if (take_amx(K, amx)) {
     gemm_columns(x, out, kAmxColumns, [&](const uint32_t* xp, uint16_t* yp, int64_t begin, int64_t end) {
-      amx_gemm_rows(kSwiGLU, xp, M, K, wp, up_rows, bias, yp, ldy, N, begin, end);
+      amx_gemm_rows(E, xp, M, K, wp, up_rows, bias, yp, ldy, N, begin, end);
     });
     return;
   }
   gemm_columns(x, out, kTileRows, [&](const uint32_t* xp, uint16_t* yp, int64_t begin, int64_t end) {
-    gemm_rows<kSwiGLU>(xp, M, K, wp, up_rows, bias, yp, ldy, N, begin, end);
+    gemm_rows<E>(xp, M, K, wp, up_rows, bias, yp, ldy, N, begin, end);
   });
 }
 
@@ -245,18 +247,33 @@ void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
   check_gemm_input("bf16_gemm", x, weight, at::kBFloat16);
   const uint16_t* bp = check_bf16_output(out, x.size(0), weight.size(0), bias, weight.size(0));
 #ifdef DABBA_HAVE_BF16_GEMM
-  if (x.size(0) > 0 && weight.size(0) > 0) gemm<false>(x, weight, 0, bp, out, amx);
+  if (x.size(0) > 0 && weight.size(0) > 0) gemm<Epilogue::kPlain>(x, weight, 0, bp, out, amx);
 #endif
 }
 
-void bf16_gemm_silu_and_mul(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
-                            const c10::optional<at::Tensor>& bias, bool amx) {
+namespace {
+
+template <Epilogue E>
+void bf16_gemm_gated(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                     bool amx) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "weight must be [2 * d, K]: gate rows, then up rows");
   check_gemm_input("bf16_gemm", x, weight, at::kBFloat16);
   const uint16_t* bp = check_bf16_output(out, x.size(0), weight.size(0) / 2, bias, weight.size(0));
 #ifdef DABBA_HAVE_BF16_GEMM
-  if (x.size(0) > 0 && weight.size(0) > 0) gemm<true>(x, weight, weight.size(0) / 2, bp, out, amx);
+  if (x.size(0) > 0 && weight.size(0) > 0) gemm<E>(x, weight, weight.size(0) / 2, bp, out, amx);
 #endif
+}
+
+}  // namespace
+
+void bf16_gemm_silu_and_mul(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias, bool amx) {
+  bf16_gemm_gated<Epilogue::kSilu>(out, x, weight, bias, amx);
+}
+
+void bf16_gemm_gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
+                                 const c10::optional<at::Tensor>& bias, bool amx) {
+  bf16_gemm_gated<Epilogue::kGeluTanh>(out, x, weight, bias, amx);
 }
 
 void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -309,23 +326,39 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   return at::linear(x, weight, bias);
 }
 
-at::Tensor dense_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weight,
-                                     const c10::optional<at::Tensor>& bias) {
-  // On AMX tiles the fused GEMM passes F.linear + silu_and_mul at any row count (it never writes
-  // the [M, 2d] projection out); the AVX512 tiles only up to kGemmMaxRows.
+namespace {
+
+// The gated MLP's merged projection and activation: fused into the GEMM where it runs (on AMX tiles
+// the fused GEMM passes F.linear + the elementwise kernel at any row count, never writing the
+// [M, 2d] projection out; the AVX512 tiles only up to kGemmMaxRows), else dense_linear + the kernel.
+template <Epilogue E>
+at::Tensor dense_linear_gated(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const bool gemm_rows = x.dim() == 2 && x.size(0) > gemv_max_rows(x.size(1)) &&
                          (x.size(0) <= kGemmMaxRows || amx_usable(x.size(1)));
   if (gemm_rows && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous() &&
       weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0 && weight.size(0) % 2 == 0 &&
       (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous())) && gemm_available()) {
     at::Tensor y = at::empty({x.size(0), weight.size(0) / 2}, x.options());
-    bf16_gemm_silu_and_mul(y, x, weight, bias);
+    bf16_gemm_gated<E>(y, x, weight, bias, true);
     return y;
   }
   const at::Tensor gate_up = dense_linear(x, weight, bias);
   at::Tensor y = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  silu_and_mul(y, gate_up);
+  if constexpr (E == Epilogue::kSilu) silu_and_mul(y, gate_up);
+  else gelu_tanh_and_mul(y, gate_up);
   return y;
+}
+
+}  // namespace
+
+at::Tensor dense_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weight,
+                                     const c10::optional<at::Tensor>& bias) {
+  return dense_linear_gated<Epilogue::kSilu>(x, weight, bias);
+}
+
+at::Tensor dense_linear_gelu_tanh_and_mul(const at::Tensor& x, const at::Tensor& weight,
+                                          const c10::optional<at::Tensor>& bias) {
+  return dense_linear_gated<Epilogue::kGeluTanh>(x, weight, bias);
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -361,6 +394,8 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.impl("dense_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::dense_linear));
   m.def("dense_linear_silu_and_mul(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("dense_linear_silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(dabba::dense_linear_silu_and_mul));
+  m.def("dense_linear_gelu_tanh_and_mul(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("dense_linear_gelu_tanh_and_mul", c10::DispatchKey::CPU, TORCH_FN(dabba::dense_linear_gelu_tanh_and_mul));
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::int8_linear));
   m.def("int8_gemm(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? bias, bool amx=True) -> ()");
@@ -371,4 +406,6 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.impl("bf16_gemm", c10::DispatchKey::CPU, TORCH_FN(dabba::bf16_gemm));
   m.def("bf16_gemm_silu_and_mul(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, bool amx=True) -> ()");
   m.impl("bf16_gemm_silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(dabba::bf16_gemm_silu_and_mul));
+  m.def("bf16_gemm_gelu_tanh_and_mul(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, bool amx=True) -> ()");
+  m.impl("bf16_gemm_gelu_tanh_and_mul", c10::DispatchKey::CPU, TORCH_FN(dabba::bf16_gemm_gelu_tanh_and_mul));
 }

@@ -42,7 +42,9 @@ class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), all in float32, rounded to the model
     dtype once at the end (Llama's rounds before scaling). The checkpoint stores w; zero is the
     identity. The same residual fusion as RMSNorm; in plain PyTorch, op for op as transformers'
-    Gemma2RMSNorm / Gemma3RMSNorm, so results are bit-identical to it."""
+    Gemma2RMSNorm / Gemma3RMSNorm, so results are bit-identical to it. On the CPU the native
+    kernels compute the same (their float32 sum of squares is ordered differently: a bf16 output may
+    differ in the last bit); q/k norms over heads go through them as rows of head_dim."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -52,6 +54,16 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x) over the last dim; or, with ``residual``: residual <- x + residual, returns
         (norm(residual), residual)."""
+        if native.use_cpu_kernels(x) and x.dtype == self.weight.dtype:
+            d = x.shape[-1]
+            if residual is None:
+                rows = x.reshape(-1, d).contiguous()  # q or k of the merged projection: copied
+                out = torch.empty_like(rows)
+                torch.ops.dabba_cpu.gemma_rms_norm(out, rows, self.weight, self.eps)
+                return out.view(x.shape)
+            if x.is_contiguous() and residual.is_contiguous():  # both the caller's own: updated in place
+                torch.ops.dabba_cpu.gemma_fused_add_rms_norm(x.view(-1, d), residual.view(-1, d), self.weight, self.eps)
+                return x, residual
         if residual is None:
             return self._norm(x)
         residual = x + residual

@@ -58,8 +58,8 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply_act_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                           activation: str) -> torch.Tensor:
-        # SwiGLU is fused into dabba's GEMM where it runs (stored as computed); GeGLU is not
-        fused = native.linear_silu_and_mul(x, layer.weight, bias) if activation == "silu" else None
+        # fused into dabba's GEMM where it runs (the activation applied as the GEMM stores)
+        fused = native.linear_act_and_mul(x, layer.weight, bias, activation)
         return fused if fused is not None else super().apply_act_and_mul(layer, x, bias, activation)
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:

@@ -109,22 +109,39 @@ def test_kernels_reject_bad_shapes() -> None:
 @pytest.mark.parametrize("rows", [1, 8, 9, 20, 33, 64, 100, 257])
 @pytest.mark.parametrize("d, in_features", [(1536, 576), (37, 70), (8, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_swiglu_fused_into_the_gemm_is_bit_identical(rows, d, in_features, bias) -> None:
-    """Past the GEMV's rows the GEMM stores silu(gate) * up itself: exactly what the projection
-    followed by silu_and_mul gives where the projection takes the GEMM too (on AMX tiles the fused
-    GEMM takes any row count, and the plain projection F.linear past gemm_max_rows)."""
-    from dabba.layers.activation import silu_and_mul
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_mlp_fused_into_the_gemm_is_bit_identical(rows, d, in_features, bias, activation) -> None:
+    """Past the GEMV's rows the GEMM stores act(gate) * up itself (SwiGLU, GeGLU): exactly what the
+    projection followed by the elementwise kernel gives where the projection takes the GEMM too (on
+    AMX tiles the fused GEMM takes any row count, and the plain projection F.linear past
+    gemm_max_rows)."""
+    from dabba.layers.activation import act_and_mul
 
     torch.manual_seed(rows + d)
     x = torch.randn(rows, in_features).bfloat16()
     w = (torch.randn(2 * d, in_features) * 0.2).bfloat16()
     b = torch.randn(2 * d).bfloat16() if bias else None
-    fused = native.linear_silu_and_mul(x, w, b)
+    fused = native.linear_act_and_mul(x, w, b, activation)
     assert fused.shape == (rows, d)
     if rows <= limits.gemm_max_rows or not native.amx_usable(in_features):
-        assert torch.equal(fused, silu_and_mul(native.linear(x, w, b)))
+        assert torch.equal(fused, act_and_mul(native.linear(x, w, b), activation))
     gate, up = F.linear(x, w, b).chunk(2, dim=-1)
-    torch.testing.assert_close(fused, F.silu(gate) * up, atol=0.05, rtol=0.02)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    torch.testing.assert_close(fused, act * up, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("op", ["bf16_gemm_silu_and_mul", "bf16_gemm_gelu_tanh_and_mul"])
+@pytest.mark.parametrize("rows, d", [(5, 40), (33, 16), (70, 100)])
+def test_gated_gemm_tiles_agree(op, rows, d) -> None:
+    """The gated GEMM on AMX tiles (where here) and on the AVX512 tiles, the reference."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 128).bfloat16()
+    w = (torch.randn(2 * d, 128) * 0.2).bfloat16()
+    b = torch.randn(2 * d).bfloat16()
+    got, ref = (torch.empty(rows, d, dtype=torch.bfloat16) for _ in range(2))
+    getattr(torch.ops.dabba_cpu, op)(got, x, w, b, True)
+    getattr(torch.ops.dabba_cpu, op)(ref, x, w, b, False)
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)
 
 
 def test_swiglu_kernel_rejects_bad_shapes() -> None:
