@@ -59,14 +59,15 @@ def test_gemm_kernel_at_any_row_count(rows, use_amx) -> None:
 
 @pytest.mark.skipif(not amx, reason="no AMX tiles here")
 @pytest.mark.parametrize("out_features", [13, 32, 45, 100, 2 * 17 * 32])
-def test_amx_tiles_match_the_reference_tiles_and_ignore_the_batch(out_features) -> None:
+@pytest.mark.parametrize("in_features", [96, 2112])
+def test_amx_tiles_match_the_reference_tiles_and_ignore_the_batch(out_features, in_features) -> None:
     """AMX steps take 32 weight rows (a partial last step is padded) against 16 or 32 rows of x and
-    split the output across threads in 32s: every shape of that agrees with the AVX512 tiles to
-    rounding. Each output depends only on its own row of x, so a row's result is the same alone as
-    in any batch."""
+    split the output across threads in 32s; past 2048 inputs K goes in ranges of 1024 whose sums
+    carry through memory. Every shape of that agrees with the AVX512 tiles to rounding. Each output
+    depends only on its own row of x, so a row's result is the same alone as in any batch."""
     torch.manual_seed(out_features)
-    x = torch.randn(100, 96).bfloat16()
-    w = (torch.randn(out_features, 96) * 0.1).bfloat16()
+    x = torch.randn(100, in_features).bfloat16()
+    w = (torch.randn(out_features, in_features) * 0.1).bfloat16()
     b = torch.randn(out_features).bfloat16()
     got, ref = (torch.empty(100, out_features, dtype=torch.bfloat16) for _ in range(2))
     torch.ops.dabba_cpu.bf16_gemm(got, x, w, b, True)
