@@ -3,11 +3,13 @@
 // else. One TDPBF16PS multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 float32 sums:
 // 16x the work of a vdpbf16ps. On a 2-core Xeon with AMX (2.6 GHz, 2 MiB L2 a core), Qwen2.5-1.5B's
 // shapes: the AVX512-BF16 tiles top out near 190 GFLOP/s at 16-256 rows; F.linear (oneDNN's AMX
-// kernels, reordering the weight every call) 400-1800; these tiles 700-1000 at 32 rows and
-// 1400-1900 at 256 (python -m benchmarks.kernels --hidden 1536 --intermediate 8960 --num-heads 12
-// --num-kv-heads 2 --head-dim 128). Their tile loads, 16 weight rows at once, also read a cold
-// weight faster than the GEMV does at one row: all 28 layers and the LM head (3.1 GB) in 128 ms,
-// 24.2 GB/s, against the GEMV's 145 ms.
+// kernels, reordering the weight every call) 550-850 at 32 rows and 1700-2100 at 256; these tiles
+// 800-1100 and 1600-2500 (python -m benchmarks.kernels --hidden 1536 --intermediate 8960
+// --num-heads 12 --num-kv-heads 2 --head-dim 128). Past 256 rows oneDNN's blocking wins on the
+// narrower projections (1536 x 2048 at 4096 rows: 2300 against 1900), so only the fused gated MLP
+// takes these tiles there (dense_linear_gated in gemm_cpu.cpp). Their tile loads, 16 weight rows
+// at once, also read a cold weight faster than the GEMV does at one row: all 28 layers and the LM
+// head (3.1 GB) in 121-128 ms, 24-26 GB/s, against the GEMV's 138-145 ms.
 //
 // How: the weight is the A operand, read in place (16 rows of it, 64 bytes of each, per tile
 // load), so it needs no second copy and the GEMV keeps reading it row-major; x, packed once per call
