@@ -6,8 +6,9 @@ dabba/csrc's comments come from here.
 
 - linear: one pass over every layer's weights (cold: more bytes than the caches hold) at 1-4096
   rows: dabba's bf16 linear (the GEMV to gemv_max_rows rows, the GEMM to gemm_max_rows: the
-  kernel's KernelConstants) against F.linear, GB/s of weights and GFLOP/s; its INT8 linear (GEMV,
-  then GEMM on codes widened to bf16) against _weight_int8pack_mm. Each row names the kernel that
+  kernel's KernelConstants; on AMX tiles the GEMM from one row, and the GEMV timed beside it up to
+  gemv_max_rows) against F.linear, GB/s of weights and GFLOP/s; its INT8 linear (GEMV, then GEMM
+  on codes widened to bf16) against _weight_int8pack_mm. Each row names the kernel that
   took it and whether its outputs agreed with the op it is timed against (a wrong kernel's timing
   means nothing).
 - int8_prefill: the INT8 linear at prefill's row counts, _weight_int8pack_mm against codes
@@ -87,6 +88,10 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
             row["bf16_native_ms"] = best_ms(
                 lambda: [native.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
             row["bf16_native_gb_s"] = 2 * weights / row["bf16_native_ms"] / 1e6
+            if m <= limits.gemv_max_rows:  # the GEMV itself, where AMX tiles take these rows instead
+                outs = {n: torch.empty(m, n, dtype=torch.bfloat16) for n, _ in linears}
+                row["bf16_gemv_ms"] = best_ms(lambda: [torch.ops.dabba_cpu.bf16_gemv(
+                    outs[w.shape[0]], xs[w.shape[1]], w, None) for layer in dense for w in layer], repeats)
             row["bf16_native_gflop_s"] = 2 * m * weights / row["bf16_native_ms"] / 1e6
         row["int8_pack_mm_ms"] = best_ms(
             lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for layer in codes for q, s in layer],

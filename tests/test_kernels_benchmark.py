@@ -26,6 +26,7 @@ def test_kernels_benchmark_reports_each_kernel(capsys) -> None:
         expected = ["gemm_amx"] * 3 if amx else ["gemv", "gemv", "gemm"]
         assert [row["bf16_kernel"] for row in result["linear"]] == expected + ["f_linear"]
         assert all(row["bf16_agrees"] is True for row in result["linear"])
+        assert ["bf16_gemv_ms" in row for row in result["linear"]] == [True, True, False, False]  # <= gemv_max_rows
     if native.int8_gemv_available() and native.gemm_available():
         assert limits.int8_gemv_max_rows < 7 < limits.int8_gemm_min_rows <= 13
         assert limits.int8_gemv_max_rows < limits.amx_int8_gemm_min_rows <= 7

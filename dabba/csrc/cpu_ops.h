@@ -74,8 +74,8 @@ constexpr int kGemmMaxRows = 256;
 // benchmarks.membw measured, against 64%; 16.5-17.5 ms at 2-12 rows, the GEMV 27.6-43.5). INT8
 // keeps its GEMV to kInt8GemvMaxRows (12.4-18.8 ms at 1-6 rows, the widening GEMM 22-23) and takes
 // the GEMM from kAmxInt8GemmMinRows (23.8 ms at 7 rows, _weight_int8pack_mm 40.3). 2-core Xeon
-// with AMX; the script is the one in benchmarks.kernels --hidden 1536 --intermediate 8960
-// --num-heads 12 --num-kv-heads 2 --head-dim 128 --layers 4.
+// with AMX; python -m benchmarks.kernels --hidden 1536 --intermediate 8960 --num-heads 12
+// --num-kv-heads 2 --head-dim 128 --layers 4 (bf16_native_ms against bf16_gemv_ms).
 bool amx_usable(int64_t K);
 constexpr int kAmxGemvMaxRows = 0;
 constexpr int kAmxInt8GemmMinRows = 7;
@@ -84,9 +84,9 @@ bool gemm_available();
 // ones, the reference.
 void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                bool amx = true);
-// x W^T + b on the CPU, the one place that picks the kernel: the GEMV up to kGemvMaxRows bf16 rows,
-// the GEMM up to kGemmMaxRows, F.linear beyond and where neither applies (other dtypes, odd K,
-// strided operands).
+// x W^T + b on the CPU, the one place that picks the kernel: the GEMV up to kGemvMaxRows bf16 rows
+// (kAmxGemvMaxRows where the GEMM has AMX tiles), the GEMM up to kGemmMaxRows, F.linear beyond and
+// where neither applies (other dtypes, odd K, strided operands).
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // A gated MLP's merged [gate; up] projection and activation: silu(x G^T) * (x U^T) (SwiGLU) or
 // gelu_tanh(x G^T) * (x U^T) (GeGLU). Where dense_linear takes the GEMM (and on AMX tiles at any
@@ -106,7 +106,8 @@ at::Tensor dense_linear_gelu_tanh_and_mul(const at::Tensor& x, const at::Tensor&
 void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                const c10::optional<at::Tensor>& bias, bool amx = true);
 // (x Q^T) * s + b on the CPU, the one place that picks the INT8 kernel: the INT8 GEMV up to
-// kInt8GemvMaxRows rows, int8_gemm from kInt8GemmMinRows to kGemmMaxRows (bf16 x), codes
+// kInt8GemvMaxRows rows, int8_gemm from kInt8GemmMinRows (kAmxInt8GemmMinRows on AMX tiles) to
+// kGemmMaxRows (bf16 x), codes
 // dequantized + dense_linear from kInt8DequantMinRows, else _weight_int8pack_mm.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias);
