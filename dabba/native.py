@@ -89,8 +89,9 @@ def amx_usable(in_features: int) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with bf16 rows on the CPU through dabba's kernels: the GEMV for decode's few rows
     (it streams the weight at close to memory bandwidth, oneDNN at about half of it) and the GEMM
-    beyond, up to gemm_max_rows (on AMX tiles, where the CPU has them, the GEMM from one row) (1.3-2x oneDNN's as PyTorch calls it; csrc/gemm_cpu.cpp). Long
-    prefills and other cases keep F.linear."""
+    beyond, up to gemm_max_rows (1.3-2x oneDNN's as PyTorch calls it; csrc/gemm_cpu.cpp). On AMX
+    tiles, where the CPU has them, the GEMM takes every row count from one. Long prefills and
+    other cases keep F.linear."""
     if x.dim() == 2 and x.device.type == "cpu" and weight.device.type == "cpu" and load_cpu_ops():
         return torch.ops.dabba_cpu.dense_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -20,9 +20,9 @@
 // (round_column, gated_column), then transposes 16 x 16 to store rows of y.
 //
 // Each output element depends on its weight row and its x row only, so a row's result does not
-// change with how many other rows share the call (and the fused SwiGLU / GeGLU equals the projection
-// + silu_and_mul / gelu_tanh_and_mul bit for bit). The tiles' summation order differs from vdpbf16ps's, so the two
-// kernels agree to float32 rounding, not bit for bit.
+// change with how many other rows share the call (and the fused SwiGLU / GeGLU equals the
+// projection + silu_and_mul / gelu_tanh_and_mul bit for bit). The tiles' summation order differs
+// from vdpbf16ps's, so the two kernels agree to float32 rounding, not bit for bit.
 #include "bf16_tiles.h"
 #include "cpu_ops.h"
 
