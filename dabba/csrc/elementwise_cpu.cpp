@@ -139,59 +139,43 @@ void gemma_fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tenso
   fused_add_rms_norm_rows<true>(x, residual, weight, eps);
 }
 
-template <typename scalar_t>
-inline void silu_and_mul_row(scalar_t* __restrict out, const scalar_t* __restrict gate, const scalar_t* __restrict up,
-                             int64_t d) {
+namespace {
+
+// out = round(act(gate)) * up, with x = [gate | up] along the last dimension: the rounding of
+// transformers' act_fn(gate_proj(x)) * up_proj(x). (For bf16 this is silu_mul_bf16_bits /
+// gelu_mul_bf16_bits, which the GEMM's fused epilogue applies: the two agree bit for bit.)
+template <float (*Act)(float), typename scalar_t>
+inline void act_and_mul_row(scalar_t* __restrict out, const scalar_t* __restrict gate, const scalar_t* __restrict up,
+                            int64_t d) {
   for (int64_t i = 0; i < d; ++i)
-    out[i] = Cvt<scalar_t>::store(round_to<scalar_t>(silu(Cvt<scalar_t>::load(gate[i]))) * Cvt<scalar_t>::load(up[i]));
+    out[i] = Cvt<scalar_t>::store(round_to<scalar_t>(Act(Cvt<scalar_t>::load(gate[i]))) * Cvt<scalar_t>::load(up[i]));
 }
 
-// out = round(silu(gate)) * up, with x = [gate | up] along the last dimension. (For bf16 this is
-// silu_mul_bf16_bits, which the GEMM's fused epilogue applies: the two agree bit for bit.)
-void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+template <float (*Act)(float)>
+void act_and_mul(at::Tensor out, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x must be contiguous [rows, 2 * d]");
   const int64_t rows = x.size(0), d = x.size(1) / 2;
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == d && out.is_contiguous() &&
               out.scalar_type() == x.scalar_type(), "bad out");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "act_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = xp + r * 2 * d;
-        scalar_t* out_row = op + r * d;
-        silu_and_mul_row(out_row, gate, gate + d, d);
+        act_and_mul_row<Act>(op + r * d, gate, gate + d, d);
       }
     });
   });
 }
 
-template <typename scalar_t>
-inline void gelu_tanh_and_mul_row(scalar_t* __restrict out, const scalar_t* __restrict gate,
-                                  const scalar_t* __restrict up, int64_t d) {
-  for (int64_t i = 0; i < d; ++i)
-    out[i] = Cvt<scalar_t>::store(round_to<scalar_t>(gelu_tanh(Cvt<scalar_t>::load(gate[i]))) *
-                                  Cvt<scalar_t>::load(up[i]));
-}
+}  // namespace
 
-// out = round(gelu_tanh(gate)) * up, with x = [gate | up] along the last dimension: GeGLU, rounded
-// as transformers' act_fn(gate_proj(x)) * up_proj(x) rounds.
-void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x must be contiguous [rows, 2 * d]");
-  const int64_t rows = x.size(0), d = x.size(1) / 2;
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == d && out.is_contiguous() &&
-              out.scalar_type() == x.scalar_type(), "bad out");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_tanh_and_mul", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* gate = xp + r * 2 * d;
-        gelu_tanh_and_mul_row(op + r * d, gate, gate + d, d);
-      }
-    });
-  });
-}
+// SwiGLU
+void silu_and_mul(at::Tensor out, const at::Tensor& x) { act_and_mul<silu>(out, x); }
+
+// GeGLU (Gemma's gelu_pytorch_tanh)
+void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) { act_and_mul<gelu_tanh>(out, x); }
 
 // In place on q [tokens, heads, d] and k [tokens, kv_heads, d] (rows may be strided views of a
 // fused qkv output): x <- round(x * cos) + round(rotate_half(x) * sin), cos/sin [tokens, d].
