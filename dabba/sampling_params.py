@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from dabba.structured_output.params import StructuredOutputsParams
+
 
 class RequestOutputKind(enum.IntEnum):
     """What each RequestOutput of a request carries (vLLM's values)."""
@@ -59,6 +61,10 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled token's)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (plus the prompt token's)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Output constrained to a JSON schema, regex, choice or grammar (a dict of the same fields is
+    # taken too). Its mask applies before everything above, logprobs included; the grammar's end
+    # stops the request, and before min_tokens it is the grammar that says whether eos may come.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
@@ -94,6 +100,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= 20), name, "None or an integer in [0, 20]", value)
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind", self.output_kind)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

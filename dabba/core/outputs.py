@@ -3,6 +3,7 @@ EngineCoreOutputs from core/ to engine/. Plain data only, so each side could run
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from dabba.sampling_params import SamplingParams
 
@@ -36,6 +37,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in batch order
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted
+    # Requests that sample this step under structured_outputs, and for each a row of the bitmask
+    # of the tokens their grammars allow ([rows, ceil(vocab / 32)] int32, a numpy array).
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

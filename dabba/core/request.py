@@ -12,6 +12,7 @@ from dabba.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its structured_outputs grammar is compiling
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -87,6 +88,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     @property
     def max_tokens(self) -> int:

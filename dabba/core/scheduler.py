@@ -5,18 +5,38 @@ running requests are served first (in priority order), then waiting ones are adm
 ``max_num_batched_tokens`` or ``max_num_seqs`` is spent. Chunked prefill, prefix hits, mixed
 prefill+decode steps and resumed requests need no special case. When blocks run out, the
 lowest-priority (newest) running request is preempted by recompute.
+
+Requests under structured_outputs wait (WAITING_FOR_GRAMMAR) until their grammar is compiled,
+letting the requests behind them pass; each step they get a row of the grammar bitmask, and
+their matchers advance on every token they sample (the StructuredOutputs collaborator below).
 """
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable, Protocol
 
 from dabba.config import SchedulerConfig
 from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
 from dabba.core.request import Request, RequestStatus
+
+logger = logging.getLogger("dabba")
+
+
+class StructuredOutputs(Protocol):
+    """What the scheduler asks of the structured-output manager (structured_output/manager.py),
+    which holds the grammars and the per-request matchers."""
+
+    def grammar_ready(self, request: Request) -> bool: ...  # raises ValueError if it failed to compile
+
+    def grammar_bitmask(self, request_ids: list[str]) -> Any: ...
+
+    def accept_token(self, request_id: str, token_id: int) -> bool: ...  # True: the grammar ended
+
+    def free(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -42,8 +62,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 structured_output: StructuredOutputs | None = None) -> None:
         self.config = config
+        self.structured_output = structured_output
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -51,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by Request.sort_key: the last is the first victim
         self.finished_req_ids: set[str] = set()  # to tell the worker next step
         self.num_preemptions = 0
+        self._failed: list[EngineCoreOutput] = []  # requests ended outside a step's outputs
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -72,6 +95,10 @@ class Scheduler:
                 f"request needs {num_blocks} KV blocks but the cache has only "
                 f"{self.kv_cache_manager.num_usable_blocks}; raise kv_cache_memory or lower max_tokens"
             )
+        if request.use_structured_output:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs needs an engine with a structured-output backend")
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=Request.sort_key)
 
@@ -83,7 +110,12 @@ class Scheduler:
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._failed)
+
+    def waiting_for_grammar(self) -> bool:
+        """Whether requests wait for their grammars (a step that schedules nothing then waits
+        for a compilation rather than spin)."""
+        return any(r.status == RequestStatus.WAITING_FOR_GRAMMAR for r in self.waiting)
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -115,14 +147,23 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Admit waiting requests, unless this step already had to preempt (memory is tight).
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            request = self.waiting[0]
+        # Admit waiting requests, unless this step already had to preempt (memory is tight); one
+        # whose grammar is still compiling lets the requests behind it pass.
+        w = 0
+        while w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            request = self.waiting[w]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                ready = self._grammar_ready(request)
+                if ready is None:  # failed: it left the queue
+                    continue
+                if not ready:
+                    w += 1
+                    continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(w)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
@@ -142,8 +183,33 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
 
+        self._add_grammar_bitmask(out)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _grammar_ready(self, request: Request) -> bool | None:
+        """Whether its grammar is compiled (it is WAITING then); None if compiling failed, which
+        ends the request (its output says "abort", the log says why)."""
+        try:
+            ready = self.structured_output.grammar_ready(request)
+        except ValueError as e:
+            logger.warning("request %s ended: %s", request.request_id, e)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._failed.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
+            return None
+        if ready:
+            request.status = RequestStatus.WAITING
+        return ready
+
+    def _add_grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """A row for each constrained request that samples this step: one whose scheduled tokens
+        reach the end of its known tokens (num_computed_tokens is still this step's start)."""
+        ids = [request_id for request_id, num_new in out.num_scheduled_tokens.items()
+               if (request := self.requests[request_id]).use_structured_output
+               and request.num_computed_tokens + num_new >= request.num_tokens]
+        if ids:
+            out.structured_output_request_ids = ids
+            out.grammar_bitmask = self.structured_output.grammar_bitmask(ids)
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop its KV; it waits again with its output kept."""
@@ -158,7 +224,8 @@ class Scheduler:
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
         """Advance progress, append sampled tokens, finish requests. Returns what is new for each
         request this step (the engine's only view of the requests)."""
-        outputs = EngineCoreOutputs()
+        outputs = EngineCoreOutputs(outputs=self._failed)
+        self._failed = []
         for request_id, num_tokens in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None:  # aborted while the step ran
@@ -173,6 +240,8 @@ class Scheduler:
                 continue
             request.append_output_token(token_id)
             status = self._check_stop(request, token_id)
+            if request.use_structured_output:
+                status = self._advance_grammar(request, token_id, status)
             if status is not None:
                 self._finish(request, status)
             logprobs = runner_out.logprobs.get(request_id)
@@ -186,6 +255,16 @@ class Scheduler:
                 num_cached_tokens=request.num_cached_tokens,
             ))
         return outputs
+
+    def _advance_grammar(self, request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:
+        """The grammar's end stops the request (whatever min_tokens or ignore_eos say: nothing
+        may follow it); a token it forbids (a bug, since its mask was applied) aborts it."""
+        try:
+            ended = self.structured_output.accept_token(request.request_id, token_id)
+        except ValueError as e:
+            logger.error("request %s: %s", request.request_id, e)
+            return RequestStatus.FINISHED_ABORTED
+        return status or (RequestStatus.FINISHED_STOPPED if ended else None)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -215,6 +294,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
+        if request.use_structured_output:
+            self.structured_output.free(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 

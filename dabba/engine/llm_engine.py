@@ -24,6 +24,7 @@ from dabba.models.hub import TOKENIZER_FILES, resolve_model_dir
 from dabba.outputs import RequestOutput
 from dabba.quantization.config import QuantConfig
 from dabba.sampling_params import SamplingParams
+from dabba.structured_output.manager import StructuredOutputManager
 from dabba.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("dabba")
@@ -31,6 +32,8 @@ logger = logging.getLogger("dabba")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 PromptType = str | dict[str, Any]
+
+GRAMMAR_WAIT_S = 0.01  # a step with nothing to run but grammars compiling waits this long for one
 
 
 def resolve_device(device: str) -> torch.device:
@@ -88,7 +91,9 @@ class LLMEngine:
         self.cache_layout = self.model_runner.initialize_kv_cache(cc, sc.max_num_seqs, sc.max_num_batched_tokens)
         self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                                self.cache_layout.groups, sc.max_num_batched_tokens)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.max_model_len)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.max_model_len,
+                                   self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def _eos_token_ids(self) -> frozenset[int]:
@@ -120,6 +125,8 @@ class LLMEngine:
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         params.check_vocab(self.arch.vocab_size)
+        if params.structured_outputs is not None:  # validated now, compiled in the background
+            self.structured_output.submit(params.structured_outputs)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max(self.max_model_len - len(token_ids), 1))
         children = []
@@ -181,6 +188,8 @@ class LLMEngine:
     def step_with_stats(self) -> tuple[list[RequestOutput], IterationStats]:
         """step(), plus what the step generated per prompt, for metrics whatever the output kind."""
         sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and self.scheduler.waiting_for_grammar():
+            self.structured_output.wait_for_grammars(GRAMMAR_WAIT_S)  # rather than spin
         runner_out = self.model_runner.execute_model(sched_out)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         processed = self.output_processor.process_outputs(core_outputs)

@@ -127,7 +127,7 @@ class OutputProcessor:
                     start, entries = out.new_prompt_logprobs
                     for offset, entry in enumerate(entries):  # a recomputed (preempted) prompt rewrites equal values
                         parent.prompt_logprobs[start + offset] = self._position(entry)
-            if not out.new_token_ids:
+            if not out.new_token_ids and not out.finished:
                 continue  # a prompt chunk
             stats = result.iteration_stats.requests.get(parent.request_id)
             if stats is None:

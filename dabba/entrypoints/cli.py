@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from dabba.config import DEMO_MODEL, EngineConfig, parse_bytes
@@ -37,11 +38,40 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
+def _text_or_file(value: str) -> str:
+    """A flag's value, or the contents of the file it names with a leading @ (curl's convention)."""
+    if value.startswith("@"):
+        try:
+            return Path(value[1:]).read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read {value[1:]}: {e.strerror}") from None
+    return value
+
+
+def structured_outputs_of(args: argparse.Namespace):
+    """--json-schema / --regex / --choice / --grammar / --json-object -> StructuredOutputsParams."""
+    from dabba.structured_output import StructuredOutputsParams
+
+    fields = {"json": _text_or_file(args.json_schema) if args.json_schema else None,
+              "regex": args.regex, "choice": args.choice,
+              "grammar": _text_or_file(args.grammar) if args.grammar else None,
+              "json_object": args.json_object or None}
+    if not any(v is not None for v in fields.values()):
+        return None
+    params = StructuredOutputsParams(**fields)
+    from dabba.structured_output.grammar import build_grammar
+
+    build_grammar(params)  # a bad schema, regex or grammar is a ValueError naming the field, now
+    return params
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from dabba import LLM, SamplingParams
 
+    structured = structured_outputs_of(args)  # a bad constraint fails before the model loads
     llm = LLM(args.model, **engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
+                            structured_outputs=structured)
     outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
     for out in outputs:
         completion = out.outputs[0]
@@ -206,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    so = gen.add_argument_group("structured outputs (at most one)")
+    so.add_argument("--json-schema", default=None, help="the output matches this JSON schema (text, or @FILE)")
+    so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    so.add_argument("--regex", default=None, help="the output matches this regular expression")
+    so.add_argument("--choice", action="append", default=None, help="the output is one of these (repeat the flag)")
+    so.add_argument("--grammar", default=None, help="the output follows this EBNF/GBNF grammar (root rule "
+                    "'root'; text, or @FILE)")
 
     srv = _model_command(sub, "serve", "serve the model over an OpenAI-compatible HTTP API", cmd_serve)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")

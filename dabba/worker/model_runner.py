@@ -26,7 +26,7 @@ from dabba.models.native_layer_loop import NativeLayerLoop, missing_native_form
 from dabba.quantization.config import QuantConfig
 from dabba.worker.input_batch import ModelInputs, RequestStates
 from dabba.worker.memory import allocate_kv_cache, default_kv_cache_memory, keep_freed_host_memory
-from dabba.worker.sampler import Sampler
+from dabba.worker.sampler import Sampler, apply_grammar_bitmask
 from dabba.worker.sampling_metadata import build_sampling_metadata
 
 logger = logging.getLogger("dabba")
@@ -150,6 +150,9 @@ class ModelRunner:
         if not inputs.sampling_req_ids:
             return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()  # [num_sampling, vocab]
+        if sched.grammar_bitmask is not None:  # structured outputs: before every sampler feature
+            row_of = {request_id: row for row, request_id in enumerate(inputs.sampling_req_ids)}
+            apply_grammar_bitmask(logits, sched.grammar_bitmask, [row_of[r] for r in sched.structured_output_request_ids])
         states = [self.requests.states[r] for r in inputs.sampling_req_ids]
         sampler_out = self.sampler(logits, build_sampling_metadata(states, self.arch.vocab_size, self.device))
         output.sampled_token_ids = dict(zip(inputs.sampling_req_ids, sampler_out.sampled.tolist()))

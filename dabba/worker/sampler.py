@@ -88,6 +88,17 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask, rows: list[int]) -> None:
+    """Tokens that a grammar forbids get -inf, in place, in logits row rows[i] for bitmask row i:
+    bit t of word t // 32 allows token t (xgrammar's kernel, vectorised on the CPU). Other rows
+    are untouched."""
+    import xgrammar as xgr
+
+    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)  # the kernel reads row i for row i
+    full[rows] = torch.from_numpy(bitmask)
+    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=rows)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device

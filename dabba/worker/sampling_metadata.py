@@ -47,8 +47,10 @@ def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int, d
         bias_index = _pairs([(i, t) for i, t, _ in biases], device)
         bias_value = column([b for _, _, b in biases])
 
-    # Before min_tokens, the tokens that would stop the request cannot be sampled.
-    banned = [(i, t) for i, (s, p) in enumerate(zip(states, params)) if s.num_output_tokens < p.min_tokens
+    # Before min_tokens, the tokens that would stop the request cannot be sampled; under
+    # structured_outputs the grammar decides where they may come (the two could leave no token).
+    banned = [(i, t) for i, (s, p) in enumerate(zip(states, params))
+              if s.num_output_tokens < p.min_tokens and p.structured_outputs is None
               for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(s.eos_token_ids)))]
 
     return SamplingMetadata(

@@ -19,6 +19,7 @@ from dabba.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, 
                                                TokenLogprob, TopLogprob, UsageInfo, random_id)
 from dabba.outputs import PositionLogprobs, RequestOutput
 from dabba.sampling_params import RequestOutputKind, SamplingParams
+from dabba.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("dabba")
 
@@ -78,6 +79,7 @@ class OpenAIServing:
             raise OpenAIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
         optional = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                     if getattr(req, name) is not None}
+        structured = structured_outputs_of(req)
         try:
             return SamplingParams(
                 n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed,
@@ -86,15 +88,23 @@ class OpenAIServing:
                 stop_token_ids=req.stop_token_ids or [], skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY, **optional,
+                output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+                structured_outputs=structured, **optional,
             )
         except ValueError as e:
             raise OpenAIError(400, str(e), param=_param_of(str(e))) from None
 
     async def _start(self, request_ids: list[str], prompts: list[Any], params: SamplingParams,
-                     priority: int) -> list[RequestStream]:
+                     priority: int, constraint_field: str = "structured_outputs") -> list[RequestStream]:
         """Queue every prompt before answering: a rejected one is a 400 for the whole call,
-        even when streaming, and leaves nothing running."""
+        even when streaming, and leaves nothing running. A constraint is validated (and its
+        compilation started) off the event loop first: a bad one is a 400 naming
+        ``constraint_field``, the request field it came from."""
+        if params.structured_outputs is not None:
+            try:
+                await asyncio.to_thread(self.engine.engine.structured_output.submit, params.structured_outputs)
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param=constraint_field) from None
         streams: list[RequestStream] = []
         try:
             for request_id, prompt in zip(request_ids, prompts):
@@ -197,7 +207,7 @@ class OpenAIServing:
                                       req.logprobs if req.echo and req.logprobs is not None else None)
         base_id = random_id("cmpl")
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        streams = await self._start(ids, prompts, params, req.priority)
+        streams = await self._start(ids, prompts, params, req.priority, _constraint_field(req))
         if req.stream:
             return self._streaming(self._completion_events(req, base_id, streams, params))
         outs = await self._finals(streams, raw)
@@ -297,7 +307,7 @@ class OpenAIServing:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         params = self.sampling_params(req, max_tokens, top if req.logprobs else None)
         request_id = random_id("chatcmpl")
-        streams = await self._start([request_id], [prompt], params, req.priority)
+        streams = await self._start([request_id], [prompt], params, req.priority, _constraint_field(req))
         if req.stream:
             return self._streaming(self._chat_events(req, request_id, streams, params))
         (out,) = await self._finals(streams, raw)
@@ -351,6 +361,33 @@ class OpenAIServing:
                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         if req.stream_options and req.stream_options.include_usage and first is not None:
             yield chunk(None, _usage(len(first.prompt_token_ids), sum(c.num_tokens for c in progress.values())))
+
+
+def _constraint_field(req: SamplingFields) -> str:
+    return "response_format" if req.response_format is not None and req.response_format.type != "text" \
+        else "structured_outputs"
+
+
+def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    """``response_format`` (json_object, json_schema; text is no constraint) or vLLM's
+    ``structured_outputs``, never both. A json_schema's ``strict`` changes nothing: the schema
+    is always enforced."""
+    fmt = req.response_format
+    field = _constraint_field(req)
+    if fmt is not None and fmt.type != "text" and req.structured_outputs is not None:
+        raise OpenAIError(400, "set response_format or structured_outputs, not both", param="response_format")
+    try:
+        if field == "response_format":
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        if req.structured_outputs is None:
+            return None
+        return StructuredOutputsParams.from_dict(req.structured_outputs)
+    except (ValueError, TypeError) as e:
+        raise OpenAIError(400, str(e), param=field) from None
 
 
 def _usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
