@@ -18,7 +18,7 @@ logger = logging.getLogger("dabba")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "gemm_cpu.cpp", "gemm_amx_cpu.cpp",
-           "int8_gemv_cpu.cpp", "decode_cpu.cpp", "kernel_constants.cpp")
+           "int8_gemv_cpu.cpp", "decode_cpu.cpp", "kernel_constants.cpp", "sampling_cpu.cpp")
 
 
 @functools.lru_cache(maxsize=None)

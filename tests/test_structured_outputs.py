@@ -297,3 +297,27 @@ def test_byte_fallback_tokenizer_end_to_end(tmp_path) -> None:
     for out in outs[:-1]:
         assert out.outputs[0].text in choices
     assert re.fullmatch("[a-z]{2}( [a-z]{2}){2}", outs[-1].outputs[0].text)
+
+
+@pytest.mark.parametrize("num_rows, vocab, rows", [(32, 49152, list(range(32))), (5, 1000, [4, 0, 2]), (3, 33, [1]),
+                                                   (2, 64, [])])
+def test_bitmask_kernel_equals_the_reference(num_rows, vocab, rows) -> None:
+    from dabba.native import load_cpu_ops
+    from dabba.worker.sampler import apply_grammar_bitmask, apply_grammar_bitmask_reference
+
+    if not load_cpu_ops():
+        pytest.skip("native kernels unavailable")
+    g = torch.Generator().manual_seed(vocab)
+    words = torch.randint(-2**31, 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32, generator=g)
+    if rows:
+        words[0, : words.shape[1] // 2] = -1  # whole words allowed: the kernel's shortcut
+    logits = torch.randn(num_rows, vocab, generator=g)
+    native, reference = logits.clone(), logits.clone()
+    apply_grammar_bitmask(native, words.numpy(), rows)
+    apply_grammar_bitmask_reference(reference, words, torch.tensor(rows, dtype=torch.long))
+    assert torch.equal(native, reference)
+    untouched = [r for r in range(num_rows) if r not in rows]
+    assert torch.equal(native[untouched], logits[untouched])
+    for i, r in enumerate(rows):  # exactly the forbidden tokens are -inf
+        bits = torch.tensor([(int(words[i, t // 32]) >> (t % 32)) & 1 for t in range(vocab)], dtype=torch.bool)
+        assert torch.equal(native[r] == float("-inf"), ~bits)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import sysconfig
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + eos_token + '\\n' }}{% endfor %}"
@@ -34,9 +35,20 @@ def training_corpus() -> list[str]:
     return texts
 
 
+def stdlib_sources() -> Iterator[str]:
+    """The Python standard library's source (about 30 MB): enough text for a vocabulary of a real
+    model's size, which the docstrings above are not."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        if "test" not in path.parts and "site-packages" not in path.parts:
+            yield path.read_text(errors="replace")
+
+
 @functools.lru_cache(maxsize=None)
-def train_tokenizer(vocab_size: int = 1024):
-    """Byte-level BPE with <s>/</s> specials; BOS is prepended by the post-processor, as Llama's is."""
+def train_tokenizer(vocab_size: int = 1024, corpus: str = "docstrings"):
+    """Byte-level BPE with <s>/</s> specials; BOS is prepended by the post-processor, as Llama's is.
+    ``corpus``: "docstrings" (fast, a few thousand tokens at most) or "stdlib" (the source: a full
+    vocabulary of tens of thousands of tokens, in about a minute)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -46,7 +58,7 @@ def train_tokenizer(vocab_size: int = 1024):
         vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    tok.train_from_iterator(training_corpus(), trainer)
+    tok.train_from_iterator(training_corpus() if corpus == "docstrings" else stdlib_sources(), trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
     return tok
 
@@ -64,7 +76,7 @@ ARCH_CONFIGS = {
 
 def make_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", seed: int = 0,
                     max_shard_size: str | None = None, dtype: str = "float32", norm_std: float | None = None,
-                    **overrides: Any) -> Path:
+                    tokenizer_vocab_size: int = 1024, tokenizer_corpus: str = "docstrings", **overrides: Any) -> Path:
     """Save a random-weight model of ``arch`` with a trained tokenizer into ``out_dir``.
 
     ``norm_std``: add N(0, norm_std) noise to every RMSNorm weight, which transformers initialises
@@ -75,7 +87,7 @@ def make_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", seed: i
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer()
+    tok = train_tokenizer(tokenizer_vocab_size, tokenizer_corpus)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)

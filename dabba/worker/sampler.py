@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from dabba.native import use_cpu_kernels
 
 _MASK64 = (1 << 63) - 1
 
@@ -88,15 +91,29 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, bitmask, rows: list[int]) -> None:
-    """Tokens that a grammar forbids get -inf, in place, in logits row rows[i] for bitmask row i:
-    bit t of word t // 32 allows token t (xgrammar's kernel, vectorised on the CPU). Other rows
-    are untouched."""
-    import xgrammar as xgr
+# bits of a byte, for the reference: _BYTE_BITS[b, i] = bit i of b is set
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
 
-    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)  # the kernel reads row i for row i
-    full[rows] = torch.from_numpy(bitmask)
-    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=rows)
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
+    """Structured outputs: tokens that a grammar forbids get -inf, in place, in logits row
+    rows[i] for bitmask row i (bit t of word t // 32 allows token t); other rows are untouched.
+    The native kernel on the CPU (csrc/sampling_cpu.cpp), else this file's PyTorch form, the
+    reference they are held equal to."""
+    words = torch.from_numpy(bitmask)  # [len(rows), ceil(vocab / 32)] int32
+    index = torch.tensor(rows, dtype=torch.long)
+    if use_cpu_kernels(logits) and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        torch.ops.dabba_cpu.apply_token_bitmask(logits, words, index)
+        return
+    apply_grammar_bitmask_reference(logits, words.to(logits.device), index.to(logits.device))
+
+
+def apply_grammar_bitmask_reference(logits: torch.Tensor, words: torch.Tensor, index: torch.Tensor) -> None:
+    vocab = logits.shape[1]
+    if not len(index):
+        return
+    allowed = _BYTE_BITS.to(logits.device)[words.view(torch.uint8).long()].view(len(index), -1)[:, :vocab]
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 class Sampler:
