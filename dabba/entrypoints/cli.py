@@ -88,9 +88,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dabba.engine.llm_engine import LLMEngine
     from dabba.entrypoints.openai.api_server import serve
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
     name = args.served_model_name or ("demo" if args.model == DEMO_MODEL else args.model)
-    serve(engine, name, args.host, args.port, args.api_key)
+    serve(engine, name, args.host, args.port, args.api_key,
+          args.tool_call_parser if args.enable_auto_tool_choice else None)
     return 0
 
 
@@ -249,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='tool_choice "auto" (the default when a request has tools): read calls from the reply')
+    srv.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                     help="how replies write calls: hermes (Qwen 2.5/3, Hermes: <tool_call> blocks) or "
+                          "llama3_json (Llama 3.x: a JSON object)")
 
     chat = _model_command(sub, "chat", "chat in the terminal, the reply streamed as it is generated", cmd_chat)
     chat.add_argument("--system", default=None, help="a system message")

@@ -21,10 +21,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def live_server(path: str, model_name: str, api_key: str | None) -> Iterator[tuple[str, LLMEngine]]:
+def live_server(path: str, model_name: str, api_key: str | None,
+                tool_call_parser: str | None = None) -> Iterator[tuple[str, LLMEngine]]:
     """Yields (base URL, engine); stops the server on exit."""
     engine = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", max_num_batched_tokens=256))
-    app = build_app(engine, model_name, api_key=api_key)
+    app = build_app(engine, model_name, api_key=api_key, tool_call_parser=tool_call_parser)
     # bound here and handed to uvicorn, so no other process can take the port in between
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -24,17 +24,19 @@ from dabba.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from dabba.engine.llm_engine import LLMEngine
 from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                TokenizeRequest)
-from dabba.entrypoints.openai.serving import OpenAIError, OpenAIServing
+from dabba.entrypoints.openai.serving import OpenAIError
+from dabba.entrypoints.openai.serving_chat import OpenAIServingChat
 
 logger = logging.getLogger("dabba")
 
 
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
-              engine_thread: bool = True) -> FastAPI:
+              engine_thread: bool = True, tool_call_parser: str | None = None) -> FastAPI:
     """The app; its engine loop runs in a thread of its own, or (``engine_thread=False``) wherever
-    the caller runs ``app.state.engine.run_loop()``."""
+    the caller runs ``app.state.engine.run_loop()``. ``tool_call_parser``: how tool_choice "auto"
+    reads the model's calls (None: no auto tool choice)."""
     async_engine = AsyncLLMEngine(engine, served_model_name, start_thread=engine_thread)
-    serving = OpenAIServing(async_engine, served_model_name)
+    serving = OpenAIServingChat(async_engine, served_model_name, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -110,7 +112,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            tokens = serving.chat_prompt(req.messages, req.add_generation_prompt)["prompt_token_ids"]
+            tokens = serving.chat_prompt(req.messages, req.add_generation_prompt, req.tools)["prompt_token_ids"]
         else:
             tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
@@ -130,10 +132,11 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     return app
 
 
-def serve(engine: LLMEngine, served_model_name: str, host: str, port: int, api_key: str | None) -> None:
+def serve(engine: LLMEngine, served_model_name: str, host: str, port: int, api_key: str | None,
+          tool_call_parser: str | None = None) -> None:
     """Run until SIGINT/SIGTERM: uvicorn stops accepting, lets in-flight requests finish (up to
     30 s), then the engine aborts what is left and stops."""
-    app = build_app(engine, served_model_name, api_key, engine_thread=False)
+    app = build_app(engine, served_model_name, api_key, engine_thread=False, tool_call_parser=tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30))
 
     def stop(signum: int, frame: object) -> None:  # uvicorn drains, then its lifespan stops the engine loop

@@ -1,5 +1,6 @@
 """Between the OpenAI protocol and the engine: prompts, SamplingParams, responses and SSE
-streams. Handlers stay thin; nothing here touches tensors or the scheduler."""
+streams, shared by both endpoints, and /v1/completions (chat: serving_chat.py). Handlers stay
+thin; nothing here touches tensors or the scheduler."""
 from __future__ import annotations
 
 import asyncio
@@ -12,11 +13,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dabba.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from dabba.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                               ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessageOut,
-                                               ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                               CompletionResponse, ErrorInfo, ErrorResponse, SamplingFields,
-                                               TokenLogprob, TopLogprob, UsageInfo, random_id)
+from dabba.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                               CompletionResponse, ErrorInfo, ErrorResponse, SamplingFields, UsageInfo,
+                                               random_id)
 from dabba.outputs import PositionLogprobs, RequestOutput
 from dabba.sampling_params import RequestOutputKind, SamplingParams
 from dabba.structured_output import StructuredOutputsParams
@@ -48,7 +47,7 @@ def _param_of(message: str) -> str | None:
 
 
 @dataclass
-class _Choice:
+class ChoiceProgress:
     """Streaming progress of one choice (prompt i, sample j), kept from its DELTA outputs."""
 
     num_chars: int = 0  # of its text so far
@@ -71,7 +70,8 @@ class OpenAIServing:
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """A stream takes each step's news (DELTA); a single response takes the end (FINAL_ONLY)."""
         try:
             logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
@@ -79,7 +79,6 @@ class OpenAIServing:
             raise OpenAIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
         optional = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                     if getattr(req, name) is not None}
-        structured = structured_outputs_of(req)
         try:
             return SamplingParams(
                 n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed,
@@ -95,16 +94,16 @@ class OpenAIServing:
             raise OpenAIError(400, str(e), param=_param_of(str(e))) from None
 
     async def _start(self, request_ids: list[str], prompts: list[Any], params: SamplingParams,
-                     priority: int, constraint_field: str = "structured_outputs") -> list[RequestStream]:
+                     priority: int, constraint_param: str = "structured_outputs") -> list[RequestStream]:
         """Queue every prompt before answering: a rejected one is a 400 for the whole call,
         even when streaming, and leaves nothing running. A constraint is validated (and its
         compilation started) off the event loop first: a bad one is a 400 naming
-        ``constraint_field``, the request field it came from."""
+        ``constraint_param``, the request field it came from."""
         if params.structured_outputs is not None:
             try:
                 await asyncio.to_thread(self.engine.engine.structured_output.submit, params.structured_outputs)
             except ValueError as e:
-                raise OpenAIError(400, str(e), param=constraint_field) from None
+                raise OpenAIError(400, str(e), param=constraint_param) from None
         streams: list[RequestStream] = []
         try:
             for request_id, prompt in zip(request_ids, prompts):
@@ -204,10 +203,11 @@ class OpenAIServing:
             raise OpenAIError(400, "best_of is not supported (use n)", param="best_of")
         prompts = self._completion_prompts(req)
         params = self.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs,
-                                      req.logprobs if req.echo and req.logprobs is not None else None)
+                                      req.logprobs if req.echo and req.logprobs is not None else None,
+                                      structured_outputs_of(req))
         base_id = random_id("cmpl")
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        streams = await self._start(ids, prompts, params, req.priority, _constraint_field(req))
+        streams = await self._start(ids, prompts, params, req.priority, constraint_field(req))
         if req.stream:
             return self._streaming(self._completion_events(req, base_id, streams, params))
         outs = await self._finals(streams, raw)
@@ -222,7 +222,7 @@ class OpenAIServing:
                 choices.append(CompletionChoice(index=i * params.n + o.index, text=text, logprobs=logprobs,
                                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         return JSONResponse(CompletionResponse(id=base_id, model=self.served_model_name, choices=choices,
-                                               usage=_final_usage(outs)).model_dump())
+                                               usage=final_usage(outs)).model_dump())
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
@@ -255,12 +255,12 @@ class OpenAIServing:
                                  params: SamplingParams) -> AsyncIterator[dict]:
         """One chunk per DELTA output of a choice (each holds at least one new token)."""
         prompts: dict[int, RequestOutput] = {}  # prompt index -> its first output, the one that carries the prompt
-        progress: dict[int, _Choice] = {}
+        progress: dict[int, ChoiceProgress] = {}
         async for i, out in self._merged(streams):
             prompt = prompts.setdefault(i, out)
             for o in out.outputs:
                 index = i * params.n + o.index
-                state = progress.setdefault(index, _Choice())
+                state = progress.setdefault(index, ChoiceProgress())
                 starting = state.num_tokens == 0
                 text = self._prompt_text(prompt) + o.text if req.echo and starting else o.text
                 logprobs = None
@@ -276,94 +276,12 @@ class OpenAIServing:
         if req.stream_options and req.stream_options.include_usage:
             num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts.values())
             yield CompletionResponse(id=base_id, model=self.served_model_name, choices=[],
-                                     usage=_usage(num_prompt_tokens, sum(c.num_tokens for c in progress.values()))
+                                     usage=usage_info(num_prompt_tokens, sum(c.num_tokens for c in progress.values()))
                                      ).model_dump()
 
-    # ---- /v1/chat/completions -------------------------------------------------------------
-    def chat_prompt(self, messages: list, add_generation_prompt: bool) -> dict:
-        conversation = []
-        for m in messages:
-            content = m.content
-            if isinstance(content, list):  # content parts: text only
-                if any(part.get("type") != "text" for part in content):
-                    raise OpenAIError(400, "only text content parts are supported", param="messages")
-                content = "".join(part.get("text", "") for part in content)
-            conversation.append({"role": m.role, "content": content or ""})
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-        except ValueError as e:
-            raise OpenAIError(400, str(e), param="messages") from None
-        except Exception as e:  # a template that raises on this conversation
-            raise OpenAIError(400, f"chat template failed: {e}", param="messages") from None
-        # The template writes the special tokens itself.
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
-    async def chat(self, req: ChatCompletionRequest, raw: Request):
-        self.check_model(req.model)
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        top = req.top_logprobs if req.top_logprobs is not None else 0
-        if req.top_logprobs is not None and not req.logprobs:
-            raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        params = self.sampling_params(req, max_tokens, top if req.logprobs else None)
-        request_id = random_id("chatcmpl")
-        streams = await self._start([request_id], [prompt], params, req.priority, _constraint_field(req))
-        if req.stream:
-            return self._streaming(self._chat_events(req, request_id, streams, params))
-        (out,) = await self._finals(streams, raw)
-        choices = [ChatChoice(index=o.index, message=ChatMessageOut(content=o.text),
-                              logprobs=self._chat_logprobs(o.token_ids, o.logprobs, top) if req.logprobs else None,
-                              finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
-        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                                   usage=_final_usage([out])).model_dump())
-
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None,
-                       num_top: int) -> ChatLogprobs:
-        content = []
-        for token_id, position in zip(token_ids, logprobs or []):
-            token = self._token_text(token_id)
-            top = sorted(position.values(), key=lambda p: p.rank)
-            content.append(TokenLogprob(token=token, logprob=position[token_id].logprob, bytes=list(token.encode()),
-                                        top_logprobs=[TopLogprob(token=p.decoded_token, logprob=p.logprob,
-                                                                 bytes=list(p.decoded_token.encode()))
-                                                      for p in top if p.rank <= num_top]))
-        return ChatLogprobs(content=content)
-
-    async def _chat_events(self, req: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
-                           params: SamplingParams) -> AsyncIterator[dict]:
-        """A chunk per DELTA output of a choice that brings text or its finish; tokens that
-        brought no text yet (held back, or a partial character) go out with the next chunk."""
-        def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> dict:
-            return ChatCompletionChunk(id=request_id, model=self.served_model_name,
-                                       choices=[choice] if choice else [], usage=usage).model_dump()
-
-        progress = {i: _Choice() for i in range(params.n)}
-        for i in range(params.n):
-            yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
-        first: RequestOutput | None = None  # the output that carries the prompt
-        async for _, out in self._merged(streams):
-            if first is None:
-                first = out
-            for o in out.outputs:
-                state = progress[o.index]
-                state.num_tokens += len(o.token_ids)
-                if req.logprobs:
-                    state.pending_token_ids += o.token_ids
-                    state.pending_logprobs += o.logprobs or []
-                if not o.text and o.finish_reason is None:
-                    continue
-                logprobs = None
-                if req.logprobs:
-                    logprobs = self._chat_logprobs(state.pending_token_ids, state.pending_logprobs,
-                                                   params.logprobs or 0)
-                    state.pending_token_ids, state.pending_logprobs = [], []
-                yield chunk(ChatStreamChoice(index=o.index, delta=ChatDelta(content=o.text), logprobs=logprobs,
-                                             finish_reason=o.finish_reason, stop_reason=o.stop_reason))
-        if req.stream_options and req.stream_options.include_usage and first is not None:
-            yield chunk(None, _usage(len(first.prompt_token_ids), sum(c.num_tokens for c in progress.values())))
-
-
-def _constraint_field(req: SamplingFields) -> str:
+def constraint_field(req: SamplingFields) -> str:
+    """The request field a constraint comes from, for its errors."""
     return "response_format" if req.response_format is not None and req.response_format.type != "text" \
         else "structured_outputs"
 
@@ -373,7 +291,7 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
     ``structured_outputs``, never both. A json_schema's ``strict`` changes nothing: the schema
     is always enforced."""
     fmt = req.response_format
-    field = _constraint_field(req)
+    field = constraint_field(req)
     if fmt is not None and fmt.type != "text" and req.structured_outputs is not None:
         raise OpenAIError(400, "set response_format or structured_outputs, not both", param="response_format")
     try:
@@ -390,11 +308,11 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
         raise OpenAIError(400, str(e), param=field) from None
 
 
-def _usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+def usage_info(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
                      total_tokens=num_prompt_tokens + num_completion_tokens)
 
 
-def _final_usage(outs: list[RequestOutput]) -> UsageInfo:
+def final_usage(outs: list[RequestOutput]) -> UsageInfo:
     """Of cumulative (FINAL_ONLY) outputs: each prompt once, every sample's tokens."""
-    return _usage(sum(len(o.prompt_token_ids) for o in outs), sum(len(c.token_ids) for o in outs for c in o.outputs))
+    return usage_info(sum(len(o.prompt_token_ids) for o in outs), sum(len(c.token_ids) for o in outs for c in o.outputs))

@@ -1,0 +1,245 @@
+"""/v1/chat/completions: the chat template (with tools and tool messages), sampling params (a
+tool_choice that forces calls constrains the output), and replies whose text the tool-call
+reading (tool_calls.py) turns into ``message.tool_calls``, streamed or not."""
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from dabba.engine.async_engine import AsyncLLMEngine, RequestStream
+from dabba.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                               ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage,
+                                               ChatMessageOut, ChatStreamChoice, ChatTool, DeltaFunctionCall,
+                                               DeltaToolCall, FunctionCall, TokenLogprob, ToolCallOut, TopLogprob,
+                                               UsageInfo, random_id)
+from dabba.entrypoints.openai.serving import (ChoiceProgress, OpenAIError, OpenAIServing, constraint_field,
+                                              final_usage, structured_outputs_of, usage_info)
+from dabba.entrypoints.openai.tool_calls import (TOOL_CALL_PARSERS, Extracted, Extractor, NamedExtractor, ToolCall,
+                                                 make_extractor, named_schema, required_schema)
+from dabba.outputs import PositionLogprobs, RequestOutput
+from dabba.sampling_params import SamplingParams
+from dabba.structured_output import StructuredOutputsParams
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Completions (the base class) and chat. ``tool_call_parser``: how "auto" tool choice reads
+    the model's calls (``--enable-auto-tool-choice --tool-call-parser NAME``); None: no auto."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, tool_call_parser: str | None = None) -> None:
+        super().__init__(engine, served_model_name)
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
+
+    # ---- the prompt ---------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    tools: list[ChatTool] | None = None) -> dict:
+        """The template renders the conversation (and ``tools``, as Hugging Face templates take
+        them); an assistant's tool calls reach it with their arguments as objects, as
+        transformers passes them."""
+        conversation = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):  # content parts: text only
+                if any(part.get("type") != "text" for part in content):
+                    raise OpenAIError(400, "only text content parts are supported", param="messages")
+                content = "".join(part.get("text", "") for part in content)
+            message: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.tool_calls:
+                message["tool_calls"] = [_template_call(call) for call in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            conversation.append(message)
+        kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, **kwargs)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="messages") from None
+        except Exception as e:  # a template that raises on this conversation
+            raise OpenAIError(400, f"chat template failed: {e}", param="messages") from None
+        # The template writes the special tokens itself.
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+    def _tool_choice(self, req: ChatCompletionRequest) -> Any:
+        """The effective tool_choice: "none", "auto", "required" or the named-function dict.
+        Without one: "auto" when tools are given and the server reads calls, else "none"."""
+        choice = req.tool_choice
+        if choice is None:
+            return "auto" if req.tools and self.tool_call_parser else "none"
+        if isinstance(choice, str):
+            if choice != "none" and not req.tools:
+                raise OpenAIError(400, f'tool_choice "{choice}" needs tools', param="tool_choice")
+            if choice == "auto" and self.tool_call_parser is None:
+                raise OpenAIError(400, 'tool_choice "auto" needs the server started with --enable-auto-tool-choice '
+                                       "and --tool-call-parser", param="tool_choice")
+            return choice
+        names = [t.function.name for t in req.tools or []]
+        if choice.function.name not in names:
+            raise OpenAIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among "
+                                   f"the tools ({', '.join(names) or 'none'})", param="tool_choice")
+        return choice.model_dump()
+
+    def _constraint(self, req: ChatCompletionRequest, tool_choice: Any) -> tuple[StructuredOutputsParams | None, str]:
+        """(constraint, the field it comes from): a forced tool choice's JSON schema, else
+        response_format / structured_outputs."""
+        if tool_choice != "required" and not isinstance(tool_choice, dict):
+            return structured_outputs_of(req), constraint_field(req)
+        if (req.response_format is not None and req.response_format.type != "text") or req.structured_outputs:
+            raise OpenAIError(400, f"tool_choice {json.dumps(tool_choice)} constrains the output: it cannot be "
+                                   "combined with response_format or structured_outputs", param="tool_choice")
+        functions = [t.function.model_dump(exclude_none=True) for t in req.tools]
+        if tool_choice == "required":
+            schema = required_schema(functions, req.parallel_tool_calls)
+        else:
+            schema = named_schema(next(f for f in functions if f["name"] == tool_choice["function"]["name"]))
+        try:
+            return StructuredOutputsParams(json=schema, disable_any_whitespace=True), "tools"
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="tools") from None
+
+    # ---- the request ---------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        tool_choice = self._tool_choice(req)
+        prompt = self.chat_prompt(req.messages, req.add_generation_prompt, req.tools if tool_choice != "none" else None)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = req.top_logprobs if req.top_logprobs is not None else 0
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        constraint, constraint_param = self._constraint(req, tool_choice)
+        params = self.sampling_params(req, max_tokens, top if req.logprobs else None, structured=constraint)
+        request_id = random_id("chatcmpl")
+        streams = await self._start([request_id], [prompt], params, req.priority, constraint_param)
+        parser = self.tool_call_parser if req.tools else None
+        if req.stream:
+            return self._streaming(self._chat_events(req, request_id, streams, params, tool_choice, parser))
+        (out,) = await self._finals(streams, raw)
+        choices = []
+        for o in out.outputs:
+            extractor = make_extractor(tool_choice, parser)
+            content, calls = extractor.read(o.text) if extractor else (o.text, [])
+            calls = calls if req.parallel_tool_calls else calls[:1]
+            choices.append(ChatChoice(
+                index=o.index, message=ChatMessageOut(content=content, tool_calls=[_call_out(c) for c in calls] or None),
+                logprobs=self._chat_logprobs(o.token_ids, o.logprobs, top) if req.logprobs else None,
+                finish_reason=_finish_reason(o.finish_reason, bool(calls)), stop_reason=o.stop_reason))
+        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                                   usage=final_usage([out])).model_dump())
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None,
+                       num_top: int) -> ChatLogprobs:
+        content = []
+        for token_id, position in zip(token_ids, logprobs or []):
+            token = self._token_text(token_id)
+            top = sorted(position.values(), key=lambda p: p.rank)
+            content.append(TokenLogprob(token=token, logprob=position[token_id].logprob, bytes=list(token.encode()),
+                                        top_logprobs=[TopLogprob(token=p.decoded_token, logprob=p.logprob,
+                                                                 bytes=list(p.decoded_token.encode()))
+                                                      for p in top if p.rank <= num_top]))
+        return ChatLogprobs(content=content)
+
+    async def _chat_events(self, req: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
+                           params: SamplingParams, tool_choice: Any, parser: str | None) -> AsyncIterator[dict]:
+        """A chunk per DELTA output of a choice that brings content or its finish, and one per
+        tool-call delta (a call's id and name, then its arguments); tokens that brought neither
+        (held back, a partial character, text still to be read as calls) go out with the next."""
+        def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> dict:
+            body = ChatCompletionChunk(id=request_id, model=self.served_model_name,
+                                       choices=[choice] if choice else [], usage=usage).model_dump()
+            for c in body["choices"]:  # a tool-call delta carries only what it brings, as OpenAI's do
+                calls = c["delta"].pop("tool_calls")
+                if calls is not None:
+                    c["delta"]["tool_calls"] = [_without_none(call) for call in calls]
+            return body
+
+        progress = {i: ChoiceProgress() for i in range(params.n)}
+        extractors: dict[int, Extractor | None] = {i: make_extractor(tool_choice, parser) for i in range(params.n)}
+        num_calls = dict.fromkeys(range(params.n), 0)
+        for i in range(params.n):
+            yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+        first: RequestOutput | None = None  # the output that carries the prompt
+        async for _, out in self._merged(streams):
+            if first is None:
+                first = out
+            for o in out.outputs:
+                state, extractor = progress[o.index], extractors[o.index]
+                state.num_tokens += len(o.token_ids)
+                if req.logprobs:
+                    state.pending_token_ids += o.token_ids
+                    state.pending_logprobs += o.logprobs or []
+                if extractor is None:
+                    news = Extracted(o.text)
+                elif isinstance(extractor, NamedExtractor):  # the call opens at once; the text is its arguments
+                    if num_calls[o.index] == 0:
+                        num_calls[o.index] = 1
+                        yield chunk(_call_delta(o.index, 0, extractor.call, opening=True))
+                    extractor.feed(o.text)
+                    if o.text:
+                        yield chunk(ChatStreamChoice(index=o.index, delta=ChatDelta(tool_calls=[DeltaToolCall(
+                            index=0, function=DeltaFunctionCall(arguments=o.text))])))
+                    news = Extracted()
+                else:
+                    news = extractor.feed(o.text)
+                    if o.finish_reason is not None:
+                        rest = extractor.finish()
+                        news = Extracted(news.content + rest.content, news.calls + rest.calls)
+                for call in news.calls:
+                    if num_calls[o.index] and not req.parallel_tool_calls:
+                        break
+                    k = num_calls[o.index]
+                    num_calls[o.index] += 1
+                    yield chunk(_call_delta(o.index, k, call, opening=True))
+                    yield chunk(_call_delta(o.index, k, call, opening=False))
+                if not news.content and o.finish_reason is None:
+                    continue
+                logprobs = None
+                if req.logprobs:
+                    logprobs = self._chat_logprobs(state.pending_token_ids, state.pending_logprobs,
+                                                   params.logprobs or 0)
+                    state.pending_token_ids, state.pending_logprobs = [], []
+                content = news.content if extractor is None else news.content or None
+                yield chunk(ChatStreamChoice(
+                    index=o.index, delta=ChatDelta(content=content),
+                    logprobs=logprobs, finish_reason=_finish_reason(o.finish_reason, num_calls[o.index] > 0),
+                    stop_reason=o.stop_reason))
+        if req.stream_options and req.stream_options.include_usage and first is not None:
+            yield chunk(None, usage_info(len(first.prompt_token_ids), sum(c.num_tokens for c in progress.values())))
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call as chat templates take it: arguments as an object where they parse."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    return {**call, "type": call.get("type", "function"), "function": function}
+
+
+def _call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _call_delta(index: int, k: int, call: ToolCall, opening: bool) -> ChatStreamChoice:
+    """Call k of choice ``index``: its id, type and name (``opening``), or its arguments."""
+    delta = (DeltaToolCall(index=k, id=call.id, type="function", function=DeltaFunctionCall(name=call.name, arguments=""))
+             if opening else DeltaToolCall(index=k, function=DeltaFunctionCall(arguments=call.arguments)))
+    return ChatStreamChoice(index=index, delta=ChatDelta(tool_calls=[delta]))
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """A reply that ended by itself with calls in it ends for "tool_calls", as OpenAI says."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
