@@ -27,3 +27,24 @@ def test_bad_option_exits_with_a_message(checkpoints, capsys) -> None:
     rc = main(["generate", str(checkpoints["qwen2"].path), "--prompt", "x", "--dtype", "int3"])
     assert rc == 2
     assert "dtype must be one of" in capsys.readouterr().err
+
+
+def test_generate_with_constraints(checkpoints, capsys, tmp_path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 99}}, "required": ["n"]}))
+    path = str(checkpoints["qwen2"].path)
+    cases = [(["--json-schema", f"@{schema}"], lambda t: 0 <= json.loads(t)["n"] <= 99),
+             (["--regex", "[a-c]{4}"], lambda t: len(t) == 4 and set(t) <= set("abc")),
+             (["--choice", "up", "--choice", "down"], lambda t: t in ("up", "down")),
+             (["--grammar", 'root ::= "x" [0-9]'], lambda t: t[0] == "x" and t[1].isdigit())]
+    for flags, check in cases:
+        assert main(["generate", path, "--prompt", "Hi", "--max-tokens", "40", "--json", *flags]) == 0
+        line = json.loads(capsys.readouterr().out)
+        assert line["finish_reason"] == "stop" and check(line["text"]), (flags, line)
+    for flags, message in [(["--regex", "a("], "structured_outputs.regex is invalid"),
+                           (["--regex", "a", "--choice", "a"], "exactly one of"),
+                           (["--json-schema", "@/nonexistent.json"], "cannot read /nonexistent.json")]:
+        assert main(["generate", path, "--prompt", "Hi", *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
