@@ -106,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         tool_choice = self._tool_choice(req)
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt, req.tools if tool_choice != "none" else None)
+        prompt = self.chat_prompt(req.messages, req.add_generation_prompt, req.tools)  # as vLLM: even for "none"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = req.top_logprobs if req.top_logprobs is not None else 0
         if req.top_logprobs is not None and not req.logprobs:
