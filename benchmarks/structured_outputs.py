@@ -19,6 +19,8 @@ import time
 import uuid
 from typing import Any
 
+from benchmarks.throughput import make_smollm_shaped
+
 SCHEMA = {
     "type": "array",
     "minItems": 64,
@@ -34,16 +36,6 @@ SCHEMA = {
         "required": ["id", "name", "email", "role", "active"],
     },
 }
-
-
-def make_checkpoint(out_dir: str) -> str:
-    from tools.tiny_checkpoint import make_checkpoint
-
-    make_checkpoint(out_dir, "LlamaForCausalLM", dtype="bfloat16", vocab_size=49152, hidden_size=576,
-                    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=100000.0,
-                    tokenizer_vocab_size=49152, tokenizer_corpus="stdlib")
-    return out_dir
 
 
 def decode_rate(llm, prompts: list[list[int]], output_len: int, schema: dict | None) -> float:
@@ -86,7 +78,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     if args.make_smollm_shaped:
-        args.model = make_checkpoint(args.make_smollm_shaped)
+        args.model = make_smollm_shaped(args.make_smollm_shaped, tokenizer_vocab_size=49152, tokenizer_corpus="stdlib")
     if not args.model:
         parser.error("--model or --make-smollm-shaped is required")
 

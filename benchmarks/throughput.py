@@ -92,12 +92,14 @@ def summarize(result: dict[str, Any], num_prompts: int, input_len: int) -> dict[
             "total_tokens_per_s": total / t}
 
 
-def make_smollm_shaped(out_dir: str) -> str:
+def make_smollm_shaped(out_dir: str, **tokenizer: Any) -> str:
+    """``tokenizer``: make_checkpoint's tokenizer_vocab_size / tokenizer_corpus (default: a small one)."""
     from tools.tiny_checkpoint import make_checkpoint
 
     make_checkpoint(out_dir, "LlamaForCausalLM", dtype="bfloat16", vocab_size=49152, hidden_size=576,
                     intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=100000.0)
+                    head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=100000.0,
+                    **tokenizer)
     return out_dir
 
 
