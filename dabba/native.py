@@ -18,7 +18,8 @@ logger = logging.getLogger("dabba")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "gemm_cpu.cpp", "gemm_amx_cpu.cpp",
-           "int8_gemv_cpu.cpp", "decode_cpu.cpp", "kernel_constants.cpp", "sampling_cpu.cpp")
+           "int8_gemv_cpu.cpp", "decode_cpu.cpp", "kernel_constants.cpp", "sampling_cpu.cpp",
+           "int4_gemv_cpu.cpp")
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,6 +44,7 @@ class KernelConstants:
     gemv_max_rows: int  # bf16: the GEMV up to here
     gemm_max_rows: int  # and the GEMM beyond, up to here; F.linear (oneDNN) past it
     int8_gemv_max_rows: int  # INT8 codes: the GEMV up to here
+    int4_gemv_max_rows: int  # INT4 codes (PyTorch's packed layout): dabba's GEMV up to here, tinygemm beyond
     int8_gemm_min_rows: int  # INT8's GEMM from here to gemm_max_rows (bf16 activations)
     int8_dequant_min_rows: int  # past the GEMM (or float32 from here) INT8 dequantizes its codes
     amx_gemv_max_rows: int  # where the GEMM runs on AMX tiles (amx_usable): the GEMV only up to here

@@ -43,8 +43,7 @@ struct NativeLinear {
   at::Tensor operator()(const at::Tensor& x) const {
     if (kind == LinearKind::kDense) return dense_linear(x, weight, bias);  // as dabba.native.linear
     if (kind == LinearKind::kInt8) return int8_linear(x, weight, scales, bias);  // as dabba.native.int8_linear
-    const at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, weight, group_size, scales);
-    return bias.has_value() ? y + *bias : y;
+    return int4_linear(x, weight, group_size, scales, bias);  // as dabba.quantization.kernels.int4_matmul_cpu
   }
 };
 

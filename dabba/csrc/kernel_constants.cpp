@@ -14,6 +14,7 @@ c10::Dict<std::string, int64_t> kernel_constants() {
   constants.insert("gemv_max_rows", kGemvMaxRows);
   constants.insert("gemm_max_rows", kGemmMaxRows);
   constants.insert("int8_gemv_max_rows", kInt8GemvMaxRows);
+  constants.insert("int4_gemv_max_rows", kInt4GemvMaxRows);
   constants.insert("int8_gemm_min_rows", kInt8GemmMinRows);
   constants.insert("int8_dequant_min_rows", kInt8DequantMinRows);
   constants.insert("amx_gemv_max_rows", kAmxGemvMaxRows);

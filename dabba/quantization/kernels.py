@@ -29,11 +29,18 @@ def int4_bytes(out: int, k: int, group_size: int, dtype: torch.dtype, device_typ
 
 
 def int4_matmul_cpu(layer: nn.Module, x: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """dabba's INT4 GEMV for decode's few rows (csrc/int4_gemv_cpu.cpp reads this layout at close to
+    memory bandwidth), tinygemm beyond; tinygemm alone without the native kernels."""
+    from dabba.native import load_cpu_ops
+
     shape = x.shape
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), layer.qweight, group_size,
-                                                   layer.scales_and_zeros)
-    if bias is not None:
-        y = y + bias
+    x2 = x.reshape(-1, shape[-1])
+    if load_cpu_ops():
+        y = torch.ops.dabba_cpu.int4_linear(x2, layer.qweight, group_size, layer.scales_and_zeros, bias)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, group_size, layer.scales_and_zeros)
+        if bias is not None:
+            y = y + bias
     return y.view(*shape[:-1], -1)
 
 

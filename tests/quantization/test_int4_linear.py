@@ -1,0 +1,47 @@
+"""dabba's INT4 GEMV (csrc/int4_gemv_cpu.cpp) against the exact product of the dequantized weight
+and against PyTorch's tinygemm, which it replaces up to int4_gemv_max_rows rows of x."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dabba import native
+
+
+def packed_weight(n: int, k: int, group_size: int, dtype: torch.dtype, seed: int):
+    """Random codes in PyTorch's packed int4 CPU layout, tinygemm's (scale, zero) pairs, and the
+    weight they mean, (q - 8) * scale + zero, in float64."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+    scale = torch.rand(n, k // group_size, generator=g) * 0.1 + 0.01
+    zero = torch.randint(0, 16, (n, k // group_size), generator=g).float()
+    scale_zero = torch.stack([scale, (8 - zero) * scale], dim=-1).transpose(0, 1).contiguous().to(dtype)
+    s = scale_zero.double()
+    weight = ((codes.double() - 8).view(n, -1, group_size) * s[..., 0].t().unsqueeze(-1)
+              + s[..., 1].t().unsqueeze(-1)).view(n, k)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scale_zero, weight
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("n, k, group_size, dtype", [
+    (128, 256, 32, torch.bfloat16), (192, 512, 64, torch.float32), (64, 128, 128, torch.float32),
+    (2048, 1536, 128, torch.bfloat16), (96, 256, 64, torch.bfloat16),  # 96: not whole 64-row blocks
+])
+def test_int4_linear_equals_the_dequantized_product(rows, n, k, group_size, dtype) -> None:
+    if not native.load_cpu_ops():
+        pytest.skip("native kernels unavailable")
+    packed, scale_zero, weight = packed_weight(n, k, group_size, dtype, seed=n + k + rows)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    exact = x.double() @ weight.t() + bias.double()
+    ours = torch.ops.dabba_cpu.int4_linear(x, packed, group_size, scale_zero, bias, True)
+    tinygemm = torch.ops.dabba_cpu.int4_linear(x, packed, group_size, scale_zero, bias, False)
+    assert ours.dtype == tinygemm.dtype == dtype and ours.shape == (rows, n)
+    # bf16: the output's rounding (2^-8 relative) dominates; float32: the sums' (byte sums less 16x
+    # the high nibbles' cost a few bits of float32's 24)
+    tolerance = (2**-7 if dtype == torch.bfloat16 else 2e-5) * exact.abs().max().item()
+    assert (ours.double() - exact).abs().max().item() <= tolerance
+    assert (tinygemm.double() - exact).abs().max().item() <= tolerance
+    if rows > native.kernel_constants().int4_gemv_max_rows or n % 64:
+        assert torch.equal(ours, tinygemm)  # tinygemm takes these
