@@ -42,7 +42,8 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="dabba-grammar")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the grammar cache
+        self._compiler_lock = threading.Lock()  # the compiler, built slowly once: never under _lock
         self._compiler: "xgr.GrammarCompiler | None" = None
         self._grammars: OrderedDict[tuple, Future] = OrderedDict()  # key -> Future[CompiledGrammar]
         self._matchers: dict[str, "xgr.GrammarMatcher"] = {}  # request id -> its matcher
@@ -54,7 +55,7 @@ class StructuredOutputManager:
 
         from dabba.structured_output.grammar import tokenizer_info
 
-        with self._lock:
+        with self._compiler_lock:
             if self._compiler is None:
                 tok = self.tokenizer.hf_tokenizer
                 info = tokenizer_info(json.loads(tok.to_str()), tok.get_vocab(with_added_tokens=True),
