@@ -48,3 +48,10 @@ def test_generate_with_constraints(checkpoints, capsys, tmp_path) -> None:
         assert main(["generate", path, "--prompt", "Hi", *flags]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_auto_tool_choice_needs_a_parser(checkpoints, capsys) -> None:
+    assert main(["serve", str(checkpoints["qwen2"].path), "--enable-auto-tool-choice"]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "hermes")
