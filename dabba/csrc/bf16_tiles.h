@@ -118,6 +118,13 @@ void amx_gemm_rows(Epilogue epilogue, const uint32_t* xp, int64_t M, int64_t K, 
 // INT8 codes [N, K] with a bf16 scale per row, widened to bf16 kAmxColumns rows at a time.
 void amx_int8_gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const int8_t* q, const uint16_t* scales,
                         const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t N, int64_t n_begin, int64_t n_end);
+// INT4 codes in PyTorch's packed int4 CPU layout (64-row blocks: per k, 32 bytes, byte i = row i's
+// code | row 32 + i's << 4) with tinygemm's bf16 (scale, zero) pairs [groups, N, 2]: y[:, 64 b:64 b + 64]
+// = x W^T (+ b) for blocks b in [block_begin, block_end). x [M, K] bf16 rows as they lie (the A
+// operand); each block is dequantized to bf16 K-pairs for 16 rows (the B operand) once per call.
+void amx_int4_gemm_blocks(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, const uint32_t* scale_zero,
+                          int64_t group_size, const uint16_t* bias, uint16_t* y, int64_t N, int64_t block_begin,
+                          int64_t block_end);
 
 #endif  // DABBA_HAVE_BF16_GEMM
 

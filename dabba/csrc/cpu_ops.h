@@ -120,11 +120,13 @@ void int8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
 // int4_gemv_cpu.cpp: x W^T (+ b) for W in PyTorch's packed int4 CPU layout (scales_and_zeros
 // [groups, N, 2], tinygemm's (q - 8) * scale + zero), the one place that picks the INT4 kernel:
 // dabba's GEMV up to kInt4GemvMaxRows rows (AVX-512, N a multiple of 64, PyTorch packing 64-row
-// blocks), else _weight_int4pack_mm_for_cpu. gemv false forces the latter (the tests' reference).
-// Qwen2.5-1.5B's 28 layers: 95.5 ms at 8 rows against tinygemm's 131.8; at 9 both 193 (the GEMV
-// passes over the weight once per 4 rows).
+// blocks); beyond, bf16 x on AMX tiles, the GEMM over each 64-row block dequantized to bf16 once
+// per call (gemm_amx_cpu.cpp); else _weight_int4pack_mm_for_cpu. native false forces the latter
+// (the tests' reference). Qwen2.5-1.5B's 28 layers against tinygemm: the GEMV 95.5 ms at 8 rows
+// (131.8); the AMX GEMM 127.5 at 9 (200.1), 105.5 at 16, 120.4 at 32 (489.9), 482 at 256 (3835):
+// it pays about 100 ms to dequantize whatever the rows, so the GEMV keeps up to 8.
 constexpr int kInt4GemvMaxRows = 8;
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
-                       const c10::optional<at::Tensor>& bias, bool gemv = true);
+                       const c10::optional<at::Tensor>& bias, bool native = true);
 
 }  // namespace dabba

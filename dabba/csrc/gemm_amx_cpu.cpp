@@ -320,6 +320,100 @@ void amx_int8_gemm_rows(const uint32_t* xp, int64_t M, int64_t K, const int8_t* 
   pending.finish();
 }
 
+namespace {
+
+// Block b's codes for k in [k0, k0 + 32) -> 4 B tiles (rows 0-15, 16-31, 32-47, 48-63 of the block),
+// each 16 K-pairs x 16 rows x 2 bf16: (q - 8) * scale + zero in float32, rounded to bf16 once.
+// The 32 k lie in one group (group sizes are multiples of 32).
+void dequantize_chunk(const uint8_t* block, int64_t k0, const uint32_t* scale_zero_row0, uint16_t* tiles) {
+  const __m512i pair_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i pair_hi = _mm512_add_epi32(pair_lo, _mm512_set1_epi32(8));
+  for (int r = 0; r < 4; ++r) {  // rows 16r.. of the block: bytes (r % 2) * 16.., nibble r / 2
+    const __m512i sz = _mm512_loadu_si512(scale_zero_row0 + 16 * r);
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale,  // zero - 8 scale
+                                           _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+    uint16_t* tile = tiles + r * 512;
+    for (int p = 0; p < 16; ++p) {
+      __m512 w[2];
+      for (int j = 0; j < 2; ++j) {
+        const uint8_t* bytes = block + (k0 + 2 * p + j) * 32 + (r % 2) * 16;
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+        q = r < 2 ? _mm512_and_si512(q, _mm512_set1_epi32(15)) : _mm512_srli_epi32(q, 4);
+        w[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, offset);
+      }
+      const __m512 lo = _mm512_permutex2var_ps(w[0], pair_lo, w[1]);  // rows 0-7: (k, k + 1) pairs
+      const __m512 hi = _mm512_permutex2var_ps(w[0], pair_hi, w[1]);  // rows 8-15
+      _mm512_storeu_si512(tile + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// C [16 x rows][16 weight rows] float32 (+ bias) -> bf16 y rows.
+void store_rows(const float* c, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t rows) {
+  const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias))), 16))
+                        : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + 16 * m), b)));
+}
+
+}  // namespace
+
+void amx_int4_gemm_blocks(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, const uint32_t* scale_zero,
+                          int64_t group_size, const uint16_t* bias, uint16_t* y, int64_t N, int64_t block_begin,
+                          int64_t block_end) {
+  TileScope tiles;
+  const int64_t chunks = K / 32, vectors = (M + 15) / 16;
+  std::vector<uint16_t> b_tiles(chunks * 4 * 512);  // [chunk][row group][16 pairs][16 rows][2]
+  std::vector<uint16_t> x_pad;  // the last 16 x rows, zero-padded, when M is not a multiple of 16
+  if (M % 16) {
+    x_pad.assign(16 * K, 0);
+    std::memcpy(x_pad.data(), x + (vectors - 1) * 16 * K, (M % 16) * K * sizeof(uint16_t));
+  }
+  alignas(64) float c[4 * 256];
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    const uint8_t* block = packed + b * K * 32;
+    for (int64_t ch = 0; ch < chunks; ++ch)
+      dequantize_chunk(block, ch * 32, scale_zero + (ch * 32 / group_size) * N + b * 64, b_tiles.data() + ch * 2048);
+    for (int64_t v = 0; v < vectors; v += 2) {
+      const int mv = vectors - v >= 2 ? 2 : 1;
+      const uint16_t* a0 = (v + 1 == vectors && M % 16) ? x_pad.data() : x + v * 16 * K;
+      const uint16_t* a1 = (v + 2 == vectors && M % 16) ? x_pad.data() : x + (v + 1) * 16 * K;
+      for (int g = 0; g < 4; g += 2) {  // row groups (g, g + 1) of the block
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+          const uint16_t* bt = b_tiles.data() + ch * 2048 + g * 512;
+          _tile_loadd(4, a0 + ch * 32, 2 * K);
+          _tile_loadd(6, bt, 64);
+          _tile_loadd(7, bt + 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (mv == 2) {
+            _tile_loadd(5, a1 + ch * 32, 2 * K);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, c, 64);
+        _tile_stored(1, c + 256, 64);
+        if (mv == 2) {
+          _tile_stored(2, c + 512, 64);
+          _tile_stored(3, c + 768, 64);
+        }
+        for (int t = 0; t < 2 * mv; ++t) {  // tile t: x rows 16 (v + t / 2).., weight rows of group g + t % 2
+          const int64_t xv = v + t / 2, n = b * 64 + (g + t % 2) * 16;
+          store_rows(c + 256 * t, bias ? bias + n : nullptr, y + xv * 16 * N + n, N, std::min<int64_t>(16, M - xv * 16));
+        }
+      }
+    }
+  }
+}
+
 #else  // compiled without AMX: never usable, so the entry points below are never reached
 
 bool amx_usable(int64_t) { return false; }
@@ -331,6 +425,11 @@ void amx_gemm_rows(Epilogue, const uint32_t*, int64_t, int64_t, const uint16_t*,
 
 void amx_int8_gemm_rows(const uint32_t*, int64_t, int64_t, const int8_t*, const uint16_t*, const uint16_t*, uint16_t*,
                         int64_t, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "built without AMX");
+}
+
+void amx_int4_gemm_blocks(const uint16_t*, int64_t, int64_t, const uint8_t*, const uint32_t*, int64_t, const uint16_t*,
+                          uint16_t*, int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "built without AMX");
 }
 

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "bf16_tiles.h"
 #include "cpu_ops.h"
 
 #include <algorithm>
@@ -208,12 +209,54 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t grou
 
 #endif
 
+namespace {
+
+// More rows than the GEMV takes, bf16, on AMX tiles: the GEMM of gemm_amx_cpu.cpp with each 64-row
+// block dequantized to bf16 once per call (amx_int4_gemm_blocks).
+bool int4_amx_supported(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
+                        const c10::optional<at::Tensor>& bias) {
+#if defined(DABBA_HAVE_INT4_GEMV) && defined(DABBA_HAVE_BF16_GEMM)
+  return x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && packed.dim() == 2 &&
+         packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(0) % 64 == 0 &&
+         packed.size(1) * 2 == x.size(1) && group_size % 32 == 0 && x.size(1) % group_size == 0 &&
+         scale_zero.dim() == 3 && scale_zero.is_contiguous() && scale_zero.scalar_type() == at::kBFloat16 &&
+         scale_zero.size(0) == x.size(1) / group_size && scale_zero.size(1) == packed.size(0) &&
+         (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous())) &&
+         amx_usable(x.size(1)) && packs_64_row_blocks();
+#else
+  return false;
+#endif
+}
+
+at::Tensor int4_amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
+                         const c10::optional<at::Tensor>& bias) {
+#if defined(DABBA_HAVE_INT4_GEMV) && defined(DABBA_HAVE_BF16_GEMM)
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* sz = reinterpret_cast<const uint32_t*>(scale_zero.data_ptr());
+  const auto* bp = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, N / 64, 1, [&](int64_t begin, int64_t end) {
+    amx_int4_gemm_blocks(xp, M, K, packed.data_ptr<uint8_t>(), sz, group_size, bp, yp, N, begin, end);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "built without AVX512-BF16");
+#endif
+}
+
+}  // namespace
+
 // The one place an INT4 linear picks its kernel: the GEMV above for up to kInt4GemvMaxRows rows
-// where it applies, else PyTorch's tinygemm. ``gemv`` false forces tinygemm (the tests hold the two
-// equal within rounding).
+// where it applies; beyond, the AMX GEMM on blocks dequantized to bf16 where the CPU has AMX and x
+// is bf16; else PyTorch's tinygemm. ``native`` false forces tinygemm (the tests hold the others
+// equal to it within rounding).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
-                       const c10::optional<at::Tensor>& bias, bool gemv) {
-  const at::Tensor y = gemv && int4_gemv_supported(x, packed, group_size, scale_zero)
+                       const c10::optional<at::Tensor>& bias, bool native) {
+  if (native && x.dim() == 2 && x.size(0) > kInt4GemvMaxRows && int4_amx_supported(x, packed, group_size, scale_zero, bias))
+    return int4_amx_gemm(x, packed, group_size, scale_zero, bias);
+  const at::Tensor y = native && int4_gemv_supported(x, packed, group_size, scale_zero)
                            ? int4_gemv(x, packed, group_size, scale_zero)
                            : at::_weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero);
   return bias.has_value() ? y + *bias : y;
@@ -222,6 +265,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t gr
 }  // namespace dabba
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
-  m.def("int4_linear(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor? bias, bool gemv=True) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor? bias, bool native=True) -> Tensor");
   m.impl("int4_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::int4_linear));
 }

@@ -1,5 +1,6 @@
-"""dabba's INT4 GEMV (csrc/int4_gemv_cpu.cpp) against the exact product of the dequantized weight
-and against PyTorch's tinygemm, which it replaces up to int4_gemv_max_rows rows of x."""
+"""dabba's INT4 kernels (csrc/int4_gemv_cpu.cpp: the GEMV up to int4_gemv_max_rows rows of x, the
+AMX GEMM beyond where the CPU has AMX and x is bf16) against the exact product of the dequantized
+weight and against PyTorch's tinygemm, which they replace."""
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,7 @@ def packed_weight(n: int, k: int, group_size: int, dtype: torch.dtype, seed: int
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scale_zero, weight
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 33, 100])
 @pytest.mark.parametrize("n, k, group_size, dtype", [
     (128, 256, 32, torch.bfloat16), (192, 512, 64, torch.float32), (64, 128, 128, torch.float32),
     (2048, 1536, 128, torch.bfloat16), (96, 256, 64, torch.bfloat16),  # 96: not whole 64-row blocks
@@ -38,10 +39,12 @@ def test_int4_linear_equals_the_dequantized_product(rows, n, k, group_size, dtyp
     ours = torch.ops.dabba_cpu.int4_linear(x, packed, group_size, scale_zero, bias, True)
     tinygemm = torch.ops.dabba_cpu.int4_linear(x, packed, group_size, scale_zero, bias, False)
     assert ours.dtype == tinygemm.dtype == dtype and ours.shape == (rows, n)
-    # bf16: the output's rounding (2^-8 relative) dominates; float32: the sums' (byte sums less 16x
-    # the high nibbles' cost a few bits of float32's 24)
+    # bf16: the output's rounding (2^-8 relative) dominates (the AMX GEMM also rounds the dequantized
+    # weight to bf16); float32: the sums' (byte sums less 16x the high nibbles' cost a few bits of
+    # float32's 24)
     tolerance = (2**-7 if dtype == torch.bfloat16 else 2e-5) * exact.abs().max().item()
     assert (ours.double() - exact).abs().max().item() <= tolerance
     assert (tinygemm.double() - exact).abs().max().item() <= tolerance
-    if rows > native.kernel_constants().int4_gemv_max_rows or n % 64:
+    amx = dtype == torch.bfloat16 and native.amx_usable(k)
+    if n % 64 or (rows > native.kernel_constants().int4_gemv_max_rows and not amx):
         assert torch.equal(ours, tinygemm)  # tinygemm takes these
