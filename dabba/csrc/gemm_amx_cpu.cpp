@@ -19,6 +19,10 @@
 // [weight row][x row]; the epilogue rounds each weight row's 16 sums as the AVX512 tiles do
 // (round_column, gated_column), then transposes 16 x 16 to store rows of y.
 //
+// INT4 (amx_int4_gemm_blocks) turns the roles around: PyTorch's packed int4 layout holds 64 rows'
+// codes per k, so each block dequantizes straight into B tiles (K-pairs for 16 weight rows), x is
+// the A operand as it lies, and the sums come out [x row][weight row], stored without a transpose.
+//
 // Each output element depends on its weight row and its x row only, so a row's result does not
 // change with how many other rows share the call (and the fused SwiGLU / GeGLU equals the
 // projection + silu_and_mul / gelu_tanh_and_mul bit for bit). The tiles' summation order differs
