@@ -67,36 +67,24 @@ void block_rows(const uint8_t* packed, int64_t K, int64_t N, int64_t group_size,
     // [0], [1]: sums of byte * x for bytes 0-15 and 16-31 (byte = low + 16 high nibble); [2], [3]:
     // sums of high nibble * x. Rows 0-31's sums are byte sums - 16 high sums: one widening per 16
     // bytes instead of two, and no masking.
-    // kSets independent sets of sums for consecutive k (added at the group's end): with one set at
-    // one row, each k's four FMAs waited on the previous k's.
-    constexpr int kSets = M <= 2 ? 2 : 1;
-    __m512 acc[M][4], more[kSets][M][4];
-    for (int s = 0; s < kSets; ++s)
-      for (int m = 0; m < M; ++m)
-        for (int r = 0; r < 4; ++r) more[s][m][r] = _mm512_setzero_ps();
-    for (int64_t k0 = g * group_size; k0 < (g + 1) * group_size; k0 += kSets) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + k0 * 32 + kPrefetchBytes), _MM_HINT_T0);
-      for (int s = 0; s < kSets; ++s) {
-        const int64_t k = k0 + s;
-        const __m512i e0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 32)));
-        const __m512i e1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 32 + 16)));
-        const __m512 b0 = _mm512_cvtepi32_ps(e0), b1 = _mm512_cvtepi32_ps(e1);
-        const __m512 h0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(e0, 4));
-        const __m512 h1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(e1, 4));
-        for (int m = 0; m < M; ++m) {
-          const __m512 xk = _mm512_set1_ps(x[m * K + k]);
-          more[s][m][0] = _mm512_fmadd_ps(b0, xk, more[s][m][0]);
-          more[s][m][1] = _mm512_fmadd_ps(b1, xk, more[s][m][1]);
-          more[s][m][2] = _mm512_fmadd_ps(h0, xk, more[s][m][2]);
-          more[s][m][3] = _mm512_fmadd_ps(h1, xk, more[s][m][3]);
-        }
+    __m512 acc[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
+      if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * 32 + kPrefetchBytes), _MM_HINT_T0);
+      const __m512i e0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 32)));
+      const __m512i e1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 32 + 16)));
+      const __m512 b0 = _mm512_cvtepi32_ps(e0), b1 = _mm512_cvtepi32_ps(e1);
+      const __m512 h0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(e0, 4));
+      const __m512 h1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(e1, 4));
+      for (int m = 0; m < M; ++m) {
+        const __m512 xk = _mm512_set1_ps(x[m * K + k]);
+        acc[m][0] = _mm512_fmadd_ps(b0, xk, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(b1, xk, acc[m][1]);
+        acc[m][2] = _mm512_fmadd_ps(h0, xk, acc[m][2]);
+        acc[m][3] = _mm512_fmadd_ps(h1, xk, acc[m][3]);
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < 4; ++r) {
-        acc[m][r] = more[0][m][r];
-        for (int s = 1; s < kSets; ++s) acc[m][r] = _mm512_add_ps(acc[m][r], more[s][m][r]);
-      }
     const __m512 sixteen = _mm512_set1_ps(16.f);
     for (int m = 0; m < M; ++m) {
       acc[m][0] = _mm512_fnmadd_ps(sixteen, acc[m][2], acc[m][0]);
