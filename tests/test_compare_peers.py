@@ -16,6 +16,7 @@ def test_compare_peers_runs_dabba_alone(checkpoints, tmp_path, capsys) -> None:
     assert set(w2) == {"dabba/bf16", "dabba/int8", "dabba/int4"}
     assert all(m["decode_tok_s"] > 0 and 0 < m["ttft_s"] < m["e2e_s"] for m in w2.values())
     assert summary["ratios"] == []  # no peer, no ratio
+    assert summary["llamacpp_extra_bufts"] is True
     assert json.loads(out.read_text())["runs"]["W2"]["dabba/int4"][0]["decode_tok_s"] == w2["dabba/int4"]["decode_tok_s"]
 
 
@@ -25,3 +26,11 @@ def test_unknown_workload_is_a_usage_error(capsys) -> None:
     with pytest.raises(SystemExit):
         compare_peers.main(["--model", "x", "--workloads", "W9"])
     assert "unknown workloads" in capsys.readouterr().err
+
+
+def test_specs_say_whether_llamacpp_may_use_its_repacked_kernels(tmp_path) -> None:
+    w = compare_peers.WORKLOADS["W2"]
+    for extra_bufts in (True, False):
+        path = compare_peers.write_spec(w, [[5, 6, 7]], prefix_caching=True, directory=str(tmp_path),
+                                        extra_bufts=extra_bufts)
+        assert json.loads(open(path).read())["extra_bufts"] is extra_bufts

@@ -25,6 +25,10 @@ warm-up and the timed run. kv_unified defaults to (shared_prefix_len > 0): a uni
 the copied prefix cells be shared by every sequence instead of copied into each sequence's own
 stream, but every query then scans all cells in use (masked), which made 64 x (256 + 128) about 7x
 slower than per-sequence streams (llama-batched-bench's default; its -kvu is the unified mode).
+"extra_bufts" (default true) is llama_model_params.use_extra_bufts: llama.cpp's repacked weight
+kernels (AVX-512 / AMX). On a 2-core Xeon with AMX (llama-cpp-python 0.3.36) they crash with SIGSEGV
+on Q8_0 and Q4_0 models; false runs them on the plain CPU kernels (bf16 there: 5.1 tok/s against
+6.2 with them), so ratios against it are upper bounds.
 Imports nothing of dabba or torch: stdlib, numpy and llama_cpp only.
 """
 from __future__ import annotations
@@ -73,11 +77,12 @@ class Engine:
     n_batch: int
 
     @classmethod
-    def load(cls, gguf: str, n_ctx: int, n_seq: int, threads: int, kv_unified: bool) -> Engine:
+    def load(cls, gguf: str, n_ctx: int, n_seq: int, threads: int, kv_unified: bool, extra_bufts: bool) -> Engine:
         lc.llama_log_set(_no_log, ctypes.c_void_p(0))
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        mparams.use_extra_bufts = extra_bufts
         model = lc.llama_model_load_from_file(gguf.encode(), mparams)
         if not model:
             sys.exit(f"cannot load {gguf}")
@@ -240,9 +245,10 @@ def main() -> None:
 
     n_ctx = len(prompts) * max(len(p) + spec["output_len"] for p in prompts)
     kv_unified = bool(spec.get("kv_unified", shared > 0))
-    engine = Engine.load(args.gguf, n_ctx, len(prompts), int(spec.get("threads", 2)), kv_unified)
+    extra_bufts = bool(spec.get("extra_bufts", True))
+    engine = Engine.load(args.gguf, n_ctx, len(prompts), int(spec.get("threads", 2)), kv_unified, extra_bufts)
     log(f"{args.gguf}: {kind}, {len(prompts)} prompts, shared prefix {shared}, n_ctx {n_ctx}, "
-        f"kv_unified {kv_unified}")
+        f"kv_unified {kv_unified}, extra_bufts {extra_bufts}")
     try:
         result = run_latency(engine, spec) if kind == "latency" else run_throughput(engine, spec, shared)
     finally:
