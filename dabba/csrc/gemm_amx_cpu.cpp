@@ -29,6 +29,7 @@
 // from vdpbf16ps's, so the two kernels agree to float32 rounding, not bit for bit.
 #include "bf16_tiles.h"
 #include "cpu_ops.h"
+#include "int4_pack.h"
 
 #include <ATen/ATen.h>
 
@@ -333,10 +334,8 @@ void dequantize_chunk(const uint8_t* block, int64_t k0, const uint32_t* scale_ze
   const __m512i pair_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i pair_hi = _mm512_add_epi32(pair_lo, _mm512_set1_epi32(8));
   for (int r = 0; r < 4; ++r) {  // rows 16r.. of the block: bytes (r % 2) * 16.., nibble r / 2
-    const __m512i sz = _mm512_loadu_si512(scale_zero_row0 + 16 * r);
-    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale,  // zero - 8 scale
-                                           _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+    __m512 scale, offset;
+    int4_scale_offset(scale_zero_row0 + 16 * r, scale, offset);
     uint16_t* tile = tiles + r * 512;
     for (int p = 0; p < 16; ++p) {
       __m512 w[2];
@@ -380,7 +379,7 @@ void amx_int4_gemm_blocks(const uint16_t* x, int64_t M, int64_t K, const uint8_t
   for (int64_t b = block_begin; b < block_end; ++b) {
     const uint8_t* block = packed + b * K * 32;
     for (int64_t ch = 0; ch < chunks; ++ch)
-      dequantize_chunk(block, ch * 32, scale_zero + (ch * 32 / group_size) * N + b * 64, b_tiles.data() + ch * 2048);
+      dequantize_chunk(block, ch * 32, scale_zero + (ch * 32 / group_size) * N + b * kInt4BlockRows, b_tiles.data() + ch * 2048);
     for (int64_t v = 0; v < vectors; v += 2) {
       const int mv = vectors - v >= 2 ? 2 : 1;
       const uint16_t* a0 = (v + 1 == vectors && M % 16) ? x_pad.data() : x + v * 16 * K;

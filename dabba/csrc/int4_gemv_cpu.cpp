@@ -1,11 +1,9 @@
 // INT4 linear on the CPU: a GEMV for decode's few rows that reads PyTorch's packed int4 CPU layout
-// (the one _convert_weight_to_int4pack_for_cpu writes, which every 4-bit method in dabba repacks
-// into: dabba/quantization/kernels.py), and _weight_int4pack_mm_for_cpu ("tinygemm") beyond
-// kInt4GemvMaxRows. int4_linear below is where that is chosen, for the Python layers and the
-// native layer loop alike.
+// (int4_pack.h; every 4-bit method in dabba repacks into it: dabba/quantization/kernels.py); past
+// kInt4GemvMaxRows the AMX GEMM (gemm_amx_cpu.cpp) or _weight_int4pack_mm_for_cpu ("tinygemm").
+// int4_linear below is where that is chosen, for the Python layers and the native layer loop alike.
 //
-// The layout, per block of 64 output rows: for each k, 32 bytes, byte i holding row i's code in its
-// low nibble and row 32 + i's in its high nibble. So one k of a block is one 32-byte load. Each 16
+// One k of a 64-row block is one 32-byte load. Each 16
 // bytes widen once to 16 float32 lanes of byte values b = low + 16 high, and once more shifted,
 // to the high nibbles; both take x[m][k] in an FMA, and at the end of a group the low nibbles'
 // sums are the byte sums less 16 times the high sums (widening each nibble separately cost a
@@ -23,6 +21,7 @@
 
 #include "bf16_tiles.h"
 #include "cpu_ops.h"
+#include "int4_pack.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -39,19 +38,10 @@ namespace dabba {
 
 namespace {
 
-constexpr int kBlockRows = 64;  // rows per block of the packed layout
 constexpr int64_t kRowsPerPass = 4;  // rows of x per pass over the weight
 // How far ahead of the k it multiplies a thread asks for its block's bytes: without it the GEMV
 // read Qwen2.5-1.5B's layers at 8.3 GB/s from memory, though 16.7 from cache (one thread).
 constexpr int64_t kPrefetchBytes = 2048;
-
-// The float32 value of a bf16 or float32 scale / zero entry.
-inline __m512 load_pairs_scale(const uint32_t* pairs) {  // bf16 (scale, zero) pairs of 16 rows
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(pairs), 16));
-}
-inline __m512 load_pairs_zero(const uint32_t* pairs) {
-  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(pairs), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
 
 // Rows [block * 64, block * 64 + 64) of y for M (<= kInt4GemvMaxRows) rows of x (float32, with
 // per-group sums xsum[m][g]). scale_zero: [groups, N, 2] as float32 pairs (f32) or bf16 pairs.
@@ -59,7 +49,7 @@ template <int M, bool kF32Scales>
 void block_rows(const uint8_t* packed, int64_t K, int64_t N, int64_t group_size, const void* scale_zero,
                 const float* x, const float* xsum, int64_t block, float* out) {
   const uint8_t* w = packed + block * K * 32;
-  const int64_t groups = K / group_size, row0 = block * kBlockRows;
+  const int64_t groups = K / group_size, row0 = block * kInt4BlockRows;
   __m512 y[M][4];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < 4; ++r) y[m][r] = _mm512_setzero_ps();
@@ -92,19 +82,17 @@ void block_rows(const uint8_t* packed, int64_t K, int64_t N, int64_t group_size,
     }
     for (int r = 0; r < 4; ++r) {
       const int64_t row = row0 + 16 * r;
-      __m512 scale, zero;
+      __m512 scale, offset;
       if constexpr (kF32Scales) {
         const float* p = static_cast<const float*>(scale_zero) + (g * N + row) * 2;
         const __m512i idx = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
         const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
         scale = _mm512_permutex2var_ps(a, idx, b);
-        zero = _mm512_permutex2var_ps(a, _mm512_add_epi32(idx, _mm512_set1_epi32(1)), b);
+        const __m512 zero = _mm512_permutex2var_ps(a, _mm512_add_epi32(idx, _mm512_set1_epi32(1)), b);
+        offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, zero);  // zero - 8 scale
       } else {
-        const uint32_t* p = static_cast<const uint32_t*>(scale_zero) + (g * N + row);
-        scale = load_pairs_scale(p);
-        zero = load_pairs_zero(p);
+        int4_scale_offset(static_cast<const uint32_t*>(scale_zero) + (g * N + row), scale, offset);
       }
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, zero);  // zero - 8 scale
       for (int m = 0; m < M; ++m) {
         y[m][r] = _mm512_fmadd_ps(scale, acc[m][r], y[m][r]);
         y[m][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * groups + g]), y[m][r]);
@@ -120,7 +108,7 @@ void gemv_rows(const uint8_t* packed, int64_t K, int64_t N, int64_t group_size, 
                const float* x, const float* xsum, float* out) {
   const bool f32 = scale_zero.scalar_type() == at::kFloat;
   const void* sz = scale_zero.data_ptr();
-  at::parallel_for(0, N / kBlockRows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N / kInt4BlockRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       if (f32) block_rows<M, true>(packed, K, N, group_size, sz, x, xsum, b, out);
       else block_rows<M, false>(packed, K, N, group_size, sz, x, xsum, b, out);
@@ -145,22 +133,17 @@ bool packs_64_row_blocks() {
   return same;
 }
 
-}  // namespace
-
-bool int4_gemv_supported(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
-                         const at::Tensor& scale_zero) {
-  const int64_t N = packed.dim() == 2 ? packed.size(0) : -1;
-  return x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kInt4GemvMaxRows && x.stride(1) == 1 &&
-         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && packed.scalar_type() == at::kByte &&
-         packed.is_contiguous() && N % kBlockRows == 0 && packed.size(1) * 2 == x.size(1) && group_size > 0 &&
-         x.size(1) % group_size == 0 && scale_zero.dim() == 3 && scale_zero.is_contiguous() &&
-         scale_zero.size(0) == x.size(1) / group_size && scale_zero.size(1) == N && scale_zero.size(2) == 2 &&
-         (scale_zero.scalar_type() == at::kBFloat16 || scale_zero.scalar_type() == at::kFloat) &&
-         packs_64_row_blocks();
+// x [M, K] with contiguous rows, packed [N, K / 2] bytes in the 64-row blocks int4_pack.h reads
+// (PyTorch packed them so), scale_zero [K / group_size, N, 2]: what both kernels below take.
+bool packed_operands(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero) {
+  return x.dim() == 2 && x.size(0) >= 1 && x.stride(1) == 1 && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
+         packed.is_contiguous() && packed.size(0) % kInt4BlockRows == 0 && packed.size(1) * 2 == x.size(1) &&
+         group_size > 0 && x.size(1) % group_size == 0 && scale_zero.dim() == 3 && scale_zero.is_contiguous() &&
+         scale_zero.size(0) == x.size(1) / group_size && scale_zero.size(1) == packed.size(0) &&
+         scale_zero.size(2) == 2 && packs_64_row_blocks();
 }
 
-// y [M, N] in x's dtype = x W^T, W from the packed codes (see above); the caller checked
-// int4_gemv_supported.
+// y [M, N] in x's dtype = x W^T for up to kInt4GemvMaxRows rows, bf16 or float32 x and scales.
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero) {
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), groups = K / group_size;
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
@@ -188,65 +171,61 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t grou
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-#else  // no AVX-512: tinygemm throughout
-
-bool int4_gemv_supported(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&) { return false; }
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero) {
-  return at::_weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero);
+bool gemv_takes(const at::Tensor& x, const at::Tensor& scale_zero) {
+  const auto float_or_bf16 = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat;
+  };
+  return x.size(0) <= kInt4GemvMaxRows && float_or_bf16(x) && float_or_bf16(scale_zero);
 }
 
-#endif
-
-namespace {
+#ifdef DABBA_HAVE_BF16_GEMM
 
 // More rows than the GEMV takes, bf16, on AMX tiles: the GEMM of gemm_amx_cpu.cpp with each 64-row
 // block dequantized to bf16 once per call (amx_int4_gemm_blocks).
-bool int4_amx_supported(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
-                        const c10::optional<at::Tensor>& bias) {
-#if defined(DABBA_HAVE_INT4_GEMV) && defined(DABBA_HAVE_BF16_GEMM)
-  return x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && packed.dim() == 2 &&
-         packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(0) % 64 == 0 &&
-         packed.size(1) * 2 == x.size(1) && group_size % 32 == 0 && x.size(1) % group_size == 0 &&
-         scale_zero.dim() == 3 && scale_zero.is_contiguous() && scale_zero.scalar_type() == at::kBFloat16 &&
-         scale_zero.size(0) == x.size(1) / group_size && scale_zero.size(1) == packed.size(0) &&
+bool amx_takes(const at::Tensor& x, int64_t group_size, const at::Tensor& scale_zero,
+               const c10::optional<at::Tensor>& bias) {
+  return x.size(0) > kInt4GemvMaxRows && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+         scale_zero.scalar_type() == at::kBFloat16 && group_size % 32 == 0 &&
          (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous())) &&
-         amx_usable(x.size(1)) && packs_64_row_blocks();
-#else
-  return false;
-#endif
+         amx_usable(x.size(1));
 }
 
 at::Tensor int4_amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
                          const c10::optional<at::Tensor>& bias) {
-#if defined(DABBA_HAVE_INT4_GEMV) && defined(DABBA_HAVE_BF16_GEMM)
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* sz = reinterpret_cast<const uint32_t*>(scale_zero.data_ptr());
   const auto* bp = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  at::parallel_for(0, N / 64, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N / kInt4BlockRows, 1, [&](int64_t begin, int64_t end) {
     amx_int4_gemm_blocks(xp, M, K, packed.data_ptr<uint8_t>(), sz, group_size, bp, yp, N, begin, end);
   });
   return y;
-#else
-  TORCH_CHECK(false, "built without AVX512-BF16");
-#endif
 }
+
+#endif  // DABBA_HAVE_BF16_GEMM
 
 }  // namespace
 
-// The one place an INT4 linear picks its kernel: the GEMV above for up to kInt4GemvMaxRows rows
-// where it applies; beyond, the AMX GEMM on blocks dequantized to bf16 where the CPU has AMX and x
-// is bf16; else PyTorch's tinygemm. ``native`` false forces tinygemm (the tests hold the others
-// equal to it within rounding).
+#endif  // DABBA_HAVE_INT4_GEMV
+
+// The one place an INT4 linear picks its kernel: the GEMV above for up to kInt4GemvMaxRows rows;
+// beyond, the AMX GEMM on blocks dequantized to bf16 where the CPU has AMX and x is bf16; else (and
+// where PyTorch packed another layout) PyTorch's tinygemm. ``native`` false forces tinygemm (the
+// tests hold the others equal to it within rounding).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
                        const c10::optional<at::Tensor>& bias, bool native) {
-  if (native && x.dim() == 2 && x.size(0) > kInt4GemvMaxRows && int4_amx_supported(x, packed, group_size, scale_zero, bias))
-    return int4_amx_gemm(x, packed, group_size, scale_zero, bias);
-  const at::Tensor y = native && int4_gemv_supported(x, packed, group_size, scale_zero)
-                           ? int4_gemv(x, packed, group_size, scale_zero)
-                           : at::_weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero);
+  at::Tensor y;
+#ifdef DABBA_HAVE_INT4_GEMV
+  if (native && packed_operands(x, packed, group_size, scale_zero)) {
+#ifdef DABBA_HAVE_BF16_GEMM
+    if (amx_takes(x, group_size, scale_zero, bias)) return int4_amx_gemm(x, packed, group_size, scale_zero, bias);
+#endif
+    if (gemv_takes(x, scale_zero)) y = int4_gemv(x, packed, group_size, scale_zero);
+  }
+#endif
+  if (!y.defined()) y = at::_weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero);
   return bias.has_value() ? y + *bias : y;
 }
 
