@@ -46,6 +46,11 @@ def _choice_ebnf(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+# With any whitespace allowed, a run between two JSON tokens holds at most this many characters
+# (llama.cpp's JSON grammars allow a newline and 20 spaces or tabs): indentation fits, and a weak
+# model cannot spend its tokens on whitespace forever.
+MAX_JSON_WHITESPACE = 20
+
 # xgrammar (0.2.9) spells a length-bounded JSON string's character as any but quote, backslash,
 # CR and LF: raw control characters (U+0000-U+001F), which JSON forbids unescaped, get through
 # and strict parsers refuse the output. Its unbounded strings exclude them; so do these.
@@ -53,16 +58,15 @@ _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
-# With any whitespace allowed, a run between two JSON tokens holds at most this many characters
-# (llama.cpp's JSON grammars allow a newline and 20 spaces or tabs): indentation fits, and a weak
-# model cannot spend its tokens on whitespace forever.
-MAX_JSON_WHITESPACE = 20
-
-
-def _json_strings_strict(grammar: xgr.Grammar) -> xgr.Grammar:
+def _json_grammar(schema: str, strict: bool, compact: bool) -> xgr.Grammar:
+    """A JSON schema's grammar, ``compact``: no whitespace between tokens (else runs of at most
+    MAX_JSON_WHITESPACE), bounded strings without raw control characters."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=not compact, strict_mode=strict,
+                                           max_whitespace_cnt=None if compact else MAX_JSON_WHITESPACE)
     text = str(grammar)
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)) \
-        if _LOOSE_STRING_CHAR in text else grammar
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
@@ -72,13 +76,9 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     try:
         if kind == "json":
             schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-            return _json_strings_strict(xgr.Grammar.from_json_schema(
-                schema, any_whitespace=not params.disable_any_whitespace, strict_mode=True,
-                max_whitespace_cnt=None if params.disable_any_whitespace else MAX_JSON_WHITESPACE))
+            return _json_grammar(schema, strict=True, compact=params.disable_any_whitespace)
         if kind == "json_object":
-            return _json_strings_strict(xgr.Grammar.from_json_schema(
-                '{"type": "object"}', any_whitespace=not params.disable_any_whitespace, strict_mode=False,
-                max_whitespace_cnt=None if params.disable_any_whitespace else MAX_JSON_WHITESPACE))
+            return _json_grammar('{"type": "object"}', strict=False, compact=params.disable_any_whitespace)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
