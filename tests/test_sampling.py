@@ -24,7 +24,7 @@ FILTERS = [  # (temperature, top_k, top_p, min_p)
 
 
 def state(token_ids: list[int], num_prompt: int, params: SamplingParams, rid: str = "r") -> CachedRequestState:
-    return CachedRequestState(rid, list(token_ids), params, [], 0, num_prompt, frozenset({1}))
+    return CachedRequestState(rid, list(token_ids), params, 0, num_prompt, frozenset({1}))
 
 
 def hf_allowed(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

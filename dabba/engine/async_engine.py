@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from dabba.core.scheduler import SchedulerStats
 from dabba.engine.llm_engine import LLMEngine, PromptType
 from dabba.engine.metrics import EngineMetrics
 from dabba.engine.output_processor import IterationStats
@@ -92,7 +93,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted: asyncio.Future = loop.create_future()
-        self._commands.put(("add", request_id, prompt, params, priority, stream, accepted))
+        self._put_command(("add", request_id, prompt, params, priority, stream, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -102,6 +103,19 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    async def get_stats(self) -> SchedulerStats:
+        """A snapshot of the scheduler, taken by the engine thread between two steps (only that
+        thread reads the scheduler), so /metrics pays for it when scraped, not every step."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._put_command(("stats", loop, done))
+        return await done
+
+    def _put_command(self, command: tuple) -> None:
+        self._commands.put(command)
+        if self._stopped.is_set():  # the loop may have drained its queue before this one came
+            self._answer_late_commands()
 
     def shutdown(self) -> None:
         """Abort what is in flight and stop the loop."""
@@ -120,6 +134,7 @@ class AsyncLLMEngine:
             self._run()
         finally:
             self._stopped.set()
+            self._answer_late_commands()
 
     def _run(self) -> None:
         try:
@@ -129,7 +144,6 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     outputs, stats = self.engine.step_with_stats()
                     self._publish(outputs, stats)
-                self.metrics.observe_scheduler(self.engine.get_stats())
         except BaseException as e:  # the loop is dead: fail every stream rather than hang them
             logger.exception("engine loop failed")
             self.error = e
@@ -161,6 +175,24 @@ class AsyncLLMEngine:
             elif command[0] == "abort":
                 self.engine.abort_request(command[1])
                 self._streams.pop(command[1], None)
+            elif command[0] == "stats":
+                _, loop, done = command
+                loop.call_soon_threadsafe(_set_result, done, self.engine.get_stats())
+
+    def _answer_late_commands(self) -> None:
+        """Commands queued as the loop stopped would otherwise wait forever: requests are refused,
+        snapshots are taken here (nothing steps any more)."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                stream, accepted = command[5], command[6]
+                stream.loop.call_soon_threadsafe(_set_exception, accepted, EngineDeadError("the engine loop has stopped"))
+            elif command[0] == "stats":
+                _, loop, done = command
+                loop.call_soon_threadsafe(_set_result, done, self.engine.get_stats())
 
     def _publish(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
         """Metrics come from the step's stats, not from the outputs: a DELTA output holds only

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from dabba.attention.backend import CommonAttentionMetadata
+from dabba.worker.block_table import BlockTables
 from dabba.core.outputs import SchedulerOutput
 from dabba.sampling_params import SamplingParams
 
@@ -16,7 +17,6 @@ class CachedRequestState:
     request_id: str
     token_ids: list[int]  # prompt + outputs; the worker appends what it samples
     sampling_params: SamplingParams
-    block_ids: tuple[list[int], ...]  # its table in each KV-cache group
     num_computed_tokens: int
     num_prompt_tokens: int  # where the outputs start (also for resumed requests)
     eos_token_ids: frozenset[int] = frozenset()
@@ -40,25 +40,25 @@ class RequestStates:
 
     def __init__(self) -> None:
         self.states: dict[str, CachedRequestState] = {}
+        self.block_tables = BlockTables()
 
     def update(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_req_ids:
             self.states.pop(request_id, None)
+            self.block_tables.remove(request_id)
         for new in sched.scheduled_new_reqs:
             self.states[new.request_id] = CachedRequestState(
                 request_id=new.request_id,
                 token_ids=list(new.token_ids),
                 sampling_params=new.sampling_params,
-                block_ids=tuple(list(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 num_prompt_tokens=len(new.token_ids) - new.num_output_tokens,
                 eos_token_ids=new.eos_token_ids,
             )
+            self.block_tables.add(new.request_id, new.block_ids)
         for cached in sched.scheduled_cached_reqs:
-            state = self.states[cached.request_id]
-            for table, new_ids in zip(state.block_ids, cached.new_block_ids):
-                table.extend(new_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            self.states[cached.request_id].num_computed_tokens = cached.num_computed_tokens
+            self.block_tables.append(cached.request_id, cached.new_block_ids)
 
     def prepare_inputs(self, sched: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
         """Flatten all scheduled tokens of all requests into one batch::
@@ -82,11 +82,8 @@ class RequestStates:
         for i, s in enumerate(states):
             input_ids[query_start_loc[i]:query_start_loc[i + 1]] = s.token_ids[num_computed[i]:seq_lens[i]]
         attn = []
-        for g in range(len(states[0].block_ids)):
-            max_blocks = max(len(s.block_ids[g]) for s in states)
-            block_table = np.zeros((len(req_ids), max_blocks), dtype=np.int64)
-            for i, s in enumerate(states):
-                block_table[i, : len(s.block_ids[g])] = s.block_ids[g]
+        for g in range(len(self.block_tables.tables)):
+            block_table = self.block_tables.gather(req_ids, g)
             slot_mapping = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
             attn.append(CommonAttentionMetadata(
                 query_start_loc=query_start_loc,

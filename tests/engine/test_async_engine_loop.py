@@ -6,7 +6,7 @@ import asyncio
 import threading
 
 from dabba import LLM, SamplingParams
-from dabba.engine.async_engine import AsyncLLMEngine
+from dabba.engine.async_engine import AsyncLLMEngine, EngineDeadError
 
 
 def test_engine_loop_runs_on_the_calling_thread(checkpoints) -> None:
@@ -41,3 +41,52 @@ def test_engine_loop_runs_on_the_calling_thread(checkpoints) -> None:
     assert len(result["tokens"]) == 5
     assert stepped_on == {threading.get_ident()}
     assert not async_engine.is_running
+
+
+def test_stats_are_taken_by_the_engine_thread_when_asked(checkpoints) -> None:
+    """/metrics' snapshot: the engine thread takes it between steps (it alone reads the
+    scheduler), and no step pays for it unasked; once the loop stopped, asking still answers and a
+    new request is refused rather than left waiting."""
+    engine = LLM(str(checkpoints["llama"].path), dtype="float32", kv_cache_memory=2**22).llm_engine
+    asked_on = []
+    get_stats = engine.get_stats
+
+    def recording_get_stats():
+        asked_on.append(threading.get_ident())
+        return get_stats()
+
+    engine.get_stats = recording_get_stats
+    async_engine = AsyncLLMEngine(engine, "m", start_thread=False)
+    result = {}
+
+    async def client() -> None:
+        stream = await async_engine.add_request("r", {"prompt_token_ids": [5, 6, 7]},
+                                                SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        async for out in stream:
+            if "running" not in result:
+                result["running"] = (await async_engine.get_stats()).num_running_reqs
+        result["steps_asked"] = len(asked_on)
+        result["after"] = (await async_engine.get_stats()).num_running_reqs
+
+    def http_side() -> None:
+        try:
+            asyncio.run(client())
+        finally:
+            async_engine.shutdown()
+
+    other = threading.Thread(target=http_side)
+    other.start()
+    async_engine.run_loop()
+    other.join(timeout=30)
+    assert result == {"running": 1, "steps_asked": 1, "after": 0}
+    assert asked_on == [threading.get_ident()] * 2
+
+    async def late_client() -> None:
+        result["stopped"] = (await async_engine.get_stats()).num_running_reqs
+        try:
+            await async_engine.add_request("late", {"prompt_token_ids": [5]}, SamplingParams(max_tokens=1))
+        except EngineDeadError:
+            result["refused"] = True
+
+    asyncio.run(late_client())
+    assert result["stopped"] == 0 and result["refused"]

@@ -127,6 +127,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     @app.get("/metrics")
     async def metrics():
+        async_engine.metrics.observe_scheduler(await async_engine.get_stats())  # computed when scraped
         return Response(generate_latest(async_engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
