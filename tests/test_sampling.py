@@ -8,9 +8,9 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from dabba import LLM, SamplingParams
+from dabba import LLM, SamplingParams, native
 from dabba.worker.input_batch import CachedRequestState
-from dabba.worker.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k, apply_top_p
+from dabba.worker.sampler import Sampler, apply_min_p, argmax_rows, apply_penalties, apply_top_k, apply_top_p
 from dabba.worker.sampling_metadata import build_sampling_metadata
 from tests.conftest import run_checked, token_prompts
 
@@ -106,6 +106,26 @@ def test_frequencies_follow_the_distribution(params, kept) -> None:
     target /= target.sum()
     stat = chi_square(counts, target)
     assert stat < CHI2_CRIT[len(kept) - 1], f"chi-square {stat:.2f} for {params}: counts {counts.tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1000, 151936])
+def test_greedy_argmax_equals_torch_max_on_ties_nans_and_infinities(dtype, vocab) -> None:
+    """The native one-pass argmax (bf16 read as it is) against torch.max(dim=-1): the first of
+    equal maxima, a row's first NaN, infinities, and tails shorter than a vector."""
+    torch.manual_seed(vocab)
+    x = torch.randn(6, vocab).to(dtype)
+    x[1] = 0.5  # every index ties
+    x[2, vocab // 2] = x[2, -1] = float("nan")
+    x[3, vocab // 3] = x[3, -1] = float("inf")
+    x[4] = float("-inf")
+    x[5, -1] = x[5].max() + 1  # the maximum in the tail
+    reference = x.max(dim=-1).indices
+    assert torch.equal(argmax_rows(x), reference)
+    if native.load_cpu_ops():
+        assert torch.equal(torch.ops.dabba_cpu.argmax_rows(x), reference)
+        if vocab > 1:  # rows with a stride longer than themselves
+            assert torch.equal(torch.ops.dabba_cpu.argmax_rows(x[:, :-1]), x[:, :-1].max(dim=-1).indices)
 
 
 def test_penalties_follow_their_definitions() -> None:

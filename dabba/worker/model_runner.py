@@ -149,8 +149,9 @@ class ModelRunner:
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden))
         if not inputs.sampling_req_ids:
             return output
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()  # [num_sampling, vocab]
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
         if sched.grammar_bitmask is not None:  # structured outputs: before every sampler feature
+            logits = logits.float()
             row_of = {request_id: row for row, request_id in enumerate(inputs.sampling_req_ids)}
             apply_grammar_bitmask(logits, sched.grammar_bitmask, [row_of[r] for r in sched.structured_output_request_ids])
         states = [self.requests.states[r] for r in inputs.sampling_req_ids]
