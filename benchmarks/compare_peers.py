@@ -1,32 +1,64 @@
-"""dabba against vLLM's CPU build and llama.cpp on the issue's three workloads, side by side.
+"""dabba against vLLM's CPU build and llama.cpp on the issue's workloads, side by side, on one or
+more model shapes, with each engine's peak memory and dabba's share of the memory bandwidth.
 
-    python -m benchmarks.compare_peers --model DIR \\
-        [--vllm-python /tmp/peers/vllm/bin/python] \\
-        [--llamacpp-python /tmp/peers/llamacpp/bin/python --gguf-dir /tmp/peers/gguf] \\
-        [--workloads W1,W2,W3,B32] [--variants bf16,int8,int4] [--repeats 3] [--json-out FILE]
+    python -m benchmarks.compare_peers --model DIR [--model DIR ...] \\
+        [--gguf-dir DIR ...] [--batch-workload W1|B32 ...] \\
+        [--vllm-python /tmp/peers/vllm/bin/python] [--llamacpp-python /tmp/peers/llamacpp/bin/python] \\
+        [--workloads BATCH,W2,W3,L4] [--variants bf16,int8,int4] [--repeats 3] \\
+        [--json-out FILE] [--markdown-out FILE]
+
+Models: --model is repeatable or a comma list. Each model's GGUF files (model-{bf16,q8_0,q4_0}.gguf,
+benchmarks/peers/make_gguf.py) are in its --gguf-dir, a list aligned with --model, or by default in
+a gguf/ directory beside the checkpoint's files (DIR/gguf/, as benchmarks/peers/make_shapes.py
+writes them). --batch-workload (one value for all, or a list aligned with --model; default W1) is
+the batch workload that BATCH in --workloads stands for: W1 on a small shape, B32 on the larger
+ones, as the issue allows.
 
 Installs nothing: each peer runs in its own venv, through benchmarks/peers/*_runner.py, which
-import nothing of dabba (see scripts/peers-bench.sh for how the venvs were made, and
-benchmarks/peers/make_gguf.py for the GGUF files). Every run is a fresh process: dabba through
+import nothing of dabba (scripts/peers-bench.sh makes the venvs; benchmarks/peers/make_shapes.py
+the three shapes' checkpoints and GGUF files). Every run is a fresh process: dabba through
 `dabba bench throughput|latency`, the peers through their runners, all on the same token ids
 (dabba's random-prompt generator, same seed). The engines take turns within each repeat, in an
 order that rotates between repeats, so drift on a noisy machine falls on all of them alike; the
-report gives each figure's median over the repeats and the ratios the issue's targets name.
+report gives each figure's median over the repeats and the ratios the issue's targets name, per
+model.
 
   W1  64 requests x 256 prompt tokens, 128 out             total tokens/s
+  B32 32 requests x 256 prompt tokens, 64 out               total tokens/s
   W2  1 request x 128 prompt tokens, 256 out (bf16, INT8, INT4 against bf16, Q8_0, Q4_0)
                                                             decode tokens/s and time to first token
   W3  32 requests sharing a 512-token prefix + 32 own, 64 out, prefix caching on
                                                             total tokens/s
-  B32 32 requests x 256 prompt tokens, 64 out               total tokens/s
-  serve (--serve)  `dabba serve` and `vllm serve` under the same Poisson arrivals, measured by
-                   `dabba bench serve`: TTFT and TPOT p50/p99, goodput against --slo-*
+  L4  4 requests x 2048 prompt tokens, 64 out (long prompts) total tokens/s
+  serve (--serve, first model)  `dabba serve` and `vllm serve` under the same Poisson arrivals,
+                   measured by `dabba bench serve`: TTFT and TPOT p50/p99, goodput against --slo-*
+
+Targets, per model (TARGETS): W1 or B32 total tokens/s >= 1.3x vLLM's, L4 >= 1.2x, W3 >= 1.0x;
+W2 decode >= 1.1x llama.cpp bf16, INT8 >= 1.3x Q8_0, INT4 >= 1.2x Q4_0, TTFT <= vLLM's; W2 peak
+PSS <= 1.2x llama.cpp's per format, INT8's and INT4's below bf16's (load-time quantization); W2
+decode at >= 85% of the read bandwidth. --markdown-out writes a table per model, for the README.
+
+Memory: while each engine runs, this process samples the PSS of the benchmark child and all its
+descendants (vLLM's engine core is a subprocess) from /proc/<pid>/smaps_rollup every
+--pss-interval seconds (less often where a sample would take over 5% of a core:
+benchmarks/peers/pss.py): the same meter for every engine, load time included. Each engine gets the
+same KV budget per workload, the workload's sequences rounded up to 128 tokens each plus 256
+tokens of slack (engines reserve a block), rounded up to 256 tokens: dabba as --kv-cache-memory bytes, vLLM as
+kv_cache_memory_bytes, llama.cpp as its context size n_ctx (whose KV bytes per token, f16, equal
+the bf16 engines'). The report records each engine's budget.
+
+Bandwidth: benchmarks/membw.py's read bandwidth (one pass over a --membw-gib buffer, all threads)
+is measured once per run; dabba's W2 decode reads its weights at bytes-per-token x decode tokens/s,
+the bytes per token from dabba's own packed sizes (dabba.planner.weights_bytes) less the
+embedding table, of which a step reads one row.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
+import operator
 import os
 import statistics
 import subprocess
@@ -35,15 +67,22 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from benchmarks.peers.pss import PssSampler
 from dabba.benchmark.offline import OfflineWorkload, make_prompts
 from dabba.models.config import ArchConfig
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-# vLLM's CPU build refuses to start on this VM without an explicit KV space; 2 threads on 2 cores.
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "HF_HUB_OFFLINE": "1"}
+# 2 threads on 2 cores; offline runs give vLLM its KV budget in bytes through the spec instead.
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "HF_HUB_OFFLINE": "1"}
+# vLLM's CPU build refuses to start on this VM without an explicit KV space (serve mode).
+VLLM_SERVE_ENV = {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
+KV_ROUND = 128  # tokens: a sequence's KV share, a multiple of every engine's block size
+KV_SLACK = 256  # tokens on top: what an engine reserves (vLLM's null block) must not cost a sequence
+BATCH = "BATCH"  # in --workloads: each model's --batch-workload
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -51,81 +90,249 @@ class Workload:
     name: str
     kind: str  # "throughput" | "latency"
     shape: OfflineWorkload
-    metric: str  # the figure the ratios compare
+    metric: str  # the figure the speed ratios compare
 
 
 WORKLOADS = {
     "W1": Workload("W1", "throughput", OfflineWorkload(64, 256, 128), "total_tok_s"),
+    "B32": Workload("B32", "throughput", OfflineWorkload(32, 256, 64), "total_tok_s"),
     "W2": Workload("W2", "latency", OfflineWorkload(1, 128, 256), "decode_tok_s"),
     "W3": Workload("W3", "throughput", OfflineWorkload(32, 32, 64, prefix_len=512), "total_tok_s"),
-    "B32": Workload("B32", "throughput", OfflineWorkload(32, 256, 64), "total_tok_s"),
+    "L4": Workload("L4", "throughput", OfflineWorkload(4, 2048, 64), "total_tok_s"),
 }
+BATCH_WORKLOADS = ("W1", "B32")
 
-# (engine, variant) pairs whose ratio each target names: (workload, ours, theirs, at least)
-TARGETS = [
-    ("W1", ("dabba", "bf16"), ("vllm", "bf16"), 1.3),
-    ("W2", ("dabba", "bf16"), ("llama.cpp", "bf16"), 1.1),
-    ("W2", ("dabba", "int8"), ("llama.cpp", "q8_0"), 1.0),
-    ("W2", ("dabba", "int4"), ("llama.cpp", "q4_0"), 1.0),
-    ("W3", ("dabba", "bf16"), ("vllm", "bf16"), 1.0),
-    ("B32", ("dabba", "bf16"), ("vllm", "bf16"), 1.3),  # issue 15's batch figure on Gemma-3 / Qwen2.5 shapes
-]
-PEER_VARIANT = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # llama.cpp's counterpart of each dabba W2 variant
+OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": operator.le, "<": operator.lt}
+
+
+@dataclass(frozen=True)
+class Target:
+    """ours / theirs of one metric on one workload, held to ``bound`` by ``op``."""
+    workload: str
+    ours: tuple[str, str]  # (engine, variant)
+    theirs: tuple[str, str]
+    metric: str
+    bound: float
+    op: str = ">="
+
+    def check(self, medians: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any] | None:
+        got = medians.get(self.workload, {})
+        a, b = got.get("/".join(self.ours), {}).get(self.metric), got.get("/".join(self.theirs), {}).get(self.metric)
+        if not a or not b:
+            return None
+        ratio = a / b
+        return {"workload": self.workload, "ours": "/".join(self.ours), "theirs": "/".join(self.theirs),
+                "metric": self.metric, "value": a, "peer_value": b, "ratio": ratio, "target": self.bound,
+                "op": self.op, "met": OPS[self.op](ratio, self.bound)}
+
+
+DABBA, VLLM = ("dabba", "bf16"), ("vllm", "bf16")
+PEER_VARIANT = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # llama.cpp's counterpart of each dabba variant
 DABBA_QUANT = {"bf16": None, "int8": "int8", "int4": "int4"}
+SPEEDUP_W2 = {"bf16": 1.1, "int8": 1.3, "int4": 1.2}
+TARGETS = [
+    Target("W1", DABBA, VLLM, "total_tok_s", 1.3),
+    Target("B32", DABBA, VLLM, "total_tok_s", 1.3),  # W1's target on the larger shapes
+    Target("L4", DABBA, VLLM, "total_tok_s", 1.2),
+    Target("W3", DABBA, VLLM, "total_tok_s", 1.0),
+    *(Target("W2", ("dabba", v), ("llama.cpp", PEER_VARIANT[v]), "decode_tok_s", x) for v, x in SPEEDUP_W2.items()),
+    Target("W2", DABBA, VLLM, "ttft_s", 1.0, "<="),
+    *(Target("W2", ("dabba", v), ("llama.cpp", PEER_VARIANT[v]), "peak_pss_mib", 1.2, "<=") for v in SPEEDUP_W2),
+    # load-time quantization must not cost more memory than the bf16 weights it replaces
+    *(Target("W2", ("dabba", v), DABBA, "peak_pss_mib", 1.0, "<") for v in ("int8", "int4")),
+]
+BANDWIDTH_TARGET = 0.85  # W2 decode GB/s over the read bandwidth membw measures
 
+
+# --- models -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelRun:
+    """One --model: its checkpoint, its GGUF directory, its batch workload."""
+    path: str
+    gguf_dir: str
+    batch_workload: str = "W1"
+
+    def workloads(self, names: list[str]) -> list[str]:
+        """``names`` with BATCH replaced by this model's batch workload, each once."""
+        out = [self.batch_workload if n == BATCH else n for n in names]
+        return list(dict.fromkeys(out))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the report says of a checkpoint, and what its KV cache costs per token."""
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    params: int
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> ModelShape:
+        a = ArchConfig.from_hf(model_dir)
+        return cls(a.architecture, a.hidden_size, a.num_hidden_layers, a.num_attention_heads, a.num_key_value_heads,
+                   a.head_dim, a.intermediate_size, a.vocab_size, a.tie_word_embeddings, param_count(model_dir))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer at 2 bytes (bf16 in dabba and vLLM, f16 in llama.cpp)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+    def describe(self) -> str:
+        return (f"{self.architecture}, hidden {self.hidden_size}, {self.num_layers} layers, "
+                f"{self.num_heads}/{self.num_kv_heads} heads (head_dim {self.head_dim}), intermediate "
+                f"{self.intermediate_size}, vocab {self.vocab_size}, {self.params / 1e6:.0f}M params"
+                f"{', tied embeddings' if self.tied_embeddings else ''}")
+
+
+def param_count(model_dir: str) -> int:
+    """Elements of the checkpoint's tensors (safetensors headers only)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                n = 1
+                for d in f.get_slice(name).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
+def split_list(values: list[str] | None) -> list[str]:
+    """A repeatable option whose values may also be comma lists, flattened."""
+    return [v.strip() for value in values or [] for v in value.split(",") if v.strip()]
+
+
+def aligned(name: str, values: list[str], n: int, default: list[str]) -> list[str]:
+    """``values`` for ``n`` models: none (``default``), one for all, or one each."""
+    if not values:
+        return default
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise ValueError(f"{name}: {len(values)} values for {n} models (give one, or one per --model)")
+    return values
+
+
+def model_runs(models: list[str], gguf_dirs: list[str], batch_workloads: list[str]) -> list[ModelRun]:
+    """--model, --gguf-dir and --batch-workload zipped; GGUF files default to DIR/gguf/."""
+    if not models:
+        raise ValueError("--model: at least one checkpoint directory")
+    if gguf_dirs and len(gguf_dirs) != len(models):
+        raise ValueError(f"--gguf-dir: {len(gguf_dirs)} directories for {len(models)} models (one per --model)")
+    ggufs = gguf_dirs or [str(Path(m) / "gguf") for m in models]
+    batches = aligned("--batch-workload", batch_workloads, len(models), ["W1"] * len(models))
+    bad = [b for b in batches if b not in BATCH_WORKLOADS]
+    if bad:
+        raise ValueError(f"--batch-workload: {bad}; choose from {', '.join(BATCH_WORKLOADS)}")
+    return [ModelRun(m, g, b) for m, g, b in zip(models, ggufs, batches)]
+
+
+# --- KV budget ----------------------------------------------------------------------------------
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def max_model_len(shape: OfflineWorkload) -> int:
+    """The longest sequence of the workload, rounded up to KV_ROUND tokens."""
+    return round_up(shape.prefix_len + shape.input_len + shape.output_len, KV_ROUND)
+
+
+def kv_tokens(shape: OfflineWorkload) -> int:
+    """The KV budget in tokens: every sequence at once, at its full length, plus KV_SLACK, rounded
+    up to llama.cpp's context padding (256) so that its n_ctx is the others' budget exactly."""
+    return round_up(shape.num_prompts * max_model_len(shape) + KV_SLACK, 256)
+
+
+# --- running the engines --------------------------------------------------------------------------
 
 def run_json(cmd: list[str], env: dict[str, str] | None = None, json_file: Path | None = None,
-             timeout: float = 1800) -> dict[str, Any]:
-    """Run one benchmark process; its result is ``json_file``, or else its last stdout line."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+             timeout: float = 3600, pss_interval: float = 0.5) -> dict[str, Any]:
+    """Run one benchmark process, its process tree's peak PSS sampled throughout; its result is
+    ``json_file``, or else its last stdout line, plus peak_pss_mib."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    with PssSampler(proc.pid, pss_interval) as pss:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not (lines or json_file):
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(json_file.read_text()) if json_file else json.loads(lines[-1])
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{stderr[-3000:]}")
+    result = json.loads(json_file.read_text()) if json_file else json.loads(lines[-1])
+    return {**result, "peak_pss_mib": pss.peak_mib}
 
 
-def run_dabba(model: str, w: Workload, variant: str, directory: str) -> dict[str, Any]:
-    s = w.shape
-    out = Path(directory) / "dabba.json"
-    cmd = [sys.executable, "-m", "dabba.entrypoints.cli", "bench", w.kind, model, "--input-len", str(s.input_len),
-           "--output-len", str(s.output_len), "--dataset-seed", str(s.seed), "--prefix-len", str(s.prefix_len),
-           "--dtype", "bfloat16", "--json-out", str(out)]
+@dataclass(frozen=True)
+class Job:
+    """One workload on one model: what every engine needs to run it."""
+    model: ModelRun
+    workload: Workload
+    spec: str  # the peers' spec file
+    kv_bytes: int  # dabba's and vLLM's KV budget
+    directory: str
+    pss_interval: float = 0.5
+
+
+def run_dabba(job: Job, variant: str) -> dict[str, Any]:
+    w, s = job.workload, job.workload.shape
+    out = Path(job.directory) / "dabba.json"
+    cmd = [sys.executable, "-m", "dabba.entrypoints.cli", "bench", w.kind, job.model.path, "--input-len",
+           str(s.input_len), "--output-len", str(s.output_len), "--dataset-seed", str(s.seed), "--prefix-len",
+           str(s.prefix_len), "--dtype", "bfloat16", "--max-model-len", str(max_model_len(s)),
+           "--kv-cache-memory", str(job.kv_bytes), "--json-out", str(out)]
     if w.kind == "throughput":
         cmd += ["--num-prompts", str(s.num_prompts)]
     else:
         cmd += ["--batch-size", str(s.num_prompts), "--num-iters-warmup", "1", "--num-iters", "3"]
     if DABBA_QUANT[variant]:
         cmd += ["--quantization", DABBA_QUANT[variant]]
-    r = run_json(cmd, json_file=out)
+    r = run_json(cmd, json_file=out, pss_interval=job.pss_interval)
     if w.kind == "throughput":
         return {"total_tok_s": r["total_tokens_per_s"], "output_tok_s": r["output_tokens_per_s"],
-                "elapsed_s": r["elapsed_s"]}
-    return {"decode_tok_s": r["decode_tokens_per_s"], "ttft_s": r["ttft_s"]["p50"], "e2e_s": r["latency_s"]["p50"]}
+                "elapsed_s": r["elapsed_s"], "peak_pss_mib": r["peak_pss_mib"]}
+    return {"decode_tok_s": r["decode_tokens_per_s"], "ttft_s": r["ttft_s"]["p50"], "e2e_s": r["latency_s"]["p50"],
+            "peak_pss_mib": r["peak_pss_mib"]}
 
 
 def write_spec(w: Workload, prompts: list[list[int]], prefix_caching: bool, directory: str,
-               extra_bufts: bool = True) -> str:
-    """``extra_bufts``: llama.cpp's repacked weight kernels (peers/llamacpp_runner.py)."""
+               extra_bufts: bool = True, kv_bytes: int | None = None, n_ctx: int | None = None) -> str:
+    """The peers' spec. ``extra_bufts``: llama.cpp's repacked weight kernels (peers/llamacpp_runner.py);
+    ``kv_bytes``: vLLM's KV budget; ``n_ctx``: llama.cpp's context (its KV budget in tokens)."""
     spec = {"kind": w.kind, "prompts": prompts, "output_len": w.shape.output_len, "prefix_caching": prefix_caching,
-            "shared_prefix_len": w.shape.prefix_len, "max_model_len": 2048, "threads": 2, "warmup": True,
-            "num_iters": 3, "extra_bufts": extra_bufts}
+            "shared_prefix_len": w.shape.prefix_len, "max_model_len": max_model_len(w.shape), "threads": 2,
+            "warmup": True, "num_iters": 3, "extra_bufts": extra_bufts, "kv_cache_bytes": kv_bytes, "n_ctx": n_ctx}
     path = Path(directory) / f"{w.name}.json"
     path.write_text(json.dumps(spec))
     return str(path)
 
 
-def run_vllm(python: str, model: str, spec: str) -> dict[str, Any]:
+def run_vllm(python: str, job: Job) -> dict[str, Any]:
     env = dict(VLLM_ENV)
     if Path(TCMALLOC).is_file():
         env["LD_PRELOAD"] = TCMALLOC
-    return run_json([python, str(PEERS_DIR / "vllm_runner.py"), "--model", model, "--spec", spec], env)
+    return run_json([python, str(PEERS_DIR / "vllm_runner.py"), "--model", job.model.path, "--spec", job.spec], env,
+                    pss_interval=job.pss_interval)
 
 
-def run_llamacpp(python: str, gguf_dir: str, variant: str, spec: str) -> dict[str, Any]:
-    gguf = Path(gguf_dir) / f"model-{variant}.gguf"
+def run_llamacpp(python: str, job: Job, variant: str) -> dict[str, Any]:
+    gguf = Path(job.model.gguf_dir) / f"model-{variant}.gguf"
     if not gguf.is_file():
-        raise RuntimeError(f"{gguf} is missing: make it with benchmarks/peers/make_gguf.py")
-    return run_json([python, str(PEERS_DIR / "llamacpp_runner.py"), "--gguf", str(gguf), "--spec", spec])
+        raise RuntimeError(f"{gguf} is missing: make it with benchmarks/peers/make_gguf.py (or make_shapes.py)")
+    return run_json([python, str(PEERS_DIR / "llamacpp_runner.py"), "--gguf", str(gguf), "--spec", job.spec],
+                    pss_interval=job.pss_interval)
 
 
 def wait_until_serving(base_url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -144,26 +351,26 @@ def wait_until_serving(base_url: str, proc: subprocess.Popen, timeout: float = 6
     raise RuntimeError(f"{base_url} did not come up in {timeout} s")
 
 
-def run_online(engine: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
+def run_online(engine: str, args: argparse.Namespace, model: str, port: int) -> dict[str, Any]:
     """Start one server, drive it with `dabba bench serve`'s client, stop it."""
     from dabba.benchmark.serve import ServeBenchConfig, run_serve_benchmark
 
     env: dict[str, str] = {}
     if engine == "dabba":
-        cmd = [sys.executable, "-m", "dabba.entrypoints.cli", "serve", args.model, "--port", str(port),
+        cmd = [sys.executable, "-m", "dabba.entrypoints.cli", "serve", model, "--port", str(port),
                "--dtype", "bfloat16", "--max-model-len", "2048"]
     else:
         # the module, not the `vllm` script: the CPU build is the distribution vllm-cpu, and the
         # script looks up the version of a distribution named vllm
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port",
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port",
                str(port), "--dtype", "bfloat16", "--max-model-len", "2048", "--seed", "0"]
-        env = dict(VLLM_ENV, **({"LD_PRELOAD": TCMALLOC} if Path(TCMALLOC).is_file() else {}))
+        env = dict(VLLM_SERVE_ENV, **({"LD_PRELOAD": TCMALLOC} if Path(TCMALLOC).is_file() else {}))
     base_url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
     try:
         wait_until_serving(base_url, proc)
         cfg = ServeBenchConfig(base_url=base_url, num_prompts=args.serve_prompts, input_len=args.serve_input_len,
-                               output_len=args.serve_output_len, tokenizer=args.model,
+                               output_len=args.serve_output_len, tokenizer=model,
                                request_rate=args.request_rate, slo_ttft_ms=args.slo_ttft_ms,
                                slo_tpot_ms=args.slo_tpot_ms)
         r = asyncio.run(run_serve_benchmark(cfg))
@@ -180,12 +387,12 @@ def run_online(engine: str, args: argparse.Namespace, port: int) -> dict[str, An
             "output_throughput": r["output_throughput"]}
 
 
-def compare_online(args: argparse.Namespace) -> dict[str, Any]:
+def compare_online(args: argparse.Namespace, model: str) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {}
     engines = ["dabba", "vllm"]
     for repeat in range(args.repeats):
         for engine in engines[repeat % 2:] + engines[:repeat % 2]:
-            r = run_online(engine, args, 8100 + 2 * repeat + (engine == "vllm"))
+            r = run_online(engine, args, model, 8100 + 2 * repeat + (engine == "vllm"))
             runs.setdefault(engine, []).append(r)
             print(f"serve repeat {repeat + 1}: {engine}: {json.dumps(r)}", file=sys.stderr, flush=True)
     medians = {e: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for e, rs in runs.items()}
@@ -194,9 +401,9 @@ def compare_online(args: argparse.Namespace) -> dict[str, Any]:
               for m in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")]
     checks.append({"metric": "goodput", "dabba": ours["goodput"], "vllm": theirs["goodput"],
                    "met": ours["goodput"] > theirs["goodput"]})
-    return {"request_rate": args.request_rate, "num_prompts": args.serve_prompts, "input_len": args.serve_input_len,
-            "output_len": args.serve_output_len, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
-            "medians": medians, "checks": checks, "runs": runs}
+    return {"model": model, "request_rate": args.request_rate, "num_prompts": args.serve_prompts,
+            "input_len": args.serve_input_len, "output_len": args.serve_output_len, "slo_ttft_ms": args.slo_ttft_ms,
+            "slo_tpot_ms": args.slo_tpot_ms, "medians": medians, "checks": checks, "runs": runs}
 
 
 def engines_for(w: Workload, args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -210,61 +417,265 @@ def engines_for(w: Workload, args: argparse.Namespace) -> list[tuple[str, str]]:
     return ours + peers
 
 
-def compare(args: argparse.Namespace) -> dict[str, Any]:
-    vocab = ArchConfig.from_hf(args.model).vocab_size
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+def run_engine(engine: str, variant: str, job: Job, args: argparse.Namespace) -> dict[str, Any]:
+    if engine == "dabba":
+        return run_dabba(job, variant)
+    if engine == "vllm":
+        return run_vllm(args.vllm_python, job)
+    return run_llamacpp(args.llamacpp_python, job, variant)
+
+
+def run_workload(job: Job, args: argparse.Namespace, label: str) -> dict[str, list[dict[str, Any]]]:
+    """Every engine on one workload, ``args.repeats`` times in rotating order: {engine/variant: runs}."""
+    engines = engines_for(job.workload, args)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    metric = job.workload.metric
+    for repeat in range(args.repeats):
+        for engine, variant in engines[repeat % len(engines):] + engines[:repeat % len(engines)]:
+            r = run_engine(engine, variant, job, args)
+            runs.setdefault(f"{engine}/{variant}", []).append(r)
+            print(f"{label} {job.workload.name} repeat {repeat + 1}: {engine} {variant}: {metric}={r[metric]:.1f}, "
+                  f"peak PSS {r['peak_pss_mib']:.0f} MiB", file=sys.stderr, flush=True)
+    return runs
+
+
+def medians_of(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    return {key: {m: statistics.median(r[m] for r in rs) for m in rs[0] if isinstance(rs[0][m], float)}
+            for key, rs in runs.items()}
+
+
+def kv_budgets(shape: ModelShape, w: Workload, kv_bytes: int,
+               runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each engine's KV budget on one workload in bytes, and in tokens where the peer says what it
+    made of it (vLLM's blocks, llama.cpp's n_ctx, whose bytes follow from it)."""
+    out: dict[str, Any] = {"tokens": kv_tokens(w.shape), "bytes_per_token": shape.kv_bytes_per_token,
+                           "max_model_len": max_model_len(w.shape), "dabba": kv_bytes}
+
+    def reported(engine: str, key: str) -> int | None:
+        return next((r[key] for k, rs in runs.items() if k.startswith(f"{engine}/") for r in rs if key in r), None)
+
+    if any(k.startswith("vllm/") for k in runs):
+        out["vllm"] = kv_bytes
+        out["vllm_tokens"] = reported("vllm", "kv_tokens")
+    if (n_ctx := reported("llama.cpp", "n_ctx")) is not None:
+        out["llama.cpp"] = n_ctx * shape.kv_bytes_per_token
+        out["llama.cpp_tokens"] = n_ctx
+    return out
+
+
+# --- bandwidth ------------------------------------------------------------------------------------
+
+def copy_bandwidth(gib: float, iters: int) -> dict[str, Any]:
+    """benchmarks/membw.py's read bandwidth of this machine, best and median GB/s."""
+    import torch
+
+    from benchmarks.membw import read_bandwidth
+
+    rates = read_bandwidth(int(gib * 2**30), iters)
+    return {"threads": torch.get_num_threads(), "buffer_gib": gib, "read_gb_s_best": max(rates),
+            "read_gb_s_median": statistics.median(rates)}
+
+
+def decode_bytes_per_token(model_dir: str, variant: str) -> int:
+    """Weight bytes one batch-1 decode step reads, at dabba's own packed sizes: every weight but
+    the embedding table (a step reads one row of it), except a bf16 tied embedding, which the LM
+    head reads whole (quantized, the head is its own INT8 copy)."""
+    import torch
+
+    from dabba.planner import weights_bytes
+    from dabba.quantization.config import QuantConfig
+
+    arch = ArchConfig.from_hf(model_dir)
+    quant = DABBA_QUANT[variant]
+    total = weights_bytes(arch, torch.bfloat16, QuantConfig(quant) if quant else None)
+    if quant is None and arch.tie_word_embeddings:
+        return total
+    return total - arch.vocab_size * arch.hidden_size * torch.bfloat16.itemsize
+
+
+def bandwidth_report(model_dir: str, w2: dict[str, dict[str, float]], membw: dict[str, Any] | None
+                     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """dabba's W2 decode GB/s per variant, its share of membw's best read, and the checks."""
+    report, checks = {}, []
+    for key, m in w2.items():
+        engine, variant = key.split("/")
+        if engine != "dabba" or not m.get("decode_tok_s"):
+            continue
+        nbytes = decode_bytes_per_token(model_dir, variant)
+        gb_s = nbytes * m["decode_tok_s"] / 1e9
+        report[variant] = {"bytes_per_token": nbytes, "decode_tok_s": m["decode_tok_s"], "decode_gb_s": gb_s}
+        if membw:
+            share = gb_s / membw["read_gb_s_best"]
+            report[variant]["share_of_read_bw"] = share
+            checks.append({"workload": "W2", "ours": key, "theirs": "membw read", "metric": "decode_gb_s",
+                           "value": gb_s, "peer_value": membw["read_gb_s_best"], "ratio": share,
+                           "target": BANDWIDTH_TARGET, "op": ">=", "met": share >= BANDWIDTH_TARGET})
+    return report, checks
+
+
+# --- one model, then all ----------------------------------------------------------------------------
+
+def compare_model(m: ModelRun, args: argparse.Namespace, membw: dict[str, Any] | None) -> dict[str, Any]:
+    shape = ModelShape.from_dir(m.path)
+    names = m.workloads(args.workloads)
+    results, budgets = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.workloads:
+        for name in names:
             w = WORKLOADS[name]
-            spec = write_spec(w, make_prompts(w.shape, vocab), prefix_caching=True, directory=tmp,
-                              extra_bufts=not args.llamacpp_no_extra_bufts)
-            engines = engines_for(w, args)
-            runs = results.setdefault(name, {})
-            for repeat in range(args.repeats):
-                order = engines[repeat % len(engines):] + engines[:repeat % len(engines)]
-                for engine, variant in order:
-                    if engine == "dabba":
-                        r = run_dabba(args.model, w, variant, tmp)
-                    elif engine == "vllm":
-                        r = run_vllm(args.vllm_python, args.model, spec)
-                    else:
-                        r = run_llamacpp(args.llamacpp_python, args.gguf_dir, variant, spec)
-                    runs.setdefault(f"{engine}/{variant}", []).append(r)
-                    print(f"{name} repeat {repeat + 1}: {engine} {variant}: {w.metric}={r[w.metric]:.1f}",
-                          file=sys.stderr, flush=True)
-    medians = {name: {key: {m: statistics.median(r[m] for r in rs) for m in rs[0] if isinstance(rs[0][m], float)}
-                      for key, rs in runs.items()} for name, runs in results.items()}
-    ratios = []
-    for name, ours, theirs, target in TARGETS:
-        got = medians.get(name, {})
-        a, b = got.get("/".join(ours)), got.get("/".join(theirs))
-        if a and b:
-            metric = WORKLOADS[name].metric
-            ratios.append({"workload": name, "dabba": ours[1], "peer": "/".join(theirs), "metric": metric,
-                           "ratio": a[metric] / b[metric], "target": target, "met": a[metric] / b[metric] >= target})
-    w2 = medians.get("W2", {})
-    if "dabba/bf16" in w2 and "vllm/bf16" in w2:
-        ratios.append({"workload": "W2", "dabba": "bf16", "peer": "vllm/bf16", "metric": "ttft_s (theirs / ours)",
-                       "ratio": w2["vllm/bf16"]["ttft_s"] / w2["dabba/bf16"]["ttft_s"], "target": 1.0,
-                       "met": w2["dabba/bf16"]["ttft_s"] <= w2["vllm/bf16"]["ttft_s"]})
-    return {"model": args.model, "repeats": args.repeats, "llamacpp_extra_bufts": not args.llamacpp_no_extra_bufts,
-            "workloads": {n: asdict(WORKLOADS[n].shape) for n in args.workloads}, "medians": medians,
-            "ratios": ratios, "runs": results}
+            kv_bytes = kv_tokens(w.shape) * shape.kv_bytes_per_token
+            spec = write_spec(w, make_prompts(w.shape, shape.vocab_size), prefix_caching=True, directory=tmp,
+                              extra_bufts=not args.llamacpp_no_extra_bufts, kv_bytes=kv_bytes,
+                              n_ctx=kv_tokens(w.shape))
+            job = Job(m, w, spec, kv_bytes, tmp, args.pss_interval)
+            results[name] = run_workload(job, args, Path(m.path).name)
+            budgets[name] = kv_budgets(shape, w, kv_bytes, results[name])
+    medians = {name: medians_of(runs) for name, runs in results.items()}
+    checks = [c for t in TARGETS if (c := t.check(medians))]
+    bandwidth, bw_checks = bandwidth_report(m.path, medians.get("W2", {}), membw)
+    return {"model": m.path, "name": Path(m.path).name, "shape": asdict(shape), "description": shape.describe(),
+            "gguf_dir": m.gguf_dir if args.llamacpp_python else None, "batch_workload": m.batch_workload,
+            "workloads": {n: asdict(WORKLOADS[n].shape) for n in names}, "kv_budget": budgets,
+            "medians": medians, "bandwidth": bandwidth, "checks": checks + bw_checks, "runs": results}
 
 
-def main(argv: list[str] | None = None) -> int:
+def cpu_name() -> str:
+    """/proc/cpuinfo's model name, its core count, and the vector extensions decode kernels use."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                "unknown CPU")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+    return f"{name}, {os.cpu_count()} cores" + (f" ({', '.join(ext)})" if ext else "")
+
+
+def build_native_kernels() -> None:
+    """Build dabba's kernels (if their sources changed) before anything is measured: the compiler
+    would otherwise run inside the first dabba run's process tree, its time and memory counted."""
+    subprocess.run([sys.executable, "-c", "from dabba import native; native.load_cpu_ops()"], check=True,
+                   capture_output=True)
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    build_native_kernels()
+    membw = copy_bandwidth(args.membw_gib, args.membw_iters) if args.membw_gib > 0 else None
+    return {"cpu": cpu_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "repeats": args.repeats, "llamacpp_extra_bufts": not args.llamacpp_no_extra_bufts, "membw": membw,
+            "models": [compare_model(m, args, membw) for m in args.models]}
+
+
+# --- the report ---------------------------------------------------------------------------------------
+
+METRIC_LABELS = {"total_tok_s": "total tok/s", "decode_tok_s": "decode tok/s", "ttft_s": "TTFT",
+                 "peak_pss_mib": "peak PSS", "decode_gb_s": "decode GB/s"}
+
+
+def figure_text(w: str, m: dict[str, float]) -> str:
+    metric = WORKLOADS[w].metric
+    text = f"{m[metric]:.1f}" if metric in m else "-"
+    return text + (f" (TTFT {m['ttft_s'] * 1000:.0f} ms)" if "ttft_s" in m else "")
+
+
+def workload_text(w: str) -> str:
+    """"W2: 1 x 128 -> 256, decode tok/s"."""
+    s = WORKLOADS[w].shape
+    prompt = f"({s.prefix_len} shared + {s.input_len})" if s.prefix_len else str(s.input_len)
+    return f"{w}: {s.num_prompts} x {prompt} -> {s.output_len}, {METRIC_LABELS[WORKLOADS[w].metric]}"
+
+
+def check_text(c: dict[str, Any]) -> str:
+    label = METRIC_LABELS.get(c["metric"], c["metric"])
+    return (f"| {c['workload']} {label} | {c['ours']} | {c['theirs']} | {c['ratio']:.2f} | {c['op']} {c['target']} "
+            f"| {'yes' if c['met'] else '**no**'} |")
+
+
+def model_markdown(r: dict[str, Any]) -> list[str]:
+    """One shape: its figures, then its targets."""
+    lines = [f"#### {r['name']}", "", r["description"] + ".", "",
+             "| workload | engine | weights | figure | peak PSS (MiB) | KV budget (MiB) |", "|---|---|---|---|---|---|"]
+    for w, per_engine in r["medians"].items():
+        for key, m in per_engine.items():
+            engine, variant = key.split("/")
+            kv = r["kv_budget"][w].get(engine)
+            lines.append(f"| {workload_text(w)} | {engine} | {variant} | {figure_text(w, m)} | "
+                         f"{m.get('peak_pss_mib', 0):.0f} | {f'{kv / MIB:.0f}' if kv else '-'} |")
+    if r["bandwidth"]:
+        lines.append("")
+    for variant, b in r["bandwidth"].items():
+        share = f", {b['share_of_read_bw']:.0%} of the read bandwidth" if "share_of_read_bw" in b else ""
+        lines.append(f"W2 decode, dabba {variant}: {b['bytes_per_token'] / MIB:.0f} MiB of weights per token x "
+                     f"{b['decode_tok_s']:.1f} tok/s = {b['decode_gb_s']:.1f} GB/s{share}.  ")
+    if r["checks"]:
+        lines += ["", "| target | dabba | against | ratio | target | met |", "|---|---|---|---|---|---|"]
+        lines += [check_text(c) for c in r["checks"]]
+    return lines + [""]
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    """The per-shape tables, ready to paste into the README."""
+    membw = result.get("membw")
+    runs = f"{result['repeats']} fresh-process run{'s' if result['repeats'] != 1 else ''}"
+    head = [f"CPU: {result['cpu']}. Date: {result['date']}. Medians of {runs} per engine; peak PSS of each "
+            "benchmark's process tree; every engine at the same KV budget per workload."]
+    if membw:
+        head.append(f"Memory read bandwidth (benchmarks/membw.py, {membw['threads']} threads, "
+                    f"{membw['buffer_gib']:g} GiB): {membw['read_gb_s_best']:.1f} GB/s best, "
+                    f"{membw['read_gb_s_median']:.1f} GB/s median.")
+    if not result["llamacpp_extra_bufts"]:
+        head.append("llama.cpp ran without its repacked weight kernels (they crash here): "
+                    "its figures are lower bounds.")
+    lines = [" ".join(head), ""]
+    for r in result["models"]:
+        lines += model_markdown(r)
+    return "\n".join(lines)
+
+
+def summary_of(result: dict[str, Any]) -> dict[str, Any]:
+    """The result without the per-repeat runs."""
+    out = {k: v for k, v in result.items() if k != "models"}
+    out["models"] = [{k: v for k, v in r.items() if k != "runs"} for r in result["models"]]
+    if "serve" in result:
+        out["serve"] = {k: v for k, v in result["serve"].items() if k != "runs"}
+    return out
+
+
+def print_checks(result: dict[str, Any]) -> None:
+    for r in result["models"]:
+        for c in r["checks"]:
+            print(f"{r['name']} {c['workload']}: {c['ours']} / {c['theirs']} {c['metric']}: {c['ratio']:.2f} "
+                  f"(target {c['op']} {c['target']}: {'met' if c['met'] else 'NOT met'})", file=sys.stderr)
+    for c in result.get("serve", {}).get("checks", []):
+        print(f"serve {c['metric']}: dabba {c['dabba']:.1f}, vllm {c['vllm']:.1f} ({'met' if c['met'] else 'NOT met'})",
+              file=sys.stderr)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a Hugging Face checkpoint directory (bf16)")
+    parser.add_argument("--model", action="append", required=True,
+                        help="a Hugging Face checkpoint directory (bf16); repeat it, or give a comma list")
+    parser.add_argument("--gguf-dir", action="append", default=None,
+                        help="model-{bf16,q8_0,q4_0}.gguf of each --model (make_gguf.py), in --model's order "
+                             "(default: DIR/gguf of each)")
+    parser.add_argument("--batch-workload", action="append", default=None,
+                        help="W1 or B32: what BATCH in --workloads runs, one for all or one per --model (default W1)")
     parser.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu")
     parser.add_argument("--llamacpp-python", default=None, help="the python of a venv with llama-cpp-python")
-    parser.add_argument("--gguf-dir", default=None, help="model-{bf16,q8_0,q4_0}.gguf of --model (make_gguf.py)")
     parser.add_argument("--llamacpp-no-extra-bufts", action="store_true",
                         help="llama.cpp without its repacked weight kernels, where they crash (the report says so)")
-    parser.add_argument("--workloads", default="W1,W2,W3", help="comma-separated subset of W1,W2,W3,B32")
+    parser.add_argument("--workloads", default=f"{BATCH},W2,W3,L4",
+                        help=f"comma-separated subset of {BATCH},{','.join(WORKLOADS)} (default {BATCH},W2,W3,L4)")
     parser.add_argument("--variants", default="bf16,int8,int4",
                         help="W2's weight variants: dabba bf16,int8,int4 against llama.cpp bf16,q8_0,q4_0")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per engine and workload (default 3)")
-    parser.add_argument("--serve", action="store_true", help="also compare online serving with vllm serve")
+    parser.add_argument("--pss-interval", type=float, default=0.5,
+                        help="seconds between PSS samples, at least (default 0.5; see benchmarks/peers/pss.py)")
+    parser.add_argument("--membw-gib", type=float, default=2.0,
+                        help="benchmarks/membw.py's buffer, GiB (default 2; 0: no bandwidth figure)")
+    parser.add_argument("--membw-iters", type=int, default=5)
+    parser.add_argument("--serve", action="store_true",
+                        help="also compare online serving with vllm serve (first model)")
     parser.add_argument("--request-rate", type=float, default=4.0, help="--serve: Poisson requests/s (default 4)")
     parser.add_argument("--serve-prompts", type=int, default=64, help="--serve: requests (default 64)")
     parser.add_argument("--serve-input-len", type=int, default=128)
@@ -272,34 +683,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-ttft-ms", type=float, default=500.0, help="--serve: goodput SLO (default 500)")
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0, help="--serve: goodput SLO (default 50)")
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--markdown-out", default=None, help="the per-shape tables, for the README")
     args = parser.parse_args(argv)
-    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.workloads = split_list([args.workloads])
+    args.variants = split_list([args.variants])
     if not args.variants or any(v not in PEER_VARIANT for v in args.variants):
         parser.error(f"--variants: a comma list of {', '.join(PEER_VARIANT)}")
-    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    unknown = [w for w in args.workloads if w not in WORKLOADS and w != BATCH]
     if unknown:
-        parser.error(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
-    if args.llamacpp_python and not args.gguf_dir:
-        parser.error("--llamacpp-python needs --gguf-dir")
+        parser.error(f"unknown workloads {unknown}; choose from {BATCH}, {', '.join(WORKLOADS)}")
+    try:
+        args.models = model_runs(split_list(args.model), split_list(args.gguf_dir), split_list(args.batch_workload))
+    except ValueError as e:
+        parser.error(str(e))
     if args.serve and not args.vllm_python:
         parser.error("--serve needs --vllm-python")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     result = compare(args)
     if args.serve:
-        result["serve"] = compare_online(args)
-        for c in result["serve"]["checks"]:
-            print(f"serve {c['metric']}: dabba {c['dabba']:.1f}, vllm {c['vllm']:.1f} ({'met' if c['met'] else 'NOT met'})",
-                  file=sys.stderr)
-    text = json.dumps(result, indent=2)
+        result["serve"] = compare_online(args, args.models[0].path)
     if args.json_out:
-        Path(args.json_out).write_text(text)
-    summary = {k: result[k] for k in ("model", "repeats", "llamacpp_extra_bufts", "medians", "ratios")}
-    if args.serve:
-        summary["serve"] = {k: v for k, v in result["serve"].items() if k != "runs"}
-    print(json.dumps(summary, indent=2))
-    for r in result["ratios"]:
-        print(f"{r['workload']}: dabba {r['dabba']} / {r['peer']} {r['metric']}: {r['ratio']:.2f}x "
-              f"(target {r['target']}x: {'met' if r['met'] else 'NOT met'})", file=sys.stderr)
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    if args.markdown_out:
+        Path(args.markdown_out).write_text(to_markdown(result))
+    print(json.dumps(summary_of(result), indent=2))
+    print_checks(result)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""benchmarks/peers/make_gguf.py's tokenizer padding (the conversion itself needs llama.cpp's tree)."""
+"""benchmarks/peers/make_gguf.py's tokenizer padding (the conversion itself needs llama.cpp's tree), and
+the shapes benchmarks/peers/make_shapes.py writes."""
 from __future__ import annotations
 
 import json
@@ -27,3 +28,43 @@ def test_a_tokenizer_shorter_than_the_vocabulary_is_padded_in_a_view(checkpoints
                                               "lstrip": False, "rstrip": False, "normalized": False, "special": True}
         assert (view / "model.safetensors").resolve() == (big / "model.safetensors").resolve()
     assert json.loads((big / "tokenizer.json").read_text()) == tok  # the checkpoint itself is untouched
+
+
+# The published parameter counts of the models whose shapes benchmarks/peers/make_shapes.py copies.
+PUBLISHED_PARAMS = {"smollm2-135m": 134.5e6, "qwen2.5-0.5b": 494.0e6, "llama-3.2-1b": 1235.8e6}
+
+
+def test_the_shapes_have_the_real_models_parameter_counts() -> None:
+    import torch
+    import transformers
+
+    from benchmarks.peers.make_shapes import SHAPES
+    from tools.tiny_checkpoint import ARCH_CONFIGS
+
+    assert set(SHAPES) == set(PUBLISHED_PARAMS)
+    for name, shape in SHAPES.items():
+        config = getattr(transformers, ARCH_CONFIGS[shape.arch])(**shape.config)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        params = sum(p.numel() for p in model.parameters())  # a tied head is one parameter
+        assert abs(params / PUBLISHED_PARAMS[name] - 1) < 0.005, (name, params)
+
+
+def test_make_shapes_keeps_a_checkpoint_of_the_right_shape(tmp_path) -> None:
+    import argparse
+
+    import pytest
+
+    from benchmarks.peers.make_shapes import SHAPES, has_shape, parse_shapes
+
+    shape = SHAPES["smollm2-135m"]
+    assert parse_shapes("smollm2-135m, llama-3.2-1b") == [shape, SHAPES["llama-3.2-1b"]]
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_shapes("gpt-5")
+    assert not has_shape(tmp_path, shape)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [shape.arch], **shape.config}))
+    assert has_shape(tmp_path, shape)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [shape.arch], **shape.config, "vocab_size": 1}))
+    assert not has_shape(tmp_path, shape)

@@ -5,8 +5,10 @@ Python; prints one line of JSON on stdout, logs to stderr.
 
 SPEC.json is what benchmarks/compare_peers.py writes: {"kind": "throughput" | "latency",
 "prompts": [[ids], ...], "output_len", "shared_prefix_len" (0: none), "threads", "warmup"}, and
-optionally "kv_unified" (see below). Token-id prompts, greedy (numpy argmax over the logits row),
-EOS ignored: every prompt gets exactly output_len tokens, the first from its prefill.
+optionally "kv_unified" (see below) and "n_ctx" (the KV budget in tokens); the result carries the
+n_ctx llama.cpp made (its KV cache holds that many tokens). Token-id prompts, greedy (numpy argmax
+over the logits row), EOS ignored: every prompt gets exactly output_len tokens, the first from its
+prefill.
 
 - latency (one prompt): TTFT = prefill of the prompt + the first argmax; then output_len - 1 decode
   steps of one token each. decode_tok_s = (output_len - 1) / decode time; e2e = TTFT + decode time.
@@ -18,7 +20,7 @@ EOS ignored: every prompt gets exactly output_len tokens, the first from its pre
   prefilled. elapsed_s covers prefill and decode; num_prompt_tokens counts every prompt in full
   (as the other engines count it, shared prefix or not).
 
-One context for the whole run: n_ctx = number of prompts x longest (prompt + output_len),
+One context for the whole run: n_ctx = the spec's, or number of prompts x longest (prompt + output_len),
 n_seq_max = number of prompts, n_batch = n_ubatch = 512, n_threads = n_threads_batch = threads,
 flash attention and the KV cache type at llama.cpp's defaults. The memory is cleared between the
 warm-up and the timed run. kv_unified defaults to (shared_prefix_len > 0): a unified KV buffer lets
@@ -243,7 +245,10 @@ def main() -> None:
         sys.exit(f"unknown kind {kind!r}")
     shared = checked_shared_prefix_len(prompts, int(spec.get("shared_prefix_len", 0)))
 
-    n_ctx = len(prompts) * max(len(p) + spec["output_len"] for p in prompts)
+    need = len(prompts) * max(len(p) + spec["output_len"] for p in prompts)
+    n_ctx = int(spec.get("n_ctx") or need)
+    if n_ctx < need:
+        sys.exit(f"n_ctx {n_ctx} cannot hold {len(prompts)} sequences of the longest prompt + output ({need} tokens)")
     kv_unified = bool(spec.get("kv_unified", shared > 0))
     extra_bufts = bool(spec.get("extra_bufts", True))
     engine = Engine.load(args.gguf, n_ctx, len(prompts), int(spec.get("threads", 2)), kv_unified, extra_bufts)
@@ -251,6 +256,7 @@ def main() -> None:
         f"kv_unified {kv_unified}, extra_bufts {extra_bufts}")
     try:
         result = run_latency(engine, spec) if kind == "latency" else run_throughput(engine, spec, shared)
+        result["n_ctx"] = lc.llama_n_ctx(engine.ctx)
     finally:
         engine.close()
     print(json.dumps({"engine": "llama.cpp", **result}), flush=True)

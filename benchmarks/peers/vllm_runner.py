@@ -3,7 +3,10 @@
     python benchmarks/peers/vllm_runner.py --model DIR --spec SPEC.json
 
 SPEC.json is what benchmarks/compare_peers.py writes: {"kind": "throughput" | "latency",
-"prompts": [[ids], ...], "output_len", "prefix_caching", "max_model_len", "warmup", "num_iters"}. Greedy, EOS
+"prompts": [[ids], ...], "output_len", "prefix_caching", "max_model_len", "warmup", "num_iters"}, and
+optionally "kv_cache_bytes": the KV budget, as LLM(kv_cache_memory_bytes=...) (where the environment
+sets no VLLM_CPU_KVCACHE_SPACE, which would override it); the result's kv_tokens is what the KV
+cache it made holds. Greedy, EOS
 ignored, token-id prompts; measured as `vllm bench throughput|latency` measure: throughput is all
 prompts in one generate() call; latency is the median of num_iters end-to-end runs of one batch,
 TTFT the median of as many max_tokens=1 runs, and the decode rate the tokens between them over
@@ -29,8 +32,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    kv = {"kv_cache_memory_bytes": int(spec["kv_cache_bytes"])} if spec.get("kv_cache_bytes") else {}
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=spec["max_model_len"], seed=0,
-              enable_prefix_caching=spec["prefix_caching"], max_num_seqs=max(len(spec["prompts"]), 1))
+              enable_prefix_caching=spec["prefix_caching"], max_num_seqs=max(len(spec["prompts"]), 1), **kv)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     out_len = spec["output_len"]
 
@@ -58,6 +62,8 @@ def main() -> None:
         ttft = statistics.median(timed(1) for _ in range(spec["num_iters"]))
         result = {"ttft_s": ttft, "e2e_s": e2e, "num_output_tokens": len(prompts) * out_len,
                   "decode_tok_s": len(prompts) * (out_len - 1) / (e2e - ttft)}
+    cache = llm.llm_engine.vllm_config.cache_config  # the engine core's figures, as its client records them
+    result["kv_tokens"] = (cache.num_gpu_blocks or 0) * cache.block_size
     print(json.dumps({"engine": "vllm", **result}))
     sys.stdout.flush()
 
