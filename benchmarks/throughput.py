@@ -11,6 +11,7 @@ import argparse
 import json
 import multiprocessing as mp
 import resource
+import threading
 import time
 from typing import Any
 
@@ -26,6 +27,52 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory_mib() -> dict[str, float]:
+    """This process's memory now (Linux): RSS and PSS split into anonymous and file-backed pages
+    (file pages are what a mapped checkpoint adds), and the kernel's RSS high-water (VmHWM)."""
+    fields = {"Rss": "rss", "Pss": "pss", "Pss_Anon": "pss_anon", "Pss_File": "pss_file"}
+    out: dict[str, float] = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in fields:
+                out[fields[key]] = int(value.split()[0]) / 1024
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                out["hwm_rss"] = int(line.split()[1]) / 1024
+    return out
+
+
+class PeakMemory:
+    """High-water of RSS (the kernel's VmHWM, exact) and of PSS (sampled every ``interval`` s by a
+    thread; torch ops release the GIL, so it samples through the load) over a ``with`` block."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.peak: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _record(self) -> None:
+        for key, value in memory_mib().items():
+            self.peak[key] = max(self.peak.get(key, 0.0), value)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._record()
+
+    def __enter__(self) -> "PeakMemory":
+        self._record()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._record()
 
 
 def run_dabba(args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ Weights arrive under the Hugging Face names; q/k/v and gate/up are merged into o
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Hashable, Iterable
 
 import torch
 from torch import nn
@@ -151,11 +151,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     on_loaded: Callable[[str, Hashable], None] | None = None) -> None:
         """Copy checkpoint tensors in; fail loudly on unexpected or missing ones. A merged layer's
         tensor arrives per shard (q_proj, k_proj, v_proj) or already fused under the merged name
-        (Phi-3's qkv_proj, gate_up_proj: [q; k; v] and [gate; up] rows), which fills every shard."""
-        params = dict(self.named_parameters(remove_duplicate=False))
+        (Phi-3's qkv_proj, gate_up_proj: [q; k; v] and [gate; up] rows), which fills every shard.
+
+        ``on_loaded(parameter name, shard id)`` follows every copy (shard id None: the whole
+        parameter), so the loader can repack a layer as soon as it is complete. Parameters are
+        looked up per tensor, never held: a layer's repacking frees its full-precision weight."""
+        names = [name for name, _ in self.named_parameters(remove_duplicate=False)]
+        known = set(names)
         loaded: set[str] = set()
         unexpected = []
         for name, tensor in weights:
@@ -163,36 +169,51 @@ class LlamaForCausalLM(nn.Module):
                 continue  # derived from the config, not a weight
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store it anyway
-            target, shard_id = name, None
-            for fragment, (merged, sid) in STACKED_PARAMS.items():
-                if fragment in name:
-                    target, shard_id = name.replace(fragment, merged), sid
-                    break
-            param = params.get(target)
-            if param is None:
+            target, shard_id = checkpoint_target(name)
+            if target not in known:
                 unexpected.append(name)
                 continue
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor, shard_id)
-            else:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint tensor {tuple(tensor.shape)} != expected {tuple(param.shape)}")
-                param.data.copy_(tensor)
-            if shard_id is None:
-                owner = self.get_submodule(target.rsplit(".", 1)[0])
-                loaded.update(f"{target}#{sid}" for sid in (getattr(owner, "shard_ids", None) or (None,)))
-            else:
-                loaded.add(f"{target}#{shard_id}")
+            self._copy_tensor(name, target, tensor, shard_id)
+            loaded.update(self._shard_keys(target, shard_id))
+            if on_loaded is not None:
+                on_loaded(target, shard_id)
         if unexpected:
             raise ValueError(f"checkpoint has unexpected tensors: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
         expected = set()
-        for name, param in params.items():
+        for name in names:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            owner = self.get_submodule(name.rsplit(".", 1)[0])
-            shard_ids = owner.shard_ids if isinstance(owner, Linear) and owner.shard_ids else (None,)
-            expected.update(f"{name}#{sid}" for sid in shard_ids)
+            expected.update(self._shard_keys(name, None))
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+
+    def _copy_tensor(self, name: str, target: str, tensor: torch.Tensor, shard_id: Hashable) -> None:
+        """Checkpoint tensor ``name`` into parameter ``target`` (through its weight loader, if any)."""
+        module_name, _, attr = target.rpartition(".")
+        param = getattr(self.get_submodule(module_name), attr, None)
+        if not isinstance(param, nn.Parameter):
+            raise ValueError(f"{name}: arrived after {module_name} was complete and repacked (a duplicate tensor?)")
+        loader = getattr(param, "weight_loader", None)
+        if loader is not None:
+            loader(param, tensor, shard_id)
+            return
+        if param.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint tensor {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+
+    def _shard_keys(self, target: str, shard_id: Hashable) -> set[str]:
+        """"param#shard" for each shard a tensor fills: the one named, or all of a merged layer's."""
+        if shard_id is not None:
+            return {f"{target}#{shard_id}"}
+        owner = self.get_submodule(target.rsplit(".", 1)[0])
+        shard_ids = owner.shard_ids if isinstance(owner, Linear) and owner.shard_ids else (None,)
+        return {f"{target}#{sid}" for sid in shard_ids}
+
+
+def checkpoint_target(name: str) -> tuple[str, Hashable]:
+    """A checkpoint tensor's parameter name and shard id (q_proj -> qkv_proj, "q"; None if unmerged)."""
+    for fragment, (merged, sid) in STACKED_PARAMS.items():
+        if fragment in name:
+            return name.replace(fragment, merged), sid
+    return name, None

@@ -1,14 +1,17 @@
-"""Build a model from a checkpoint directory, streaming safetensors shards into its parameters.
+"""Build a model from a checkpoint directory, streaming safetensors shards into its parameters
+and repacking (or quantizing) each layer as soon as its last tensor is in.
 
 Safetensors only: a pickled checkpoint (.bin/.pt/.pth) can run arbitrary code when loaded,
 so dabba refuses it rather than unpickling it.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Generator, Hashable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -17,6 +20,7 @@ from torch import nn
 from dabba.layers.rotary import describe_longrope
 from dabba.models.config import ArchConfig
 from dabba.models.registry import get_model_class
+from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.config import QuantConfig
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -48,11 +52,99 @@ def find_weight_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir} has no model.safetensors or model-*.safetensors shards")
 
 
+MAPPED_BYTES = 64 * 2**20  # read from one opening of a safetensors file before it is reopened
+
+
 def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every file, each a view of the file's memory map. Every page read stays
+    resident (and counts in the process's RSS and PSS) while its map is open, so one open 3 GB
+    file doubled a bf16 load's peak: the file is reopened after each MAPPED_BYTES read, and a
+    closed map's pages go as soon as the consumer drops its tensors."""
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            names = list(f.keys())
+        while names:
+            names = yield from _read_window(file, names)
+
+
+def _read_window(file: Path, names: list[str]) -> Generator[tuple[str, torch.Tensor], None, list[str]]:
+    """The first of ``names`` from one opening of ``file``, up to MAPPED_BYTES (at least one
+    tensor); returns the names still to read."""
+    mapped = 0
+    with safe_open(str(file), framework="pt") as f:
+        for i, name in enumerate(names):
+            if mapped >= MAPPED_BYTES:
+                return names[i:]
+            tensor = f.get_tensor(name)
+            mapped += tensor.nbytes
+            yield name, tensor
+            del tensor  # the map closes with the consumer's last reference, not this frame's
+    return []
+
+
+class LayerwiseRepacking:
+    """Runs each quantized layer's ``process_weights_after_loading`` as soon as the checkpoint has
+    filled all of its parameters (every shard of a merged one), so the full-precision weight it
+    replaces is freed before later layers' tensors are read: a load-time INT8/INT4 load never
+    holds the whole bf16 model beside the quantized one. Holds names and modules, never the
+    parameters themselves (that would keep them alive)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.waiting: dict[nn.Module, dict[str, set[Hashable]]] = {}  # layer -> parameter -> shards not yet in
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            if getattr(module, "quant_method", None) is None:
+                continue
+            shards = set(getattr(module, "shard_ids", None) or (None,))
+            self.waiting[module] = {}
+            for name, param in module.named_parameters(recurse=False):
+                self.waiting[module][name] = set(shards)
+                owners.setdefault(id(param), []).append((module, name))
+        # by every name the model calls a parameter (a tied LM head's weight is the embedding's)
+        self.owners = {name: owners[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+                       if id(p) in owners}
+
+    def loaded(self, name: str, shard_id: Hashable) -> None:
+        """load_weights' callback: parameter ``name`` received shard ``shard_id`` (None: all of it)."""
+        for module, attr in self.owners.get(name, ()):
+            waiting = self.waiting.get(module)
+            if waiting is None or attr not in waiting:
+                continue
+            shards = waiting[attr]
+            if shard_id is None:
+                shards.clear()
+            else:
+                shards.discard(shard_id)
+            if not shards:
+                del waiting[attr]
+            if not waiting:
+                self._process(module)
+
+    def _process(self, module: nn.Module) -> None:
+        del self.waiting[module]
+        method = module.quant_method
+        method.process_weights_after_loading(module)  # repack (or quantize) once, never per forward
+        if not isinstance(method, UnquantizedLinearMethod):
+            release_freed_heap()  # the weight it replaced, where malloc's heap (not an mmap) held it
+
+    def finish(self) -> None:
+        """Layers no checkpoint tensor completed (none, once load_weights found nothing missing)."""
+        for module in list(self.waiting):
+            self._process(module)
+
+
+def release_freed_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc's malloc_trim). A repacked layer's weight under
+    keep_freed_host_memory's 32 MiB mmap threshold (worker/memory.py) is freed into malloc's free
+    lists, which keep it resident; the packed tensors that follow seldom reuse those holes, so over
+    a load-time INT8 load of a 1.5B model they grew to 1.3 GB that no tensor used, and the load's
+    peak by about 1 GB. Best effort: a no-op off glibc."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))
+    except (OSError, AttributeError):
+        pass
 
 
 def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_position: int,
@@ -69,9 +161,8 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
             model = model_cls(arch, max_position, quant_config)
     finally:
         torch.set_default_dtype(previous)
-    model.load_weights(iterate_weights(files))
-    for module in model.modules():  # repack (or quantize) once, never per forward
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+    repack = LayerwiseRepacking(model)
+    model.load_weights(iterate_weights(files), on_loaded=repack.loaded)
+    repack.finish()
+    release_freed_heap()
     return model.eval()

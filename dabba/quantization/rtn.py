@@ -25,7 +25,7 @@ from dabba.quantization.kernels import int4_bytes, int4_matmul_cpu, int4_native_
 
 @dataclass
 class QuantizedWeight:
-    q: torch.Tensor  # [out, in] int32 codes
+    q: torch.Tensor  # [out, in] integer codes (int32; quantize_rows: the dtype asked for)
     scale: torch.Tensor  # [out, in / group_size] float32
     zero: torch.Tensor  # [out, in / group_size] int32 (0 when symmetric)
     group_size: int
@@ -56,6 +56,25 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> Qu
     return QuantizedWeight(q.to(torch.int32).view(out, k), scale, zero, group_size)
 
 
+QUANTIZE_BLOCK_ELEMENTS = 2**22  # weight elements quantize_rows hands quantize at once
+
+
+def quantize_rows(w: torch.Tensor, bits: int, group_size: int, symmetric: bool,
+                  codes_dtype: torch.dtype) -> QuantizedWeight:
+    """quantize() a block of rows at a time, storing the codes as ``codes_dtype``. quantize makes
+    several float32 temporaries of the weight's size at once: over a 150k-row LM head that was
+    gigabytes, more than the whole bf16 model's load. Rows are independent: the same codes."""
+    out, k = w.shape
+    rows = max(1, QUANTIZE_BLOCK_ELEMENTS // k)
+    q = torch.empty(out, k, dtype=codes_dtype, device=w.device)
+    scale = torch.empty(out, k // group_size, dtype=torch.float32, device=w.device)
+    zero = torch.empty(out, k // group_size, dtype=torch.int32, device=w.device)
+    for start in range(0, out, rows):
+        part = quantize(w[start:start + rows], bits, group_size, symmetric)
+        q[start:start + rows], scale[start:start + rows], zero[start:start + rows] = part.q, part.scale, part.zero
+    return QuantizedWeight(q, scale, zero, group_size)
+
+
 def _drop_weight(layer: nn.Module) -> None:
     del layer.weight
     layer.register_parameter("weight", None)
@@ -66,9 +85,9 @@ class Int8RTNMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.data
-        qw = quantize(w, 8, w.shape[1], symmetric=True)
+        qw = quantize_rows(w, 8, w.shape[1], symmetric=True, codes_dtype=torch.int8)
         _drop_weight(layer)
-        layer.register_buffer("qweight", qw.q.to(torch.int8), persistent=False)  # [out, in]
+        layer.register_buffer("qweight", qw.q, persistent=False)  # [out, in]
         layer.register_buffer("scales", qw.scale[:, 0].to(w.dtype), persistent=False)  # [out]
 
     def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
@@ -100,12 +119,12 @@ class Int4RTNMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.data
-        qw = quantize(w, 4, self.group_size, symmetric=False)
+        qw = quantize_rows(w, 4, self.group_size, symmetric=False, codes_dtype=torch.uint8)
         _drop_weight(layer)
         if w.device.type == "cpu":
             register_int4_for_cpu(layer, qw.q, qw.scale, qw.zero, w.dtype)
         else:
-            layer.register_buffer("qweight", qw.q.to(torch.uint8), persistent=False)
+            layer.register_buffer("qweight", qw.q, persistent=False)
             layer.register_buffer("scales", qw.scale.to(w.dtype), persistent=False)
             layer.register_buffer("zeros", qw.zero.to(torch.uint8), persistent=False)
 
