@@ -8,14 +8,27 @@ Two workloads: mixed prompt and output lengths, and the same with a shared syste
 caching stores it once). Waste = 1 - token slots holding a real token / slots allocated, over
 all steps. The PagedAttention paper reports 20-38% of KV memory used by real tokens before paging
 and about 96% with it.
+
+    python -m benchmarks.kv_memory --decode-speed [--model DIR] [--seqs 32] [--context 1024]
+
+What an 8-bit cache costs in decode time instead: bf16, int8 and fp8 caches on the native CPU
+backend (and layer loop), and int8/fp8 on the reference backend (the Python layers), side by side.
+Per configuration, one decode step's attention over the model's layers (its shape, random keys
+and values, blocks shuffled: the backend's forward, write included) and the engine's decode step
+(``seqs`` prompts of ``context`` tokens, then ``--engine-steps`` batched decodes, each timed);
+configurations interleaved for ``--rounds`` rounds (the machine may be shared), medians and each
+one's ratio to the bf16 native figure.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import statistics
+import time
 from dataclasses import dataclass
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Callable
 
 from dabba.config import DEMO_MODEL, parse_bytes
 
@@ -111,6 +124,114 @@ def chart(results: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+# (kv_cache_dtype, attention_backend): bf16 and 8-bit on the native kernels, 8-bit on the reference
+KV_SPEED_CONFIGS = (("auto", "cpu"), ("int8", "cpu"), ("fp8", "cpu"), ("int8", "torch_ref"), ("fp8", "torch_ref"))
+
+
+def decode_attention_layers(model: str, kv_cache_dtype: str, backend_name: str, seqs: int, context: int,
+                            layers: int | None = None, seed: int = 0) -> Callable[[], None]:
+    """One decode step's attention (write and attend) over ``layers`` of the model's layers (all by
+    default), bf16 queries, each layer its own cache of random keys and values written through the
+    backend, so that every layer reads cold memory as in a step."""
+    import numpy as np
+    import torch
+
+    from dabba.attention.backend import CommonAttentionMetadata
+    from dabba.attention.kv_quant import SCALE_DTYPE, make_kv_quant
+    from dabba.attention.selector import get_attention_backend
+    from dabba.models.config import ArchConfig
+
+    arch = ArchConfig.from_hf(model)
+    kv_quant = make_kv_quant(kv_cache_dtype, torch.bfloat16)
+    backend = get_attention_backend(backend_name, torch.device("cpu"), kv_quant)
+    heads, kv_heads, head_dim, bs = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, 16
+    blocks_per_seq = -(-context // bs)
+    num_blocks = seqs * blocks_per_seq
+    rng = np.random.default_rng(seed)
+    table = rng.permutation(num_blocks).reshape(seqs, blocks_per_seq).astype(np.int64)
+    pos = context - 1  # each sequence decodes its last position
+    everything = SimpleNamespace(slot_mapping=torch.arange(num_blocks * bs))  # write_kv reads only the slots
+    step = backend.build_metadata(CommonAttentionMetadata(
+        np.arange(seqs + 1, dtype=np.int64), np.full(seqs, context, dtype=np.int64), table,
+        torch.from_numpy(table[:, pos // bs] * bs + pos % bs), bs, torch.device("cpu")))
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(seqs, h, head_dim, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads))
+    caches = []
+    for _ in range(layers or arch.num_hidden_layers):
+        shape = backend.kv_cache_shape(num_blocks, bs, kv_heads, head_dim)
+        cache = torch.zeros(shape, dtype=torch.bfloat16) if kv_quant is None else (
+            torch.zeros(shape, dtype=kv_quant.storage_dtype), torch.zeros(shape[:-1], dtype=SCALE_DTYPE))
+        context_kv = torch.randn(2, num_blocks * bs, kv_heads, head_dim, generator=g).bfloat16()
+        backend.write_kv(*backend.split_cache(cache), context_kv[0], context_kv[1], everything)
+        caches.append(cache)
+    scale = head_dim ** -0.5
+    return lambda: [backend.forward(q, k, v, cache, step, scale) for cache in caches]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Seconds of fn(): wall clock, and CPU time of this process (all its threads), which a shared
+    machine's other load inflates less."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def engine_decode_steps(model: str, kv_cache_dtype: str, backend_name: str, seqs: int, context: int,
+                        steps: int, seed: int = 0) -> list[tuple[float, float]]:
+    """The engine's batched decode: ``seqs`` random prompts of ``context`` tokens prefilled, then
+    timed() of each of ``steps`` steps in which every sequence decodes one token."""
+    from dabba import LLM, SamplingParams
+
+    llm = LLM(model, kv_cache_dtype=kv_cache_dtype, attention_backend=backend_name, max_num_seqs=seqs,
+              max_model_len=context + steps + 8, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    rng = random.Random(seed)
+    for i in range(seqs):
+        prompt = [rng.randrange(3, engine.arch.vocab_size) for _ in range(context)]
+        engine.add_request(str(i), {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < seqs:  # prefill (chunked or not) until every request has its first token
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    return [timed(engine.step) for _ in range(steps)]
+
+
+def compare_decode_speed(model: str, seqs: int, context: int, rounds: int, repeats: int, engine_steps: int,
+                         attention_layers: int | None) -> dict[str, Any]:
+    """Medians over interleaved rounds (wall clock and process CPU time), and each configuration's
+    ratio to bf16 on the native backend."""
+    attention: dict[str, list[tuple[float, float]]] = {}
+    engine: dict[str, list[tuple[float, float]]] = {}
+    names = [f"{dtype if dtype != 'auto' else 'bf16'} {backend}" for dtype, backend in KV_SPEED_CONFIGS]
+    for _ in range(rounds):
+        for name, (dtype, backend) in zip(names, KV_SPEED_CONFIGS):
+            run = decode_attention_layers(model, dtype, backend, seqs, context, attention_layers)
+            run()  # warm: first calls allocate
+            attention.setdefault(name, []).extend(timed(run) for _ in range(repeats))
+            del run
+            if engine_steps:
+                engine.setdefault(name, []).extend(engine_decode_steps(model, dtype, backend, seqs, context,
+                                                                       engine_steps))
+
+    def table(times: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
+        out = {}
+        for name, t in times.items():
+            wall, cpu = (statistics.median(x[i] for x in t) for i in (0, 1))
+            base_wall, base_cpu = (statistics.median(x[i] for x in times[names[0]]) for i in (0, 1))
+            out[name] = {"wall_ms": round(1e3 * wall, 2), "cpu_ms": round(1e3 * cpu, 2),
+                         "wall_vs_bf16_native": round(wall / base_wall, 3), "cpu_vs_bf16_native": round(cpu / base_cpu, 3)}
+        return out
+
+    import torch
+
+    result: dict[str, Any] = {"model": model, "seqs": seqs, "context": context, "rounds": rounds,
+                              "threads": torch.get_num_threads(),
+                              "attention_step": {"layers": attention_layers or "all", **table(attention)}}
+    if engine_steps:
+        result["engine_decode_step"] = {"steps_per_round": engine_steps, **table(engine)}
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEMO_MODEL)
@@ -120,7 +241,26 @@ def main() -> None:
     p.add_argument("--shared-prefix", type=int, default=128, help="system-prompt tokens of the second workload")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chart", default="kv_memory.png", help="PNG path ('' for none)")
+    p.add_argument("--decode-speed", action="store_true",
+                   help="instead: decode time by KV-cache dtype and attention backend (see above)")
+    p.add_argument("--seqs", type=int, default=32, help="--decode-speed: sequences decoding together")
+    p.add_argument("--context", type=int, default=1024, help="--decode-speed: positions each attends")
+    p.add_argument("--rounds", type=int, default=3, help="--decode-speed: interleaved rounds")
+    p.add_argument("--repeats", type=int, default=5, help="--decode-speed: attention steps timed per round")
+    p.add_argument("--engine-steps", type=int, default=16, help="--decode-speed: engine decode steps per round "
+                   "(0: attention only)")
+    p.add_argument("--attention-layers", type=int, default=None, help="--decode-speed: layers (default: all)")
+    p.add_argument("--threads", type=int, default=None, help="--decode-speed: torch threads (default: torch's); "
+                   "on a loaded machine 1 keeps each parallel region from waiting on a descheduled thread")
     args = p.parse_args()
+    if args.decode_speed:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        print(json.dumps(compare_decode_speed(args.model, args.seqs, args.context, args.rounds, args.repeats,
+                                              args.engine_steps, args.attention_layers), indent=2))
+        return
 
     from pathlib import Path
 

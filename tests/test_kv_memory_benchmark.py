@@ -1,8 +1,12 @@
-"""benchmarks/kv_memory.py: the contiguous baseline's arithmetic, and paging beating it on a small trace."""
+"""benchmarks/kv_memory.py: the contiguous baseline's arithmetic, paging beating it on a small trace,
+and the decode-speed comparison by KV-cache dtype running every configuration (no timing asserted)."""
 from __future__ import annotations
 
-from benchmarks.kv_memory import Trace, make_trace, run_contiguous, run_paged, summarize
+import pytest
+
+from benchmarks.kv_memory import Trace, compare_decode_speed, make_trace, run_contiguous, run_paged, summarize
 from dabba.config import DEMO_MODEL
+from dabba.native import load_cpu_ops
 
 
 def test_contiguous_baseline_by_hand() -> None:
@@ -24,3 +28,15 @@ def test_paging_wastes_little_on_a_mixed_trace() -> None:
     p, c = summarize(paged["steps"]), summarize(contiguous["steps"])
     assert p["waste_pct"] < 10 < c["waste_pct"]
     assert p["max_running"] > contiguous["capacity"] == 1600 // 256
+
+
+@pytest.mark.skipif(not load_cpu_ops(), reason="native CPU kernels cannot be built here")
+def test_decode_speed_comparison_runs_every_configuration() -> None:
+    result = compare_decode_speed(DEMO_MODEL, seqs=2, context=40, rounds=1, repeats=1, engine_steps=2,
+                                  attention_layers=2)
+    names = {"bf16 cpu", "int8 cpu", "fp8 cpu", "int8 torch_ref", "fp8 torch_ref"}
+    for section in ("attention_step", "engine_decode_step"):
+        rows = {name: row for name, row in result[section].items() if isinstance(row, dict)}
+        assert set(rows) == names
+        assert all(row["wall_ms"] > 0 for row in rows.values())
+        assert rows["bf16 cpu"]["wall_vs_bf16_native"] == 1.0

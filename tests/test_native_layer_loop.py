@@ -1,7 +1,7 @@
 """The native layer loop (csrc/decode_cpu.cpp) against the Python layers it stands in for: the same
 kernels in the same order, so greedy tokens and their logprobs must be bit-identical, for dense
-bf16 and float32, load-time INT8 and INT4, q/k/v biases (Qwen2), partial rotary (Phi-3) and
-batches of one and many. The model runner chooses the path once (``native_layer_loop``): these
+bf16 and float32, load-time INT8 and INT4, q/k/v biases (Qwen2), partial rotary (Phi-3), 8-bit
+KV caches (int8, fp8) and batches of one and many. The model runner chooses the path once (``native_layer_loop``): these
 tests observe which layers ran (a forward hook on a decoder layer fires only in Python) and the
 reason it logs."""
 from __future__ import annotations
@@ -31,15 +31,20 @@ def count_python_layer_calls(llm: LLM) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("family, dtype, quantization", [
-    ("llama", "bfloat16", None), ("llama", "float32", None), ("llama", "bfloat16", "int8"),
-    ("llama", "bfloat16", "int4"), ("qwen2", "bfloat16", None), ("mistral", "bfloat16", "int4"),
-    ("phi3", "bfloat16", None), ("phi3", "float32", "int8"),  # 24 of 32 dims rotate, longrope tables
+@pytest.mark.parametrize("family, dtype, quantization, kv_cache_dtype", [
+    ("llama", "bfloat16", None, "auto"), ("llama", "float32", None, "auto"), ("llama", "bfloat16", "int8", "auto"),
+    ("llama", "bfloat16", "int4", "auto"), ("qwen2", "bfloat16", None, "auto"), ("mistral", "bfloat16", "int4", "auto"),
+    ("phi3", "bfloat16", None, "auto"), ("phi3", "float32", "int8", "auto"),  # 24 of 32 dims rotate, longrope
+    # 8-bit KV caches: GQA 2:1 and 4:1 with a 40-key window (mistral), float32 and bf16
+    ("llama", "bfloat16", None, "int8"), ("llama", "float32", None, "fp8"), ("mistral", "bfloat16", None, "fp8"),
+    ("qwen2", "float32", "int8", "int8"),
 ])
-def test_native_loop_is_bit_identical_to_the_python_layers(checkpoints, family, dtype, quantization) -> None:
+def test_native_loop_is_bit_identical_to_the_python_layers(checkpoints, family, dtype, quantization,
+                                                           kv_cache_dtype) -> None:
     ckpt = checkpoints[family]
     # no prefix caching: both engines must prefill every prompt in full
-    kwargs = dict(dtype=dtype, quantization=quantization, kv_cache_memory=2**22, enable_prefix_caching=False)
+    kwargs = dict(dtype=dtype, quantization=quantization, kv_cache_memory=2**22, enable_prefix_caching=False,
+                  kv_cache_dtype=kv_cache_dtype)
     native, python = (LLM(str(ckpt.path), native_layer_loop=setting, **kwargs) for setting in ("on", "off"))
     native_calls, python_calls = count_python_layer_calls(native), count_python_layer_calls(python)
     for batch in (1, 6, 13):  # 13: past both GEMVs, into the bf16 and INT8 GEMMs
@@ -63,7 +68,7 @@ def test_auto_takes_the_native_loop_where_it_applies_and_says_why(checkpoints, d
 
 @pytest.mark.parametrize("family, options, reason", [
     ("qwen3", {}, "Qwen3ForCausalLM's per-head q/k RMSNorm is not in the native loop"),
-    ("llama", {"kv_cache_dtype": "int8"},
+    ("llama", {"kv_cache_dtype": "int8", "attention_backend": "torch_ref"},
      "the TorchRefBackend attention backend (the loop reads the CPU backend's cache)"),
     ("llama", {"attention_backend": "torch_ref"},
      "the TorchRefBackend attention backend (the loop reads the CPU backend's cache)"),

@@ -32,16 +32,24 @@ class KVQuant:
         return torch.int8 if self.kind == "int8" else torch.uint8
 
     @property
+    def code_dtype(self) -> torch.dtype:
+        """What the codes are: the storage reinterpreted, as the CPU kernels take it (the dtype
+        tells them int8 from fp8)."""
+        return torch.int8 if self.kind == "int8" else torch.float8_e4m3fn
+
+    @property
     def q_max(self) -> float:
         return 127.0 if self.kind == "int8" else float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [..., head_dim] -> codes [..., head_dim] (storage dtype), scales [...] float32."""
+        """x [..., head_dim] -> codes [..., head_dim] (storage dtype), scales [...] float32. The CPU
+        backend's write_kv_cache (csrc/paged_attention_cpu.cpp, quantize_row) computes the same,
+        bit for bit (tests/attention/test_kv_quant.py)."""
         xf = x.float()
         scale = (xf.abs().amax(dim=-1) / self.q_max).clamp(min=1e-12)
         y = xf / scale[..., None]
         if self.kind == "int8":
-            return torch.round(y).clamp_(-127, 127).to(torch.int8), scale
+            return torch.round(y).clamp_(-self.q_max, self.q_max).to(torch.int8), scale
         return y.to(torch.float8_e4m3fn).view(torch.uint8), scale
 
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

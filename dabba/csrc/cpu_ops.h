@@ -28,16 +28,23 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x);
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 
-// paged_attention_cpu.cpp
+// paged_attention_cpu.cpp. An 8-bit KV cache: int8 or float8_e4m3fn codes in key_cache and
+// value_cache, and their float32 scales [num_kv_heads, num_blocks, block_size] (none for a
+// full-precision cache); write_kv_cache quantizes with KVQuant's q_max.
 void write_kv_cache(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& slot_mapping);
+                    const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& key_scales = c10::nullopt,
+                    const c10::optional<at::Tensor>& value_scales = c10::nullopt, double q_max = 0.0);
 // sliding_window <= 0: none; softcap <= 0: none (else scores -> softcap * tanh(scores / softcap))
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                            double scale, int64_t sliding_window, double softcap);
+                            double scale, int64_t sliding_window, double softcap,
+                            const c10::optional<at::Tensor>& key_scales = c10::nullopt,
+                            const c10::optional<at::Tensor>& value_scales = c10::nullopt);
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     double scale, int64_t sliding_window, double softcap);
+                     double scale, int64_t sliding_window, double softcap,
+                     const c10::optional<at::Tensor>& key_scales = c10::nullopt,
+                     const c10::optional<at::Tensor>& value_scales = c10::nullopt);
 
 // The bf16 linear kernels' common checks: out [M, N] bf16 with contiguous rows, and an optional
 // bias [bias_size] bf16. Returns the bias's bits, or null (gemm_cpu.cpp).

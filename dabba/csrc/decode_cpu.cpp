@@ -55,10 +55,11 @@ struct NativeLayer {
 
 class NativeDecoder : public torch::CustomClassHolder {
  public:
+  // kv_q_max: KVQuant.q_max for an 8-bit KV cache, 0 for a full-precision one.
   NativeDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                at::Tensor final_norm)
+                at::Tensor final_norm, double kv_q_max)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        final_norm_(std::move(final_norm)) {}
+        kv_q_max_(kv_q_max), final_norm_(std::move(final_norm)) {}
 
   // One decoder layer; its four linears (qkv, o, gate_up, down) as LinearKind values, weights,
   // scales (empty where unused), group sizes and biases (empty where none); its attention's
@@ -84,15 +85,19 @@ class NativeDecoder : public torch::CustomClassHolder {
 
   // x: the step's embedded tokens [num_tokens, hidden]; cos/sin [num_tokens, rotary_dim]; per layer
   // the CPU backend's cache [2, kv_heads, blocks, block_size, head_dim] (keys stored transposed
-  // per block). Per KV-cache group (dabba/core/kv_cache_groups.py) its block table and slot
-  // mapping; layer_groups: each layer's group (empty: one group). query_start_loc: each
-  // request's tokens, as the CPU backend's paged_attention takes them; none when every request
-  // decodes one token. Returns the final norm's output.
+  // per block): values, or 8-bit codes (int8 or float8_e4m3fn) whose scales [2, kv_heads, blocks,
+  // block_size] are kv_scales' (empty for a full-precision cache). Per KV-cache group
+  // (dabba/core/kv_cache_groups.py) its block table and slot mapping; layer_groups: each layer's
+  // group (empty: one group). query_start_loc: each request's tokens, as the CPU backend's
+  // paged_attention takes them; none when every request decodes one token. Returns the final
+  // norm's output.
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> kv_caches,
-                     std::vector<at::Tensor> block_tables, std::vector<at::Tensor> slot_mappings,
-                     std::vector<int64_t> layer_groups, const at::Tensor& seq_lens,
+                     std::vector<at::Tensor> kv_scales, std::vector<at::Tensor> block_tables,
+                     std::vector<at::Tensor> slot_mappings, std::vector<int64_t> layer_groups, const at::Tensor& seq_lens,
                      const c10::optional<at::Tensor>& query_start_loc) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
+    TORCH_CHECK(kv_scales.empty() == (kv_q_max_ == 0.0) && (kv_scales.empty() || kv_scales.size() == layers_.size()),
+                "an 8-bit KV cache (kv_q_max > 0) has scales per layer, a full-precision one none");
     TORCH_CHECK(block_tables.size() == slot_mappings.size() && !block_tables.empty(),
                 "one block table and slot mapping per KV-cache group");
     TORCH_CHECK(layer_groups.empty() || layer_groups.size() == layers_.size(), "one group per layer");
@@ -121,14 +126,19 @@ class NativeDecoder : public torch::CustomClassHolder {
       const at::Tensor value_cache = cache[1];
       const at::Tensor key_cache = cache[0].view({value_cache.size(0), value_cache.size(1), value_cache.size(3),
                                                  value_cache.size(2)});
-      write_kv_cache(key_cache, value_cache, k, v, slot_mappings[group]);
+      c10::optional<at::Tensor> key_scales, value_scales;
+      if (!kv_scales.empty()) {
+        key_scales = kv_scales[i][0];
+        value_scales = kv_scales[i][1];
+      }
+      write_kv_cache(key_cache, value_cache, k, v, slot_mappings[group], key_scales, value_scales, kv_q_max_);
       const at::Tensor attn = at::empty({n, num_heads_, head_dim_}, x.options());
       if (query_start_loc.has_value())
         paged_attention(attn, q.contiguous(), key_cache, value_cache, block_table, *query_start_loc, seq_lens, scale_,
-                        layer.sliding_window, /*softcap=*/0.0);
+                        layer.sliding_window, /*softcap=*/0.0, key_scales, value_scales);
       else
         paged_decode_attention(attn, q.contiguous(), key_cache, value_cache, block_table, seq_lens, scale_,
-                               layer.sliding_window, /*softcap=*/0.0);
+                               layer.sliding_window, /*softcap=*/0.0, key_scales, value_scales);
       x = layer.o(attn.view({n, q_size}));
       fused_add_rms_norm(x, residual, layer.post_norm, eps_);
       x = layer.down(layer.gate_up.silu_and_mul(x));
@@ -139,7 +149,7 @@ class NativeDecoder : public torch::CustomClassHolder {
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  double eps_, scale_;
+  double eps_, scale_, kv_q_max_;
   at::Tensor final_norm_;
   std::vector<NativeLayer> layers_;
 };
@@ -148,7 +158,7 @@ class NativeDecoder : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.class_<dabba::NativeDecoder>("NativeDecoder")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, double>())
       .def("add_layer", &dabba::NativeDecoder::add_layer)
       .def("forward", &dabba::NativeDecoder::forward);
 }

@@ -17,6 +17,7 @@ import torch
 
 from dabba import native
 from dabba.attention.cpu import CpuMetadata
+from dabba.attention.kv_quant import KVQuant
 from dabba.models.config import ArchConfig
 
 
@@ -47,16 +48,19 @@ def _linears(layer: Any) -> list[Any]:
 
 class NativeLayerLoop:
     """torch.classes.dabba_cpu.NativeDecoder over a loaded model's weights (sharing their storage),
-    called with the CPU backend's metadata and caches. Build it only where
+    called with the CPU backend's metadata and caches: full precision, or 8-bit with ``kv_quant``
+    (per layer a pair (codes, scales), as CpuBackend's). Build it only where
     ``missing_native_form`` is None."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, kv_quant: KVQuant | None = None) -> None:
         self.model = model.model  # the LlamaModel: its embedding and rotary tables stay in Python
+        self.kv_quant = kv_quant
         first = self.model.layers[0].self_attn
         kinds = native.kernel_constants().linear_kinds
         self.decoder = torch.classes.dabba_cpu.NativeDecoder(first.num_heads, first.num_kv_heads, first.head_dim,
                                                              self.model.norm.eps, first.attn.scale,
-                                                             self.model.norm.weight)
+                                                             self.model.norm.weight,
+                                                             0.0 if kv_quant is None else kv_quant.q_max)
         empty = torch.empty(0)
         for layer in self.model.layers:
             linears = _linears(layer)
@@ -69,11 +73,20 @@ class NativeLayerLoop:
                                    layer.self_attn.attn.sliding_window or 0)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list[CpuMetadata],
-                 kv_caches: list[torch.Tensor], layer_groups: list[int] | None = None) -> torch.Tensor:
+                 kv_caches: list[Any], layer_groups: list[int] | None = None) -> torch.Tensor:
         """The final norm's output [num_tokens, hidden], as LlamaModel.forward returns it.
         ``metadata``: one per KV-cache group; ``layer_groups``: each layer's (None: one group)."""
         x, (cos, sin) = self.model.embed(input_ids, positions)
         first = metadata[0]
-        return self.decoder.forward(x, cos, sin, kv_caches, [m.block_table for m in metadata],
+        caches, scales = self._cache_operands(kv_caches)
+        return self.decoder.forward(x, cos, sin, caches, scales, [m.block_table for m in metadata],
                                     [m.slot_mapping for m in metadata], layer_groups or [], first.seq_lens,
                                     None if first.decode_only else first.query_start_loc)
+
+    def _cache_operands(self, kv_caches: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer the cache tensor, and per layer the scales (none for full precision): 8-bit
+        codes viewed in their own dtype, which tells the kernels int8 from fp8."""
+        if self.kv_quant is None:
+            return kv_caches, []
+        code_dtype = self.kv_quant.code_dtype
+        return [codes.view(code_dtype) for codes, _ in kv_caches], [scales for _, scales in kv_caches]

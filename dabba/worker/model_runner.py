@@ -88,7 +88,8 @@ class ModelRunner:
         else:
             why = missing_native_form(self.model, self.arch)
         if why is None:
-            return NativeLayerLoop(self.model), f"native_layer_loop={setting!r}, and every layer has a native form"
+            loop = NativeLayerLoop(self.model, self.kv_quant)  # the loop writes and reads 8-bit caches too
+            return loop, f"native_layer_loop={setting!r}, and every layer has a native form"
         if setting == "on":
             raise ValueError(f"native_layer_loop='on', but {why}; use 'auto' or 'off'")
         return None, why
