@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,27 +37,6 @@ inline void mask_row(float* logits, const int32_t* words, int64_t vocab) {
     if (!((static_cast<uint32_t>(words[t / 32]) >> (t % 32)) & 1u)) logits[t] = kForbidden;
 }
 
-constexpr int64_t kLanes = 16;
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef uint16_t vbits16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t vbits32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline vfloat load_lanes(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vfloat load_lanes(const at::BFloat16* p) {  // bf16 -> float32 is a 16-bit shift
-  vbits16 bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  const vbits32 wide = __builtin_convertvector(bits, vbits32) << 16;
-  vfloat v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
-
 // Each lane keeps its first maximum (strict >) and where it was; the lanes' best is the largest
 // value at the smallest index. NaNs never win a comparison: a row that has one is scanned again.
 template <typename scalar_t>
@@ -65,13 +46,13 @@ int64_t argmax_row(const scalar_t* x, int64_t vocab) {
   float best = -std::numeric_limits<float>::infinity();
   bool nan = false;
   if (full > 0) {
-    vfloat top = load_lanes(x);
+    vfloat top = load16_as_float(x);
     vint where = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     vint index = where;
     vint unordered = top != top;
     for (int64_t i = kLanes; i < full; i += kLanes) {
       index += kLanes;
-      const vfloat v = load_lanes(x + i);
+      const vfloat v = load16_as_float(x + i);
       const vint better = v > top;
       top = better ? v : top;
       where = better ? index : where;

@@ -9,25 +9,9 @@ from dabba import LLM, SamplingParams
 from dabba.engine.async_engine import AsyncLLMEngine, EngineDeadError
 
 
-def test_engine_loop_runs_on_the_calling_thread(checkpoints) -> None:
-    engine = LLM(str(checkpoints["llama"].path), dtype="float32", kv_cache_memory=2**22).llm_engine
-    stepped_on = set()
-    step = engine.step_with_stats
-
-    def recording_step():
-        stepped_on.add(threading.get_ident())
-        return step()
-
-    engine.step_with_stats = recording_step
-    async_engine = AsyncLLMEngine(engine, "m", start_thread=False)
-    result = {}
-
-    async def client() -> None:
-        stream = await async_engine.add_request("r", {"prompt_token_ids": [5, 6, 7]},
-                                                SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-        async for out in stream:
-            result["tokens"] = out.outputs[0].token_ids
-
+def serve_here(async_engine: AsyncLLMEngine, client) -> None:
+    """Run ``client()`` on an event loop in another thread (the HTTP side) while this thread runs
+    the engine loop, until the client is done and shut the loop down."""
     def http_side() -> None:
         try:
             asyncio.run(client())
@@ -38,8 +22,35 @@ def test_engine_loop_runs_on_the_calling_thread(checkpoints) -> None:
     other.start()
     async_engine.run_loop()  # returns once shutdown() ran
     other.join(timeout=30)
+
+
+def threads_calling(obj: object, name: str) -> list[int]:
+    """Wrap ``obj.name`` so that each call appends its thread's id to the list returned."""
+    calls, method = [], getattr(obj, name)
+
+    def recording(*args, **kwargs):
+        calls.append(threading.get_ident())
+        return method(*args, **kwargs)
+
+    setattr(obj, name, recording)
+    return calls
+
+
+def test_engine_loop_runs_on_the_calling_thread(checkpoints) -> None:
+    engine = LLM(str(checkpoints["llama"].path), dtype="float32", kv_cache_memory=2**22).llm_engine
+    stepped_on = threads_calling(engine, "step_with_stats")
+    async_engine = AsyncLLMEngine(engine, "m", start_thread=False)
+    result = {}
+
+    async def client() -> None:
+        stream = await async_engine.add_request("r", {"prompt_token_ids": [5, 6, 7]},
+                                                SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        async for out in stream:
+            result["tokens"] = out.outputs[0].token_ids
+
+    serve_here(async_engine, client)
     assert len(result["tokens"]) == 5
-    assert stepped_on == {threading.get_ident()}
+    assert set(stepped_on) == {threading.get_ident()}
     assert not async_engine.is_running
 
 
@@ -48,14 +59,7 @@ def test_stats_are_taken_by_the_engine_thread_when_asked(checkpoints) -> None:
     scheduler), and no step pays for it unasked; once the loop stopped, asking still answers and a
     new request is refused rather than left waiting."""
     engine = LLM(str(checkpoints["llama"].path), dtype="float32", kv_cache_memory=2**22).llm_engine
-    asked_on = []
-    get_stats = engine.get_stats
-
-    def recording_get_stats():
-        asked_on.append(threading.get_ident())
-        return get_stats()
-
-    engine.get_stats = recording_get_stats
+    asked_on = threads_calling(engine, "get_stats")
     async_engine = AsyncLLMEngine(engine, "m", start_thread=False)
     result = {}
 
@@ -68,16 +72,7 @@ def test_stats_are_taken_by_the_engine_thread_when_asked(checkpoints) -> None:
         result["steps_asked"] = len(asked_on)
         result["after"] = (await async_engine.get_stats()).num_running_reqs
 
-    def http_side() -> None:
-        try:
-            asyncio.run(client())
-        finally:
-            async_engine.shutdown()
-
-    other = threading.Thread(target=http_side)
-    other.start()
-    async_engine.run_loop()
-    other.join(timeout=30)
+    serve_here(async_engine, client)
     assert result == {"running": 1, "steps_asked": 1, "after": 0}
     assert asked_on == [threading.get_ident()] * 2
 
