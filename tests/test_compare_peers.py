@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from benchmarks import compare_peers
+from benchmarks.peers import report as report_module
 from benchmarks.compare_peers import (BANDWIDTH_TARGET, TARGETS, WORKLOADS, ModelRun, Target, kv_tokens,
                                       max_model_len, model_runs, parse_args)
 from benchmarks.peers.pss import MIB, PssSampler, process_tree
@@ -186,7 +187,7 @@ def test_markdown_has_a_table_per_shape_with_the_cpu_and_targets() -> None:
                   report([])["models"][0]["medians"]),
               Target("W2", ("dabba", "bf16"), ("llama.cpp", "bf16"), "peak_pss_mib", 1.2, "<=").check(
                   report([])["models"][0]["medians"])]
-    text = compare_peers.to_markdown(report(checks))
+    text = report_module.to_markdown(report(checks))
     assert text.startswith("CPU: Test CPU, 2 cores. Date: 2025-01-01 00:00 UTC.")
     assert "14.9 GB/s best" in text and "lower bounds" in text
     assert "#### smollm2-135m" in text and "LlamaForCausalLM, hidden 576." in text

@@ -1,0 +1,23 @@
+"""The workloads compare_peers runs on every engine: shapes and the figure each is compared by."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dabba.benchmark.offline import OfflineWorkload
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    kind: str  # "throughput" | "latency"
+    shape: OfflineWorkload
+    metric: str  # the figure the speed ratios compare
+
+
+WORKLOADS = {
+    "W1": Workload("W1", "throughput", OfflineWorkload(64, 256, 128), "total_tok_s"),
+    "B32": Workload("B32", "throughput", OfflineWorkload(32, 256, 64), "total_tok_s"),
+    "W2": Workload("W2", "latency", OfflineWorkload(1, 128, 256), "decode_tok_s"),
+    "W3": Workload("W3", "throughput", OfflineWorkload(32, 32, 64, prefix_len=512), "total_tok_s"),
+    "L4": Workload("L4", "throughput", OfflineWorkload(4, 2048, 64), "total_tok_s"),
+}
+BATCH_WORKLOADS = ("W1", "B32")
