@@ -132,3 +132,26 @@ class EngineConfig:
         for name, value in kwargs.items():
             grouped[known[name]][name] = value
         return cls(**{part: klass(**grouped[part]) for part, klass in parts.items()})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What one request to `dabba serve` may ask for, and how the server stops. Not part of
+    EngineConfig: the engine serves the Python API too, where these bounds do not apply."""
+
+    max_n: int = _help("Most samples (n) one request may ask for.", 128)
+    max_stop_sequences: int = _help("Most stop strings in one request.", 16)
+    max_stop_length: int = _help("Longest stop string, in characters.", 256)
+    max_request_body_bytes: int = _help(
+        "Largest request body; a larger one is refused (413) before it is read in full. Accepts sizes such as 4MiB.",
+        4 * 2**20, parse=parse_bytes)
+    shutdown_timeout: float = _help(
+        "Seconds that SIGTERM or SIGINT gives the requests in flight to finish; streams still running then end "
+        "with an error event and [DONE], and the exit status is 3.", 30.0)
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_stop_sequences", "max_stop_length", "max_request_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.shutdown_timeout < float("inf"):
+            raise ValueError(f"shutdown_timeout must be a number of seconds >= 0, got {self.shutdown_timeout}")

@@ -12,17 +12,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from dabba.attention.kv_quant import KV_CACHE_DTYPES, kv_bytes_per_token
 from dabba.config import SchedulerConfig
 from dabba.core.kv_cache_groups import group_layers, group_size
 from dabba.engine.llm_engine import resolve_dtype, resolve_max_model_len
-from dabba.layers.embedding import LMHead
-from dabba.layers.linear import Linear
 from dabba.models.config import ArchConfig
 from dabba.models.hub import CONFIG_FILES, resolve_model_dir
-from dabba.models.registry import get_model_class
+from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QuantConfig
 
 WEIGHT_QUANTIZATIONS = (None, "int8", "int4")
@@ -80,34 +76,6 @@ class MemoryPlan:
                          f"{r.kv_cache_memory / mib:>9.1f} {r.kv_bytes_per_token:>11} {r.kv_bytes_per_block:>11} "
                          f"{r.num_blocks:>8} {r.max_sequences:>10}")
         return "\n".join(lines)
-
-
-def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None,
-                  device_type: str = "cpu") -> int:
-    """The model built on the meta device (no memory, no loading): every parameter at ``dtype``
-    except each linear's weight, counted as its method packs it."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = get_model_class(arch.architecture)(arch, 16, quant_config)
-    finally:
-        torch.set_default_dtype(previous)
-    total, seen = 0, set()  # a tied LM head shares the embedding's tensor
-    for module in model.modules():
-        if isinstance(module, Linear):
-            total += module.quant_method.packed_bytes(module, dtype, device_type)
-            if module.bias is not None:
-                total += module.bias.numel() * dtype.itemsize
-            continue
-        if isinstance(module, LMHead) and module.quant_method is not None:  # its own packed copy
-            total += module.quant_method.packed_bytes(module, dtype, device_type)
-            continue
-        for param in module.parameters(recurse=False):
-            if id(param) not in seen:
-                seen.add(id(param))
-                total += param.numel() * dtype.itemsize
-    return total
 
 
 def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_len: int | None = None,

@@ -3,6 +3,7 @@ use, with the same meanings)."""
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from dabba.structured_output.params import StructuredOutputsParams
@@ -26,7 +27,14 @@ def _is_int(x: object) -> bool:
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float: NaN and infinities pass no range check meaningfully."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+MAX_TEMPERATURE = 100.0  # past this every distribution is flat to float32's precision
+MAX_REPETITION_PENALTY = 10.0
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary (a top_k past the vocabulary keeps every token)
+SEED_RANGE = (-(2**63), 2**64)  # what a 64-bit generator seed can hold, signed or not
 
 
 @dataclass
@@ -68,22 +76,24 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
-        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
-               "-1 (disabled) or an integer >= 1", self.top_k)
+        _check(_is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               f"a number in [0, {MAX_TEMPERATURE:g}]", self.temperature)
+        _check(_is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K), "top_k",
+               f"-1 (disabled) or an integer in [1, {MAX_TOP_K}]", self.top_k)
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               "a number > 0", self.repetition_penalty)
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               "repetition_penalty", f"in (0, {MAX_REPETITION_PENALTY:g}]", self.repetition_penalty)
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias", "a dict of token id -> bias", self.logit_bias)
             for token_id, bias in self.logit_bias.items():
                 _check(_is_int(token_id) and token_id >= 0, "logit_bias", "keyed by token ids >= 0", token_id)
                 _check(_is_number(bias) and -100 <= bias <= 100, "logit_bias", "biases in [-100, 100]", bias)
-        _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
+        _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1] - self.n),
+               "seed", "None or an integer in [-2**63, 2**64 - n)", self.seed)
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
                "an integer >= 1 or None", self.max_tokens)
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)

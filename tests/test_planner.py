@@ -36,13 +36,14 @@ def test_smollm_shape_by_hand(tmp_path) -> None:
     # INT8: one byte per linear weight plus a bf16 scale per output row
     linear_outs = 576 + 192 + 192 + 576 + 2 * 1536 + 576
     linear_weights = per_layer - 2 * 576
-    # both also keep an INT8 copy of the tied LM head (a byte per weight, a bf16 scale per vocab row)
+    # both quantize the tied LM head to INT8 (a byte per weight, a bf16 scale per vocab row), and the
+    # embedding reads its rows there: no bf16 vocabulary table
     lm_head = 49152 * 576 + 2 * 49152
-    assert rows["int8", "auto"].weights_bytes == 2 * (49152 * 576 + 30 * 2 * 576 + 576) + 30 * (
+    assert rows["int8", "auto"].weights_bytes == 2 * (30 * 2 * 576 + 576) + 30 * (
         linear_weights + 2 * linear_outs) + lm_head
     # INT4: half a byte per weight, a bf16 (scale, zero) per group of 64 (576 is not a multiple of 128), 128 for down
     groups = (576 // 64) * (576 + 192 + 192 + 576 + 2 * 1536) + (1536 // 128) * 576
-    assert rows["int4", "auto"].weights_bytes == 2 * (49152 * 576 + 30 * 2 * 576 + 576) + 30 * (
+    assert rows["int4", "auto"].weights_bytes == 2 * (30 * 2 * 576 + 576) + 30 * (
         linear_weights // 2 + groups * 2 * 2) + lm_head
 
 

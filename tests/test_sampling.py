@@ -210,10 +210,13 @@ def test_seeded_sampling_with_filters_and_penalties_ignores_the_batch(checkpoint
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.1), r"temperature must be a number >= 0"),
+    (dict(temperature=-0.1), r"temperature must be a number in \[0, 100\]"),
+    (dict(temperature=float("inf")), r"temperature must be a number in \[0, 100\]"),
+    (dict(temperature=float("nan")), r"temperature must be a number in \[0, 100\]"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=0), r"top_k must be -1 \(disabled\) or an integer >= 1"),
+    (dict(top_k=0), r"top_k must be -1 \(disabled\) or an integer in \[1, 2147483647\]"),
+    (dict(top_k=2**31), r"top_k must be -1 \(disabled\) or an integer in \[1, 2147483647\]"),
     (dict(top_k=-2), r"top_k must be -1"),
     (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
     (dict(n=0), r"n must be an integer >= 1"),
@@ -221,13 +224,17 @@ def test_seeded_sampling_with_filters_and_penalties_ignores_the_batch(checkpoint
     (dict(min_tokens=5, max_tokens=3), r"min_tokens must be <= max_tokens \(3\)"),
     (dict(presence_penalty=3), r"presence_penalty must be in \[-2, 2\]"),
     (dict(frequency_penalty=-2.5), r"frequency_penalty must be in \[-2, 2\]"),
-    (dict(repetition_penalty=0), r"repetition_penalty must be a number > 0"),
+    (dict(repetition_penalty=0), r"repetition_penalty must be in \(0, 10\]"),
+    (dict(repetition_penalty=float("inf")), r"repetition_penalty must be in \(0, 10\]"),
+    (dict(presence_penalty=float("nan")), r"presence_penalty must be in \[-2, 2\]"),
     (dict(logit_bias={5: 200}), r"logit_bias must be biases in \[-100, 100\]"),
     (dict(logit_bias={-1: 1.0}), r"logit_bias must be keyed by token ids >= 0"),
     (dict(stop=[""]), r"stop must be non-empty strings"),
     (dict(logprobs=21), r"logprobs must be None or an integer in \[0, 20\]"),
     (dict(prompt_logprobs=-1), r"prompt_logprobs must be None or an integer in \[0, 20\]"),
-    (dict(seed=1.5), r"seed must be an integer or None"),
+    (dict(seed=1.5), r"seed must be None or an integer in \[-2\*\*63, 2\*\*64 - n\)"),
+    (dict(seed=2**64), r"seed must be None or an integer"),
+    (dict(seed=-(2**63) - 1), r"seed must be None or an integer"),
     (dict(output_kind=1), r"output_kind must be a RequestOutputKind, got 1"),
 ])
 def test_invalid_values_name_the_field_and_range(kwargs, message) -> None:

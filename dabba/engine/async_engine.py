@@ -27,6 +27,9 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+ENGINE_FAILED = "the engine failed (the server's log says why); the server is stopping"
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -80,6 +83,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._stopped = threading.Event()
+        self._draining = False
+        self._idle = threading.Event()  # set by the engine thread whenever no request is in flight
         self.error: BaseException | None = None
         if start_thread:
             threading.Thread(target=self.run_loop, name="dabba-engine", daemon=True).start()
@@ -89,7 +94,9 @@ class AsyncLLMEngine:
                           priority: int = 0) -> RequestStream:
         """Queue a request; returns once the engine accepted it, or raises its ValueError."""
         if self.error is not None:
-            raise EngineDeadError(f"the engine loop failed: {self.error!r}")
+            raise EngineDeadError(ENGINE_FAILED)
+        if self._draining:
+            raise EngineDeadError("the server is shutting down")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted: asyncio.Future = loop.create_future()
@@ -117,11 +124,32 @@ class AsyncLLMEngine:
         if self._stopped.is_set():  # the loop may have drained its queue before this one came
             self._answer_late_commands()
 
+    def drain(self, timeout: float) -> bool:
+        """Refuse new requests and wait up to ``timeout`` seconds for those in flight to finish;
+        True if they all did. Those still running then end with EngineDeadError (a stream's error
+        event), so no client sees a truncated response. Any thread but the engine thread."""
+        self._draining = True
+        if self._stopped.is_set():
+            return self.error is None
+        self._idle.clear()
+        if self._stopped.is_set():  # stopped in between: its last act was to set _idle
+            self._idle.set()
+        self._commands.put(("wake",))  # the engine thread answers: idle now, or when the last finishes
+        finished = self._idle.wait(timeout)
+        clean = finished and self.error is None
+        if not finished:
+            self._commands.put(("abort_all", "the server is shutting down: the request did not finish in time"))
+        return clean
+
     def shutdown(self) -> None:
         """Abort what is in flight and stop the loop."""
         self._stop.set()
         self._commands.put(("wake",))
         self._stopped.wait(timeout=30)
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
 
     @property
     def is_running(self) -> bool:
@@ -134,6 +162,7 @@ class AsyncLLMEngine:
             self._run()
         finally:
             self._stopped.set()
+            self._idle.set()  # nothing runs any more (a failed loop has failed its streams)
             self._answer_late_commands()
 
     def _run(self) -> None:
@@ -144,16 +173,21 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     outputs, stats = self.engine.step_with_stats()
                     self._publish(outputs, stats)
+                if not self._streams:
+                    self._idle.set()
         except BaseException as e:  # the loop is dead: fail every stream rather than hang them
             logger.exception("engine loop failed")
             self.error = e
-            for stream in self._streams.values():
-                stream.put(EngineDeadError(f"the engine loop failed: {e!r}"))
+            for stream in self._streams.values():  # the cause stays in the log, not in responses
+                stream.put(EngineDeadError(ENGINE_FAILED))
             self._streams.clear()
             return
+        self._abort_all("the server is shutting down")
+
+    def _abort_all(self, reason: str) -> None:
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
-            stream.put(EngineDeadError("the server is shutting down"))
+            stream.put(EngineDeadError(reason))
         self._streams.clear()
 
     def _apply_commands(self, block: bool) -> None:
@@ -178,6 +212,8 @@ class AsyncLLMEngine:
             elif command[0] == "stats":
                 _, loop, done = command
                 loop.call_soon_threadsafe(_set_result, done, self.engine.get_stats())
+            elif command[0] == "abort_all":
+                self._abort_all(command[1])
 
     def _answer_late_commands(self) -> None:
         """Commands queued as the loop stopped would otherwise wait forever: requests are refused,

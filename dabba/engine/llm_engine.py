@@ -6,7 +6,6 @@ step() = Scheduler.schedule -> ModelRunner.execute_model -> Scheduler.update_fro
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from dabba.core.scheduler import Scheduler, SchedulerStats
 from dabba.engine.output_processor import IterationStats, OutputProcessor
 from dabba.engine.tokenizer import Tokenizer
 from dabba.models.config import ArchConfig
+from dabba.models.files import read_json_object
 from dabba.models.hub import TOKENIZER_FILES, resolve_model_dir
 from dabba.outputs import RequestOutput
 from dabba.quantization.config import QuantConfig
@@ -61,7 +61,7 @@ def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
 
 def load_generation_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "generation_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json_object(path) if path.is_file() else {}
 
 
 class LLMEngine:
@@ -122,8 +122,8 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._parse_prompt(prompt)
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be an integer in [-2**63, 2**63), got {priority!r}")
         params.check_vocab(self.arch.vocab_size)
         if params.structured_outputs is not None:  # validated now, compiled in the background
             self.structured_output.submit(params.structured_outputs)

@@ -11,6 +11,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from dabba.models.files import read_json_object
+
 
 def _token_content(value: Any) -> str | None:
     """tokenizer_config stores special tokens as a string or as a serialised AddedToken."""
@@ -29,9 +31,12 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{model_dir} has no tokenizer.json (only fast tokenizers are supported)")
-        self._tok = HFTokenizer.from_file(str(path))
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own Exception for a malformed file
+            raise ValueError(f"{path} is not a tokenizer the tokenizers library can read ({e})") from None
         config_path = model_dir / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.config: dict[str, Any] = read_json_object(config_path) if config_path.is_file() else {}
         self.bos_token = _token_content(self.config.get("bos_token"))
         self.eos_token = _token_content(self.config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None

@@ -6,17 +6,21 @@ import argparse
 import dataclasses
 import json
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
-from dabba.config import DEMO_MODEL, EngineConfig, parse_bytes
+from dabba.config import DEMO_MODEL, EngineConfig, ServerConfig, parse_bytes
+from dabba.logger import init_logger
+
+SERVER_PARTS = {"server_config": ServerConfig}
 
 _SCALARS = {"int": int, "float": float, "str": str}
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One --flag per config field (except ``model``, which is positional)."""
-    for part, klass in EngineConfig.PARTS.items():
+def add_config_args(parser: argparse.ArgumentParser, parts: dict[str, type]) -> None:
+    """One --flag per field of each config dataclass (except ``model``, which is positional)."""
+    for part, klass in parts.items():
         group = parser.add_argument_group(part.replace("_", " "))
         for f in dataclasses.fields(klass):
             if f.name == "model":
@@ -32,10 +36,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, dest=f.name, type=parse, default=None, help=f"{help_text} (default: {f.default})")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser, EngineConfig.PARTS)
+
+
+def config_kwargs(args: argparse.Namespace, parts: dict[str, type]) -> dict[str, Any]:
     """Only the flags the user gave: unset ones keep the dataclass defaults."""
-    names = {f.name for klass in EngineConfig.PARTS.values() for f in dataclasses.fields(klass)} - {"model"}
+    names = {f.name for klass in parts.values() for f in dataclasses.fields(klass)} - {"model"}
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return config_kwargs(args, EngineConfig.PARTS)
 
 
 def _text_or_file(value: str) -> str:
@@ -90,11 +102,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    server_config = ServerConfig(**config_kwargs(args, SERVER_PARTS))  # a bad bound fails before the model loads
     engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
     name = args.served_model_name or ("demo" if args.model == DEMO_MODEL else args.model)
-    serve(engine, name, args.host, args.port, args.api_key,
-          args.tool_call_parser if args.enable_auto_tool_choice else None)
-    return 0
+    return serve(engine, name, args.host, args.port, args.api_key,
+                 args.tool_call_parser if args.enable_auto_tool_choice else None, server_config)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -221,9 +233,20 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _common_flags() -> argparse.ArgumentParser:
+    """Flags of every command (given after its name, as its own flags are)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                        help="dabba's and the server's logging; debug also prints an error's traceback (default: info)")
+    return common
+
+
 def _model_command(sub, name: str, help_text: str, func) -> argparse.ArgumentParser:
     """A subcommand that runs a model: MODEL (default: the demo model) plus every engine flag."""
-    cmd = sub.add_parser(name, help=help_text)
+    cmd = sub.add_parser(name, help=help_text, parents=[_common_flags()])
     cmd.add_argument("model", nargs="?", default=DEMO_MODEL,
                      help="a Hugging Face checkpoint directory or Hub repo id (default: the bundled demo model)")
     cmd.set_defaults(func=func)
@@ -271,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--stride", type=int, default=128, help="tokens between window starts (default: 128)")
     for cmd in (gen, srv, chat, ppl):
         add_engine_args(cmd)
+    add_config_args(srv, SERVER_PARTS)
     kld = _model_command(ev, "kl-divergence", "KL divergence of MODEL's next-token distributions from a reference "
                          "model's (e.g. quantized vs full precision) on a text file; prints JSON",
                          cmd_eval_kl_divergence)
@@ -316,12 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_args(cmd)
     from dabba.benchmark.serve import add_serve_args
 
-    bs = bench.add_parser("serve", help="online: Poisson arrivals against any OpenAI-compatible server (dabba's "
+    bs = bench.add_parser("serve", parents=[_common_flags()], help="online: Poisson arrivals against any OpenAI-compatible server (dabba's "
                           "or vllm serve); TTFT, TPOT, ITL, end-to-end latency, goodput")
     add_serve_args(bs)
     bs.set_defaults(func=cmd_bench_serve)
 
-    qz = sub.add_parser("quantize", help="quantize a checkpoint: GPTQ or round-to-nearest (saved in "
+    qz = sub.add_parser("quantize", parents=[_common_flags()], help="quantize a checkpoint: GPTQ or round-to-nearest (saved in "
                         "GPTQ's layout), AWQ (saved in AutoAWQ's gemm layout)")
     qz.add_argument("model", help="a Hugging Face checkpoint directory or Hub repo id")
     qz.add_argument("out", help="directory to write the quantized checkpoint to")
@@ -340,10 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Bad arguments, a broken or unfitting model: one line on stderr and exit status 2 (the
+    traceback too with --log-level debug)."""
     args = build_parser().parse_args(argv)
+    init_logger().setLevel(args.log_level.upper())
     try:
         return args.func(args)
     except ValueError as e:
+        if args.log_level == "debug":
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
 

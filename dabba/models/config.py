@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dabba.models.files import read_json_object
+
 SUPPORTED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
                            "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -38,6 +40,10 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+
+
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,18 @@ class ArchConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"{model_dir} has no config.json: is it a Hugging Face model directory?")
-        return cls.from_dict(json.loads(path.read_text()))
+        cfg = read_json_object(path)
+        try:
+            arch = cls.from_dict(cfg)
+        except KeyError as e:
+            raise ValueError(f"{path} has no {e.args[0]!r}, which {cfg.get('architectures') or 'the model'} needs") from None
+        except (TypeError, AttributeError) as e:  # a field of the wrong kind: a string where a number goes
+            raise ValueError(f"{path} has a field of the wrong type ({e})") from None
+        for name in SIZE_FIELDS:  # what would otherwise fail deep in the model's construction
+            value = getattr(arch, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{path} has a field of the wrong type: {name} must be a positive integer, not {value!r}")
+        return arch
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":

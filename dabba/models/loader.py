@@ -6,19 +6,21 @@ so dabba refuses it rather than unpickling it.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import json
 import logging
 import sys
 from pathlib import Path
-from typing import Generator, Hashable, Iterator
+from typing import Any, Generator, Hashable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from dabba.layers.embedding import LMHead
 from dabba.layers.rotary import describe_longrope
 from dabba.models.config import ArchConfig
+from dabba.models.files import read_json_object
 from dabba.models.registry import get_model_class
 from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.config import QuantConfig
@@ -31,7 +33,9 @@ logger = logging.getLogger("dabba")
 def find_weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index} has no weight_map of tensor names to file names")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -55,13 +59,26 @@ def find_weight_files(model_dir: Path) -> list[Path]:
 MAPPED_BYTES = 64 * 2**20  # read from one opening of a safetensors file before it is reopened
 
 
+@contextlib.contextmanager
+def open_safetensors(file: Path) -> Iterator[Any]:
+    """safe_open, with a truncated or corrupt file (its header, or data shorter than the header
+    says) a ValueError naming it: the usual cause is an interrupted download."""
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}); if it was downloaded, the download may be "
+                         "incomplete: delete it and fetch it again") from None
+    with handle as f:
+        yield f
+
+
 def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every file, each a view of the file's memory map. Every page read stays
     resident (and counts in the process's RSS and PSS) while its map is open, so one open 3 GB
     file doubled a bf16 load's peak: the file is reopened after each MAPPED_BYTES read, and a
     closed map's pages go as soon as the consumer drops its tensors."""
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             names = list(f.keys())
         while names:
             names = yield from _read_window(file, names)
@@ -71,7 +88,7 @@ def _read_window(file: Path, names: list[str]) -> Generator[tuple[str, torch.Ten
     """The first of ``names`` from one opening of ``file``, up to MAPPED_BYTES (at least one
     tensor); returns the names still to read."""
     mapped = 0
-    with safe_open(str(file), framework="pt") as f:
+    with open_safetensors(file) as f:
         for i, name in enumerate(names):
             if mapped >= MAPPED_BYTES:
                 return names[i:]
@@ -124,6 +141,8 @@ class LayerwiseRepacking:
         del self.waiting[module]
         method = module.quant_method
         method.process_weights_after_loading(module)  # repack (or quantize) once, never per forward
+        if isinstance(module, LMHead):
+            module.packed()  # a tied embedding may now read its rows from the packed head
         if not isinstance(method, UnquantizedLinearMethod):
             release_freed_heap()  # the weight it replaced, where malloc's heap (not an mmap) held it
 

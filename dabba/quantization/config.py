@@ -57,7 +57,8 @@ class QuantConfig:
         """Load-time int8 and int4 also quantize the LM head, to INT8 per output channel: at
         SmolLM's size it is a fifth of the weights, the largest single read of a decode step.
         (llama.cpp likewise keeps output.weight at 6 to 8 bits under Q4_0.) A tied embedding
-        keeps its full-precision rows for lookups. GPTQ/AWQ checkpoints leave the head as saved."""
+        then looks its rows up in these codes (LMHead.shares_packed_rows), so the vocabulary is
+        held once. GPTQ/AWQ checkpoints leave the head as saved."""
         return Int8RTNMethod() if self.method in QUANTIZATION_METHODS else None
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethod:

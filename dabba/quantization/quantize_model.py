@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -25,7 +24,8 @@ from dabba.attention.dense import DenseCausalBackend
 from dabba.engine.tokenizer import Tokenizer
 from dabba.layers.linear import Linear
 from dabba.models.config import GEMMA_ARCHITECTURES, ArchConfig
-from dabba.models.loader import find_weight_files, load_model
+from dabba.models.files import read_json_object
+from dabba.models.loader import find_weight_files, load_model, open_safetensors
 from dabba.quantization.awq import awq_clip_layer, awq_scale_layer
 from dabba.quantization.formats import awq_pack, gptq_pack
 from dabba.quantization.gptq import HessianAccumulator, gptq_quantize
@@ -169,7 +169,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
         f"model.layers.{i}.{name}" for i, layer in enumerate(model.model.layers)
         for name, m in layer.named_modules() if isinstance(m, Linear)}
     for file in find_weight_files(model_dir):
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if name.rsplit(".", 1)[0] not in quantized_prefixes:
                     t = f.get_tensor(name)
@@ -179,7 +179,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
     for f in model_dir.iterdir():
         if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".jinja", ".txt", ".model"):
             shutil.copy(f, out_dir / f.name)
-    config = json.loads((model_dir / "config.json").read_text())
+    config = read_json_object(model_dir / "config.json")
     if opts.method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": opts.group_size, "zero_point": True,
               "version": "gemm", "modules_to_not_convert": None}

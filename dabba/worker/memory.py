@@ -24,6 +24,22 @@ def available_cpu_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def available_memory(device: torch.device) -> int:
+    """What an allocation on ``device`` can take now."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_cpu_memory()
+
+
+def check_fits(what: str, nbytes: int, device: torch.device, advice: str) -> None:
+    """Refuse before allocating: on a CPU, an allocation past what is there ends with the OOM killer
+    (no error, no message) or in swap, not with an exception."""
+    available = available_memory(device)
+    if nbytes > available:
+        raise ValueError(f"{what}: {nbytes / 2**30:.2f} GiB needed, but only {available / 2**30:.2f} GiB of "
+                         f"{'GPU ' if device.type == 'cuda' else ''}memory is available; {advice}")
+
+
 def default_kv_cache_memory(device: torch.device, bytes_wanted: int) -> int:
     """A share of what is free now, capped at ``bytes_wanted`` (no point reserving more)."""
     if device.type == "cuda":

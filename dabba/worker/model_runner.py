@@ -23,9 +23,10 @@ from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from dabba.models.config import ArchConfig
 from dabba.models.loader import load_model
 from dabba.models.native_layer_loop import NativeLayerLoop, missing_native_form
+from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QuantConfig
 from dabba.worker.input_batch import ModelInputs, RequestStates
-from dabba.worker.memory import allocate_kv_cache, default_kv_cache_memory, keep_freed_host_memory
+from dabba.worker.memory import allocate_kv_cache, check_fits, default_kv_cache_memory, keep_freed_host_memory
 from dabba.worker.sampler import Sampler, apply_grammar_bitmask
 from dabba.worker.sampling_metadata import build_sampling_metadata
 
@@ -56,6 +57,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         if device.type == "cpu":
             keep_freed_host_memory()
+        check_fits(f"the weights of {model_dir} ({str(dtype).removeprefix('torch.')}"
+                   f"{', ' + quant_config.method if quant_config else ''})",
+                   weights_bytes(arch, dtype, quant_config, device.type), device,
+                   "quantize them (quantization int8 or int4) or take a smaller model; `dabba plan` shows what fits")
         start = time.perf_counter()
         self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len, quant_config=quant_config)
         self.kv_cache_dtype = kv_cache_dtype
@@ -109,6 +114,8 @@ class ModelRunner:
             blocks_per_seq = sum(g.blocks_needed(self.max_model_len, bs, max_chunk) for g in groups)
             null_block = any(g.sliding_window is not None for g in groups)  # the pool's placeholder
             budget = default_kv_cache_memory(self.device, (max_num_seqs * blocks_per_seq + null_block) * bytes_per_block)
+        if cache_config.kv_cache_memory is not None:  # a default budget is a share of what is there
+            check_fits("the KV cache (kv_cache_memory)", budget, self.device, "ask for a smaller KV cache")
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes is less than one KV block ({bytes_per_block} bytes)")

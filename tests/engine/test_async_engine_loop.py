@@ -60,6 +60,17 @@ def test_stats_are_taken_by_the_engine_thread_when_asked(checkpoints) -> None:
     new request is refused rather than left waiting."""
     engine = LLM(str(checkpoints["llama"].path), dtype="float32", kv_cache_memory=2**22).llm_engine
     asked_on = threads_calling(engine, "get_stats")
+    # The second step waits until the snapshot is asked for, so the request (8 steps) is surely
+    # still running when the engine thread takes it, however fast the steps are.
+    real_step, steps, asked = engine.step_with_stats, [], threading.Event()
+
+    def step():
+        steps.append(1)
+        if len(steps) == 2:
+            assert asked.wait(60), "the snapshot was never asked for"
+        return real_step()
+
+    engine.step_with_stats = step
     async_engine = AsyncLLMEngine(engine, "m", start_thread=False)
     result = {}
 
@@ -68,7 +79,10 @@ def test_stats_are_taken_by_the_engine_thread_when_asked(checkpoints) -> None:
                                                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         async for out in stream:
             if "running" not in result:
-                result["running"] = (await async_engine.get_stats()).num_running_reqs
+                stats = asyncio.ensure_future(async_engine.get_stats())
+                await asyncio.sleep(0)  # get_stats has queued its command
+                asked.set()
+                result["running"] = (await stats).num_running_reqs
         result["steps_asked"] = len(asked_on)
         result["after"] = (await async_engine.get_stats()).num_running_reqs
 

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import uvicorn
 
-from dabba.config import EngineConfig
+from dabba.config import EngineConfig, ServerConfig
 from dabba.engine.llm_engine import LLMEngine
 from dabba.entrypoints.openai.api_server import build_app
 
@@ -21,11 +21,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def live_server(path: str, model_name: str, api_key: str | None,
-                tool_call_parser: str | None = None) -> Iterator[tuple[str, LLMEngine]]:
-    """Yields (base URL, engine); stops the server on exit."""
+def live_server(path: str, model_name: str, api_key: str | None, tool_call_parser: str | None = None,
+                config: ServerConfig | None = None, app_state: dict | None = None) -> Iterator[tuple[str, LLMEngine]]:
+    """Yields (base URL, engine); stops the server on exit. ``app_state``, if given, receives the
+    app's state (its AsyncLLMEngine as "engine")."""
     engine = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", max_num_batched_tokens=256))
-    app = build_app(engine, model_name, api_key=api_key, tool_call_parser=tool_call_parser)
+    app = build_app(engine, model_name, api_key=api_key, tool_call_parser=tool_call_parser, config=config)
+    if app_state is not None:
+        app_state["engine"] = app.state.engine
     # bound here and handed to uvicorn, so no other process can take the port in between
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -35,52 +35,110 @@ def test_chat_streams_replies_and_keeps_the_conversation(checkpoints) -> None:
     assert turns[0] == f"assistant> {ref}\n"
 
 
-def test_serve_finishes_in_flight_requests_on_sigterm(checkpoints) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(DABBA + ["serve", str(checkpoints["llama"].path), "--port", str(port),
-                                     "--dtype", "float32", "--kv-cache-memory", "16MiB"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log: list[str] = []  # read as it comes, so a chatty server never blocks on a full pipe
+class ServeProcess:
+    """`dabba serve` (or a script that ends in it) on a free port, its log read as it comes (a chatty
+    server never blocks on a full pipe); ready once /health answers."""
 
-    def read_log() -> None:
-        for line in proc.stdout:
-            log.append(line)
-
-    reader = threading.Thread(target=read_log, daemon=True)
-    reader.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
+    def __init__(self, command: list[str]) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(command + ["--port", str(port)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
         deadline = time.monotonic() + 600  # a bound on a hang only: the first start may build the kernels
         while True:
-            assert proc.poll() is None, "".join(log)
+            assert self.proc.poll() is None, self.text()
             try:
-                if httpx.get(f"{url}/health").status_code == 200:
+                if httpx.get(f"{self.url}/health").status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.2)
 
-        body = {"prompt": "x", "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+    def text(self) -> str:
+        return "".join(self.log)
+
+    def stream_then(self, body: dict, after_first_chunk) -> list[str]:
+        """The data lines of a streamed completion; ``after_first_chunk()`` runs once it is in flight."""
+        with httpx.stream("POST", f"{self.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             assert r.status_code == 200
             lines = (line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: "))
             data = [next(lines)]
-            # its first chunk came, so it is in flight (the engine made a token; the rest is to come)
-            proc.send_signal(signal.SIGTERM)
-            data += list(lines)
+            after_first_chunk()
+            return data + list(lines)
+
+    def wait(self) -> int:
+        code = self.proc.wait(timeout=60)
+        self.reader.join(timeout=60)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def serve_args(checkpoints, *extra: str) -> list[str]:
+    return ["serve", str(checkpoints["llama"].path), "--dtype", "float32", "--kv-cache-memory", "16MiB", *extra]
+
+
+def test_serve_finishes_in_flight_requests_on_sigterm(checkpoints) -> None:
+    server = ServeProcess(DABBA + serve_args(checkpoints))
+    try:
+        body = {"prompt": "x", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        data = server.stream_then(body, lambda: server.proc.send_signal(signal.SIGTERM))
         assert data[-1] == "[DONE]", data[-3:]
         chunks = [json.loads(d) for d in data[:-1]]
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
         assert chunks[-1]["usage"]["completion_tokens"] == 300  # finished, not cut off
-        # uvicorn re-raises the signal once it has shut down, so the exit status reports it
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
-        reader.join(timeout=60)
-        text = "".join(log)
-        assert "Shutting down" in text or "Finished server process" in text, text
+        assert server.wait() == 0, server.text()  # a clean drain
+        assert "Draining" in server.text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        server.kill()
+
+
+def test_a_drain_that_times_out_ends_the_stream_with_an_error_and_exits_3(checkpoints) -> None:
+    server = ServeProcess(DABBA + serve_args(checkpoints, "--shutdown-timeout", "0"))
+    try:
+        body = {"prompt": "x", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        data = server.stream_then(body, lambda: server.proc.send_signal(signal.SIGTERM))
+        assert data[-1] == "[DONE]"
+        error = json.loads(data[-2])["error"]
+        assert error["type"] == "server_error" and "did not finish in time" in error["message"]
+        assert server.wait() == 3, server.text()
+    finally:
+        server.kill()
+
+
+# `dabba serve` whose engine step raises once a request has 5 output tokens
+FAILING_SERVE = """
+import sys
+from dabba.engine.llm_engine import LLMEngine
+from dabba.entrypoints.cli import main
+real_step = LLMEngine.step_with_stats
+def failing_step(self):
+    outputs, stats = real_step(self)
+    if any(s.num_output_tokens >= 5 for s in stats.requests.values()):
+        raise RuntimeError("injected failure")
+    return outputs, stats
+LLMEngine.step_with_stats = failing_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_engine_failure_fails_the_stream_and_exits_non_zero(checkpoints) -> None:
+    server = ServeProcess([sys.executable, "-c", FAILING_SERVE] + serve_args(checkpoints))
+    try:
+        data = server.stream_then({"prompt": "x", "max_tokens": 50, "ignore_eos": True}, lambda: None)
+        assert data[-1] == "[DONE]"
+        error = json.loads(data[-2])["error"]
+        assert error["type"] == "server_error" and "engine failed" in error["message"]
+        assert server.wait() == 1, server.text()
+        assert "injected failure" in server.text()  # the log has the cause; the client does not
+    finally:
+        server.kill()

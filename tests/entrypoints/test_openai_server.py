@@ -15,6 +15,7 @@ from dabba import LLM, SamplingParams
 from tests.entrypoints.live_server import live_server
 
 API_KEY = "sk-dabba-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "tiny"
 PROMPTS = ["The json module", "Return a new list", "def f(x):", "import os"]
 
@@ -79,7 +80,7 @@ def test_streaming_equals_non_streaming(server, reference) -> None:
 
 def test_chat_uses_the_checkpoints_template(server) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()
+    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, headers=AUTH).json()
     expected = server.engine.tokenizer.encode("<|user|>\nhi</s>\n<|assistant|>\n", add_special_tokens=False)
     assert tokens["tokens"] == expected and tokens["count"] == len(expected)
     r = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
@@ -156,9 +157,9 @@ def test_info_routes(server) -> None:
     assert httpx.get(f"{server.url}/version").json()["version"]
     models = server.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}, headers=AUTH).json()["tokens"]
     assert ids == server.engine.tokenizer.encode("Hello world")
-    assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"] == "<s>Hello world"
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, headers=AUTH).json()["prompt"] == "<s>Hello world"
     text = httpx.get(f"{server.url}/metrics").text
     for name in ["dabba:num_requests_running", "dabba:num_requests_waiting", "dabba:kv_cache_usage_perc",
                  "dabba:prefix_cache_hit_rate", "dabba:num_preemptions_total", "dabba:prompt_tokens_total",

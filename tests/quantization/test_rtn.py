@@ -13,6 +13,7 @@ from dabba.config import DEMO_MODEL
 from dabba.entrypoints.cli import main
 from dabba.evaluation import perplexity
 from dabba.layers.linear import Linear
+from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QuantConfig
 from dabba.quantization.rtn import quantize
 
@@ -74,11 +75,27 @@ def test_quantized_models_generate_through_the_engine(checkpoints) -> None:
         sizes[method] = llm.llm_engine.model_runner.weight_bytes
         out = llm.generate("The json module", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 12
-    # the bf16 embedding stays for lookups, plus an INT8 copy of the tied LM head (a bf16 scale per row);
-    # projections shrink 2x (int8), ~3.5x (int4)
+    # the tied vocabulary is one INT8 table (a bf16 scale per row) that the embedding and the LM head
+    # share, in place of the bf16 one; projections shrink 2x (int8), ~3.5x (int4)
     embedding, lm_head = 4096 * 384 * 2, 4096 * 384 + 4096 * 2
-    assert (sizes["int8"] - embedding - lm_head) / (sizes[None] - embedding) == pytest.approx(0.5, abs=0.02)
-    assert (sizes["int4"] - embedding - lm_head) / (sizes[None] - embedding) == pytest.approx(0.28, abs=0.03)
+    assert (sizes["int8"] - lm_head) / (sizes[None] - embedding) == pytest.approx(0.5, abs=0.02)
+    assert (sizes["int4"] - lm_head) / (sizes[None] - embedding) == pytest.approx(0.28, abs=0.03)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_tied_embedding_reads_its_rows_from_the_quantized_head(method) -> None:
+    """No bf16 vocabulary table beside the INT8 head: the embedding looks rows up in the head's
+    codes, dequantized as the head dequantizes them, and the planner counts the one table."""
+    llm = LLM(DEMO_MODEL, quantization=method)
+    model = llm.llm_engine.model_runner.model
+    embedding, head = model.model.embed_tokens, model.lm_head
+    assert embedding.weight is None and head.shares_packed_rows
+    codes, scales = embedding.int8_rows
+    assert codes.data_ptr() == head.qweight.data_ptr() and scales.data_ptr() == head.scales.data_ptr()
+    ids = torch.tensor([0, 5, 4095, 5])
+    assert torch.equal(embedding(ids), head.qweight[ids].to(torch.bfloat16) * head.scales[ids, None])
+    planned = weights_bytes(llm.llm_engine.arch, torch.bfloat16, QuantConfig(method), "cpu")
+    assert planned == llm.llm_engine.model_runner.weight_bytes
 
 
 def test_demo_model_perplexity_int8_within_one_percent(tmp_path, capsys) -> None:

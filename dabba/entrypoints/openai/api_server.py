@@ -5,6 +5,7 @@ loop runs on one thread of its own (AsyncLLMEngine), which serve() makes the mai
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -18,8 +19,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import dabba
+from dabba.config import ServerConfig
 from dabba.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from dabba.engine.llm_engine import LLMEngine
 from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -30,13 +33,52 @@ from dabba.entrypoints.openai.serving_chat import OpenAIServingChat
 logger = logging.getLogger("dabba")
 
 
+class BodyTooLarge(StarletteHTTPException):
+    """Raised as a body's bytes pass the bound: an HTTPException, so FastAPI's body reading lets it
+    through (it turns other errors there into a 400) to the app's handler."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than {limit} bytes (the server's --max-request-body-bytes)")
+
+
+class RequestBodyLimit:
+    """A body past ``limit`` bytes is a 413 before it is read in full or parsed: at once when its
+    Content-Length says so, else as soon as the bytes received pass it. Plain ASGI, not Starlette's
+    BaseHTTPMiddleware, which would hide client disconnects from the handlers."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            response = OpenAIError(413, BodyTooLarge(self.limit).detail, code="request_too_large").response()
+            return await response(scope, receive, send)
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, limited, send)
+
+
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
-              engine_thread: bool = True, tool_call_parser: str | None = None) -> FastAPI:
+              engine_thread: bool = True, tool_call_parser: str | None = None,
+              config: ServerConfig | None = None) -> FastAPI:
     """The app; its engine loop runs in a thread of its own, or (``engine_thread=False``) wherever
     the caller runs ``app.state.engine.run_loop()``. ``tool_call_parser``: how tool_choice "auto"
-    reads the model's calls (None: no auto tool choice)."""
+    reads the model's calls (None: no auto tool choice); ``config``: the bounds on requests."""
+    config = config or ServerConfig()
     async_engine = AsyncLLMEngine(engine, served_model_name, start_thread=engine_thread)
-    serving = OpenAIServingChat(async_engine, served_model_name, tool_call_parser)
+    serving = OpenAIServingChat(async_engine, served_model_name, tool_call_parser, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -44,6 +86,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         async_engine.shutdown()  # uvicorn has stopped accepting and drained what it could
 
     app = FastAPI(title="dabba", version=dabba.__version__, lifespan=lifespan)
+    app.add_middleware(RequestBodyLimit, limit=config.max_request_body_bytes)
     app.state.engine = async_engine
     app.state.serving = serving
 
@@ -66,6 +109,13 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     async def validation_error(_: Request, e: RequestValidationError):
         # 400 with the first problem in words, never pydantic's trace
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # FastAPI's loc is ("body", character offset): no field to name
+            offset = first.get("loc", ("body", "?"))[-1]
+            reason = first.get("ctx", {}).get("error", "decode error")
+            return OpenAIError(400, f"the body is not valid JSON: {reason} at character {offset}").response()
+        if first.get("type") == "lone_surrogate":  # found by the body's walk: its place is in ctx
+            path = first["ctx"]["path"]
+            return OpenAIError(400, first["msg"], param=str(path[0]) if path else None).response()
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
@@ -75,7 +125,15 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     async def http_error(request: Request, e: StarletteHTTPException):
         if e.status_code == 404:
             return OpenAIError(404, f"Route {request.url.path} not found", code="not_found").response()
+        if isinstance(e, BodyTooLarge):
+            return OpenAIError(413, str(e.detail), code="request_too_large").response()
         return OpenAIError(e.status_code, str(e.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception):
+        # A bug: the client gets an error in OpenAI's shape like every other (not Starlette's plain
+        # text), without internals; Starlette re-raises it, so uvicorn logs its traceback.
+        return OpenAIError(500, "internal server error", type="server_error").response()
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, e: EngineDeadError):
@@ -85,6 +143,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     async def health():
         if not async_engine.is_running:
             return OpenAIError(503, "engine is not running", type="server_error").response()
+        if async_engine.is_draining:  # so that a load balancer sends no more
+            return OpenAIError(503, "the server is shutting down", type="server_error").response()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -106,24 +166,28 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     app.include_router(v1)
 
-    @app.post("/tokenize")
+    # vLLM's paths, outside /v1, behind the same key; the tokenizer runs off the event loop.
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)])
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            tokens = serving.chat_prompt(req.messages, req.add_generation_prompt, req.tools)["prompt_token_ids"]
+            prompt = await asyncio.to_thread(serving.chat_prompt, req.messages, req.add_generation_prompt, req.tools)
+            tokens = prompt["prompt_token_ids"]
         else:
-            tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            tokens = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
+                                             add_special_tokens=req.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
     async def detokenize(req: DetokenizeRequest):
         serving.check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < engine.arch.vocab_size]
         if bad:
             raise OpenAIError(400, f"tokens outside [0, {engine.arch.vocab_size}): {bad[:5]}", param="tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        text = await asyncio.to_thread(engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
+        return {"prompt": text}
 
     @app.get("/metrics")
     async def metrics():
@@ -133,32 +197,62 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     return app
 
 
+# The exit status of `dabba serve`: 0 after a clean drain, these otherwise (2: bad arguments or
+# model, from the CLI).
+EXIT_ENGINE_FAILED = 1
+EXIT_DRAIN_TIMED_OUT = 3
+
+
 def serve(engine: LLMEngine, served_model_name: str, host: str, port: int, api_key: str | None,
-          tool_call_parser: str | None = None) -> None:
-    """Run until SIGINT/SIGTERM: uvicorn stops accepting, lets in-flight requests finish (up to
-    30 s), then the engine aborts what is left and stops."""
-    app = build_app(engine, served_model_name, api_key, engine_thread=False, tool_call_parser=tool_call_parser)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30))
+          tool_call_parser: str | None = None, config: ServerConfig | None = None) -> int:
+    """Run until SIGINT/SIGTERM, then drain: new requests are refused (503), those in flight get
+    ``config.shutdown_timeout`` seconds to finish, and any still running end with an error (an
+    error event and [DONE] for a stream, a 503 body otherwise). Returns the exit status: 0 after
+    a clean drain, EXIT_DRAIN_TIMED_OUT if requests were cut, EXIT_ENGINE_FAILED if the engine
+    loop failed (so a supervisor restarts the process)."""
+    config = config or ServerConfig()
+    app = build_app(engine, served_model_name, api_key, engine_thread=False, tool_call_parser=tool_call_parser,
+                    config=config)
+    async_engine: AsyncLLMEngine = app.state.engine
+    # uvicorn's own graceful timeout outlasts the drain: by then every response has its ending
+    log_level = logging.getLevelName(logger.getEffectiveLevel()).lower()  # dabba's (--log-level)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=config.shutdown_timeout + 10))
+    status: dict[str, int] = {}
+    stopping = threading.Event()
 
-    def stop(signum: int, frame: object) -> None:  # uvicorn drains, then its lifespan stops the engine loop
-        server.should_exit = True
+    def drain_then_stop() -> None:
+        if not async_engine.drain(config.shutdown_timeout):
+            status.setdefault("code", EXIT_ENGINE_FAILED if async_engine.error else EXIT_DRAIN_TIMED_OUT)
+            logger.warning("shutdown: requests still in flight after %.0f s were ended with an error",
+                           config.shutdown_timeout)
+        server.should_exit = True  # uvicorn stops accepting and closes connections once their responses end
 
-    exit_code = []
+    def stop(signum: int, frame: object) -> None:
+        if stopping.is_set():  # a second signal: stop now
+            server.force_exit = True
+            return
+        stopping.set()
+        logger.info("Draining: up to %.0f s for the requests in flight", config.shutdown_timeout)
+        threading.Thread(target=drain_then_stop, name="dabba-drain", daemon=True).start()
 
     def http() -> None:
         try:
             server.run()  # outside the main thread uvicorn installs no signal handlers: stop() does
         except SystemExit as e:  # uvicorn could not start (port taken): the process exits with its code
-            exit_code.append(e.code)
+            status.setdefault("code", e.code if isinstance(e.code, int) else 1)
         finally:
-            app.state.engine.shutdown()
+            async_engine.shutdown()
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     thread = threading.Thread(target=http, name="dabba-http")
     logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", served_model_name, host, port)
     thread.start()
-    app.state.engine.run_loop()  # the engine steps on the main thread (see AsyncLLMEngine)
+    async_engine.run_loop()  # the engine steps on the main thread (see AsyncLLMEngine)
+    if async_engine.error is not None:  # the loop died: its streams have their errors; stop serving
+        logger.error("the engine loop failed; the server exits with status %d", EXIT_ENGINE_FAILED)
+        status.setdefault("code", EXIT_ENGINE_FAILED)
+        server.should_exit = True
     thread.join()
-    if exit_code:
-        raise SystemExit(exit_code[0])
+    return status.get("code", 0)

@@ -5,17 +5,59 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def find_lone_surrogate(value: Any, path: tuple = ()) -> tuple[tuple, str] | None:
+    """(where, the character) of the first string in a parsed JSON body holding a lone UTF-16
+    surrogate: JSON's "\\ud800" escape decodes to one, and no tokenizer or UTF-8 encoder takes it.
+    Depth first in document order (a key before its value), on a stack of its own: recursion
+    overflowed on bodies nested ~950 deep, which the JSON parser still takes (a 500)."""
+    stack: list[tuple[tuple, Any]] = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return where, item[e.start]
+            continue
+        entries = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
+        children: list[tuple[tuple, Any]] = []
+        for key, child in entries:
+            if isinstance(key, str):
+                children.append((where + (key,), key))
+            if isinstance(child, (str, dict, list)):
+                children.append((where + (key,), child))
+        stack.extend(reversed(children))
+    return None
+
+
 class OpenAIModel(BaseModel):
     # Unknown fields are accepted and ignored, as OpenAI-compatible servers do (clients send
-    # fields like "user"); fields dabba cannot honour are rejected explicitly in serving.
-    model_config = ConfigDict(extra="ignore")
+    # fields like "user"); fields dabba cannot honour are rejected explicitly in serving. Types
+    # are strict, as OpenAI's API is: "yes" is not a boolean, 1.0 not a token id or a count.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class OpenAIRequest(OpenAIModel):
+    """A request body: no string in it may hold a lone surrogate (a 400 naming where)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        found = find_lone_surrogate(data)
+        if found is not None:
+            where, char = found
+            raise PydanticCustomError("lone_surrogate", "{where}: contains a lone UTF-16 surrogate ({char}), which "
+                                      "is not valid Unicode", {"where": ".".join(map(str, where)) or "body",
+                                                               "char": ascii(char), "path": list(where)})
+        return data
 
 
 class StreamOptions(OpenAIModel):
@@ -34,7 +76,7 @@ class ResponseFormat(OpenAIModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(OpenAIRequest):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -222,7 +264,7 @@ class ChatCompletionChunk(_ResponseBase):
     choices: list[ChatStreamChoice]
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -231,7 +273,7 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: list[int]
 

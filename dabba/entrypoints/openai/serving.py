@@ -12,10 +12,11 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from dabba.config import ServerConfig
 from dabba.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from dabba.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                               CompletionResponse, ErrorInfo, ErrorResponse, SamplingFields, UsageInfo,
-                                               random_id)
+from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionChoice, CompletionLogprobs,
+                                               CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse,
+                                               SamplingFields, UsageInfo, random_id)
 from dabba.outputs import PositionLogprobs, RequestOutput
 from dabba.sampling_params import RequestOutputKind, SamplingParams
 from dabba.structured_output import StructuredOutputsParams
@@ -40,10 +41,17 @@ class OpenAIError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status)
 
 
-def _param_of(message: str) -> str | None:
-    """SamplingParams errors start with the field name ("top_p must be ...")."""
+def _param_of(message: str, prompt_param: str = "prompt") -> str | None:
+    """SamplingParams and engine errors start with the field name ("top_p must be ..."); the
+    engine's prompt errors name the request field the prompt came from (``prompt_param``); a
+    first word that is no request field names nothing."""
     first = message.split(" ", 1)[0]
-    return first if first.isidentifier() else None
+    if first in ("prompt", "prompt_token_ids"):
+        return prompt_param
+    return first if first in REQUEST_FIELDS else None
+
+
+REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
 
 
 @dataclass
@@ -58,9 +66,10 @@ class ChoiceProgress:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, config: ServerConfig | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.config = config or ServerConfig()
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
 
@@ -93,12 +102,35 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(400, str(e), param=_param_of(str(e))) from None
 
+    def _check_bounds(self, req: SamplingFields) -> None:
+        """The server's bounds on one request (ServerConfig), each a 400 naming its field."""
+        limits = self.config
+        if req.n > limits.max_n:
+            raise OpenAIError(400, f"n must be <= {limits.max_n} (the server's --max-n), got {req.n}", param="n")
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        if len(stops) > limits.max_stop_sequences:
+            raise OpenAIError(400, f"stop takes at most {limits.max_stop_sequences} strings (the server's "
+                                   f"--max-stop-sequences), got {len(stops)}", param="stop")
+        if any(len(s) > limits.max_stop_length for s in stops):
+            raise OpenAIError(400, f"stop strings must be at most {limits.max_stop_length} characters long (the "
+                                   "server's --max-stop-length)", param="stop")
+
+    async def _tokenized(self, prompts: list[Any]) -> list[Any]:
+        """Text prompts with their token ids, encoded off the event loop (a long prompt must not
+        stall other clients) and off the engine thread (nor the step)."""
+        def encode() -> list[Any]:
+            return [{"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)} if isinstance(p, str) else p
+                    for p in prompts]
+
+        return await asyncio.to_thread(encode) if any(isinstance(p, str) for p in prompts) else prompts
+
     async def _start(self, request_ids: list[str], prompts: list[Any], params: SamplingParams,
-                     priority: int, constraint_param: str = "structured_outputs") -> list[RequestStream]:
+                     priority: int, constraint_param: str = "structured_outputs",
+                     prompt_param: str = "prompt") -> list[RequestStream]:
         """Queue every prompt before answering: a rejected one is a 400 for the whole call,
         even when streaming, and leaves nothing running. A constraint is validated (and its
         compilation started) off the event loop first: a bad one is a 400 naming
-        ``constraint_param``, the request field it came from."""
+        ``constraint_param``, the request field it came from; a bad prompt names ``prompt_param``."""
         if params.structured_outputs is not None:
             try:
                 await asyncio.to_thread(self.engine.engine.structured_output.submit, params.structured_outputs)
@@ -112,7 +144,7 @@ class OpenAIServing:
             for stream in streams:
                 stream.abort()
             if isinstance(e, ValueError):
-                raise OpenAIError(400, str(e), param=_param_of(str(e))) from None
+                raise OpenAIError(400, str(e), param=_param_of(str(e), prompt_param)) from None
             raise
         return streams
 
@@ -128,6 +160,9 @@ class OpenAIServing:
         while not task.done():
             done, _ = await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
             if not done and await raw.is_disconnected():
+                # A cancelled gather ends with CancelledError as its exception (not as cancelled):
+                # retrieved here, or asyncio logs "exception was never retrieved" per hang-up.
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
                 task.cancel()
                 for stream in streams:
                     stream.abort()
@@ -165,16 +200,23 @@ class OpenAIServing:
                 stream.abort()
 
     def _streaming(self, events: AsyncIterator[dict]) -> StreamingResponse:
+        """Every stream ends with [DONE]; one that fails says why in an error event first."""
+        def event(body: dict) -> str:
+            return f"data: {json.dumps(body)}\n\n"
+
         async def body() -> AsyncIterator[str]:
             try:
-                async for event in events:
-                    yield f"data: {json.dumps(event)}\n\n"
+                async for item in events:
+                    yield event(item)
             except OpenAIError as e:
-                yield f"data: {json.dumps(ErrorResponse(error=ErrorInfo(message=e.message, type=e.type, param=e.param, code=e.code)).model_dump())}\n\n"
-            except Exception:  # a bug or a dead engine: say so without leaking internals
+                error = ErrorInfo(message=e.message, type=e.type, param=e.param, code=e.code)
+                yield event(ErrorResponse(error=error).model_dump())
+            except EngineDeadError as e:  # shut down mid-stream, or the engine failed (logged where it did)
+                yield event(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error", code=503)).model_dump())
+            except Exception:  # a bug: say so without leaking internals
                 logger.exception("stream failed")
                 error = ErrorInfo(message="internal error while streaming", type="server_error")
-                yield f"data: {json.dumps(ErrorResponse(error=error).model_dump())}\n\n"
+                yield event(ErrorResponse(error=error).model_dump())
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")
@@ -197,14 +239,15 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
+        self._check_bounds(req)
         if req.suffix is not None:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise OpenAIError(400, "best_of is not supported (use n)", param="best_of")
-        prompts = self._completion_prompts(req)
         params = self.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs,
                                       req.logprobs if req.echo and req.logprobs is not None else None,
                                       structured_outputs_of(req))
+        prompts = await self._tokenized(self._completion_prompts(req))
         base_id = random_id("cmpl")
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         streams = await self._start(ids, prompts, params, req.priority, constraint_field(req))

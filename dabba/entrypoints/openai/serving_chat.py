@@ -3,12 +3,14 @@ tool_choice that forces calls constrains the output), and replies whose text the
 reading (tool_calls.py) turns into ``message.tool_calls``, streamed or not."""
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from dabba.config import ServerConfig
 from dabba.engine.async_engine import AsyncLLMEngine, RequestStream
 from dabba.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage,
@@ -28,8 +30,9 @@ class OpenAIServingChat(OpenAIServing):
     """Completions (the base class) and chat. ``tool_call_parser``: how "auto" tool choice reads
     the model's calls (``--enable-auto-tool-choice --tool-call-parser NAME``); None: no auto."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, tool_call_parser: str | None = None) -> None:
-        super().__init__(engine, served_model_name)
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, tool_call_parser: str | None = None,
+                 config: ServerConfig | None = None) -> None:
+        super().__init__(engine, served_model_name, config)
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
         self.tool_call_parser = tool_call_parser
@@ -41,12 +44,16 @@ class OpenAIServingChat(OpenAIServing):
         them); an assistant's tool calls reach it with their arguments as objects, as
         transformers passes them."""
         conversation = []
-        for m in messages:
+        for i, m in enumerate(messages):
             content = m.content
             if isinstance(content, list):  # content parts: text only
-                if any(part.get("type") != "text" for part in content):
-                    raise OpenAIError(400, "only text content parts are supported", param="messages")
-                content = "".join(part.get("text", "") for part in content)
+                for j, part in enumerate(content):
+                    if part.get("type") != "text":
+                        raise OpenAIError(400, f"messages.{i}.content.{j}: only text content parts are supported",
+                                          param="messages")
+                    if not isinstance(part.get("text"), str):
+                        raise OpenAIError(400, f"messages.{i}.content.{j}.text must be a string", param="messages")
+                content = "".join(part["text"] for part in content)
             message: dict[str, Any] = {"role": m.role, "content": content or ""}
             if m.tool_calls:
                 message["tool_calls"] = [_template_call(call) for call in m.tool_calls]
@@ -106,7 +113,10 @@ class OpenAIServingChat(OpenAIServing):
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         tool_choice = self._tool_choice(req)
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt, req.tools)  # as vLLM: even for "none"
+        self._check_bounds(req)  # before the template's work
+        # As vLLM: tools reach the template even for "none". Off the event loop: a long
+        # conversation must not stall other clients.
+        prompt = await asyncio.to_thread(self.chat_prompt, req.messages, req.add_generation_prompt, req.tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = req.top_logprobs if req.top_logprobs is not None else 0
         if req.top_logprobs is not None and not req.logprobs:
@@ -114,7 +124,7 @@ class OpenAIServingChat(OpenAIServing):
         constraint, constraint_param = self._constraint(req, tool_choice)
         params = self.sampling_params(req, max_tokens, top if req.logprobs else None, structured=constraint)
         request_id = random_id("chatcmpl")
-        streams = await self._start([request_id], [prompt], params, req.priority, constraint_param)
+        streams = await self._start([request_id], [prompt], params, req.priority, constraint_param, "messages")
         parser = self.tool_call_parser if req.tools else None
         if req.stream:
             return self._streaming(self._chat_events(req, request_id, streams, params, tool_choice, parser))
