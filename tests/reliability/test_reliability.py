@@ -1,4 +1,4 @@
-"""The reliability suite (tools/reliability.py) in small: each phase against one in-process
+"""The reliability suite (tools/reliability/) in small: each phase against one in-process
 server of a tiny checkpoint, asserting it found nothing wrong and did what it was asked (so no
 phase passes by doing nothing), and the script end to end, starting and stopping its own server."""
 from __future__ import annotations
@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 
 from dabba.config import ServerConfig
-from tools.reliability import (GREEDY, HANGUPS, FuzzConfig, SoakConfig, StormConfig, Target, error_shape_problem,
-                               malformed_table, run_fuzz, run_malformed, run_soak, run_storm)
+from tools.reliability.common import Target, error_shape_problem
+from tools.reliability.fuzz import FuzzConfig, run_fuzz
+from tools.reliability.malformed import malformed_table, run_malformed
+from tools.reliability.soak import SoakConfig, run_soak
+from tools.reliability.storm import GREEDY, HANGUPS, StormConfig, run_storm
 
 from tests.entrypoints.live_server import live_server
 

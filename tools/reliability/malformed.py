@@ -1,0 +1,165 @@
+"""Phase 4, malformed requests: a table of bad requests, each with its expected status and
+param, each followed by a good request on the same client."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import httpx
+
+from .common import PhaseResult, Target, error_shape_problem, is_server_error, timed
+
+
+# ---- phase 4: malformed requests ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BadRequest:
+    """A request the server must refuse with ``status`` naming ``param`` (OpenAI's error shape)."""
+
+    name: str
+    path: str
+    body: bytes | None
+    status: int
+    param: str | None
+    method: str = "POST"
+    content_type: str | None = "application/json"
+    auth: bool = True
+    or_param: tuple[str | None, ...] = ()  # also right: which check refuses it depends on the server's stack
+
+
+def malformed_table(target: Target) -> list[BadRequest]:
+    """The table, sized to the server's bounds; the 401 rows only when the server has a key."""
+    limits, model = target.limits, json.dumps(target.model)
+    chat = '{"model": %s, "messages": [{"role": "user", "content": %s}]%s}'
+
+    def completion(extra: str, prompt: str = '"x"') -> bytes:
+        return ('{"model": %s, "prompt": %s%s}' % (model, prompt, extra)).encode()
+
+    def chat_body(content: str = '"hi"', extra: str = "") -> bytes:
+        return (chat % (model, content, extra)).encode()
+
+    too_many_stops = json.dumps([f"s{i}" for i in range(limits.max_stop_sequences + 1)])
+    long_stop = json.dumps("x" * (limits.max_stop_length + 1))
+    oversize = completion("", json.dumps("a" * limits.max_request_body_bytes))
+    rows = [
+        BadRequest("invalid JSON", "/v1/completions", b'{"prompt": "x",', 400, None),
+        BadRequest("invalid JSON (chat)", "/v1/chat/completions", b'{"messages": [', 400, None),
+        BadRequest("empty body", "/v1/completions", b"", 400, None),
+        BadRequest("a JSON array body", "/v1/completions", b"[]", 400, None),
+        BadRequest("wrong content type", "/v1/completions", completion(""), 400, None, content_type="text/plain"),
+        BadRequest("lone surrogate in prompt", "/v1/completions", completion("", '"a\\ud800b"'), 400, "prompt"),
+        BadRequest("lone surrogate in a prompt list", "/v1/completions", completion("", '["ok", "\\udfff"]'), 400,
+                   "prompt"),
+        BadRequest("lone surrogate in chat content", "/v1/chat/completions", chat_body('"hi \\ud800"'), 400,
+                   "messages"),
+        BadRequest("lone surrogate in a content part", "/v1/chat/completions",
+                   chat_body('[{"type": "text", "text": "\\udc00"}]'), 400, "messages"),
+        BadRequest("lone surrogate in the model name", "/v1/completions", b'{"model": "\\ud83d", "prompt": "x"}',
+                   400, "model"),
+        BadRequest("lone surrogate in /tokenize", "/tokenize", b'{"prompt": "\\ud800"}', 400, "prompt"),
+        BadRequest("content part text a number", "/v1/chat/completions",
+                   chat_body('[{"type": "text", "text": 5}]'), 400, "messages"),
+        BadRequest("content part text a list", "/v1/chat/completions",
+                   chat_body('[{"type": "text", "text": ["a"]}]'), 400, "messages"),
+        BadRequest("content part without text", "/v1/chat/completions", chat_body('[{"type": "text"}]'), 400,
+                   "messages"),
+        BadRequest("temperature NaN", "/v1/completions", completion(', "temperature": NaN'), 400, "temperature"),
+        BadRequest("temperature Infinity", "/v1/completions", completion(', "temperature": Infinity'), 400,
+                   "temperature"),
+        BadRequest("temperature -Infinity (chat)", "/v1/chat/completions",
+                   chat_body(extra=', "temperature": -Infinity'), 400, "temperature"),
+        BadRequest("top_p NaN", "/v1/completions", completion(', "top_p": NaN'), 400, "top_p"),
+        BadRequest("top_p Infinity (chat)", "/v1/chat/completions", chat_body(extra=', "top_p": Infinity'), 400,
+                   "top_p"),
+        BadRequest("n too large", "/v1/completions", completion(f', "n": {limits.max_n + 1}'), 400, "n"),
+        BadRequest("n too large (chat)", "/v1/chat/completions", chat_body(extra=f', "n": {limits.max_n + 1}'), 400,
+                   "n"),
+        BadRequest("too many stop strings", "/v1/completions", completion(f', "stop": {too_many_stops}'), 400, "stop"),
+        BadRequest("too long a stop string", "/v1/completions", completion(f', "stop": {long_stop}'), 400, "stop"),
+        BadRequest("too long a stop string (chat)", "/v1/chat/completions",
+                   chat_body(extra=f', "stop": [{long_stop}]'), 400, "stop"),
+        BadRequest('"yes" for stream', "/v1/completions", completion(', "stream": "yes"'), 400, "stream"),
+        BadRequest('"yes" for ignore_eos (chat)', "/v1/chat/completions", chat_body(extra=', "ignore_eos": "yes"'),
+                   400, "ignore_eos"),
+        BadRequest('"true" for logprobs (chat)', "/v1/chat/completions", chat_body(extra=', "logprobs": "true"'),
+                   400, "logprobs"),
+        BadRequest("float token ids in prompt", "/v1/completions", completion("", "[1.0, 2.0]"), 400, "prompt"),
+        BadRequest("float token ids in stop_token_ids", "/v1/completions", completion(', "stop_token_ids": [2.5]'),
+                   400, "stop_token_ids"),
+        BadRequest("float token ids in /detokenize", "/detokenize", b'{"tokens": [1.5, 2.0]}', 400, "tokens"),
+        BadRequest("max_tokens a float", "/v1/completions", completion(', "max_tokens": 5.0'), 400, "max_tokens"),
+        BadRequest("body over the size bound", "/v1/completions", oversize, 413, None),
+        # Nested about as deep as the JSON parser takes (its limit is Python's recursion limit,
+        # less the server's stack): these were 500s (and a dropped connection) when the lone-
+        # surrogate walk recursed. Parsed, the prompt is refused ("prompt"); not parsed, the body.
+        *(BadRequest(f"prompt nested {depth} deep", "/v1/completions",
+                     completion("", "[" * depth + "]" * depth), 400, "prompt", or_param=(None,))
+          for depth in (900, 940, 950, 955, 960, 965, 970, 980, 1000)),
+        BadRequest("unknown route", "/v1/nothing-here", completion(""), 404, None),
+        BadRequest("unknown route (GET)", "/v2/models", None, 404, None, method="GET", content_type=None),
+        BadRequest("wrong method", "/v1/completions", None, 405, None, method="GET", content_type=None),
+        BadRequest("wrong model name", "/v1/completions", b'{"model": "no-such-model", "prompt": "x"}', 404, "model"),
+        BadRequest("wrong model name (chat)", "/v1/chat/completions",
+                   b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+        BadRequest("wrong model name (/tokenize)", "/tokenize", b'{"model": "no-such-model", "prompt": "x"}', 404,
+                   "model"),
+    ]
+    if target.api_key:
+        rows += [
+            BadRequest("missing API key", "/v1/completions", completion(""), 401, None, auth=False),
+            BadRequest("missing API key (chat)", "/v1/chat/completions", chat_body(), 401, None, auth=False),
+            BadRequest("missing API key (/detokenize)", "/detokenize", b'{"tokens": [1]}', 401, None, auth=False),
+            BadRequest("missing API key (GET /v1/models)", "/v1/models", None, 401, None, method="GET",
+                       content_type=None, auth=False),
+        ]
+    return rows
+
+
+def bad_request_problems(r: httpx.Response, row: BadRequest) -> list[str]:
+    problems = []
+    if r.status_code != row.status:
+        problems.append(f"HTTP {r.status_code}, expected {row.status}: {r.text[:160]!r}")
+    shape = error_shape_problem(r)
+    if shape:
+        problems.append(shape)
+    elif r.json()["error"]["param"] not in (row.param, *row.or_param):
+        problems.append(f"param {r.json()['error']['param']!r}, expected {row.param!r}")
+    return problems
+
+
+def good_request_problem(client: httpx.Client, target: Target) -> str | None:
+    """A normal request, as a check that the connection (and server) still serve."""
+    r = client.post("/v1/completions", headers=target.auth(),
+                    json={"model": target.model, "prompt": "ok", "max_tokens": 2, "ignore_eos": True})
+    if r.status_code != 200 or r.json().get("usage", {}).get("completion_tokens") != 2:
+        return f"the next good request got HTTP {r.status_code}: {r.text[:160]!r}"
+    return None
+
+
+@timed
+def run_malformed(target: Target) -> PhaseResult:
+    """Every row of the table on one client, each followed by a good request on it."""
+    rows = malformed_table(target)
+    result = PhaseResult("malformed", {"rows": len(rows), "passed": 0})
+    with target.client(auth=False) as client:
+        for row in rows:
+            headers = {**(target.auth() if row.auth else {}),
+                       **({"Content-Type": row.content_type} if row.content_type else {})}
+            try:
+                r = client.request(row.method, row.path, content=row.body, headers=headers)
+            except httpx.HTTPError as e:
+                problems = [f"{type(e).__name__}: {e}"]
+            else:
+                problems = bad_request_problems(r, row)
+                result.server_errors += is_server_error(r)
+            try:  # a server that dropped the connection after answering fails here
+                after = good_request_problem(client, target)
+            except httpx.HTTPError as e:
+                after = f"the next good request failed: {type(e).__name__}: {e}"
+            problems += [after] if after else []
+            if problems:
+                result.failures += [f"{row.name}: {p}" for p in problems]
+            else:
+                result.add("passed")
+    return result
