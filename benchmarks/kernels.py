@@ -14,7 +14,10 @@ dabba/csrc's comments come from here.
 - int8_prefill: the INT8 linear at prefill's row counts, _weight_int8pack_mm against codes
   dequantized per call + dabba's linear (what rows past gemm_max_rows get).
 - attention: decode over --decode-seqs sequences of --decode-context positions (blocks shuffled, as
-  a long-running server's are, and in order), and one prompt of each --prompt-lens, per layer.
+  a long-running server's are, and in order), and one prompt of each --prompt-lens, per layer: as
+  the backend runs it (layer_us: its bf16 passes on AMX tiles where the CPU has them and
+  attention_on_amx in csrc/paged_attention_cpu.cpp takes them) and on the AVX512-BF16 passes, the
+  reference (reference_layer_us), with the GFLOP/s of each (QK^T and PV of the causal prompt).
 """
 from __future__ import annotations
 
@@ -127,8 +130,10 @@ def bench_int8_prefill(shape: Shape, layers: int, rows: list[int], repeats: int)
 
 
 def _attention_case(shape: Shape, query_lens: list[int], context_lens: list[int], shuffle: bool,
-                    seed: int = 0) -> tuple[Callable[[], Any], int]:
-    """One layer's CPU-backend attention for a step of these requests; returns (run, KV bytes read)."""
+                    seed: int = 0, amx: bool = True) -> tuple[Callable[[], Any], int]:
+    """One layer's CPU-backend attention for a step of these requests; returns (run, KV bytes read).
+    amx False: a step with prompts forced onto the AVX512-BF16 passes (the paged_attention op's amx
+    argument), the reference."""
     from dabba.attention.backend import CommonAttentionMetadata
     from dabba.attention.cpu import CpuBackend
 
@@ -156,7 +161,20 @@ def _attention_case(shape: Shape, query_lens: list[int], context_lens: list[int]
     k = torch.randn(tokens, shape.num_kv_heads, shape.head_dim).bfloat16()
     v = torch.randn(tokens, shape.num_kv_heads, shape.head_dim).bfloat16()
     kv_bytes = int(2 * seq_lens.sum() * shape.num_kv_heads * shape.head_dim * 2)
-    return (lambda: backend.forward(q, k, v, cache, metadata, shape.head_dim ** -0.5)), kv_bytes
+    scale = shape.head_dim ** -0.5
+    if amx or metadata.decode_only:
+        return (lambda: backend.forward(q, k, v, cache, metadata, scale)), kv_bytes
+
+    def reference() -> torch.Tensor:  # backend.forward's steps, the op told to keep off AMX tiles
+        key_cache, value_cache = backend.split_cache(cache)
+        backend.write_kv(key_cache, value_cache, k, v, metadata)
+        out = torch.empty_like(q)
+        torch.ops.dabba_cpu.paged_attention(out, q, key_cache, value_cache, metadata.block_table,
+                                            metadata.query_start_loc, metadata.seq_lens, scale, 0, 0.0, None, None,
+                                            False)
+        return out
+
+    return reference, kv_bytes
 
 
 def bench_attention(shape: Shape, layers: int, decode_seqs: int, decode_context: int, prompt_lens: list[int],
@@ -174,8 +192,14 @@ def bench_attention(shape: Shape, layers: int, decode_seqs: int, decode_context:
                                   "kv_gb_s": sum(b for _, b in cases) / ms / 1e6}
     out["prompt"] = []
     for n in prompt_lens:
-        run, _ = _attention_case(shape, [n], [0], shuffle=False)
-        out["prompt"].append({"tokens": n, "layer_us": best_ms(run, repeats) * 1e3})
+        flops = 4 * shape.num_heads * shape.head_dim * n * (n + 1) / 2  # QK^T and PV over the causal keys
+        row: dict[str, Any] = {"tokens": n}
+        for name, amx in (("layer_us", True), ("reference_layer_us", False)):
+            run, _ = _attention_case(shape, [n], [0], shuffle=False, amx=amx)
+            row[name] = best_ms(run, repeats) * 1e3
+        row["gflop_s"] = flops / row["layer_us"] / 1e3
+        row["reference_gflop_s"] = flops / row["reference_layer_us"] / 1e3
+        out["prompt"].append(row)
     return out
 
 

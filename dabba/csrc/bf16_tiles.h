@@ -12,6 +12,9 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define DABBA_HAVE_BF16_GEMM 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define DABBA_HAVE_AMX 1  // the AMX kernels (gemm_amx_cpu.cpp, paged_attention_cpu.cpp) are built
+#endif
 #endif
 
 namespace dabba {
@@ -107,6 +110,17 @@ inline void widen_codes(const int8_t* q, int64_t K, uint16_t* dst) {
   }
   for (; k < K; ++k) dst[k] = float_to_bf16_bits(static_cast<float>(q[k]));
 }
+
+#ifdef DABBA_HAVE_AMX
+// LDTILECFG's 64-byte operand: palette 1, then each tile's bytes per row and rows.
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+#endif
 
 // The AMX microkernel (gemm_amx_cpu.cpp), over packed x as above, where amx_usable(K) (cpu_ops.h).
 // Columns go by kAmxColumns (threads split N in multiples of it; a partial last step is padded).

@@ -36,8 +36,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(DABBA_HAVE_BF16_GEMM) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define DABBA_HAVE_AMX 1
+#ifdef DABBA_HAVE_AMX
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -50,14 +49,6 @@ namespace dabba {
 #ifdef DABBA_HAVE_AMX
 
 namespace {
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // Every tile 16 rows of 64 bytes: 16 x 32 bf16 (A), 16 pairs x 16 rows of x (B), 16 x 16 float32 (C).
 const TileConfig* tile_config() {

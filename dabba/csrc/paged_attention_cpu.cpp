@@ -28,16 +28,36 @@
 // vector, accumulated over head_dim with broadcast FMAs: no horizontal sums. Values keep rows
 // contiguous, so out += p * v_t runs along head_dim. Everything accumulates in float32.
 // The vector path needs block_size == 16 and head_dim % 16 == 0; other shapes take scalar loops.
+//
+// AMX: with bf16 q and cache, where the CPU and OS have AMX tiles and head_dim is a multiple of 32,
+// a request's tiles (up to 32 query rows: 32 / G tokens) run both passes on them (amx_block_scores,
+// amx_weighted_values): S = Q K^T and O = P V by TDPBF16PS, from the same bf16 operands as the
+// AVX512-BF16 passes (q, keys, probabilities rounded to bf16) into float32 sums, with the same
+// softmax_rows between. Only the order of the float32 additions differs, so the outputs agree
+// with those passes to float32 summation (tests/attention/test_attention_amx.py), not bit for
+// bit. attention_on_amx picks the path, per request (thresholds in cpu_ops.h); the op's amx=false
+// keeps the AVX512-BF16 passes, the reference and the path everywhere else.
+// Measured on the 2-core Xeon with AMX (2.6 GHz, 2 MiB L2 a core) while other jobs loaded it,
+// SmolLM2-135M's shape (9 query heads, 3 kv heads, head_dim 64), one prompt, one layer, AMX against
+// the AVX512-BF16 passes: python -m benchmarks.kernels --layers 4 --repeats 3 --linear-rows 4096
+// --prefill-rows 32 --decode-seqs 4 --decode-context 64 --prompt-lens 512,2048 (attention.prompt,
+// both threads, wall time): 2048 tokens 10.0 ms against 28.7 (485 against 168 GFLOP/s of QK^T and
+// PV; at load average 5, 31 against 97), 512 tokens 0.92 against 2.0. One thread, CPU time: 2048
+// tokens 17-20 ms against 57; head_dim 128 33 against 113; 14 query heads on 2 kv heads
+// (Qwen2.5-0.5B) 27 against 89. What is left: softmax_rows is about 40% of the AMX path's time
+// (its exp), interleaving key blocks into pairs for the B tiles (once per tile, not per row) 18%.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include "bf16_tiles.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
 #include "vec16.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -77,32 +97,6 @@ inline vfloat load16_as_float<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
 }
 #endif
 
-// In place: s[0..n) <- softmax(s[0..n)). The max and the sum run in 16 lanes: a float reduction
-// written as one scalar loop is not vectorised without -ffast-math, and neither is any loop it
-// shares (the exp, the costliest part, is a map loop of its own here).
-inline void softmax_inplace(float* s, int64_t n) {
-  const int64_t full = n / kLanes * kLanes;
-  float max_score = s[0];
-  if (full) {
-    vfloat vmax = load16(s);
-    for (int64_t t = kLanes; t < full; t += kLanes) {
-      const vfloat x = load16(s + t);
-      vmax = vmax > x ? vmax : x;
-    }
-    for (int64_t i = 0; i < kLanes; ++i) max_score = std::max(max_score, vmax[i]);
-  }
-  for (int64_t t = full; t < n; ++t) max_score = std::max(max_score, s[t]);
-#pragma GCC ivdep
-  for (int64_t t = 0; t < n; ++t) s[t] = exp_nonpositive(s[t] - max_score);
-  vfloat vsum = {};
-  for (int64_t t = 0; t < full; t += kLanes) vsum += load16(s + t);
-  float sum = 0.f;
-  for (int64_t i = 0; i < kLanes; ++i) sum += vsum[i];
-  for (int64_t t = full; t < n; ++t) sum += s[t];
-  const float inv = 1.f / sum;
-  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
-}
-
 // Pull a whole block into cache ahead of use: blocks sit at scattered addresses, which the
 // hardware prefetcher cannot guess.
 inline void prefetch_block(const void* p, int64_t bytes) {
@@ -111,6 +105,7 @@ inline void prefetch_block(const void* p, int64_t bytes) {
 }
 
 constexpr int kMaxTileRows = 16;  // query rows attended together: group_attention's largest group
+constexpr int kAmxTileRows = 32;  // on AMX tiles: two A tiles' rows (amx_block_scores)
 
 struct Shape {
   int64_t num_heads, head_dim, num_kv_heads, num_blocks, block_size, group, max_blocks;
@@ -379,6 +374,38 @@ void group_weighted_values(const Shape& sh, const float* probs, const cache_t* v
     group_weighted_values_chunks<cache_t, G, 1>(sh, probs, v_ptr, blocks, kvh, seq_len, padded_len, c, out);
 }
 
+// The softmax in 16 float32 lanes a vector, where GCC would otherwise prefer 8 (-march=native on
+// AVX-512 parts): its exp is most of a long prompt's softmax, and the softmax a third of the
+// attention on AMX tiles. The same elementwise steps, so the same results.
+#pragma GCC push_options
+#pragma GCC target("prefer-vector-width=512")
+
+// In place: s[0..n) <- softmax(s[0..n)). The max and the sum run in 16 lanes: a float reduction
+// written as one scalar loop is not vectorised without -ffast-math, and neither is any loop it
+// shares (the exp, the costliest part, is a map loop of its own here).
+inline void softmax_inplace(float* s, int64_t n) {
+  const int64_t full = n / kLanes * kLanes;
+  float max_score = s[0];
+  if (full) {
+    vfloat vmax = load16(s);
+    for (int64_t t = kLanes; t < full; t += kLanes) {
+      const vfloat x = load16(s + t);
+      vmax = vmax > x ? vmax : x;
+    }
+    for (int64_t i = 0; i < kLanes; ++i) max_score = std::max(max_score, vmax[i]);
+  }
+  for (int64_t t = full; t < n; ++t) max_score = std::max(max_score, s[t]);
+#pragma GCC ivdep
+  for (int64_t t = 0; t < n; ++t) s[t] = exp_nonpositive(s[t] - max_score);
+  vfloat vsum = {};
+  for (int64_t t = 0; t < full; t += kLanes) vsum += load16(s + t);
+  float sum = 0.f;
+  for (int64_t i = 0; i < kLanes; ++i) sum += vsum[i];
+  for (int64_t t = full; t < n; ++t) sum += s[t];
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+}
+
 // In place: s[0..n) <- cap * tanh(s[0..n) / cap), the soft cap (libm's tanh: exact to float32's
 // rounding, where a cheaper form loses absolute accuracy near 0).
 inline void softcap_inplace(float* s, int64_t n, float cap) {
@@ -400,6 +427,7 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t padded_len, int64_
     std::fill(s + row_lens[r], s + seq_len, 0.f);
   }
 }
+#pragma GCC pop_options
 
 // probs[r, t] *= v_t's scale for rows r < rows and positions t < seq_len: an 8-bit value's scale
 // folded into its probability, so the value pass sums p * scale * codes as it sums p * v.
@@ -415,16 +443,245 @@ inline void fold_value_scales(const Shape& sh, const float* v_scales, const int6
   }
 }
 
+#ifdef DABBA_HAVE_AMX
+// The same two passes on AMX tiles, for a tile of `rows` query rows (1 .. kAmxTileRows) with bf16
+// q and cache and head_dim a multiple of 32. The rows are a top half (up to 16) and a bottom half
+// (the rest), each its own A tile, so that each key and value interleaved for the B tiles serves
+// up to 32 rows: tiles 0, 1 accumulate the top rows' float32 sums for two sets of 16 columns,
+// 2, 3 the bottom rows' (C); 4 and 5 hold 32 bf16 of each top and bottom row, of q or of the
+// probabilities (A); 6 and 7 16 bf16 pairs of 16 columns (B): in the scores pass the pairs
+// (d, d + 1) of 16 keys, exactly the vectors group_block_scores_bf16 multiplies; in the value pass
+// the pairs of keys (t, t + 1) of 16 dimensions, as group_weighted_values_bf16 interleaves them.
+// A and C tiles have the tile's own numbers of rows (a configuration per count), so q, the scores
+// and out are read and written in place, with no padding rows.
+
+const TileConfig* attention_tile_config(int64_t rows) {
+  static const auto configs = [] {
+    std::array<TileConfig, kAmxTileRows + 1> c{};
+    for (int r = 1; r <= kAmxTileRows; ++r) {
+      const int top = std::min(r, 16), bottom = r - top;
+      c[r].palette_id = 1;
+      for (int t : {0, 1, 4}) {
+        c[r].colsb[t] = 64;
+        c[r].rows[t] = top;
+      }
+      for (int t : {2, 3, 5}) {  // unconfigured (and unused) for 16 rows or fewer
+        c[r].colsb[t] = bottom ? 64 : 0;
+        c[r].rows[t] = bottom;
+      }
+      for (int t : {6, 7}) {
+        c[r].colsb[t] = 64;
+        c[r].rows[t] = 16;
+      }
+    }
+    return c;
+  }();
+  return &configs[rows];
+}
+
+// Loads the configuration for a tile's passes and releases the tile state after, so that other
+// code on the thread (oneDNN's AMX kernels, the GEMM) finds the tiles as it expects them.
+struct AttentionTiles {
+  explicit AttentionTiles(int64_t rows) { _tile_loadconfig(attention_tile_config(rows)); }
+  ~AttentionTiles() { _tile_release(); }
+};
+
+// scores[r * padded_len + t] = (q_r . k_t) * scale for r < rows over every key of the blocks that
+// cover seq_len (past seq_len: whatever the block holds, as the AVX512 pass; softmax_rows never
+// reads it). Each key block is interleaved into pairs once per tile (head_dim / 2 vpermw) into a
+// small buffer the B tiles load; two blocks a step. A step's blocks are staged a step ahead: a
+// tile load of data just stored waits for the stores to complete (loading them at once cost a
+// third of the whole path's time). A power-of-two scale (head_dim 64 or 256) multiplies q instead
+// of the sums, exactly (a bf16 times 2^k is a bf16, down to 2^-126, below which both kernels'
+// dot products take inputs as zeros anyway), saving the sums a load and a store; other scales
+// multiply the sums a step after their tile stores, while they are in L1.
+void amx_block_scores(const Shape& sh, int64_t rows, const uint16_t* q, float scale, const uint16_t* k_ptr,
+                      const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len, float* scores) {
+  int exponent;
+  const bool scale_q = std::frexp(scale, &exponent) == 0.5f;
+  thread_local std::vector<uint16_t> q_scaled;
+  if (scale_q) {
+    q_scaled.resize(rows * sh.head_dim);
+    for (int64_t i = 0; i < rows * sh.head_dim; ++i) q_scaled[i] = float_to_bf16_bits(bf16_bits_to_float(q[i]) * scale);
+    q = q_scaled.data();
+  }
+  const __m512i pairs = _mm512_load_si512(kPairInterleave);
+  const bool tall = rows > kLanes;
+  const int64_t num_seq_blocks = (seq_len + kLanes - 1) / kLanes, block_elems = sh.head_dim * kLanes;
+  const int64_t half = block_elems / 2, chunk = 32 * kLanes / 2;  // a B tile: 32 dimensions of 16 keys as pairs
+  const int64_t ldq = sh.head_dim * sizeof(uint16_t), lds = padded_len * sizeof(float);
+  const uint16_t* q_bottom = q + kLanes * sh.head_dim;
+  float* scores_bottom = scores + kLanes * padded_len;
+  thread_local std::vector<uint32_t> staged_buffer;  // [step parity][block of the step][head_dim / 2][16 keys]
+  staged_buffer.resize(4 * half);
+  uint32_t* const staged = staged_buffer.data();
+  auto stage = [&](int64_t j) {
+    for (int64_t b = j; b < j + 2 && b < num_seq_blocks; ++b) {
+      if (b + 2 < num_seq_blocks)
+        prefetch_block(k_ptr + (kvh * sh.num_blocks + blocks[b + 2]) * block_elems, block_elems * sizeof(uint16_t));
+      const uint16_t* kb = k_ptr + (kvh * sh.num_blocks + blocks[b]) * block_elems;
+      uint32_t* dst = staged + (b % 4) * half;
+      for (int64_t d = 0; d < sh.head_dim; d += 2)
+        _mm512_storeu_si512(dst + d / 2 * kLanes, _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(kb + d * kLanes)));
+    }
+  };
+  // The sums times scale, a step's 32 columns (not waiting on the tile stores of the step after).
+  const __m512 vscale = _mm512_set1_ps(scale);
+  auto scale_step = [vscale, rows, scores, padded_len, end = num_seq_blocks * kLanes](int64_t j) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t t = j * kLanes; t < std::min(j * kLanes + 2 * kLanes, end); t += kLanes)
+        _mm512_storeu_ps(scores + r * padded_len + t, _mm512_mul_ps(_mm512_loadu_ps(scores + r * padded_len + t), vscale));
+  };
+  stage(0);
+  for (int64_t j = 0; j < num_seq_blocks; j += 2) {
+    const bool two = j + 1 < num_seq_blocks;
+    if (j + 2 < num_seq_blocks) stage(j + 2);
+    const uint32_t* const b0 = staged + (j % 4) * half;
+    const uint32_t* const b1 = b0 + half;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (tall) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t c = 0; c < sh.head_dim / 32; ++c) {
+      _tile_loadd(4, q + c * 32, ldq);
+      _tile_loadd(6, b0 + c * chunk, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (two) {
+        _tile_loadd(7, b1 + c * chunk, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (tall) {
+        _tile_loadd(5, q_bottom + c * 32, ldq);
+        _tile_dpbf16ps(2, 5, 6);
+        if (two) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, scores + j * kLanes, lds);
+    if (two) _tile_stored(1, scores + (j + 1) * kLanes, lds);
+    if (tall) {
+      _tile_stored(2, scores_bottom + j * kLanes, lds);
+      if (two) _tile_stored(3, scores_bottom + (j + 1) * kLanes, lds);
+    }
+    if (j >= 2 && !scale_q) scale_step(j - 2);
+  }
+  if (!scale_q) scale_step((num_seq_blocks - 1) / 2 * 2);
+}
+
+// out[r * head_dim + d] = sum_{t < seq_len} p[r, t] v_t[d], the probabilities rounded to bf16 as
+// group_weighted_values_bf16 rounds them, 32 keys (two blocks) a step and 32 dimensions (two
+// accumulators per half) a pass over the keys. Keys t, t + 1 are interleaved for the pass's 32
+// dimensions (2 B tiles), staged a step ahead as in amx_block_scores; keys past seq_len get zero
+// values and probabilities (the cache there may hold anything, NaN included).
+void amx_weighted_values(const Shape& sh, int64_t rows, const float* probs, const uint16_t* v_ptr,
+                         const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len, float* out) {
+  const bool tall = rows > kLanes;
+  const int64_t keys = (seq_len + 31) / 32 * 32;
+  const int64_t row = keys / 32 % 2 ? keys : keys + 32;  // an odd number of 64-byte lines (see attend_tile)
+  thread_local std::vector<uint16_t> p16_buffer;
+  p16_buffer.resize(rows * row);
+  uint16_t* const p16 = p16_buffer.data();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < keys; t += kLanes) {
+      const int64_t n = std::clamp<int64_t>(seq_len - t, 0, kLanes);
+      const __m512 p = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), probs + r * padded_len + t);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + r * row + t), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+  const uint16_t* p16_bottom = p16 + kLanes * row;
+  const __m512i lo_idx = _mm512_load_si512(kPairLo), hi_idx = _mm512_load_si512(kPairHi);
+  const int64_t block_elems = kLanes * sh.head_dim, ldp = row * sizeof(uint16_t), ldo = sh.head_dim * sizeof(float);
+  alignas(64) uint32_t staged[2][2][kLanes * kLanes];  // [step parity][16 dimensions][16 key pairs][2 keys]
+  auto value_row = [&](int64_t t) {
+    return v_ptr + ((kvh * sh.num_blocks + blocks[t / kLanes]) * kLanes + t % kLanes) * sh.head_dim;
+  };
+  for (int64_t c = 0; c < sh.head_dim; c += 32) {
+    auto stage = [&](int64_t k0) {
+      if (c == 0)  // (from L2, where the scores pass brought the keys' blocks; the values follow)
+        for (int64_t j = k0 / kLanes + 2; j < k0 / kLanes + 4 && j * kLanes < seq_len; ++j)
+          prefetch_block(v_ptr + (kvh * sh.num_blocks + blocks[j]) * block_elems, block_elems * sizeof(uint16_t));
+      uint32_t(&dst)[2][kLanes * kLanes] = staged[k0 / 32 % 2];
+      for (int i = 0; i < kLanes; ++i) {
+        const int64_t t = k0 + 2 * i;
+        const __m512i a = t < seq_len ? _mm512_loadu_si512(value_row(t) + c) : _mm512_setzero_si512();
+        const __m512i b = t + 1 < seq_len ? _mm512_loadu_si512(value_row(t + 1) + c) : _mm512_setzero_si512();
+        _mm512_store_si512(dst[0] + i * kLanes, _mm512_permutex2var_epi16(a, lo_idx, b));
+        _mm512_store_si512(dst[1] + i * kLanes, _mm512_permutex2var_epi16(a, hi_idx, b));
+      }
+    };
+    _tile_zero(0);
+    _tile_zero(1);
+    if (tall) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    stage(0);
+    for (int64_t k0 = 0; k0 < seq_len; k0 += 32) {
+      if (k0 + 32 < seq_len) stage(k0 + 32);
+      const uint32_t(&now)[2][kLanes * kLanes] = staged[k0 / 32 % 2];
+      _tile_loadd(4, p16 + k0, ldp);
+      _tile_loadd(6, now[0], 64);
+      _tile_loadd(7, now[1], 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (tall) {
+        _tile_loadd(5, p16_bottom + k0, ldp);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, out + c, ldo);
+    _tile_stored(1, out + c + kLanes, ldo);
+    if (tall) {
+      _tile_stored(2, out + kLanes * sh.head_dim + c, ldo);
+      _tile_stored(3, out + kLanes * sh.head_dim + c + kLanes, ldo);
+    }
+  }
+}
+#endif
+
+// The one place that picks the kernel of a request's bf16 attention passes (bf16 q and cache; the
+// 8-bit caches and other dtypes have passes of their own): AMX tiles where the build, the CPU and
+// the OS have them (amx_usable, which also wants head_dim a multiple of 32), with 16-key blocks,
+// from kAmxAttentionMinRows query rows (its tokens x the query heads per kv head) and
+// kAmxAttentionMinKeys keys (cpu_ops.h: where they pay, measured); else the AVX512-BF16 passes,
+// the reference. amx false (the paged_attention op's argument) keeps the reference everywhere.
+template <typename scalar_t, typename cache_t>
+bool attention_on_amx(bool amx, const Shape& sh, int64_t query_len, int64_t seq_len) {
+#ifdef DABBA_HAVE_AMX
+  return std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16> && amx &&
+         sh.block_size == kLanes && sh.group <= kAmxTileRows && query_len * sh.group >= kAmxAttentionMinRows &&
+         seq_len >= kAmxAttentionMinKeys && amx_usable(sh.head_dim);
+#else
+  return false;
+#endif
+}
+
 // Both passes for sh.group query rows that share a kv head (the G heads of one token, or of
 // several tokens of one prompt); false if the shape needs the per-row loops.
 // q: the rows as stored (contiguous), qf: the same scaled, in float32; row r attends positions
 // [row_starts[r], row_lens[r]) (row_starts null: from 0), all within seq_len; softcap > 0 caps
-// the scores.
+// the scores; amx: the bf16 passes on AMX tiles (the caller asked attention_on_amx; up to
+// kAmxTileRows rows, else kMaxTileRows).
 template <typename scalar_t, typename cache_t>
 bool group_attention(const Shape& sh, const scalar_t* q, float scale, const float* qf, const PagedKV<cache_t>& kv,
                      const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len,
-                     const int64_t* row_lens, const int64_t* row_starts, float softcap, float* scores, float* out) {
+                     const int64_t* row_lens, const int64_t* row_starts, float softcap, bool amx, float* scores,
+                     float* out) {
   if (sh.block_size != kLanes || sh.head_dim % kLanes) return false;
+#ifdef DABBA_HAVE_AMX
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
+    if (amx) {
+      const AttentionTiles tiles(sh.group);
+      amx_block_scores(sh, sh.group, reinterpret_cast<const uint16_t*>(q), scale,
+                       reinterpret_cast<const uint16_t*>(kv.k), blocks, kvh, seq_len, padded_len, scores);
+      softmax_rows(scores, sh.group, padded_len, seq_len, row_lens, row_starts, softcap);
+      amx_weighted_values(sh, sh.group, scores, reinterpret_cast<const uint16_t*>(kv.v), blocks, kvh, seq_len,
+                          padded_len, out);
+      return true;
+    }
+  }
+#endif
   auto run = [&](auto group) {
     constexpr int G = decltype(group)::value;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -481,8 +738,8 @@ inline int64_t first_visible_block(int64_t pos, int64_t window, int64_t block_si
 // Query tokens tok0 .. tok0 + nt - 1 of one sequence (positions pos0 .. pos0 + nt - 1, its block
 // table `blocks`) against kv head kvh. Each token's G query heads are a row each; all nt * G rows
 // share every key and value load. Row (t, g) attends positions [0, pos0 + t]: causal; with a
-// sliding window (window > 0) only [pos0 + t - window + 1, pos0 + t]; softcap > 0 caps the scores.
-// Then the blocks before the
+// sliding window (window > 0) only [pos0 + t - window + 1, pos0 + t]; softcap > 0 caps the scores;
+// amx: on AMX tiles (attention_on_amx said so for the tile's request). Then the blocks before the
 // tile's first visible key are skipped whole: the passes run over positions skip .. pos0 + nt - 1
 // (skip a multiple of block_size), and each row masks the keys before its own window.
 //
@@ -491,7 +748,7 @@ inline int64_t first_visible_block(int64_t pos, int64_t window, int64_t block_si
 template <typename scalar_t, typename cache_t>
 void attend_tile(const Shape& sh, const scalar_t* q_ptr, scalar_t* out_ptr, const PagedKV<cache_t>& kv,
                  const int64_t* blocks, int64_t tok0, int64_t nt, int64_t pos0, int64_t kvh, float fscale,
-                 int64_t window, float softcap, TileBuffers<scalar_t>& b) {
+                 int64_t window, float softcap, bool amx, TileBuffers<scalar_t>& b) {
   Shape tile = sh;
   tile.group = nt * sh.group;
   const int64_t rows = tile.group, d_head = sh.head_dim;
@@ -499,7 +756,11 @@ void attend_tile(const Shape& sh, const scalar_t* q_ptr, scalar_t* out_ptr, cons
   const int64_t skip = first_block * sh.block_size;
   blocks += first_block;
   const int64_t seq_len = pos0 + nt - skip;
-  const int64_t padded_len = (seq_len + sh.block_size - 1) / sh.block_size * sh.block_size;
+  // The scores' row stride: whole blocks, and with 16-key blocks an odd number of 64-byte lines:
+  // rows a power of two of lines apart (2048 keys: 8 KiB) share the same few L1 sets, and the
+  // passes that read a column of rows at a time (tile stores and loads) evicted each other's rows.
+  int64_t padded_len = (seq_len + sh.block_size - 1) / sh.block_size * sh.block_size;
+  if (padded_len * sizeof(float) % 128 == 0) padded_len += sh.block_size;
   b.q.resize(rows * d_head);
   b.qf.resize(rows * d_head);
   b.acc.resize(rows * d_head);
@@ -519,7 +780,7 @@ void attend_tile(const Shape& sh, const scalar_t* q_ptr, scalar_t* out_ptr, cons
   float* scores = b.scores.data();
   float* acc = b.acc.data();
   if (!group_attention(tile, b.q.data(), fscale, b.qf.data(), kv, blocks, kvh, seq_len, padded_len,
-                       b.row_lens.data(), row_starts, softcap, scores, acc)) {
+                       b.row_lens.data(), row_starts, softcap, amx, scores, acc)) {
     block_scores(tile, b.qf.data(), kv.k, kv.k_scales, blocks, kvh, seq_len, padded_len, scores);
     softmax_rows(scores, rows, padded_len, seq_len, b.row_lens.data(), row_starts, softcap);
     if (kv.v_scales) fold_value_scales(tile, kv.v_scales, blocks, kvh, seq_len, padded_len, rows, scores);
@@ -574,7 +835,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const Shape& sh
                               (item + 1) % sh.num_kv_heads);
       }
       attend_tile(sh, q_ptr, out_ptr, kv, bt_ptr + s * sh.max_blocks, s, 1, len_ptr[s] - 1, kvh,
-                  static_cast<float>(scale), window, static_cast<float>(softcap), buffers);
+                  static_cast<float>(scale), window, static_cast<float>(softcap),
+                  attention_on_amx<scalar_t, cache_t>(true, sh, 1, len_ptr[s]), buffers);
     }
   });
 }
@@ -582,24 +844,29 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const Shape& sh
 // A step's attention, prefill chunks and decodes together. Request r's query tokens are
 // query_start_loc[r] .. query_start_loc[r + 1]; they are the last tokens of its seq_lens[r], and
 // this step's keys and values are in the cache already (write_kv_cache). A prompt's tokens are
-// attended in tiles of T = 16 / G consecutive tokens (G query heads per kv head), so each key and
-// value is loaded once per tile rather than once per token. The tiles are dealt to the threads
-// from both ends of the list: a prompt's later tiles attend more positions.
+// attended in tiles of T = 16 / G consecutive tokens (G query heads per kv head; 32 / G where
+// attention_on_amx puts the request on AMX tiles), so each key and value is loaded once per tile
+// rather than once per token. The tiles are dealt to the threads from both ends of the list: a
+// prompt's later tiles attend more positions.
 template <typename scalar_t, typename cache_t>
 void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const Shape& sh, const PagedKV<cache_t>& kv,
                             const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
+                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap, bool amx) {
   const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
-  const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / sh.group);
-  struct Tile { int64_t req, tok0, nt, pos0; };
+  struct Tile {
+    int64_t req, tok0, nt, pos0;
+    bool amx;
+  };
   std::vector<Tile> tiles;
   for (int64_t r = 0; r + 1 < query_start_loc.size(0); ++r) {
     const int64_t query_len = qsl[r + 1] - qsl[r], context_len = len_ptr[r] - query_len;
     TORCH_CHECK(query_len >= 0 && context_len >= 0, "request ", r, ": query longer than its sequence");
+    const bool on_amx = attention_on_amx<scalar_t, cache_t>(amx, sh, query_len, len_ptr[r]);
+    const int64_t tile_tokens = std::max<int64_t>(1, (on_amx ? kAmxTileRows : kMaxTileRows) / sh.group);
     for (int64_t i = 0; i < query_len; i += tile_tokens)
-      tiles.push_back({r, qsl[r] + i, std::min(tile_tokens, query_len - i), context_len + i});
+      tiles.push_back({r, qsl[r] + i, std::min(tile_tokens, query_len - i), context_len + i, on_amx});
   }
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
@@ -610,7 +877,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const Shape& s
       const int64_t i = item / sh.num_kv_heads, kvh = item % sh.num_kv_heads;
       const Tile& tile = tiles[i % 2 ? num_tiles - 1 - i / 2 : i / 2];  // 0, n-1, 1, n-2, ...
       attend_tile(sh, q_ptr, out_ptr, kv, bt_ptr + tile.req * sh.max_blocks, tile.tok0, tile.nt, tile.pos0, kvh,
-                  static_cast<float>(scale), window, static_cast<float>(softcap), buffers);
+                  static_cast<float>(scale), window, static_cast<float>(softcap), tile.amx, buffers);
     }
   });
 }
@@ -698,7 +965,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      double scale, int64_t sliding_window, double softcap, const c10::optional<at::Tensor>& key_scales,
-                     const c10::optional<at::Tensor>& value_scales) {
+                     const c10::optional<at::Tensor>& value_scales, bool amx) {
   check_attention_operands(out, q, key_cache, value_cache, block_table, key_scales, value_scales);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
@@ -711,7 +978,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     with_paged_kv<scalar_t>(key_cache, value_cache, key_scales, value_scales, [&](const auto& kv) {
       prefill_attention_impl<scalar_t>(out, q, sh, kv, block_table, query_start_loc, seq_lens, scale,
-                                       std::max<int64_t>(sliding_window, 0), std::max(softcap, 0.0));
+                                       std::max<int64_t>(sliding_window, 0), std::max(softcap, 0.0), amx);
     });
   });
 }
@@ -882,6 +1149,6 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(dabba::paged_decode_attention));
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, int sliding_window=0, float softcap=0., "
-        "Tensor? key_scales=None, Tensor? value_scales=None) -> ()");
+        "Tensor? key_scales=None, Tensor? value_scales=None, bool amx=True) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(dabba::paged_attention));
 }
