@@ -55,7 +55,6 @@ embedding table, of which a step reads one row.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import operator
@@ -64,23 +63,20 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks.peers.bandwidth import DABBA_QUANT, bandwidth_report, copy_bandwidth
+from benchmarks.peers.online import compare_online
 from benchmarks.peers.pss import PssSampler
 from benchmarks.peers.report import print_checks, summary_of, to_markdown
+from benchmarks.peers.vllm_env import vllm_env
 from benchmarks.peers.workloads import BATCH_WORKLOADS, WORKLOADS, Workload
 from dabba.benchmark.offline import OfflineWorkload, make_prompts
 from dabba.models.config import ArchConfig
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-# 2 threads on 2 cores; offline runs give vLLM its KV budget in bytes through the spec instead.
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "HF_HUB_OFFLINE": "1"}
-# vLLM's CPU build refuses to start on this VM without an explicit KV space (serve mode).
-VLLM_SERVE_ENV = {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
 KV_ROUND = 128  # tokens: a sequence's KV share, a multiple of every engine's block size
 KV_SLACK = 256  # tokens on top: what an engine reserves (vLLM's null block) must not cost a sequence
 BATCH = "BATCH"  # in --workloads: each model's --batch-workload
@@ -114,7 +110,6 @@ class Target:
 
 DABBA, VLLM = ("dabba", "bf16"), ("vllm", "bf16")
 PEER_VARIANT = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # llama.cpp's counterpart of each dabba variant
-DABBA_QUANT = {"bf16": None, "int8": "int8", "int4": "int4"}
 SPEEDUP_W2 = {"bf16": 1.1, "int8": 1.3, "int4": 1.2}
 TARGETS = [
     Target("W1", DABBA, VLLM, "total_tok_s", 1.3),
@@ -127,7 +122,6 @@ TARGETS = [
     # load-time quantization must not cost more memory than the bf16 weights it replaces
     *(Target("W2", ("dabba", v), DABBA, "peak_pss_mib", 1.0, "<") for v in ("int8", "int4")),
 ]
-BANDWIDTH_TARGET = 0.85  # W2 decode GB/s over the read bandwidth membw measures
 
 
 # --- models -------------------------------------------------------------------------------------
@@ -306,10 +300,7 @@ def write_spec(w: Workload, prompts: list[list[int]], prefix_caching: bool, dire
 
 
 def run_vllm(python: str, job: Job) -> dict[str, Any]:
-    env = dict(VLLM_ENV)
-    if Path(TCMALLOC).is_file():
-        env["LD_PRELOAD"] = TCMALLOC
-    return run_json([python, str(PEERS_DIR / "vllm_runner.py"), "--model", job.model.path, "--spec", job.spec], env,
+    return run_json([python, str(PEERS_DIR / "vllm_runner.py"), "--model", job.model.path, "--spec", job.spec], vllm_env(),
                     pss_interval=job.pss_interval)
 
 
@@ -319,77 +310,6 @@ def run_llamacpp(python: str, job: Job, variant: str) -> dict[str, Any]:
         raise RuntimeError(f"{gguf} is missing: make it with benchmarks/peers/make_gguf.py (or make_shapes.py)")
     return run_json([python, str(PEERS_DIR / "llamacpp_runner.py"), "--gguf", str(gguf), "--spec", job.spec],
                     pss_interval=job.pss_interval)
-
-
-def wait_until_serving(base_url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before serving")
-        try:
-            with urllib.request.urlopen(f"{base_url}/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"{base_url} did not come up in {timeout} s")
-
-
-def run_online(engine: str, args: argparse.Namespace, model: str, port: int) -> dict[str, Any]:
-    """Start one server, drive it with `dabba bench serve`'s client, stop it."""
-    from dabba.benchmark.serve import ServeBenchConfig, run_serve_benchmark
-
-    env: dict[str, str] = {}
-    if engine == "dabba":
-        cmd = [sys.executable, "-m", "dabba.entrypoints.cli", "serve", model, "--port", str(port),
-               "--dtype", "bfloat16", "--max-model-len", "2048"]
-    else:
-        # the module, not the `vllm` script: the CPU build is the distribution vllm-cpu, and the
-        # script looks up the version of a distribution named vllm
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port",
-               str(port), "--dtype", "bfloat16", "--max-model-len", "2048", "--seed", "0"]
-        env = dict(VLLM_SERVE_ENV, **({"LD_PRELOAD": TCMALLOC} if Path(TCMALLOC).is_file() else {}))
-    base_url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
-    try:
-        wait_until_serving(base_url, proc)
-        cfg = ServeBenchConfig(base_url=base_url, num_prompts=args.serve_prompts, input_len=args.serve_input_len,
-                               output_len=args.serve_output_len, tokenizer=model,
-                               request_rate=args.request_rate, slo_ttft_ms=args.slo_ttft_ms,
-                               slo_tpot_ms=args.slo_tpot_ms)
-        r = asyncio.run(run_serve_benchmark(cfg))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    if r["failed"]:
-        raise RuntimeError(f"{engine}: {r['failed']} requests failed: {r['errors']}")
-    return {"ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p99_ms": r["ttft_ms"]["p99"], "tpot_p50_ms": r["tpot_ms"]["p50"],
-            "tpot_p99_ms": r["tpot_ms"]["p99"], "goodput": float(r.get("goodput", 0.0)),
-            "output_throughput": r["output_throughput"]}
-
-
-def compare_online(args: argparse.Namespace, model: str) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {}
-    engines = ["dabba", "vllm"]
-    for repeat in range(args.repeats):
-        for engine in engines[repeat % 2:] + engines[:repeat % 2]:
-            r = run_online(engine, args, model, 8100 + 2 * repeat + (engine == "vllm"))
-            runs.setdefault(engine, []).append(r)
-            print(f"serve repeat {repeat + 1}: {engine}: {json.dumps(r)}", file=sys.stderr, flush=True)
-    medians = {e: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for e, rs in runs.items()}
-    ours, theirs = medians["dabba"], medians["vllm"]
-    checks = [{"metric": m, "dabba": ours[m], "vllm": theirs[m], "met": ours[m] <= theirs[m]}
-              for m in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")]
-    checks.append({"metric": "goodput", "dabba": ours["goodput"], "vllm": theirs["goodput"],
-                   "met": ours["goodput"] > theirs["goodput"]})
-    return {"model": model, "request_rate": args.request_rate, "num_prompts": args.serve_prompts,
-            "input_len": args.serve_input_len, "output_len": args.serve_output_len, "slo_ttft_ms": args.slo_ttft_ms,
-            "slo_tpot_ms": args.slo_tpot_ms, "medians": medians, "checks": checks, "runs": runs}
 
 
 def engines_for(w: Workload, args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -450,54 +370,6 @@ def kv_budgets(shape: ModelShape, w: Workload, kv_bytes: int,
 
 
 # --- bandwidth ------------------------------------------------------------------------------------
-
-def copy_bandwidth(gib: float, iters: int) -> dict[str, Any]:
-    """benchmarks/membw.py's read bandwidth of this machine, best and median GB/s."""
-    import torch
-
-    from benchmarks.membw import read_bandwidth
-
-    rates = read_bandwidth(int(gib * 2**30), iters)
-    return {"threads": torch.get_num_threads(), "buffer_gib": gib, "read_gb_s_best": max(rates),
-            "read_gb_s_median": statistics.median(rates)}
-
-
-def decode_bytes_per_token(model_dir: str, variant: str) -> int:
-    """Weight bytes one batch-1 decode step reads, at dabba's own packed sizes: every weight but
-    the embedding table (a step reads one row of it), except a bf16 tied embedding, which the LM
-    head reads whole (quantized, the head is its own INT8 copy)."""
-    import torch
-
-    from dabba.planner import weights_bytes
-    from dabba.quantization.config import QuantConfig
-
-    arch = ArchConfig.from_hf(model_dir)
-    quant = DABBA_QUANT[variant]
-    total = weights_bytes(arch, torch.bfloat16, QuantConfig(quant) if quant else None)
-    if quant is None and arch.tie_word_embeddings:
-        return total
-    return total - arch.vocab_size * arch.hidden_size * torch.bfloat16.itemsize
-
-
-def bandwidth_report(model_dir: str, w2: dict[str, dict[str, float]], membw: dict[str, Any] | None
-                     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """dabba's W2 decode GB/s per variant, its share of membw's best read, and the checks."""
-    report, checks = {}, []
-    for key, m in w2.items():
-        engine, variant = key.split("/")
-        if engine != "dabba" or not m.get("decode_tok_s"):
-            continue
-        nbytes = decode_bytes_per_token(model_dir, variant)
-        gb_s = nbytes * m["decode_tok_s"] / 1e9
-        report[variant] = {"bytes_per_token": nbytes, "decode_tok_s": m["decode_tok_s"], "decode_gb_s": gb_s}
-        if membw:
-            share = gb_s / membw["read_gb_s_best"]
-            report[variant]["share_of_read_bw"] = share
-            checks.append({"workload": "W2", "ours": key, "theirs": "membw read", "metric": "decode_gb_s",
-                           "value": gb_s, "peer_value": membw["read_gb_s_best"], "ratio": share,
-                           "target": BANDWIDTH_TARGET, "op": ">=", "met": share >= BANDWIDTH_TARGET})
-    return report, checks
-
 
 # --- one model, then all ----------------------------------------------------------------------------
 

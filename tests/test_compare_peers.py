@@ -9,12 +9,17 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from benchmarks import compare_peers
 from benchmarks.peers import report as report_module
-from benchmarks.compare_peers import (BANDWIDTH_TARGET, TARGETS, WORKLOADS, ModelRun, Target, kv_tokens,
-                                      max_model_len, model_runs, parse_args)
+from benchmarks.compare_peers import (TARGETS, WORKLOADS, ModelRun, Target, kv_tokens, max_model_len, model_runs,
+                                      parse_args)
+from benchmarks.peers.bandwidth import BANDWIDTH_TARGET, decode_bytes_per_token
 from benchmarks.peers.pss import MIB, PssSampler, process_tree
+from dabba.models.config import ArchConfig
+from dabba.models.sizes import weights_bytes
+from dabba.quantization.config import QuantConfig
 
 
 def test_compare_peers_runs_dabba_alone(checkpoints, tmp_path, capsys) -> None:
@@ -163,10 +168,13 @@ def test_decode_bytes_are_the_weights_a_step_reads(checkpoints) -> None:
     from benchmarks.membw import weight_bytes
 
     tied = str(checkpoints["qwen2"].path)  # float32 on disk, read as bf16
-    bf16 = compare_peers.decode_bytes_per_token(tied, "bf16")
+    bf16 = decode_bytes_per_token(tied, "bf16")
     assert 2 * bf16 == weight_bytes(tied)  # the tied embedding counted once: the LM head reads it
-    int8, int4 = (compare_peers.decode_bytes_per_token(tied, v) for v in ("int8", "int4"))
+    int8, int4 = (decode_bytes_per_token(tied, v) for v in ("int8", "int4"))
     assert int4 < int8 < bf16
+    # quantized, the table is the head's INT8 codes, which the embedding shares: counted once too
+    arch = ArchConfig.from_hf(tied)
+    assert int8 == weights_bytes(arch, torch.bfloat16, QuantConfig("int8"))
 
 
 def report(checks: list[dict]) -> dict:

@@ -1,0 +1,60 @@
+"""How fast dabba's batch-1 decode reads its weights, against the machine's read bandwidth
+(benchmarks/membw.py): compare_peers' bandwidth report and its check."""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from dabba.models.config import ArchConfig
+
+BANDWIDTH_TARGET = 0.85  # W2 decode GB/s over the read bandwidth membw measures
+DABBA_QUANT = {"bf16": None, "int8": "int8", "int4": "int4"}  # dabba's load-time quantization per variant
+
+
+def copy_bandwidth(gib: float, iters: int) -> dict[str, Any]:
+    """benchmarks/membw.py's read bandwidth of this machine, best and median GB/s."""
+    import torch
+
+    from benchmarks.membw import read_bandwidth
+
+    rates = read_bandwidth(int(gib * 2**30), iters)
+    return {"threads": torch.get_num_threads(), "buffer_gib": gib, "read_gb_s_best": max(rates),
+            "read_gb_s_median": statistics.median(rates)}
+
+
+def decode_bytes_per_token(model_dir: str, variant: str) -> int:
+    """Weight bytes one batch-1 decode step reads, at dabba's own packed sizes: every weight but
+    the embedding table (a step reads one row of it), except a bf16 tied embedding, which the LM
+    head reads whole (load-time quantized, the embedding reads its rows from the head's INT8 codes,
+    so a tied model's table is counted once either way)."""
+    import torch
+
+    from dabba.models.sizes import weights_bytes
+    from dabba.quantization.config import QuantConfig
+
+    arch = ArchConfig.from_hf(model_dir)
+    quant = DABBA_QUANT[variant]
+    total = weights_bytes(arch, torch.bfloat16, QuantConfig(quant) if quant else None)
+    if arch.tie_word_embeddings:
+        return total
+    return total - arch.vocab_size * arch.hidden_size * torch.bfloat16.itemsize
+
+
+def bandwidth_report(model_dir: str, w2: dict[str, dict[str, float]], membw: dict[str, Any] | None
+                     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """dabba's W2 decode GB/s per variant, its share of membw's best read, and the checks."""
+    report, checks = {}, []
+    for key, m in w2.items():
+        engine, variant = key.split("/")
+        if engine != "dabba" or not m.get("decode_tok_s"):
+            continue
+        nbytes = decode_bytes_per_token(model_dir, variant)
+        gb_s = nbytes * m["decode_tok_s"] / 1e9
+        report[variant] = {"bytes_per_token": nbytes, "decode_tok_s": m["decode_tok_s"], "decode_gb_s": gb_s}
+        if membw:
+            share = gb_s / membw["read_gb_s_best"]
+            report[variant]["share_of_read_bw"] = share
+            checks.append({"workload": "W2", "ours": key, "theirs": "membw read", "metric": "decode_gb_s",
+                           "value": gb_s, "peer_value": membw["read_gb_s_best"], "ratio": share,
+                           "target": BANDWIDTH_TARGET, "op": ">=", "met": share >= BANDWIDTH_TARGET})
+    return report, checks
