@@ -49,8 +49,8 @@ the bf16 engines'). The report records each engine's budget.
 
 Bandwidth: benchmarks/membw.py's read bandwidth (one pass over a --membw-gib buffer, all threads)
 is measured once per run; dabba's W2 decode reads its weights at bytes-per-token x decode tokens/s,
-the bytes per token from dabba's own packed sizes (dabba.planner.weights_bytes) less the
-embedding table, of which a step reads one row.
+the bytes per token from dabba's own packed sizes (dabba.models.sizes.weights_bytes) less an
+untied embedding table, of which a step reads one row (benchmarks/peers/bandwidth.py).
 """
 from __future__ import annotations
 
