@@ -1,11 +1,14 @@
-"""dabba's native CPU kernels (dabba/csrc/*.cpp), built on first use and cached.
+"""dabba's native CPU kernels (dabba/csrc/*.cpp), as ``torch.ops.dabba_cpu.*``.
 
-torch's C++ extension loader compiles them with g++ and ninja (about 30 s, once per machine and
-source version) and registers them as ``torch.ops.dabba_cpu.*``. Where that is impossible (no
-compiler, another platform), everything falls back to plain PyTorch, which stays the reference.
+They come in instruction-set variants (dabba/kernel_variants.py), and the running CPU's is loaded:
+from the installed package where setup.py built it (a wheel needs no compiler), else compiled on
+first use by torch's C++ extension loader (g++ and ninja, about 30-40 s, once per machine, variant
+and source version; an editable install works this way). Where neither is possible (no compiler,
+another platform), everything falls back to plain PyTorch, which stays the reference.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 from dataclasses import dataclass
@@ -14,25 +17,62 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dabba import kernel_variants
+
 logger = logging.getLogger("dabba")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "gemv_cpu.cpp", "gemm_cpu.cpp", "gemm_amx_cpu.cpp",
-           "int8_gemv_cpu.cpp", "decode_cpu.cpp", "kernel_constants.cpp", "sampling_cpu.cpp",
-           "int4_gemv_cpu.cpp")
+PREBUILT = Path(__file__).resolve().parent / "_kernels"  # setup.py's libraries, one per variant
 
 
 @functools.lru_cache(maxsize=None)
 def load_cpu_ops() -> bool:
+    """Load the variant for this CPU once per process; False where the kernels cannot be had. A
+    DABBA_CPU_ISA that names no variant, or one this CPU cannot run, is a ValueError."""
+    variant = kernel_variants.running_variant()
     try:
-        from torch.utils.cpp_extension import load
-
-        load(name="dabba_cpu", sources=[str(CSRC / s) for s in SOURCES], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"], extra_ldflags=["-fopenmp"])
-        return True
+        source = _load_prebuilt(variant) or _build(variant)
     except Exception as e:  # no compiler, no ninja, unsupported platform: the reference still works
         logger.warning("native CPU kernels unavailable (%s); using plain PyTorch", e)
         return False
+    logger.info("native CPU kernels: %s variant (%s)", variant.name, source)
+    return True
+
+
+def loaded_variant() -> str | None:
+    """The name of the kernels' variant in this process, None where they are unavailable."""
+    return kernel_variants.running_variant().name if load_cpu_ops() else None
+
+
+def _load_prebuilt(variant: kernel_variants.IsaVariant) -> str | None:
+    """The installed package's library of this variant, loaded; None where there is none."""
+    libraries = sorted(PREBUILT.glob(f"{kernel_variants.library_name(variant)}.*so"))
+    if not libraries:
+        return None
+    torch.ops.load_library(str(libraries[0]))
+    return f"installed {libraries[0].name}"
+
+
+def _build(variant: kernel_variants.IsaVariant) -> str:
+    """Compile (or take from torch's extension cache) and load this variant. Builders take a
+    file lock first, which the OS drops when a process dies; so whoever holds it knows that a
+    torch build lock left in the directory is a killed build's, which would otherwise make every
+    later load wait forever."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    name = kernel_variants.library_name(variant)
+    build_dir = Path(_get_build_directory(name, verbose=False))  # where torch would build it: TORCH_EXTENSIONS_DIR, per Python
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "dabba.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that was killed", stale)
+            stale.unlink()
+        load(name=name, sources=[str(CSRC / s) for s in kernel_variants.SOURCES], is_python_module=False,
+             build_directory=str(build_dir), extra_cflags=[*kernel_variants.COMMON_CFLAGS, *variant.cflags],
+             extra_ldflags=list(kernel_variants.COMMON_LDFLAGS))
+    return f"built in {build_dir}"
 
 
 @dataclass(frozen=True)

@@ -429,6 +429,10 @@ void amx_int4_gemm_blocks(const uint16_t*, int64_t, int64_t, const uint8_t*, con
 
 #endif  // DABBA_HAVE_AMX
 
+#else  // without AVX512-BF16 (the avx2 and generic variants) no AMX kernel is built either
+
+bool amx_usable(int64_t) { return false; }
+
 #endif  // DABBA_HAVE_BF16_GEMM
 
 }  // namespace dabba

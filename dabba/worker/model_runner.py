@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dabba import native
 from dabba.attention.backend import forward_context
 from dabba.attention.cpu import CpuBackend
 from dabba.attention.kv_quant import SCALE_DTYPE, kv_bytes_per_token, make_kv_quant
@@ -57,6 +58,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         if device.type == "cpu":
             keep_freed_host_memory()
+            native.load_cpu_ops()  # now, so that no request waits for a first build or load (it logs the variant)
         check_fits(f"the weights of {model_dir} ({str(dtype).removeprefix('torch.')}"
                    f"{', ' + quant_config.method if quant_config else ''})",
                    weights_bytes(arch, dtype, quant_config, device.type), device,
