@@ -9,6 +9,7 @@ The rest of the metadata is in pyproject.toml.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -20,6 +21,7 @@ def _variants_module():
     """dabba/kernel_variants.py alone: importing the package would import all of dabba."""
     spec = importlib.util.spec_from_file_location("_dabba_kernel_variants", ROOT / "dabba" / "kernel_variants.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
 
