@@ -38,6 +38,12 @@ W2 decode >= 1.1x llama.cpp bf16, INT8 >= 1.3x Q8_0, INT4 >= 1.2x Q4_0, TTFT <= 
 PSS <= 1.2x llama.cpp's per format, INT8's and INT4's below bf16's (load-time quantization); W2
 decode at >= 85% of the read bandwidth. --markdown-out writes a table per model, for the README.
 
+Kernel variants: --dabba-isa avx2,avx512 runs dabba once per named variant of its native kernels
+(dabba/kernel_variants.py), as engines dabba-avx2, dabba-avx512, ..., each process told it is on
+that CPU: DABBA_CPU_ISA, and for PyTorch's own kernels ATEN_CPU_CAPABILITY and oneDNN's
+ONEDNN_MAX_CPU_ISA (ISA_ENV); with --llamacpp-python a llama.cpp built for AVX2 only, the report's
+targets then include W2 decode of dabba-avx2 >= 1.1x llama.cpp's at each variant.
+
 Memory: while each engine runs, this process samples the PSS of the benchmark child and all its
 descendants (vLLM's engine core is a subprocess) from /proc/<pid>/smaps_rollup every
 --pss-interval seconds (less often where a sample would take over 5% of a core:
@@ -109,6 +115,10 @@ class Target:
 
 
 DABBA, VLLM = ("dabba", "bf16"), ("vllm", "bf16")
+# what a process sees of the CPU when compare_peers runs dabba as one kernel variant
+ISA_ENV = {"avx2": {"DABBA_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+           "avx512": {"DABBA_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL"},
+           "generic": {"DABBA_CPU_ISA": "generic", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}}
 PEER_VARIANT = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # llama.cpp's counterpart of each dabba variant
 SPEEDUP_W2 = {"bf16": 1.1, "int8": 1.3, "int4": 1.2}
 TARGETS = [
@@ -121,6 +131,8 @@ TARGETS = [
     *(Target("W2", ("dabba", v), ("llama.cpp", PEER_VARIANT[v]), "peak_pss_mib", 1.2, "<=") for v in SPEEDUP_W2),
     # load-time quantization must not cost more memory than the bf16 weights it replaces
     *(Target("W2", ("dabba", v), DABBA, "peak_pss_mib", 1.0, "<") for v in ("int8", "int4")),
+    # --dabba-isa with an AVX2-only llama.cpp: the AVX2 variant keeps its lead at batch-1 decode
+    *(Target("W2", ("dabba-avx2", v), ("llama.cpp", PEER_VARIANT[v]), "decode_tok_s", 1.1) for v in SPEEDUP_W2),
 ]
 
 
@@ -266,7 +278,7 @@ class Job:
     pss_interval: float = 0.5
 
 
-def run_dabba(job: Job, variant: str) -> dict[str, Any]:
+def run_dabba(job: Job, variant: str, isa: str | None = None) -> dict[str, Any]:
     w, s = job.workload, job.workload.shape
     out = Path(job.directory) / "dabba.json"
     cmd = [sys.executable, "-m", "dabba.entrypoints.cli", "bench", w.kind, job.model.path, "--input-len",
@@ -279,7 +291,7 @@ def run_dabba(job: Job, variant: str) -> dict[str, Any]:
         cmd += ["--batch-size", str(s.num_prompts), "--num-iters-warmup", "1", "--num-iters", "3"]
     if DABBA_QUANT[variant]:
         cmd += ["--quantization", DABBA_QUANT[variant]]
-    r = run_json(cmd, json_file=out, pss_interval=job.pss_interval)
+    r = run_json(cmd, env=ISA_ENV[isa] if isa else None, json_file=out, pss_interval=job.pss_interval)
     if w.kind == "throughput":
         return {"total_tok_s": r["total_tokens_per_s"], "output_tok_s": r["output_tokens_per_s"],
                 "elapsed_s": r["elapsed_s"], "peak_pss_mib": r["peak_pss_mib"]}
@@ -314,7 +326,7 @@ def run_llamacpp(python: str, job: Job, variant: str) -> dict[str, Any]:
 
 def engines_for(w: Workload, args: argparse.Namespace) -> list[tuple[str, str]]:
     variants = args.variants if w.name == "W2" else ["bf16"]
-    ours = [("dabba", v) for v in variants]
+    ours = [(f"dabba-{isa}" if isa else "dabba", v) for isa in args.dabba_isa or [None] for v in variants]
     peers = []
     if args.vllm_python:
         peers.append(("vllm", "bf16"))
@@ -324,8 +336,8 @@ def engines_for(w: Workload, args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def run_engine(engine: str, variant: str, job: Job, args: argparse.Namespace) -> dict[str, Any]:
-    if engine == "dabba":
-        return run_dabba(job, variant)
+    if engine.startswith("dabba"):
+        return run_dabba(job, variant, engine.removeprefix("dabba").removeprefix("-") or None)
     if engine == "vllm":
         return run_vllm(args.vllm_python, job)
     return run_llamacpp(args.llamacpp_python, job, variant)
@@ -455,11 +467,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--serve-output-len", type=int, default=128)
     parser.add_argument("--slo-ttft-ms", type=float, default=500.0, help="--serve: goodput SLO (default 500)")
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0, help="--serve: goodput SLO (default 50)")
+    parser.add_argument("--dabba-isa", default=None,
+                        help=f"run dabba as each of these kernel variants ({', '.join(ISA_ENV)}; default: the CPU's)")
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--markdown-out", default=None, help="the per-shape tables, for the README")
     args = parser.parse_args(argv)
     args.workloads = split_list([args.workloads])
     args.variants = split_list([args.variants])
+    args.dabba_isa = split_list([args.dabba_isa]) if args.dabba_isa else None
+    if args.dabba_isa and any(isa not in ISA_ENV for isa in args.dabba_isa):
+        parser.error(f"--dabba-isa: a comma list of {', '.join(ISA_ENV)}")
     if not args.variants or any(v not in PEER_VARIANT for v in args.variants):
         parser.error(f"--variants: a comma list of {', '.join(PEER_VARIANT)}")
     unknown = [w for w in args.workloads if w not in WORKLOADS and w != BATCH]

@@ -120,7 +120,29 @@ def test_targets_are_the_issues() -> None:
         assert got["W2", ("dabba", v), ("llama.cpp", peer), "peak_pss_mib"] == ("<=", 1.2)
     for v in ("int8", "int4"):
         assert got["W2", ("dabba", v), dabba, "peak_pss_mib"] == ("<", 1.0)
+        assert got["W2", ("dabba-avx2", v), ("llama.cpp", {"int8": "q8_0", "int4": "q4_0"}[v]), "decode_tok_s"] == \
+            (">=", 1.1)
     assert BANDWIDTH_TARGET == 0.85
+
+
+def test_dabba_runs_once_per_kernel_variant_with_the_cpu_that_variant_sees(monkeypatch, tmp_path) -> None:
+    args = parse_args(["--model", "/m/a", "--workloads", "W2", "--variants", "bf16,int4", "--dabba-isa", "avx2,avx512",
+                       "--llamacpp-python", "/p/python"])
+    w2 = WORKLOADS["W2"]
+    assert compare_peers.engines_for(w2, args) == [("dabba-avx2", "bf16"), ("dabba-avx2", "int4"),
+                                                   ("dabba-avx512", "bf16"), ("dabba-avx512", "int4"),
+                                                   ("llama.cpp", "bf16"), ("llama.cpp", "q4_0")]
+    seen = []
+    monkeypatch.setattr(compare_peers, "run_json", lambda cmd, env=None, **kw: seen.append((cmd, env)) or
+                        {"decode_tokens_per_s": 1.0, "ttft_s": {"p50": 0.1}, "latency_s": {"p50": 1.0},
+                         "peak_pss_mib": 1.0})
+    job = compare_peers.Job(ModelRun("/m/a", "/g"), w2, "spec.json", 1 << 20, str(tmp_path))
+    compare_peers.run_engine("dabba-avx2", "int4", job, args)
+    compare_peers.run_engine("dabba", "bf16", job, args)
+    assert seen[0][1] == {"DABBA_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert "--quantization" in seen[0][0] and seen[1][1] is None
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "/m/a", "--dabba-isa", "avx9"])
 
 
 def test_a_target_checks_its_ratio_in_its_direction() -> None:
