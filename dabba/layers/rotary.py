@@ -69,14 +69,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rotary_dim: int, max_position: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(rotary_dim, theta, scaling, max_position)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
-        cos, sin = emb.cos(), emb.sin()
-        if scaling.rope_type == "longrope":
-            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
-        self.register_buffer("cos_cache", cos, persistent=False)
-        self.register_buffer("sin_cache", sin, persistent=False)
+        device = torch.get_default_device()  # the model's (a `with torch.device(...)` around its construction)
+        with torch.device("cpu"):  # on the meta device (dabba.models.sizes) these ops would import torch._dynamo: 1-3 s
+            inv_freq = rope_inv_freq(rotary_dim, theta, scaling, max_position)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
+            cos, sin = emb.cos(), emb.sin()
+            if scaling.rope_type == "longrope":
+                cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+        self.register_buffer("cos_cache", cos.to(device), persistent=False)
+        self.register_buffer("sin_cache", sin.to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Once per step, shared by every layer: [num_tokens, rotary_dim] each, in the model dtype."""
