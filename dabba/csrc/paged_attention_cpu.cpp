@@ -54,6 +54,7 @@
 #include "bf16_tiles.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
+#include "paged_attention.h"
 #include "vec16.h"
 
 #include <algorithm>
@@ -96,36 +97,6 @@ inline vfloat load16_as_float<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
   return out;
 }
 #endif
-
-// Pull a whole block into cache ahead of use: blocks sit at scattered addresses, which the
-// hardware prefetcher cannot guess.
-inline void prefetch_block(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
-}
-
-constexpr int kMaxTileRows = 16;  // query rows attended together: group_attention's largest group
-constexpr int kAmxTileRows = 32;  // on AMX tiles: two A tiles' rows (amx_block_scores)
-
-struct Shape {
-  int64_t num_heads, head_dim, num_kv_heads, num_blocks, block_size, group, max_blocks;
-};
-
-// One layer's cache as the kernels read it: elements of cache_t, the model's dtype or 8-bit codes
-// (int8_t, c10::Float8_e4m3fn) with a float32 scale per token, [num_kv_heads, num_blocks,
-// block_size]; k_scales and v_scales null for a full-precision cache.
-template <typename cache_t>
-struct PagedKV {
-  const cache_t* k;
-  const cache_t* v;
-  const float* k_scales;
-  const float* v_scales;
-};
-
-// Block `block` of kv head kvh in a [num_kv_heads, num_blocks, block_size] scales tensor.
-inline const float* block_scales(const Shape& sh, const float* scales, int64_t kvh, int64_t block) {
-  return scales + (kvh * sh.num_blocks + block) * sh.block_size;
-}
 
 // scores[g * padded_len + t] = q_g . k_t for t < seq_len (q already scaled), times k_t's scale
 // where the keys are 8-bit codes (k_scales non-null).
@@ -216,9 +187,6 @@ void group_block_scores(const Shape& sh, const float* qf, const PagedKV<cache_t>
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// vpermw indices taking two 16-element bf16 rows a | b to the pairs (a0, b0), (a1, b1), ...
-alignas(64) constexpr uint16_t kPairInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 // bf16 keys: q . k by vdpbf16ps, two dimensions per instruction with products exact in float32,
 // instead of widening every key to float32 first: half the instructions of the pass. A block's
@@ -255,11 +223,6 @@ void group_block_scores_bf16(const Shape& sh, const uint16_t* q, float scale, co
   }
 }
 
-// vpermt2w indices taking two 32-element bf16 rows a, b to the pairs (a_i, b_i): i < 16, then i >= 16.
-alignas(64) constexpr uint16_t kPairLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-alignas(64) constexpr uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                              24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
 
 // bf16 values: out_g = sum_t p[g, t] v_t by vdpbf16ps, two keys' values per instruction, with the
 // probabilities rounded to bf16 (as flash attention's P @ V does) and float32 sums. Rows t and
@@ -443,202 +406,6 @@ inline void fold_value_scales(const Shape& sh, const float* v_scales, const int6
   }
 }
 
-#ifdef DABBA_HAVE_AMX
-// The same two passes on AMX tiles, for a tile of `rows` query rows (1 .. kAmxTileRows) with bf16
-// q and cache and head_dim a multiple of 32. The rows are a top half (up to 16) and a bottom half
-// (the rest), each its own A tile, so that each key and value interleaved for the B tiles serves
-// up to 32 rows: tiles 0, 1 accumulate the top rows' float32 sums for two sets of 16 columns,
-// 2, 3 the bottom rows' (C); 4 and 5 hold 32 bf16 of each top and bottom row, of q or of the
-// probabilities (A); 6 and 7 16 bf16 pairs of 16 columns (B): in the scores pass the pairs
-// (d, d + 1) of 16 keys, exactly the vectors group_block_scores_bf16 multiplies; in the value pass
-// the pairs of keys (t, t + 1) of 16 dimensions, as group_weighted_values_bf16 interleaves them.
-// A and C tiles have the tile's own numbers of rows (a configuration per count), so q, the scores
-// and out are read and written in place, with no padding rows.
-
-const TileConfig* attention_tile_config(int64_t rows) {
-  static const auto configs = [] {
-    std::array<TileConfig, kAmxTileRows + 1> c{};
-    for (int r = 1; r <= kAmxTileRows; ++r) {
-      const int top = std::min(r, 16), bottom = r - top;
-      c[r].palette_id = 1;
-      for (int t : {0, 1, 4}) {
-        c[r].colsb[t] = 64;
-        c[r].rows[t] = top;
-      }
-      for (int t : {2, 3, 5}) {  // unconfigured (and unused) for 16 rows or fewer
-        c[r].colsb[t] = bottom ? 64 : 0;
-        c[r].rows[t] = bottom;
-      }
-      for (int t : {6, 7}) {
-        c[r].colsb[t] = 64;
-        c[r].rows[t] = 16;
-      }
-    }
-    return c;
-  }();
-  return &configs[rows];
-}
-
-// Loads the configuration for a tile's passes and releases the tile state after, so that other
-// code on the thread (oneDNN's AMX kernels, the GEMM) finds the tiles as it expects them.
-struct AttentionTiles {
-  explicit AttentionTiles(int64_t rows) { _tile_loadconfig(attention_tile_config(rows)); }
-  ~AttentionTiles() { _tile_release(); }
-};
-
-// scores[r * padded_len + t] = (q_r . k_t) * scale for r < rows over every key of the blocks that
-// cover seq_len (past seq_len: whatever the block holds, as the AVX512 pass; softmax_rows never
-// reads it). Each key block is interleaved into pairs once per tile (head_dim / 2 vpermw) into a
-// small buffer the B tiles load; two blocks a step. A step's blocks are staged a step ahead: a
-// tile load of data just stored waits for the stores to complete (loading them at once cost a
-// third of the whole path's time). A power-of-two scale (head_dim 64 or 256) multiplies q instead
-// of the sums, exactly (a bf16 times 2^k is a bf16, down to 2^-126, below which both kernels'
-// dot products take inputs as zeros anyway), saving the sums a load and a store; other scales
-// multiply the sums a step after their tile stores, while they are in L1.
-void amx_block_scores(const Shape& sh, int64_t rows, const uint16_t* q, float scale, const uint16_t* k_ptr,
-                      const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len, float* scores) {
-  int exponent;
-  const bool scale_q = std::frexp(scale, &exponent) == 0.5f;
-  thread_local std::vector<uint16_t> q_scaled;
-  if (scale_q) {
-    q_scaled.resize(rows * sh.head_dim);
-    for (int64_t i = 0; i < rows * sh.head_dim; ++i) q_scaled[i] = float_to_bf16_bits(bf16_bits_to_float(q[i]) * scale);
-    q = q_scaled.data();
-  }
-  const __m512i pairs = _mm512_load_si512(kPairInterleave);
-  const bool tall = rows > kLanes;
-  const int64_t num_seq_blocks = (seq_len + kLanes - 1) / kLanes, block_elems = sh.head_dim * kLanes;
-  const int64_t half = block_elems / 2, chunk = 32 * kLanes / 2;  // a B tile: 32 dimensions of 16 keys as pairs
-  const int64_t ldq = sh.head_dim * sizeof(uint16_t), lds = padded_len * sizeof(float);
-  const uint16_t* q_bottom = q + kLanes * sh.head_dim;
-  float* scores_bottom = scores + kLanes * padded_len;
-  thread_local std::vector<uint32_t> staged_buffer;  // [step parity][block of the step][head_dim / 2][16 keys]
-  staged_buffer.resize(4 * half);
-  uint32_t* const staged = staged_buffer.data();
-  auto stage = [&](int64_t j) {
-    for (int64_t b = j; b < j + 2 && b < num_seq_blocks; ++b) {
-      if (b + 2 < num_seq_blocks)
-        prefetch_block(k_ptr + (kvh * sh.num_blocks + blocks[b + 2]) * block_elems, block_elems * sizeof(uint16_t));
-      const uint16_t* kb = k_ptr + (kvh * sh.num_blocks + blocks[b]) * block_elems;
-      uint32_t* dst = staged + (b % 4) * half;
-      for (int64_t d = 0; d < sh.head_dim; d += 2)
-        _mm512_storeu_si512(dst + d / 2 * kLanes, _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(kb + d * kLanes)));
-    }
-  };
-  // The sums times scale, a step's 32 columns (not waiting on the tile stores of the step after).
-  const __m512 vscale = _mm512_set1_ps(scale);
-  auto scale_step = [vscale, rows, scores, padded_len, end = num_seq_blocks * kLanes](int64_t j) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t t = j * kLanes; t < std::min(j * kLanes + 2 * kLanes, end); t += kLanes)
-        _mm512_storeu_ps(scores + r * padded_len + t, _mm512_mul_ps(_mm512_loadu_ps(scores + r * padded_len + t), vscale));
-  };
-  stage(0);
-  for (int64_t j = 0; j < num_seq_blocks; j += 2) {
-    const bool two = j + 1 < num_seq_blocks;
-    if (j + 2 < num_seq_blocks) stage(j + 2);
-    const uint32_t* const b0 = staged + (j % 4) * half;
-    const uint32_t* const b1 = b0 + half;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (tall) {
-      _tile_zero(2);
-      _tile_zero(3);
-    }
-    for (int64_t c = 0; c < sh.head_dim / 32; ++c) {
-      _tile_loadd(4, q + c * 32, ldq);
-      _tile_loadd(6, b0 + c * chunk, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if (two) {
-        _tile_loadd(7, b1 + c * chunk, 64);
-        _tile_dpbf16ps(1, 4, 7);
-      }
-      if (tall) {
-        _tile_loadd(5, q_bottom + c * 32, ldq);
-        _tile_dpbf16ps(2, 5, 6);
-        if (two) _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, scores + j * kLanes, lds);
-    if (two) _tile_stored(1, scores + (j + 1) * kLanes, lds);
-    if (tall) {
-      _tile_stored(2, scores_bottom + j * kLanes, lds);
-      if (two) _tile_stored(3, scores_bottom + (j + 1) * kLanes, lds);
-    }
-    if (j >= 2 && !scale_q) scale_step(j - 2);
-  }
-  if (!scale_q) scale_step((num_seq_blocks - 1) / 2 * 2);
-}
-
-// out[r * head_dim + d] = sum_{t < seq_len} p[r, t] v_t[d], the probabilities rounded to bf16 as
-// group_weighted_values_bf16 rounds them, 32 keys (two blocks) a step and 32 dimensions (two
-// accumulators per half) a pass over the keys. Keys t, t + 1 are interleaved for the pass's 32
-// dimensions (2 B tiles), staged a step ahead as in amx_block_scores; keys past seq_len get zero
-// values and probabilities (the cache there may hold anything, NaN included).
-void amx_weighted_values(const Shape& sh, int64_t rows, const float* probs, const uint16_t* v_ptr,
-                         const int64_t* blocks, int64_t kvh, int64_t seq_len, int64_t padded_len, float* out) {
-  const bool tall = rows > kLanes;
-  const int64_t keys = (seq_len + 31) / 32 * 32;
-  const int64_t row = keys / 32 % 2 ? keys : keys + 32;  // an odd number of 64-byte lines (see attend_tile)
-  thread_local std::vector<uint16_t> p16_buffer;
-  p16_buffer.resize(rows * row);
-  uint16_t* const p16 = p16_buffer.data();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t t = 0; t < keys; t += kLanes) {
-      const int64_t n = std::clamp<int64_t>(seq_len - t, 0, kLanes);
-      const __m512 p = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), probs + r * padded_len + t);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + r * row + t), (__m256i)_mm512_cvtneps_pbh(p));
-    }
-  const uint16_t* p16_bottom = p16 + kLanes * row;
-  const __m512i lo_idx = _mm512_load_si512(kPairLo), hi_idx = _mm512_load_si512(kPairHi);
-  const int64_t block_elems = kLanes * sh.head_dim, ldp = row * sizeof(uint16_t), ldo = sh.head_dim * sizeof(float);
-  alignas(64) uint32_t staged[2][2][kLanes * kLanes];  // [step parity][16 dimensions][16 key pairs][2 keys]
-  auto value_row = [&](int64_t t) {
-    return v_ptr + ((kvh * sh.num_blocks + blocks[t / kLanes]) * kLanes + t % kLanes) * sh.head_dim;
-  };
-  for (int64_t c = 0; c < sh.head_dim; c += 32) {
-    auto stage = [&](int64_t k0) {
-      if (c == 0)  // (from L2, where the scores pass brought the keys' blocks; the values follow)
-        for (int64_t j = k0 / kLanes + 2; j < k0 / kLanes + 4 && j * kLanes < seq_len; ++j)
-          prefetch_block(v_ptr + (kvh * sh.num_blocks + blocks[j]) * block_elems, block_elems * sizeof(uint16_t));
-      uint32_t(&dst)[2][kLanes * kLanes] = staged[k0 / 32 % 2];
-      for (int i = 0; i < kLanes; ++i) {
-        const int64_t t = k0 + 2 * i;
-        const __m512i a = t < seq_len ? _mm512_loadu_si512(value_row(t) + c) : _mm512_setzero_si512();
-        const __m512i b = t + 1 < seq_len ? _mm512_loadu_si512(value_row(t + 1) + c) : _mm512_setzero_si512();
-        _mm512_store_si512(dst[0] + i * kLanes, _mm512_permutex2var_epi16(a, lo_idx, b));
-        _mm512_store_si512(dst[1] + i * kLanes, _mm512_permutex2var_epi16(a, hi_idx, b));
-      }
-    };
-    _tile_zero(0);
-    _tile_zero(1);
-    if (tall) {
-      _tile_zero(2);
-      _tile_zero(3);
-    }
-    stage(0);
-    for (int64_t k0 = 0; k0 < seq_len; k0 += 32) {
-      if (k0 + 32 < seq_len) stage(k0 + 32);
-      const uint32_t(&now)[2][kLanes * kLanes] = staged[k0 / 32 % 2];
-      _tile_loadd(4, p16 + k0, ldp);
-      _tile_loadd(6, now[0], 64);
-      _tile_loadd(7, now[1], 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if (tall) {
-        _tile_loadd(5, p16_bottom + k0, ldp);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, out + c, ldo);
-    _tile_stored(1, out + c + kLanes, ldo);
-    if (tall) {
-      _tile_stored(2, out + kLanes * sh.head_dim + c, ldo);
-      _tile_stored(3, out + kLanes * sh.head_dim + c + kLanes, ldo);
-    }
-  }
-}
-#endif
 
 // The one place that picks the kernel of a request's bf16 attention passes (bf16 q and cache; the
 // 8-bit caches and other dtypes have passes of their own): AMX tiles where the build, the CPU and
@@ -883,29 +650,6 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const Shape& s
 }
 
 namespace {
-bool is_code_dtype(at::ScalarType dtype) { return dtype == at::kChar || dtype == at::kFloat8_e4m3fn; }
-
-// A full-precision cache has q's dtype and no scales; an 8-bit one int8 or float8_e4m3fn codes
-// (both caches alike) and a contiguous float32 scale tensor each for K and V, shaped like the
-// value cache without head_dim. x: q or k, in the model's dtype.
-void check_cache_kind(const at::Tensor& x, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                      const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales) {
-  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key_cache and value_cache dtypes differ");
-  if (!is_code_dtype(key_cache.scalar_type())) {
-    TORCH_CHECK(x.scalar_type() == key_cache.scalar_type(), "dtype mismatch");
-    TORCH_CHECK(!key_scales.has_value() && !value_scales.has_value(),
-                "scales go with an 8-bit cache (int8 or float8_e4m3fn codes)");
-    return;
-  }
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "an 8-bit cache serves float32, bfloat16 or float16 models");
-  TORCH_CHECK(key_scales.has_value() && value_scales.has_value(), "an 8-bit cache needs key_scales and value_scales");
-  for (const at::Tensor* scales : {&*key_scales, &*value_scales})
-    TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
-                    scales->sizes() == value_cache.sizes().slice(0, 3),
-                "scales must be contiguous float32 [num_kv_heads, num_blocks, block_size]");
-}
-
 void check_attention_operands(const at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                               const at::Tensor& value_cache, const at::Tensor& block_table,
                               const c10::optional<at::Tensor>& key_scales,
@@ -983,166 +727,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
   });
 }
 
-// This step's keys and values [num_tokens, num_kv_heads, head_dim] into their slots: values as
-// rows, keys transposed within the block. One call per layer instead of a chain of indexing ops.
-template <typename scalar_t>
-void write_kv_impl(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& slot_mapping) {
-  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
-  const int64_t num_blocks = value_cache.size(1), block_size = value_cache.size(2);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const scalar_t* kp = k.data_ptr<scalar_t>();
-  const scalar_t* vp = v.data_ptr<scalar_t>();
-  scalar_t* kc = key_cache.data_ptr<scalar_t>();
-  scalar_t* vc = value_cache.data_ptr<scalar_t>();
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const scalar_t* ksrc = kp + t * k.stride(0) + h * k.stride(1);
-      const scalar_t* vsrc = vp + t * v.stride(0) + h * v.stride(1);
-      scalar_t* kdst = kc + ((h * num_blocks + block) * head_dim) * block_size + offset;
-      for (int64_t d = 0; d < head_dim; ++d) kdst[d * block_size] = ksrc[d];
-      std::memcpy(vc + ((h * num_blocks + block) * block_size + offset) * head_dim, vsrc, head_dim * sizeof(scalar_t));
-    }
-  }
-}
-
-// float -> float8_e4m3fn bits exactly as c10::Float8_e4m3fn(float) converts (to nearest even;
-// saturating at 448 past the largest finite value, NaN to NaN), with selects instead of its
-// branches, so that a loop over a row vectorises.
-inline uint8_t float_to_e4m3fn_bits(float f) {
-  constexpr uint32_t kOverflow = UINT32_C(1087) << 20;  // 480.0f: the first value past 448's rounding range
-  constexpr uint32_t kDenormMagic = UINT32_C(141) << 23;  // adding it leaves a subnormal's code in the low bits
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  const uint32_t sign = (bits >> 24) & 0x80u;
-  bits &= 0x7fffffffu;
-  float magnitude, magic, shifted;
-  std::memcpy(&magnitude, &bits, sizeof(magnitude));
-  std::memcpy(&magic, &kDenormMagic, sizeof(magic));
-  shifted = magnitude + magic;
-  uint32_t denorm;
-  std::memcpy(&denorm, &shifted, sizeof(denorm));
-  denorm -= kDenormMagic;
-  const uint32_t normal = (bits + (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + ((bits >> 20) & 1u)) >> 20;
-  const uint32_t large = bits > UINT32_C(0x7f800000) ? 0x7fu : 0x7eu;
-  const uint32_t code = bits >= kOverflow ? large : bits < (UINT32_C(121) << 23) ? denorm : normal;
-  return static_cast<uint8_t>(code | sign);
-}
-
-// max |x[i]| over n floats, in 16 lanes (a scalar max reduction is not vectorised).
-inline float max_abs(const float* x, int64_t n) {
-  const int64_t full = n / kLanes * kLanes;
-  vfloat vmax = {};
-  for (int64_t i = 0; i < full; i += kLanes) {
-    const vfloat v = load16(x + i);
-    const vfloat a = v < 0 ? -v : v;
-    vmax = vmax > a ? vmax : a;
-  }
-  float m = 0.f;
-  for (int64_t i = 0; i < kLanes; ++i) m = std::max(m, vmax[i]);
-  for (int64_t i = full; i < n; ++i) m = std::max(m, std::fabs(x[i]));
-  return m;
-}
-
-// x[0..n) -> codes[0..n) and the scale they share, as KVQuant.quantize computes them:
-// scale = max(max|x| / q_max, 1e-12) and y = x / scale (true divisions, as torch's), then int8:
-// y rounded half to even (torch.round) and clamped to +-q_max; fp8: y to float8_e4m3fn. xf: n
-// floats of scratch.
-template <typename scalar_t, typename code_t>
-float quantize_row(const scalar_t* x, int64_t n, float q_max, float* xf, code_t* codes) {
-  for (int64_t i = 0; i < n; ++i) xf[i] = static_cast<float>(x[i]);
-  const float scale = std::max(max_abs(xf, n) / q_max, 1e-12f);
-  if constexpr (std::is_same_v<code_t, int8_t>) {
-    for (int64_t i = 0; i < n; ++i)
-      codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(xf[i] / scale), -q_max, q_max));
-  } else {
-    uint8_t* bits = reinterpret_cast<uint8_t*>(codes);
-    for (int64_t i = 0; i < n; ++i) bits[i] = float_to_e4m3fn_bits(xf[i] / scale);
-  }
-  return scale;
-}
-
-// write_kv_impl for an 8-bit cache: each token's head vector quantized on its own (one scale per
-// token and kv head), codes where write_kv_impl puts values, scales at [kv head, block, offset].
-template <typename scalar_t, typename code_t>
-void write_kv_codes_impl(at::Tensor& key_cache, at::Tensor& value_cache, at::Tensor& key_scales,
-                         at::Tensor& value_scales, const at::Tensor& k, const at::Tensor& v,
-                         const at::Tensor& slot_mapping, float q_max) {
-  const int64_t num_kv_heads = k.size(1), head_dim = k.size(2);
-  const int64_t num_blocks = value_cache.size(1), block_size = value_cache.size(2);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const scalar_t* kp = k.data_ptr<scalar_t>();
-  const scalar_t* vp = v.data_ptr<scalar_t>();
-  code_t* kc = static_cast<code_t*>(key_cache.data_ptr());
-  code_t* vc = static_cast<code_t*>(value_cache.data_ptr());
-  float* ks = key_scales.data_ptr<float>();
-  float* vs = value_scales.data_ptr<float>();
-  // A prompt's thousands of rows in parallel; a decode step's few in one thread.
-  at::parallel_for(0, k.size(0) * num_kv_heads, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(head_dim);
-    std::vector<code_t> codes(head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
-      const int64_t row = (h * num_blocks + block) * block_size + offset;  // the token's scale, its value row
-      ks[row] = quantize_row(kp + t * k.stride(0) + h * k.stride(1), head_dim, q_max, xf.data(), codes.data());
-      code_t* kdst = kc + ((h * num_blocks + block) * head_dim) * block_size + offset;
-      for (int64_t d = 0; d < head_dim; ++d) kdst[d * block_size] = codes[d];
-      vs[row] = quantize_row(vp + t * v.stride(0) + h * v.stride(1), head_dim, q_max, xf.data(), vc + row * head_dim);
-    }
-  });
-}
-
-void write_kv_cache(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& key_scales,
-                    const c10::optional<at::Tensor>& value_scales, double q_max) {
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
-              "k and v must be [num_tokens, num_kv_heads, head_dim] with contiguous rows");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "caches must be contiguous");
-  TORCH_CHECK(value_cache.size(0) == k.size(1) && value_cache.size(3) == k.size(2) &&
-              key_cache.size(0) == k.size(1) && key_cache.size(1) == value_cache.size(1) &&
-              key_cache.size(2) == k.size(2) && key_cache.size(3) == value_cache.size(2),
-              "key_cache must be [kv_heads, blocks, head_dim, block_size], value_cache [kv_heads, blocks, block_size, head_dim]");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-              slot_mapping.numel() == k.size(0), "slot_mapping must be [num_tokens] int64");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "dtype mismatch");
-  check_cache_kind(k, key_cache, value_cache, key_scales, value_scales);
-  const int64_t num_slots = value_cache.size(1) * value_cache.size(2);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < k.size(0); ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
-  if (!is_code_dtype(key_cache.scalar_type())) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_cache", [&] {
-      write_kv_impl<scalar_t>(key_cache, value_cache, k, v, slot_mapping);
-    });
-    return;
-  }
-  const bool int8 = key_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(q_max > 0 && q_max <= (int8 ? 127.0 : 448.0),
-              "q_max must be in (0, ", int8 ? "127" : "448", "] for ", key_cache.scalar_type(), " codes");
-  at::Tensor key_scale_t = *key_scales, value_scale_t = *value_scales;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_cache", [&] {
-    if constexpr (!std::is_same_v<scalar_t, double>) {  // (check_cache_kind refused double)
-      if (int8)
-        write_kv_codes_impl<scalar_t, int8_t>(key_cache, value_cache, key_scale_t, value_scale_t, k, v, slot_mapping,
-                                              static_cast<float>(q_max));
-      else
-        write_kv_codes_impl<scalar_t, c10::Float8_e4m3fn>(key_cache, value_cache, key_scale_t, value_scale_t, k, v,
-                                                          slot_mapping, static_cast<float>(q_max));
-    }
-  });
-}
-
 }  // namespace dabba
 
 // An 8-bit cache passes its codes as key_cache/value_cache (int8, or uint8 storage viewed as
-// float8_e4m3fn) with key_scales/value_scales; write_kv_cache also takes KVQuant.q_max.
+// float8_e4m3fn) with key_scales/value_scales.
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
-  m.def("write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor k, Tensor v, Tensor slot_mapping, "
-        "Tensor(c!)? key_scales=None, Tensor(d!)? value_scales=None, float q_max=0.) -> ()");
-  m.impl("write_kv_cache", c10::DispatchKey::CPU, TORCH_FN(dabba::write_kv_cache));
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, float scale, int sliding_window=0, float softcap=0., "
         "Tensor? key_scales=None, Tensor? value_scales=None) -> ()");
