@@ -341,7 +341,9 @@ void group_weighted_values(const Shape& sh, const float* probs, const cache_t* v
 // AVX-512 parts): its exp is most of a long prompt's softmax, and the softmax a third of the
 // attention on AMX tiles. The same elementwise steps, so the same results.
 #pragma GCC push_options
+#if defined(__x86_64__)  // an x86 option: other targets (aarch64) keep their own vector width
 #pragma GCC target("prefer-vector-width=512")
+#endif
 
 // In place: s[0..n) <- softmax(s[0..n)). The max and the sum run in 16 lanes: a float reduction
 // written as one scalar loop is not vectorised without -ffast-math, and neither is any loop it
