@@ -90,4 +90,8 @@ def running_variant() -> IsaVariant:
     """The variant for this process: the CPU's best, or DABBA_CPU_ISA's."""
     import torch
 
-    return select_variant(torch.cpu.get_capabilities(), override=os.environ.get(ISA_ENV) or None)
+    try:
+        caps = torch.cpu.get_capabilities()  # cpuinfo's view of the CPU
+    except (AttributeError, RuntimeError):  # a build without it: only the generic variant is safe
+        caps = {}
+    return select_variant(caps, override=os.environ.get(ISA_ENV) or None)
