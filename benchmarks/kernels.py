@@ -7,10 +7,10 @@ dabba/csrc's comments come from here.
 - linear: one pass over every layer's weights (cold: more bytes than the caches hold) at 1-4096
   rows: dabba's bf16 linear (the GEMV to gemv_max_rows rows, the GEMM to gemm_max_rows: the
   kernel's KernelConstants; on AMX tiles the GEMM from one row, and the GEMV timed beside it up to
-  gemv_max_rows) against F.linear, GB/s of weights and GFLOP/s; its INT8 linear (GEMV, then GEMM
-  on codes widened to bf16) against _weight_int8pack_mm. Each row names the kernel that
-  took it and whether its outputs agreed with the op it is timed against (a wrong kernel's timing
-  means nothing).
+  gemv_max_rows; the avx2 build, without the GEMM, the GEMV at every row count) against F.linear,
+  GB/s of weights and GFLOP/s; its INT8 linear (GEMV, then GEMM on codes widened to bf16) against
+  _weight_int8pack_mm. Each row names the kernel that took it and whether its outputs agreed with
+  the op it is timed against (a wrong kernel's timing means nothing).
 - int8_prefill: the INT8 linear at prefill's row counts, _weight_int8pack_mm against codes
   dequantized per call + dabba's linear (what rows past gemm_max_rows get).
 - attention: decode over --decode-seqs sequences of --decode-context positions (blocks shuffled, as
@@ -78,14 +78,15 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
     gemv_max_rows = limits.amx_gemv_max_rows if amx else limits.gemv_max_rows
     int8_gemm_min_rows = limits.amx_int8_gemm_min_rows if amx else limits.int8_gemm_min_rows
     gemm = "gemm_amx" if amx else "gemm"
+    has_gemm = native.gemm_available()  # the avx2 build has none: its GEMVs take every row count (bf16 x)
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k).bfloat16() for _, k in linears}
         row: dict[str, Any] = {"rows": m}
         row["bf16_f_linear_ms"] = best_ms(lambda: [F.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
-        if native.gemv_available() and native.gemm_available():
-            row["bf16_kernel"] = ("gemv" if m <= gemv_max_rows else gemm if m <= limits.gemm_max_rows
-                                  else "f_linear")
+        if native.gemv_available():
+            row["bf16_kernel"] = ("gemv" if m <= gemv_max_rows or not has_gemm else gemm
+                                  if m <= limits.gemm_max_rows else "f_linear")
             row["bf16_agrees"] = agree([native.linear(xs[w.shape[1]], w) for w in dense[0]],
                                        [F.linear(xs[w.shape[1]], w) for w in dense[0]])
             row["bf16_native_ms"] = best_ms(
@@ -99,9 +100,10 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
         row["int8_pack_mm_ms"] = best_ms(
             lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for layer in codes for q, s in layer],
             repeats)
-        if native.int8_gemv_available() and native.gemm_available():
-            row["int8_kernel"] = ("gemv" if m <= limits.int8_gemv_max_rows else "pack_mm" if m < int8_gemm_min_rows
-                                  else gemm if m <= limits.gemm_max_rows else "dequantize_linear")
+        if native.int8_gemv_available():
+            row["int8_kernel"] = ("gemv" if m <= limits.int8_gemv_max_rows or not has_gemm else "pack_mm"
+                                  if m < int8_gemm_min_rows else gemm if m <= limits.gemm_max_rows
+                                  else "dequantize_linear")
             row["int8_agrees"] = agree([native.int8_linear(xs[q.shape[1]], q, s) for q, s in codes[0]],
                                        [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in codes[0]])
             row["int8_native_ms"] = best_ms(

@@ -133,7 +133,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (it streams the weight at close to memory bandwidth, oneDNN at about half of it) and the GEMM
     beyond, up to gemm_max_rows (1.3-2x oneDNN's as PyTorch calls it; csrc/gemm_cpu.cpp). On AMX
     tiles, where the CPU has them, the GEMM takes every row count from one. Long prefills and
-    other cases keep F.linear."""
+    other cases keep F.linear. The avx2 build has no GEMM: its GEMV takes every row count."""
     if x.dim() == 2 and x.device.type == "cpu" and weight.device.type == "cpu" and load_cpu_ops():
         return torch.ops.dabba_cpu.dense_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -161,7 +161,8 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     """x (codes * scales[:, None])^T + bias on the CPU through dabba's INT8 kernels: the INT8 GEMV for
     decode's few rows (csrc/int8_gemv_cpu.cpp), the GEMM on codes widened to bf16 from
     int8_gemm_min_rows to gemm_max_rows (csrc/gemm_cpu.cpp; KernelConstants), codes dequantized + linear for long
-    prefills, else PyTorch's _weight_int8pack_mm. None off the CPU or without the native kernels."""
+    prefills, else PyTorch's _weight_int8pack_mm (the avx2 build, without the GEMM: the GEMV for any
+    count of bf16 rows). None off the CPU or without the native kernels."""
     if x.dim() == 2 and x.device.type == "cpu" and load_cpu_ops():
         return torch.ops.dabba_cpu.int8_linear(x, codes, scales, bias)
     return None

@@ -106,7 +106,8 @@ void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
                bool amx = true);
 // x W^T + b on the CPU, the one place that picks the kernel: the GEMV up to kGemvMaxRows bf16 rows
 // (kAmxGemvMaxRows where the GEMM has AMX tiles), the GEMM up to kGemmMaxRows, F.linear beyond and
-// where neither applies (other dtypes, odd K, strided operands).
+// where neither applies (other dtypes, odd K, strided operands). A build without the GEMM (avx2)
+// runs the GEMV at any row count instead, kGemvMaxRows rows a pass.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // A gated MLP's merged [gate; up] projection and activation: silu(x G^T) * (x U^T) (SwiGLU) or
 // gelu_tanh(x G^T) * (x U^T) (GeGLU). Where dense_linear takes the GEMM (and on AMX tiles at any
@@ -128,15 +129,17 @@ void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, con
 // (x Q^T) * s + b on the CPU, the one place that picks the INT8 kernel: the INT8 GEMV up to
 // kInt8GemvMaxRows rows, int8_gemm from kInt8GemmMinRows (kAmxInt8GemmMinRows on AMX tiles) to
 // kGemmMaxRows (bf16 x), codes
-// dequantized + dense_linear from kInt8DequantMinRows, else _weight_int8pack_mm.
+// dequantized + dense_linear from kInt8DequantMinRows, else _weight_int8pack_mm. A build without
+// the GEMM (avx2) runs the INT8 GEMV at any count of bf16 rows, kInt8GemvMaxRows a pass.
 // Batch invariance: within each kernel's range of row counts a row's output does not depend on
-// the other rows (bit for bit); crossing a threshold (a step with more or fewer requests) moves it
-// by at most both kernels' roundings: the GEMV's int16 activations, float32 sums, and past
-// kGemmMaxRows the weight rounded to bf16 once dequantized. Measured on random layers (K 576-8960):
-// 2% of outputs move by one bf16 ulp between the GEMV and the GEMM, 41% by one or a few into the
-// dequantized path, all within 2e-3 (GEMV, GEMM) and 3.3e-3 (dequantized) of the largest output
-// from exact products; tests/layers/test_int8_batch_invariance.py holds the bound. Greedy output
-// can then change with the batch only where two candidates' logits lie that close.
+// the other rows (bit for bit; on the avx2 build bf16 rows take one kernel at every count);
+// crossing a threshold (a step with more or fewer requests) moves it by at most both kernels'
+// roundings: the GEMV's int16 activations, float32 sums, and past kGemmMaxRows the weight rounded
+// to bf16 once dequantized. Measured on random layers (K 576-8960): 2% of outputs move by one bf16
+// ulp between the GEMV and the GEMM, 41% by one or a few into the dequantized path, all within
+// 2e-3 (GEMV, GEMM) and 3.3e-3 (dequantized) of the largest output from exact products;
+// tests/layers/test_int8_batch_invariance.py holds the bound. Greedy output can then change with
+// the batch only where two candidates' logits lie that close.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias);
 
@@ -148,7 +151,8 @@ void int8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
 // int4_gemv_cpu.cpp: x W^T (+ b) for W in PyTorch's packed int4 CPU layout (scales_and_zeros
 // [groups, N, 2], tinygemm's (q - 8) * scale + zero), the one place that picks the INT4 kernel:
 // dabba's GEMV up to kInt4GemvMaxRows rows (AVX-512, N a multiple of 64, PyTorch packing 64-row
-// blocks); beyond, bf16 x on AMX tiles, the GEMM over each 64-row block dequantized to bf16 once
+// blocks; or AVX2, N a multiple of 32, PyTorch packing 32-row blocks, as at its AVX2 capability);
+// beyond, bf16 x on AMX tiles, the GEMM over each 64-row block dequantized to bf16 once
 // per call (gemm_amx_cpu.cpp); else _weight_int4pack_mm_for_cpu. native false forces the latter
 // (the tests' reference). Qwen2.5-1.5B's 28 layers against tinygemm: the GEMV 95.5 ms at 8 rows
 // (131.8); the AMX GEMM 127.5 at 9 (200.1), 105.5 at 16, 120.4 at 32 (489.9), 482 at 256 (3835):

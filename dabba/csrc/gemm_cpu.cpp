@@ -307,17 +307,31 @@ namespace {
 int64_t gemv_max_rows(int64_t K) { return amx_usable(K) ? kAmxGemvMaxRows : kGemvMaxRows; }
 int64_t int8_gemm_min_rows(int64_t K) { return amx_usable(K) ? kAmxInt8GemmMinRows : kInt8GemmMinRows; }
 
+// y [M, N] in x's dtype, filled by a GEMV `step` rows of x at a time.
+template <typename Gemv>
+at::Tensor gemv_passes(const at::Tensor& x, int64_t N, int64_t step, Gemv&& gemv) {
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  for (int64_t r = 0; r < x.size(0); r += step) {
+    const int64_t rows = std::min(step, x.size(0) - r);
+    gemv(y.narrow(0, r, rows), x.narrow(0, r, rows));
+  }
+  return y;
+}
+
 }  // namespace
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const bool bf16 = x.dim() == 2 && x.size(0) > 0 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 &&
                     weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
                     (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()));
-  if (bf16 && x.size(0) <= gemv_max_rows(x.size(1)) && gemv_available()) {
-    at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-    bf16_gemv(y, x, weight, bias);
-    return y;
-  }
+  // Without the GEMM (the avx2 build) the GEMV takes every row count, kGemvMaxRows at a time: there
+  // F.linear has no bf16 instructions to use. oneDNN held to AVX2, 4 layers of Qwen2.5-1.5B: 99 ms
+  // at 9 rows against the passes' 44, 160 against 57 at 16, 596 against 193 at 64; one layer, 1293
+  // against 375 at 512 rows. The passes reach 124 GFLOP/s at 64 rows, three quarters of two cores'
+  // AVX2 FMA peak at 2.6 GHz, so no AVX2 GEMM could be much faster.
+  if (bf16 && gemv_available() && (x.size(0) <= gemv_max_rows(x.size(1)) || !gemm_available()))
+    return gemv_passes(x, weight.size(0), kGemvMaxRows,
+                       [&](at::Tensor y, const at::Tensor& rows) { bf16_gemv(y, rows, weight, bias); });
   if (bf16 && x.size(0) <= kGemmMaxRows && weight.size(1) % 2 == 0 && gemm_available()) {
     at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
     bf16_gemm(y, x, weight, bias);
@@ -368,11 +382,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                         (dtype == at::kBFloat16 || dtype == at::kFloat) && codes.is_contiguous() &&
                         scales.scalar_type() == dtype && scales.is_contiguous() &&
                         (!bias.has_value() || (bias->scalar_type() == dtype && bias->is_contiguous()));
-  if (operands && x.size(0) <= kInt8GemvMaxRows && int8_gemv_available()) {
-    at::Tensor y = at::empty({x.size(0), codes.size(0)}, x.options());
-    int8_gemv(y, x, codes, scales, bias);
-    return y;
-  }
+  // Without the GEMM, bf16 rows take the INT8 GEMV at any count, kInt8GemvMaxRows at a time, as
+  // dense_linear the bf16 GEMV: against _weight_int8pack_mm held to AVX2, 22 ms at 9 rows against
+  // 63, 33 against 72 at 16, 115 against 219 at 64 (4 layers of Qwen2.5-1.5B); one layer, 222
+  // against 402 at 512 rows (dequantized codes through the bf16 passes: 375 and more). float32
+  // rows keep _weight_int8pack_mm, then F.linear's float32 GEMM on dequantized codes.
+  if (operands && int8_gemv_available() &&
+      (x.size(0) <= kInt8GemvMaxRows || (dtype == at::kBFloat16 && !gemm_available())))
+    return gemv_passes(x, codes.size(0), kInt8GemvMaxRows,
+                       [&](at::Tensor y, const at::Tensor& rows) { int8_gemv(y, rows, codes, scales, bias); });
   // PyTorch's _weight_int8pack_mm (2.13, CPU) crashes when K is not a multiple of 32: never hand it one.
   const bool pack_mm_safe = x.size(-1) % 32 == 0;
   if (operands && dtype == at::kBFloat16 && (x.size(0) >= int8_gemm_min_rows(x.size(1)) || !pack_mm_safe) &&

@@ -15,11 +15,18 @@
 // (17.9 GB/s) against tinygemm's 50.3, 40.7 against 57.5 at 2, 50.8 against 67.4 at 4, 95.5
 // against 131.8 at 8; at 9 rows tinygemm takes 193 ms. The bf16 GEMV reads 26.8 GB/s; INT8's
 // GEMV 19.4.
+//
+// On AVX2 + FMA (the avx2 variant) the same sums in 8 lanes, over the 32-row blocks PyTorch packs
+// where it runs at AVX2 (as on a CPU without AVX-512): its widening and FMAs set the pace. The same
+// 28 layers, PyTorch held to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2), against its
+// AVX2 tinygemm: 48.5 ms at one row (14.3 GB/s) against 61.6, 53.9 against 67.7 at 2, 76.6 against
+// 109 at 4, 148.6 against 210.1 at 8.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "bf16_tiles.h"
+#include "cpu_math.h"
 #include "cpu_ops.h"
 #include "int4_pack.h"
 
@@ -30,6 +37,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define DABBA_HAVE_INT4_GEMV 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DABBA_HAVE_INT4_GEMV 1
+#define DABBA_INT4_GEMV_AVX2 1
 #endif
 
 namespace dabba {
@@ -38,10 +49,36 @@ namespace dabba {
 
 namespace {
 
+// PyTorch's packed layout by the CPU capability it runs at: blocks of 64 rows (AVX-512), each k's
+// 32 bytes holding rows i and 32 + i, or of 32 (AVX2 and others), each k's 16 bytes rows i and
+// 16 + i (ATEN_CPU_CAPABILITY changes it). Checked once: the block rows, or 0 for neither.
+int64_t pytorch_block_rows() {
+  static const int64_t rows = [] {
+    at::Tensor codes = (at::arange(64 * 4, at::kInt).view({64, 4}) * 7) % 16;
+    const at::Tensor packed = at::_convert_weight_to_int4pack_for_cpu(codes, 1).contiguous();
+    if (packed.numel() != 64 * 4 / 2) return int64_t{0};
+    const uint8_t* b = packed.data_ptr<uint8_t>();
+    const int32_t* c = codes.data_ptr<int32_t>();
+    for (const int64_t block : {int64_t{64}, int64_t{32}}) {
+      const int64_t half = block / 2;
+      bool same = true;
+      for (int64_t n = 0; n < 64 && same; n += block)
+        for (int64_t k = 0; k < 4 && same; ++k)
+          for (int64_t i = 0; i < half && same; ++i)
+            same = b[n * 4 / 2 + k * half + i] == (c[(n + i) * 4 + k] | (c[(n + half + i) * 4 + k] << 4));
+      if (same) return block;
+    }
+    return int64_t{0};
+  }();
+  return rows;
+}
+
 constexpr int64_t kRowsPerPass = 4;  // rows of x per pass over the weight
 // How far ahead of the k it multiplies a thread asks for its block's bytes: without it the GEMV
 // read Qwen2.5-1.5B's layers at 8.3 GB/s from memory, though 16.7 from cache (one thread).
 constexpr int64_t kPrefetchBytes = 2048;
+
+#ifndef DABBA_INT4_GEMV_AVX2
 
 // Rows [block * 64, block * 64 + 64) of y for M (<= kInt4GemvMaxRows) rows of x (float32, with
 // per-group sums xsum[m][g]). scale_zero: [groups, N, 2] as float32 pairs (f32) or bf16 pairs.
@@ -116,31 +153,113 @@ void gemv_rows(const uint8_t* packed, int64_t K, int64_t N, int64_t group_size, 
   });
 }
 
-// PyTorch packs by its own CPU capability (64-row blocks on AVX-512, 32 on AVX2, which
-// ATEN_CPU_CAPABILITY can force): check once that it packs the blocks read above.
-bool packs_64_row_blocks() {
-  static const bool same = [] {
-    at::Tensor codes = (at::arange(64 * 4, at::kInt).view({64, 4}) * 7) % 16;
-    const at::Tensor packed = at::_convert_weight_to_int4pack_for_cpu(codes, 1).contiguous();
-    if (packed.numel() != 64 * 4 / 2) return false;
-    const uint8_t* b = packed.data_ptr<uint8_t>();
-    const int32_t* c = codes.data_ptr<int32_t>();
-    for (int k = 0; k < 4; ++k)
-      for (int i = 0; i < 32; ++i)
-        if (b[k * 32 + i] != (c[i * 4 + k] | (c[(i + 32) * 4 + k] << 4))) return false;
-    return true;
-  }();
-  return same;
+// The blocks the kernel above reads, where PyTorch packs them (else 0: tinygemm).
+int64_t gemv_block_rows() { return pytorch_block_rows() == kInt4BlockRows ? kInt4BlockRows : 0; }
+
+#else  // AVX2 + FMA
+
+// As the AVX-512 kernel, in 8 float32 lanes, over the 32-row blocks PyTorch packs at its AVX2
+// capability: each k's 16 bytes widen to 2 x 8 byte values and, shifted, to the high nibbles (rows
+// 16-31), 4 FMAs a row of x. y is summed in memory, once a group, to leave the 16 registers to the
+// sums (4 rows of x a pass, as AVX-512, though some spill: 2 or 3 rows a pass took 10-20% longer at
+// 4 and 8 rows). Where PyTorch packs 64-row blocks it runs its AVX-512 tinygemm, which this kernel
+// does not beat (4.8 against 5.0 ms at one row, 12.1 against 8.5 at 4): that layout stays with it.
+constexpr int64_t kBlockRows = 32;
+
+// 8 rows' (scale, zero) pairs -> scale and offset = zero - 8 scale.
+template <bool kF32Scales>
+inline void scale_offset8(const void* scale_zero, int64_t at, __m256& scale, __m256& offset) {
+  __m256 zero;
+  if constexpr (kF32Scales) {
+    const float* p = static_cast<const float*>(scale_zero) + at * 2;
+    const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);  // s0 z0 .. s3 z3, s4 z4 .. s7 z7
+    const auto in_order = [](__m256 v) {  // 0 1 4 5 | 2 3 6 7 -> 0 .. 7
+      return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), _MM_SHUFFLE(3, 1, 2, 0)));
+    };
+    scale = in_order(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
+    zero = in_order(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  } else {  // bf16 pairs: a 32-bit lane a row, the scale in its low half
+    const auto* p = static_cast<const uint32_t*>(scale_zero) + at;
+    const __m256i sz = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    scale = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
+    zero = _mm256_castsi256_ps(_mm256_and_si256(sz, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale, zero);
 }
 
-// x [M, K] with contiguous rows, packed [N, K / 2] bytes in the 64-row blocks int4_pack.h reads
-// (PyTorch packed them so), scale_zero [K / group_size, N, 2]: what both kernels below take.
+// y[:, block * 32 : block * 32 + 32] += for M (<= kRowsPerPass) rows of x.
+template <int M, bool kF32Scales>
+void block_rows(const uint8_t* packed, int64_t K, int64_t N, int64_t group_size, const void* scale_zero,
+                const float* x, const float* xsum, int64_t block, float* out) {
+  const uint8_t* w = packed + block * K * 16;
+  const int64_t groups = K / group_size, row0 = block * kBlockRows;
+  for (int64_t g = 0; g < groups; ++g) {
+    // [0], [1]: sums of byte * x for bytes 0-7 and 8-15 (byte = low + 16 high nibble); [2], [3]:
+    // sums of high nibble * x, rows 16-31
+    __m256 acc[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
+      if ((k & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * 16 + kPrefetchBytes), _MM_HINT_T0);
+      const __m256i e0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * 16)));
+      const __m256i e1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * 16 + 8)));
+      const __m256 b0 = _mm256_cvtepi32_ps(e0), b1 = _mm256_cvtepi32_ps(e1);
+      const __m256 h0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(e0, 4));
+      const __m256 h1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(e1, 4));
+      for (int m = 0; m < M; ++m) {
+        const __m256 xk = _mm256_broadcast_ss(x + m * K + k);
+        acc[m][0] = _mm256_fmadd_ps(b0, xk, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(b1, xk, acc[m][1]);
+        acc[m][2] = _mm256_fmadd_ps(h0, xk, acc[m][2]);
+        acc[m][3] = _mm256_fmadd_ps(h1, xk, acc[m][3]);
+      }
+    }
+    const __m256 sixteen = _mm256_set1_ps(16.f);
+    for (int m = 0; m < M; ++m) {
+      acc[m][0] = _mm256_fnmadd_ps(sixteen, acc[m][2], acc[m][0]);
+      acc[m][1] = _mm256_fnmadd_ps(sixteen, acc[m][3], acc[m][1]);
+    }
+    for (int r = 0; r < 4; ++r) {
+      const int64_t row = row0 + 8 * r;
+      __m256 scale, offset;
+      scale_offset8<kF32Scales>(scale_zero, g * N + row, scale, offset);
+      for (int m = 0; m < M; ++m) {
+        float* y = out + m * N + row;
+        __m256 v = _mm256_fmadd_ps(scale, acc[m][r], _mm256_loadu_ps(y));
+        v = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[m * groups + g]), v);
+        _mm256_storeu_ps(y, v);
+      }
+    }
+  }
+}
+
+template <int M>
+void gemv_rows(const uint8_t* packed, int64_t K, int64_t N, int64_t group_size, const at::Tensor& scale_zero,
+               const float* x, const float* xsum, float* out) {
+  const bool f32 = scale_zero.scalar_type() == at::kFloat;
+  const void* sz = scale_zero.data_ptr();
+  std::fill(out, out + M * N, 0.f);
+  at::parallel_for(0, N / kBlockRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (f32) block_rows<M, true>(packed, K, N, group_size, sz, x, xsum, b, out);
+      else block_rows<M, false>(packed, K, N, group_size, sz, x, xsum, b, out);
+    }
+  });
+}
+
+int64_t gemv_block_rows() { return pytorch_block_rows() == kBlockRows ? kBlockRows : 0; }
+
+#endif  // DABBA_INT4_GEMV_AVX2
+
+// x [M, K] with contiguous rows, packed [N, K / 2] bytes in blocks the GEMV reads (PyTorch packed
+// them so), scale_zero [K / group_size, N, 2]: what both kernels below take.
 bool packed_operands(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero) {
+  const int64_t block = gemv_block_rows();
   return x.dim() == 2 && x.size(0) >= 1 && x.stride(1) == 1 && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
-         packed.is_contiguous() && packed.size(0) % kInt4BlockRows == 0 && packed.size(1) * 2 == x.size(1) &&
+         packed.is_contiguous() && block > 0 && packed.size(0) % block == 0 && packed.size(1) * 2 == x.size(1) &&
          group_size > 0 && x.size(1) % group_size == 0 && scale_zero.dim() == 3 && scale_zero.is_contiguous() &&
          scale_zero.size(0) == x.size(1) / group_size && scale_zero.size(1) == packed.size(0) &&
-         scale_zero.size(2) == 2 && packs_64_row_blocks();
+         scale_zero.size(2) == 2;
 }
 
 // y [M, N] in x's dtype = x W^T for up to kInt4GemvMaxRows rows, bf16 or float32 x and scales.
@@ -161,12 +280,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t grou
     const float* xm = xp + m0 * K;
     const float* sm = xsum.data() + m0 * groups;
     float* ym = y.data_ptr<float>() + m0 * N;
-    switch (std::min<int64_t>(M - m0, kRowsPerPass)) {
-      case 1: gemv_rows<1>(w, K, N, group_size, scale_zero, xm, sm, ym); break;
-      case 2: gemv_rows<2>(w, K, N, group_size, scale_zero, xm, sm, ym); break;
-      case 3: gemv_rows<3>(w, K, N, group_size, scale_zero, xm, sm, ym); break;
-      default: gemv_rows<4>(w, K, N, group_size, scale_zero, xm, sm, ym); break;
-    }
+    with_count<kRowsPerPass>(std::min<int64_t>(M - m0, kRowsPerPass), [&](auto rows) {
+      gemv_rows<decltype(rows)::value>(w, K, N, group_size, scale_zero, xm, sm, ym);
+    });
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }

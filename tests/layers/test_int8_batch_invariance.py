@@ -19,8 +19,8 @@ def _kernel(rows: int, in_features: int) -> str:
     """Which kernel int8_linear takes for bf16 rows (its choice in csrc/gemm_cpu.cpp, restated)."""
     c = native.kernel_constants()
     amx = native.amx_usable(in_features)
-    if rows <= c.int8_gemv_max_rows and native.int8_gemv_available():
-        return "gemv"
+    if native.int8_gemv_available() and (rows <= c.int8_gemv_max_rows or not native.gemm_available()):
+        return "gemv"  # (without the GEMM, the avx2 build, the GEMV takes every count of bf16 rows)
     gemm_from = c.amx_int8_gemm_min_rows if amx else c.int8_gemm_min_rows
     if native.gemm_available() and (rows >= gemm_from or in_features % 32) and rows <= c.gemm_max_rows:
         return "gemm"

@@ -10,8 +10,8 @@ import torch
 
 from dabba import native
 
-pytestmark = pytest.mark.skipif(not (native.int8_gemv_available() and native.gemm_available()),
-                                reason="no AVX-512 VNNI / BF16 kernels here")
+pytestmark = pytest.mark.skipif(not native.int8_gemv_available(), reason="no AVX-512 VNNI or AVX2 GEMV here")
+needs_gemm = pytest.mark.skipif(not native.gemm_available(), reason="no AVX512-BF16 GEMM here")
 limits = native.kernel_constants()  # the row thresholds the kernels choose by (csrc/cpu_ops.h)
 
 
@@ -50,6 +50,7 @@ def test_int8_gemv_matches_exact_products(rows, out_features, in_features, dtype
 
 # rows: the GEMM's chunks of 2 vectors, a last one of 3 or 1, partial vectors; out_features:
 # whole and partial tiles of 16 code rows, and of the 8-row halves
+@needs_gemm
 @pytest.mark.parametrize("rows", [7, 9, 17, 40, 64, 100, 256])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (37, 70), (13, 1536), (200, 64)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -78,15 +79,18 @@ def test_int8_gemm_matches_exact_products(rows, out_features, in_features, bias)
 
 def test_widths_that_crash_pytorchs_kernel_take_ours() -> None:
     """_weight_int8pack_mm segfaults when in_features is not a multiple of 32: rows that would go to
-    it take the GEMM (even in_features) or dequantized codes (odd)."""
+    it take the GEMM (even in_features) or dequantized codes (odd); a build without the GEMM, the
+    GEMV."""
+    gemv = not native.gemm_available()  # the INT8 GEMV at every row count
     for in_features in (70, 31):
         q = torch.randint(-128, 128, (37, in_features), dtype=torch.int8)
         s = (torch.rand(37) * 0.01).bfloat16()
         for rows in (limits.int8_gemv_max_rows + 1, limits.int8_gemm_min_rows - 1, limits.gemm_max_rows + 1):
             x = torch.randn(rows, in_features).bfloat16()
             exact = x.double() @ q.double().T * s.double()
-            bound = _bound(x, q, s, None, int16_x=False)
-            if rows > limits.gemm_max_rows or in_features % 2:  # dequantized codes: each q * s rounds first
+            bound = _bound(x, q, s, None, int16_x=gemv)
+            if not gemv and (rows > limits.gemm_max_rows or in_features % 2):
+                # dequantized codes: each q * s rounds first
                 bound = bound + x.double().abs() @ (q.double().abs() * s.double()[:, None]).T * 2**-8
             assert ((native.int8_linear(x, q, s).double() - exact).abs() <= bound).all()
 
@@ -106,7 +110,7 @@ def test_zero_rows_and_fallbacks() -> None:
     torch.testing.assert_close(native.int8_linear(x32, q, s.float()), x32 @ (q.float() * s.float()[:, None]).T)
 
 
-def test_kernels_reject_bad_shapes() -> None:
+def test_gemv_rejects_bad_shapes() -> None:
     out = torch.empty(1, 64, dtype=torch.bfloat16)
     s = torch.rand(64).bfloat16()
     with pytest.raises(RuntimeError, match="weight must be"):
@@ -119,6 +123,11 @@ def test_kernels_reject_bad_shapes() -> None:
         torch.ops.dabba_cpu.int8_gemv(torch.empty(limits.int8_gemv_max_rows + 1, 64, dtype=torch.bfloat16),
                                       torch.randn(limits.int8_gemv_max_rows + 1, 128).bfloat16(),
                                       torch.zeros(64, 128, dtype=torch.int8), s, None)
+
+
+@needs_gemm
+def test_gemm_rejects_bad_shapes() -> None:
+    s = torch.rand(64).bfloat16()
     with pytest.raises(RuntimeError, match="scales must be"):
         torch.ops.dabba_cpu.int8_gemm(torch.empty(9, 64, dtype=torch.bfloat16), torch.randn(9, 128).bfloat16(),
                                       torch.zeros(64, 128, dtype=torch.int8), s.float(), None)

@@ -1,7 +1,12 @@
-"""dabba's INT4 kernels (csrc/int4_gemv_cpu.cpp: the GEMV up to int4_gemv_max_rows rows of x, the
-AMX GEMM beyond where the CPU has AMX and x is bf16) against the exact product of the dequantized
-weight and against PyTorch's tinygemm, which they replace."""
+"""dabba's INT4 kernels (csrc/int4_gemv_cpu.cpp: the GEMV up to int4_gemv_max_rows rows of x, on
+AVX-512 or AVX2, the AMX GEMM beyond where the CPU has AMX and x is bf16) against the exact product
+of the dequantized weight and against PyTorch's tinygemm, which they replace."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,11 +28,19 @@ def packed_weight(n: int, k: int, group_size: int, dtype: torch.dtype, seed: int
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scale_zero, weight
 
 
+def pytorch_block_rows() -> int:
+    """PyTorch packs blocks of 64 rows at its AVX-512 capability, each k's byte i holding rows i and
+    32 + i, and of 32 at AVX2 (ATEN_CPU_CAPABILITY=avx2), rows i and 16 + i."""
+    codes = (torch.arange(64, dtype=torch.int32) // 4).view(64, 1).expand(64, 4).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).view(-1)
+    return 64 if packed[1].item() == codes[1, 0] | codes[33, 0] << 4 else 32
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 33, 100])
 @pytest.mark.parametrize("n, k, group_size, dtype", [
     (128, 256, 32, torch.bfloat16), (192, 512, 64, torch.float32), (64, 128, 128, torch.float32),
-    (2048, 1536, 128, torch.bfloat16), (96, 256, 64, torch.bfloat16),  # 96: not whole 64-row blocks
-])
+    (2048, 1536, 128, torch.bfloat16), (96, 256, 64, torch.bfloat16), (96, 256, 64, torch.float32),
+])  # 96: not whole 64-row blocks (whole 32-row ones, which PyTorch packs at AVX2)
 def test_int4_linear_equals_the_dequantized_product(rows, n, k, group_size, dtype) -> None:
     if not native.load_cpu_ops():
         pytest.skip("native kernels unavailable")
@@ -46,5 +59,18 @@ def test_int4_linear_equals_the_dequantized_product(rows, n, k, group_size, dtyp
     assert (ours.double() - exact).abs().max().item() <= tolerance
     assert (tinygemm.double() - exact).abs().max().item() <= tolerance
     amx = dtype == torch.bfloat16 and native.amx_usable(k)
-    if n % 64 or (rows > native.kernel_constants().int4_gemv_max_rows and not amx):
-        assert torch.equal(ours, tinygemm)  # tinygemm takes these
+    if n % pytorch_block_rows() or (rows > native.kernel_constants().int4_gemv_max_rows and not amx):
+        assert torch.equal(ours, tinygemm)  # tinygemm takes these (the GEMV reads whole blocks)
+
+
+@pytest.mark.skipif(native.loaded_variant() != "avx2" or pytorch_block_rows() != 64,
+                    reason="not the avx2 build on a CPU where PyTorch packs 64-row blocks")
+def test_avx2_gemv_where_pytorch_packs_32_row_blocks() -> None:
+    """The avx2 build's GEMV reads the 32-row blocks PyTorch packs at its AVX2 capability (a CPU
+    without AVX-512) and leaves 64-row ones to PyTorch's AVX-512 tinygemm: where PyTorch runs
+    AVX-512, this module runs again with PyTorch held to AVX2, so that the kernel is tested here too."""
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", __file__],
+                         cwd=root, env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-2000:]
