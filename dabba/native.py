@@ -61,7 +61,7 @@ def _build(variant: kernel_variants.IsaVariant) -> str:
     from torch.utils.cpp_extension import _get_build_directory, load
 
     name = kernel_variants.library_name(variant)
-    build_dir = Path(_get_build_directory(name, verbose=False))  # where torch would build it: TORCH_EXTENSIONS_DIR, per Python
+    build_dir = Path(_get_build_directory(name, verbose=False))  # torch's own choice (TORCH_EXTENSIONS_DIR)
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "dabba.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)

@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "avx2_gemv.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
 
@@ -78,21 +79,6 @@ inline void bf16x16_to_float(const uint16_t* p, __m256& even, __m256& odd) {
   odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// How far ahead of the k it multiplies a thread asks for the weight's bytes (rows are contiguous,
-// so near a row's end it asks for the next row's). Without it each row waited on memory: 17 against
-// 22 GB/s at one row of x, and 5 against 14.5 at 8 (4 layers of Qwen2.5-1.5B); 2-6 KB ahead did as well.
-constexpr int64_t kPrefetchBytes = 3072;
-
-namespace {  // (the other GEMV file has its own)
-
-inline float reduce_add(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-}  // namespace
-
 // Weight row n against M activation rows: M float32 sums; K in steps of 32 (a cache line of the
 // weight), then 16, then a tail copied into zeros. An FMA's result is ready 4 cycles later: at few
 // rows each row keeps several accumulators, so that the FMAs of one step do not wait on each other.
@@ -105,7 +91,7 @@ inline void gemv_row(const uint16_t* __restrict x, int64_t ldx, const uint16_t* 
     for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + kAvx2PrefetchBytes, _MM_HINT_T0);
     __m256 wv[4];
     bf16x16_to_float(w + k, wv[0], wv[1]);
     bf16x16_to_float(w + k + 16, wv[2], wv[3]);
@@ -135,7 +121,7 @@ inline void gemv_row(const uint16_t* __restrict x, int64_t ldx, const uint16_t* 
   for (int m = 0; m < M; ++m) {
     __m256 sum = acc[m][0];
     for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[m][a]);
-    out[m] = reduce_add(sum);
+    out[m] = reduce_add8(sum);
   }
 }
 

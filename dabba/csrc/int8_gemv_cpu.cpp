@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "avx2_gemv.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
 
@@ -90,19 +91,7 @@ inline void int8_row(const int16_t* __restrict xq, int64_t ldx, const int8_t* __
 // pmaddwd + paddd: the exact int32 sums vpdpwssd gives, on 8 lanes, so each lane sums K / 8
 // products: 512 of 128 * 32767 would just fit below 2^31; half that keeps AVX-512's margin.
 constexpr int64_t kExactChunk = 2048;
-// Codes asked for this far ahead, once a cache line, as the bf16 GEMV does (gemv_cpu.cpp): without
-// it 16 against 23-29 GB/s at one row of x, 7.5 against 13-14.5 at 6.
-constexpr int64_t kPrefetchBytes = 3072;
-
-namespace {  // (the other GEMV file has its own)
-
-inline float reduce_add(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-}  // namespace
+// Codes asked for kAvx2PrefetchBytes ahead (avx2_gemv.h), once a cache line.
 
 inline __m256i load_codes16(const int8_t* p) {  // 16 codes widened to int16
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -131,7 +120,7 @@ inline void int8_row(const int16_t* __restrict xq, int64_t ldx, const int8_t* __
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
     int64_t k = k0;
     for (; k + 32 <= k1; k += 32) {
-      if ((k & 32) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes, _MM_HINT_T0);
+      if ((k & 32) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + kAvx2PrefetchBytes, _MM_HINT_T0);
       const __m256i wlo = load_codes16(w + k), whi = load_codes16(w + k + 16);
       madd_step<M>(acc, wlo, whi, xq + k, ldx);
     }
@@ -143,7 +132,7 @@ inline void int8_row(const int16_t* __restrict xq, int64_t ldx, const int8_t* __
     }
     for (int m = 0; m < M; ++m) total[m] = _mm256_add_ps(total[m], _mm256_cvtepi32_ps(acc[m]));
   }
-  for (int m = 0; m < M; ++m) out[m] = reduce_add(total[m]);
+  for (int m = 0; m < M; ++m) out[m] = reduce_add8(total[m]);
 }
 
 #endif  // DABBA_INT8_GEMV_AVX2
