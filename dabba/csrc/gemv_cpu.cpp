@@ -91,7 +91,7 @@ inline void gemv_row(const uint16_t* __restrict x, int64_t ldx, const uint16_t* 
     for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k) + kAvx2PrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + kGemvPrefetchBytes, _MM_HINT_T0);
     __m256 wv[4];
     bf16x16_to_float(w + k, wv[0], wv[1]);
     bf16x16_to_float(w + k + 16, wv[2], wv[3]);

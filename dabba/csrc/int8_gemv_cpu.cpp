@@ -67,6 +67,7 @@ inline void int8_row(const int16_t* __restrict xq, int64_t ldx, const int8_t* __
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
     int64_t k = k0;
     for (; k + 64 <= k1; k += 64) {  // a cache line of codes, widened to int16 in two halves
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + kGemvPrefetchBytes, _MM_HINT_T0);
       const __m512i w64 = _mm512_loadu_si512(w + k);
       const __m512i wlo = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(w64));
       const __m512i whi = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(w64, 1));
@@ -91,7 +92,7 @@ inline void int8_row(const int16_t* __restrict xq, int64_t ldx, const int8_t* __
 // pmaddwd + paddd: the exact int32 sums vpdpwssd gives, on 8 lanes, so each lane sums K / 8
 // products: 512 of 128 * 32767 would just fit below 2^31; half that keeps AVX-512's margin.
 constexpr int64_t kExactChunk = 2048;
-// Codes asked for kAvx2PrefetchBytes ahead (avx2_gemv.h), once a cache line.
+// Codes asked for kGemvPrefetchBytes ahead (avx2_gemv.h), once a cache line.
 
 inline __m256i load_codes16(const int8_t* p) {  // 16 codes widened to int16
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -120,7 +121,7 @@ inline void int8_row(const int16_t* __restrict xq, int64_t ldx, const int8_t* __
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
     int64_t k = k0;
     for (; k + 32 <= k1; k += 32) {
-      if ((k & 32) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + kAvx2PrefetchBytes, _MM_HINT_T0);
+      if ((k & 32) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + kGemvPrefetchBytes, _MM_HINT_T0);
       const __m256i wlo = load_codes16(w + k), whi = load_codes16(w + k + 16);
       madd_step<M>(acc, wlo, whi, xq + k, ldx);
     }
