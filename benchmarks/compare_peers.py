@@ -33,7 +33,7 @@ model.
   serve (--serve, first model)  `dabba serve` and `vllm serve` under the same Poisson arrivals,
                    measured by `dabba bench serve`: TTFT and TPOT p50/p99, goodput against --slo-*
 
-Targets, per model (TARGETS): W1 or B32 total tokens/s >= 1.3x vLLM's, L4 >= 1.2x, W3 >= 1.0x;
+Targets, per model (benchmarks/peers/targets.py): W1 or B32 total tokens/s >= 1.3x vLLM's, L4 >= 1.2x, W3 >= 1.0x;
 W2 decode >= 1.1x llama.cpp bf16, INT8 >= 1.3x Q8_0, INT4 >= 1.2x Q4_0, TTFT <= vLLM's; W2 peak
 PSS <= 1.2x llama.cpp's per format, INT8's and INT4's below bf16's (load-time quantization); W2
 decode at >= 85% of the read bandwidth. --markdown-out writes a table per model, for the README.
@@ -41,7 +41,7 @@ decode at >= 85% of the read bandwidth. --markdown-out writes a table per model,
 Kernel variants: --dabba-isa avx2,avx512 runs dabba once per named variant of its native kernels
 (dabba/kernel_variants.py), as engines dabba-avx2, dabba-avx512, ..., each process told it is on
 that CPU: DABBA_CPU_ISA, and for PyTorch's own kernels ATEN_CPU_CAPABILITY and oneDNN's
-ONEDNN_MAX_CPU_ISA (ISA_ENV); with --llamacpp-python a llama.cpp built for AVX2 only, the report's
+ONEDNN_MAX_CPU_ISA (peers/targets.py ISA_ENV); with --llamacpp-python a llama.cpp built for AVX2 only, the report's
 targets then include W2 decode of dabba-avx2 >= 1.1x llama.cpp's at each variant.
 
 Memory: while each engine runs, this process samples the PSS of the benchmark child and all its
@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import operator
 import os
 import statistics
 import subprocess
@@ -71,12 +70,13 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from benchmarks.peers.bandwidth import DABBA_QUANT, bandwidth_report, copy_bandwidth
 from benchmarks.peers.online import compare_online
 from benchmarks.peers.pss import PssSampler
 from benchmarks.peers.report import print_checks, summary_of, to_markdown
+from benchmarks.peers.targets import ISA_ENV, PEER_VARIANT, TARGETS
 from benchmarks.peers.vllm_env import vllm_env
 from benchmarks.peers.workloads import BATCH_WORKLOADS, WORKLOADS, Workload
 from dabba.benchmark.offline import OfflineWorkload, make_prompts
@@ -87,53 +87,6 @@ KV_ROUND = 128  # tokens: a sequence's KV share, a multiple of every engine's bl
 KV_SLACK = 256  # tokens on top: what an engine reserves (vLLM's null block) must not cost a sequence
 BATCH = "BATCH"  # in --workloads: each model's --batch-workload
 MIB = 2**20
-
-
-
-OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": operator.le, "<": operator.lt}
-
-
-@dataclass(frozen=True)
-class Target:
-    """ours / theirs of one metric on one workload, held to ``bound`` by ``op``."""
-    workload: str
-    ours: tuple[str, str]  # (engine, variant)
-    theirs: tuple[str, str]
-    metric: str
-    bound: float
-    op: str = ">="
-
-    def check(self, medians: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any] | None:
-        got = medians.get(self.workload, {})
-        a, b = got.get("/".join(self.ours), {}).get(self.metric), got.get("/".join(self.theirs), {}).get(self.metric)
-        if not a or not b:
-            return None
-        ratio = a / b
-        return {"workload": self.workload, "ours": "/".join(self.ours), "theirs": "/".join(self.theirs),
-                "metric": self.metric, "value": a, "peer_value": b, "ratio": ratio, "target": self.bound,
-                "op": self.op, "met": OPS[self.op](ratio, self.bound)}
-
-
-DABBA, VLLM = ("dabba", "bf16"), ("vllm", "bf16")
-# what a process sees of the CPU when compare_peers runs dabba as one kernel variant
-ISA_ENV = {"avx2": {"DABBA_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-           "avx512": {"DABBA_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL"},
-           "generic": {"DABBA_CPU_ISA": "generic", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}}
-PEER_VARIANT = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # llama.cpp's counterpart of each dabba variant
-SPEEDUP_W2 = {"bf16": 1.1, "int8": 1.3, "int4": 1.2}
-TARGETS = [
-    Target("W1", DABBA, VLLM, "total_tok_s", 1.3),
-    Target("B32", DABBA, VLLM, "total_tok_s", 1.3),  # W1's target on the larger shapes
-    Target("L4", DABBA, VLLM, "total_tok_s", 1.2),
-    Target("W3", DABBA, VLLM, "total_tok_s", 1.0),
-    *(Target("W2", ("dabba", v), ("llama.cpp", PEER_VARIANT[v]), "decode_tok_s", x) for v, x in SPEEDUP_W2.items()),
-    Target("W2", DABBA, VLLM, "ttft_s", 1.0, "<="),
-    *(Target("W2", ("dabba", v), ("llama.cpp", PEER_VARIANT[v]), "peak_pss_mib", 1.2, "<=") for v in SPEEDUP_W2),
-    # load-time quantization must not cost more memory than the bf16 weights it replaces
-    *(Target("W2", ("dabba", v), DABBA, "peak_pss_mib", 1.0, "<") for v in ("int8", "int4")),
-    # --dabba-isa with an AVX2-only llama.cpp: the AVX2 variant keeps its lead at batch-1 decode
-    *(Target("W2", ("dabba-avx2", v), ("llama.cpp", PEER_VARIANT[v]), "decode_tok_s", 1.1) for v in SPEEDUP_W2),
-]
 
 
 # --- models -------------------------------------------------------------------------------------
@@ -421,15 +374,17 @@ def cpu_name() -> str:
     return f"{name}, {os.cpu_count()} cores" + (f" ({', '.join(ext)})" if ext else "")
 
 
-def build_native_kernels() -> None:
-    """Build dabba's kernels (if their sources changed) before anything is measured: the compiler
-    would otherwise run inside the first dabba run's process tree, its time and memory counted."""
-    subprocess.run([sys.executable, "-c", "from dabba import native; native.load_cpu_ops()"], check=True,
-                   capture_output=True)
+def build_native_kernels(isas: list[str] | None) -> None:
+    """Build dabba's kernels, each variant a run takes (if their sources changed), before anything
+    is measured: the compiler would otherwise run inside the first dabba run's process tree, its
+    time and memory counted."""
+    for isa in isas or [None]:
+        subprocess.run([sys.executable, "-c", "from dabba import native; native.load_cpu_ops()"], check=True,
+                       capture_output=True, env={**os.environ, **(ISA_ENV[isa] if isa else {})})
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    build_native_kernels()
+    build_native_kernels(args.dabba_isa)
     membw = copy_bandwidth(args.membw_gib, args.membw_iters) if args.membw_gib > 0 else None
     return {"cpu": cpu_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "repeats": args.repeats, "llamacpp_extra_bufts": not args.llamacpp_no_extra_bufts, "membw": membw,

@@ -13,9 +13,9 @@ import torch
 
 from benchmarks import compare_peers
 from benchmarks.peers import report as report_module
-from benchmarks.compare_peers import (TARGETS, WORKLOADS, ModelRun, Target, kv_tokens, max_model_len, model_runs,
-                                      parse_args)
+from benchmarks.compare_peers import WORKLOADS, ModelRun, kv_tokens, max_model_len, model_runs, parse_args
 from benchmarks.peers.bandwidth import BANDWIDTH_TARGET, decode_bytes_per_token
+from benchmarks.peers.targets import TARGETS, Target
 from benchmarks.peers.pss import MIB, PssSampler, process_tree
 from dabba.models.config import ArchConfig
 from dabba.models.sizes import weights_bytes
