@@ -72,8 +72,8 @@ inline float max_abs(const float* x, int64_t n) {
   vfloat vmax = {};
   for (int64_t i = 0; i < full; i += kLanes) {
     const vfloat v = load16(x + i);
-    const vfloat a = v < 0 ? -v : v;
-    vmax = vmax > a ? vmax : a;
+    const vfloat a = select(v < vfloat{}, -v, v);
+    vmax = select(vmax > a, vmax, a);
   }
   float m = 0.f;
   for (int64_t i = 0; i < kLanes; ++i) m = std::max(m, vmax[i]);

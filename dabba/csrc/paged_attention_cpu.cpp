@@ -65,7 +65,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -95,6 +95,31 @@ inline vfloat load16_as_float<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
   vfloat out;
   std::memcpy(&out, &wide, sizeof(out));
   return out;
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+// The same conversions in two 8-lane halves (the avx2 variant).
+inline vfloat from_halves(__m256 lo, __m256 hi) {
+  static_assert(vfloat::kParts == 2, "AVX without AVX-512: two 32-byte parts");
+  vfloat out;
+  std::memcpy(&out.part[0], &lo, sizeof(lo));
+  std::memcpy(&out.part[1], &hi, sizeof(hi));
+  return out;
+}
+
+template <>
+inline vfloat load16_as_float<int8_t>(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return from_halves(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+}
+
+template <>
+inline vfloat load16_as_float<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), _mm256_set1_epi16(-16385));
+  const __m256 x256 = _mm256_set1_ps(256.f);
+  return from_halves(_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), x256),
+                     _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), x256));
 }
 #endif
 
@@ -355,7 +380,7 @@ inline void softmax_inplace(float* s, int64_t n) {
     vfloat vmax = load16(s);
     for (int64_t t = kLanes; t < full; t += kLanes) {
       const vfloat x = load16(s + t);
-      vmax = vmax > x ? vmax : x;
+      vmax = select(vmax > x, vmax, x);
     }
     for (int64_t i = 0; i < kLanes; ++i) max_score = std::max(max_score, vmax[i]);
   }

@@ -47,15 +47,15 @@ int64_t argmax_row(const scalar_t* x, int64_t vocab) {
   bool nan = false;
   if (full > 0) {
     vfloat top = load16_as_float(x);
-    vint where = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vint where = lane_indices();
     vint index = where;
     vint unordered = top != top;
     for (int64_t i = kLanes; i < full; i += kLanes) {
       index += kLanes;
       const vfloat v = load16_as_float(x + i);
       const vint better = v > top;
-      top = better ? v : top;
-      where = better ? index : where;
+      top = select(better, v, top);
+      where = select(better, index, where);
       unordered |= v != v;
     }
     for (int64_t l = 0; l < kLanes; ++l) {
