@@ -7,7 +7,7 @@ dabba/csrc's comments come from here.
 - linear: one pass over every layer's weights (cold: more bytes than the caches hold) at 1-4096
   rows: dabba's bf16 linear (the GEMV to gemv_max_rows rows, the GEMM to gemm_max_rows: the
   kernel's KernelConstants; on AMX tiles the GEMM from one row, and the GEMV timed beside it up to
-  gemv_max_rows; the avx2 build, without the GEMM, the GEMV at every row count) against F.linear,
+  gemv_max_rows; the avx2 build the GEMV below avx2_gemm_min_rows, its own GEMM from there) against F.linear,
   GB/s of weights and GFLOP/s; its INT8 linear (GEMV, then GEMM on codes widened to bf16) against
   _weight_int8pack_mm. Each row names the kernel that took it and whether its outputs agreed with
   the op it is timed against (a wrong kernel's timing means nothing).
@@ -78,15 +78,18 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
     gemv_max_rows = limits.amx_gemv_max_rows if amx else limits.gemv_max_rows
     int8_gemm_min_rows = limits.amx_int8_gemm_min_rows if amx else limits.int8_gemm_min_rows
     gemm = "gemm_amx" if amx else "gemm"
-    has_gemm = native.gemm_available()  # the avx2 build has none: its GEMVs take every row count (bf16 x)
+    has_gemm = native.gemm_available()  # the avx2 build has its own bf16 GEMM, and the INT8 GEMV at every row count
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k).bfloat16() for _, k in linears}
         row: dict[str, Any] = {"rows": m}
         row["bf16_f_linear_ms"] = best_ms(lambda: [F.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
         if native.gemv_available():
-            row["bf16_kernel"] = ("gemv" if m <= gemv_max_rows or not has_gemm else gemm
-                                  if m <= limits.gemm_max_rows else "f_linear")
+            if has_gemm:
+                row["bf16_kernel"] = "gemv" if m <= gemv_max_rows else gemm if m <= limits.gemm_max_rows else "f_linear"
+            else:
+                row["bf16_kernel"] = "gemm_avx2" if m >= limits.avx2_gemm_min_rows and native.avx2_gemm_available() \
+                    else "gemv"
             row["bf16_agrees"] = agree([native.linear(xs[w.shape[1]], w) for w in dense[0]],
                                        [F.linear(xs[w.shape[1]], w) for w in dense[0]])
             row["bf16_native_ms"] = best_ms(

@@ -89,6 +89,7 @@ class KernelConstants:
     int8_dequant_min_rows: int  # past the GEMM (or float32 from here) INT8 dequantizes its codes
     amx_gemv_max_rows: int  # where the GEMM runs on AMX tiles (amx_usable): the GEMV only up to here
     amx_int8_gemm_min_rows: int  # and INT8's GEMM from here
+    avx2_gemm_min_rows: int  # the avx2 build: bf16's GEMM (csrc/gemm_avx2_cpu.cpp) from here, the GEMV below
     linear_kinds: dict[str, int]  # "dense", "int8", "int4" -> LinearKind in csrc/cpu_ops.h
 
 
@@ -120,6 +121,11 @@ def gemv_available() -> bool:
 @functools.lru_cache(maxsize=None)
 def gemm_available() -> bool:
     return load_cpu_ops() and torch.ops.dabba_cpu.gemm_available()
+
+
+@functools.lru_cache(maxsize=None)
+def avx2_gemm_available() -> bool:
+    return load_cpu_ops() and torch.ops.dabba_cpu.avx2_gemm_available()
 
 
 def amx_usable(in_features: int) -> bool:

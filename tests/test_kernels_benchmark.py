@@ -27,8 +27,9 @@ def test_kernels_benchmark_reports_each_kernel(capsys) -> None:
         assert [row["bf16_kernel"] for row in result["linear"]] == expected + ["f_linear"]
         assert all(row["bf16_agrees"] is True for row in result["linear"])
         assert ["bf16_gemv_ms" in row for row in result["linear"]] == [True, True, False, False]  # <= gemv_max_rows
-    if native.gemv_available() and not native.gemm_available():  # the avx2 build: the GEMVs take every row count
-        assert [row["bf16_kernel"] for row in result["linear"]] == ["gemv"] * 4
+    if native.gemv_available() and not native.gemm_available():  # the avx2 build: its GEMM, else the GEMVs
+        assert 13 < limits.avx2_gemm_min_rows <= 300
+        assert [row["bf16_kernel"] for row in result["linear"]] == ["gemv"] * 3 + ["gemm_avx2"]
         assert [row["int8_kernel"] for row in result["linear"]] == ["gemv"] * 4
         assert all(row["bf16_agrees"] is True and row["int8_agrees"] is True for row in result["linear"])
     if native.int8_gemv_available() and native.gemm_available():

@@ -32,7 +32,8 @@ class Target:
 
 DABBA, VLLM = ("dabba", "bf16"), ("vllm", "bf16")
 # what a process sees of the CPU when compare_peers runs dabba as one kernel variant
-ISA_ENV = {"avx2": {"DABBA_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+ISA_ENV = {"avx2": {"DABBA_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
            "avx512": {"DABBA_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL"},
            "generic": {"DABBA_CPU_ISA": "generic", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}}
 PEER_VARIANT = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # llama.cpp's counterpart of each dabba variant

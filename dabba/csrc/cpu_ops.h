@@ -106,8 +106,9 @@ void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
                bool amx = true);
 // x W^T + b on the CPU, the one place that picks the kernel: the GEMV up to kGemvMaxRows bf16 rows
 // (kAmxGemvMaxRows where the GEMM has AMX tiles), the GEMM up to kGemmMaxRows, F.linear beyond and
-// where neither applies (other dtypes, odd K, strided operands). A build without the GEMM (avx2)
-// runs the GEMV at any row count instead, kGemvMaxRows rows a pass.
+// where neither applies (other dtypes, odd K, strided operands). The avx2 build runs the GEMV to
+// kAvx2GemmMinRows - 1 rows, kGemvMaxRows rows a pass, and its own GEMM (gemm_avx2_cpu.cpp) from
+// there, at any row count.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // A gated MLP's merged [gate; up] projection and activation: silu(x G^T) * (x U^T) (SwiGLU) or
 // gelu_tanh(x G^T) * (x U^T) (GeGLU). Where dense_linear takes the GEMM (and on AMX tiles at any
@@ -142,6 +143,17 @@ void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, con
 // the batch only where two candidates' logits lie that close.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias);
+
+// gemm_avx2_cpu.cpp: the avx2 variant's bf16 GEMM, float32 FMAs on operands widened once per call;
+// dense_linear takes it from kAvx2GemmMinRows rows. SmolLM2-135M's 30 layers (python -m
+// benchmarks.kernels, PyTorch held to AVX2), against the GEMV 8 rows a pass: 38 against 34 ms at 16
+// rows, 55 against 67 at 32, 87 against 132 at 64, 574 against 1003 at 512 (189 GFLOP/s); 4
+// layers of Qwen2.5-1.5B: level at 16, 57 against 73 at 20, 152 against 202 at 64. The INT8 GEMV
+// (int16 x int8 pairs by pmaddwd: twice the products an instruction) keeps every row count: codes
+// widened to float32 through this GEMM were 0.9x its passes on Qwen2.5-1.5B's shapes at 128-512 rows.
+constexpr int kAvx2GemmMinRows = 17;
+bool avx2_gemm_available();
+void avx2_bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
 // int8_gemv_cpu.cpp: up to kInt8GemvMaxRows rows of x against int8 codes with a scale per output channel
 bool int8_gemv_available();

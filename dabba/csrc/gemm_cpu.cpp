@@ -324,11 +324,15 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   const bool bf16 = x.dim() == 2 && x.size(0) > 0 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 &&
                     weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
                     (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()));
-  // Without the GEMM (the avx2 build) the GEMV takes every row count, kGemvMaxRows at a time: there
-  // F.linear has no bf16 instructions to use. oneDNN held to AVX2, 4 layers of Qwen2.5-1.5B: 99 ms
-  // at 9 rows against the passes' 44, 160 against 57 at 16, 596 against 193 at 64; one layer, 1293
-  // against 375 at 512 rows. The passes reach 124 GFLOP/s at 64 rows, three quarters of two cores'
-  // AVX2 FMA peak at 2.6 GHz, so no AVX2 GEMM could be much faster.
+  // The avx2 build (no AVX512-BF16 GEMM) takes its own GEMM from kAvx2GemmMinRows rows and the GEMV
+  // below, kGemvMaxRows rows a pass: F.linear has no bf16 instructions to use there. oneDNN held to
+  // AVX2, 4 layers of Qwen2.5-1.5B: 99 ms at 9 rows against the passes' 44, 160 against 57 at 16,
+  // 596 against 193 (the GEMM 152) at 64.
+  if (bf16 && x.size(0) >= kAvx2GemmMinRows && avx2_gemm_available()) {
+    at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+    avx2_bf16_gemm(y, x, weight, bias);
+    return y;
+  }
   if (bf16 && gemv_available() && (x.size(0) <= gemv_max_rows(x.size(1)) || !gemm_available()))
     return gemv_passes(x, weight.size(0), kGemvMaxRows,
                        [&](at::Tensor y, const at::Tensor& rows) { bf16_gemv(y, rows, weight, bias); });

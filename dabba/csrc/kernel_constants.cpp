@@ -19,6 +19,7 @@ c10::Dict<std::string, int64_t> kernel_constants() {
   constants.insert("int8_dequant_min_rows", kInt8DequantMinRows);
   constants.insert("amx_gemv_max_rows", kAmxGemvMaxRows);
   constants.insert("amx_int8_gemm_min_rows", kAmxInt8GemmMinRows);
+  constants.insert("avx2_gemm_min_rows", kAvx2GemmMinRows);
   constants.insert("linear_kind.dense", static_cast<int64_t>(LinearKind::kDense));
   constants.insert("linear_kind.int8", static_cast<int64_t>(LinearKind::kInt8));
   constants.insert("linear_kind.int4", static_cast<int64_t>(LinearKind::kInt4));

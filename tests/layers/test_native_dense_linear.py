@@ -1,5 +1,5 @@
 """dabba's bf16 linear kernels on the CPU (the GEMV for decode's few rows, the GEMM beyond, on AMX
-tiles where the CPU has them; the avx2 build has no GEMM and runs the GEMV at any row count) against
+tiles where the CPU has them; the avx2 build's own GEMM from avx2_gemm_min_rows rows) against
 float32 arithmetic on the same bf16 operands: they may differ from F.linear only in the order of
 float32 additions, so each output is the float32 result rounded to bf16, give or take an ulp of the
 sum."""
@@ -95,7 +95,7 @@ def test_odd_in_features_and_other_cases_fall_back() -> None:
     if native.gemm_available():
         assert torch.equal(native.linear(odd_x, odd_w), F.linear(odd_x, odd_w))
         assert torch.equal(native.linear(long, w), F.linear(long, w))
-    else:  # the GEMV takes every row count, in passes
+    else:  # the avx2 build: the GEMV in passes, or its GEMM
         assert_rounded_products(native.linear(odd_x, odd_w), odd_x, odd_w, None)
         assert_rounded_products(native.linear(long, w), long, w, None)
 
@@ -167,3 +167,27 @@ def test_swiglu_kernel_rejects_bad_shapes() -> None:
     with pytest.raises(RuntimeError, match=r"out must be \[M, 4\]"):
         torch.ops.dabba_cpu.bf16_gemm_silu_and_mul(torch.empty(16, 8, dtype=torch.bfloat16), x,
                                                    torch.randn(8, 64).bfloat16(), None)
+
+
+@pytest.mark.skipif(not native.avx2_gemm_available(), reason="the avx2 variant's GEMM is not built here")
+@pytest.mark.parametrize("rows", [1, 4, 5, 6, 11, 64])
+@pytest.mark.parametrize("out_features, in_features", [(45, 256), (16, 7), (3, 2000), (33, 1031)])
+def test_avx2_gemm_at_any_shape_and_independent_of_the_batch(rows, out_features, in_features) -> None:
+    """The avx2 variant's GEMM itself: 5-row tiles (a partial last one), 16-column panels (a partial
+    last one), K not a multiple of the 8-wide transposes, chunks of x rows (2000 inputs: 130 rows a
+    chunk, so 300 rows take three), into a wider output (a row stride). Each row's output is the
+    same alone as in any batch."""
+    torch.manual_seed(rows + in_features)
+    x = torch.randn(300, in_features).bfloat16()
+    w = (torch.randn(out_features, in_features) * 0.1).bfloat16()
+    b = torch.randn(out_features).bfloat16()
+    full = torch.empty(300, out_features, dtype=torch.bfloat16)
+    torch.ops.dabba_cpu.avx2_bf16_gemm(full, x, w, b)
+    assert_rounded_products(full, x, w, b)
+    out = torch.full((rows, out_features + 5), 7.0, dtype=torch.bfloat16)
+    torch.ops.dabba_cpu.avx2_bf16_gemm(out[:, :out_features], x[7:7 + rows], w, None)
+    assert_rounded_products(out[:, :out_features], x[7:7 + rows], w, None)
+    assert (out[:, out_features:] == 7.0).all()  # nothing written past the output's columns
+    alone = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    torch.ops.dabba_cpu.avx2_bf16_gemm(alone, x[7:7 + rows], w, b)
+    assert torch.equal(alone, full[7:7 + rows])
