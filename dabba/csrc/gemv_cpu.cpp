@@ -14,9 +14,9 @@
 // to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2), against F.linear: 15.7 ms at one row
 // (23.9 GB/s; benchmarks.membw reads 23.6) against 25.6, 17.9 against 35.6 at 2 rows, 20.4 against
 // 53.2 at 4, 27.4 against 88.0 at 8, where the FMAs set the pace (the avx512 variant's GEMV:
-// 16.9, 20.8, 25.4 and 33.3 ms). With no GEMM in that build dense_linear (gemm_cpu.cpp) runs this
-// kernel at any row count, 8 rows a pass: 55 ms at 16 rows against F.linear's 161, 193 at 64
-// against 596 (python -m benchmarks.kernels --layers 4 with that shape).
+// 16.9, 20.8, 25.4 and 33.3 ms). In that build dense_linear (gemm_cpu.cpp) runs this kernel 8 rows
+// a pass up to kAvx2GemmMinRows - 1 rows (55 ms at 16 rows against F.linear's 161) and the avx2
+// GEMM (gemm_avx2_cpu.cpp) from there (python -m benchmarks.kernels --layers 4 with that shape).
 //
 // Built where the compiler targets AVX512-BF16 or AVX2 + FMA (the avx512 and avx2 variants,
 // dabba/kernel_variants.py); gemv_available() tells Python, which otherwise keeps F.linear.
