@@ -139,7 +139,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (it streams the weight at close to memory bandwidth, oneDNN at about half of it) and the GEMM
     beyond, up to gemm_max_rows (1.3-2x oneDNN's as PyTorch calls it; csrc/gemm_cpu.cpp). On AMX
     tiles, where the CPU has them, the GEMM takes every row count from one. Long prefills and
-    other cases keep F.linear. The avx2 build has no GEMM: its GEMV takes every row count."""
+    other cases keep F.linear. The avx2 build runs its own GEMM from avx2_gemm_min_rows rows
+    (csrc/gemm_avx2_cpu.cpp), at any row count."""
     if x.dim() == 2 and x.device.type == "cpu" and weight.device.type == "cpu" and load_cpu_ops():
         return torch.ops.dabba_cpu.dense_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -139,7 +139,8 @@ def test_dabba_runs_once_per_kernel_variant_with_the_cpu_that_variant_sees(monke
     job = compare_peers.Job(ModelRun("/m/a", "/g"), w2, "spec.json", 1 << 20, str(tmp_path))
     compare_peers.run_engine("dabba-avx2", "int4", job, args)
     compare_peers.run_engine("dabba", "bf16", job, args)
-    assert seen[0][1] == {"DABBA_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert seen[0][1] == {"DABBA_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                          "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     assert "--quantization" in seen[0][0] and seen[1][1] is None
     with pytest.raises(SystemExit):
         parse_args(["--model", "/m/a", "--dabba-isa", "avx9"])
