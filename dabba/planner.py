@@ -18,7 +18,7 @@ from dabba.core.kv_cache_groups import group_layers, group_size
 from dabba.engine.llm_engine import resolve_dtype, resolve_max_model_len
 from dabba.models.config import ArchConfig
 from dabba.models.hub import CONFIG_FILES, resolve_model_dir
-from dabba.models.sizes import weights_bytes
+from dabba.models.sizes import parameter_counts, weights_bytes
 from dabba.quantization.config import QuantConfig
 
 WEIGHT_QUANTIZATIONS = (None, "int8", "int4")
@@ -53,6 +53,9 @@ class MemoryPlan:
     # with sliding-window layers: how the cache groups them (KV B/block is then a block of one
     # group's layers, and B/token counts every layer as if it kept the whole context)
     kv_cache_groups: str | None = None
+    parameters: int = 0
+    active_parameters: int = 0  # what one token's forward multiplies: fewer than all in a mixture of experts
+    experts: str | None = None  # a mixture of experts: "top_k of num_experts experts in N of L layers"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,6 +65,8 @@ class MemoryPlan:
         lines = [
             f"{self.model}: L={self.num_layers} layers, n_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"dtype {self.dtype} (p={self.p})",
+            f"parameters: {self.parameters / 1e6:.1f}M"
+            + (f", {self.active_parameters / 1e6:.1f}M active per token ({self.experts})" if self.experts else ""),
             f"KV bytes = {self.formula}",
             (f"KV cache memory {self.kv_cache_memory / mib:.1f} MiB" if self.total_memory is None else
              f"{self.total_memory / mib:.1f} MiB in all, the KV cache gets what the weights leave")
@@ -101,7 +106,11 @@ def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_l
     else:
         if quantization not in WEIGHT_QUANTIZATIONS + ("none",):
             raise ValueError(f"quantization must be 'none', 'int8', 'int4' or None (all), got {quantization!r}")
-        chosen = WEIGHT_QUANTIZATIONS if quantization is None else [None if quantization == "none" else quantization]
+        if arch.moe is not None and quantization not in (None, "none"):
+            raise ValueError(f"quantization={quantization!r}: mixture-of-experts models ({arch.architecture}) "
+                             "load unquantized for now")
+        options = (None,) if arch.moe is not None else WEIGHT_QUANTIZATIONS
+        chosen = options if quantization is None else [None if quantization == "none" else quantization]
         weight_options = [(q or "none", QuantConfig(q) if q else None) for q in chosen]
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
@@ -109,6 +118,10 @@ def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_l
     result = MemoryPlan(str(model), L, H, d, str(torch_dtype).removeprefix("torch."), p,
                         f"2 · B · S · L · n_kv_heads · head_dim · p = 2 · B · S · {L} · {H} · {d} · {p} "
                         f"= {2 * L * H * d * p} · B · S bytes", kv_cache_memory, total_memory, max_len, block_size)
+    result.parameters, result.active_parameters = parameter_counts(arch)
+    if arch.moe is not None:
+        result.experts = (f"{arch.moe.top_k} of {arch.moe.num_experts} experts in {sum(arch.moe.sparse_layers)} "
+                          f"of {L} layers")
     # As the engine: layers grouped by attention kind, a pool block holding one block of each layer
     # position of a group; a sliding group holds at most its window plus a step's chunk.
     groups = group_layers([arch.layer_sliding_window(i) for i in range(L)])

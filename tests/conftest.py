@@ -53,6 +53,17 @@ CHECKPOINTS = {
                    tie_word_embeddings=True, norm_std=0.3,
                    rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # Mixtures of experts, more experts than each token takes so routing matters: Mixtral (6 experts,
+    # top-2, renormalised), Qwen3-MoE (8, top-3, renormalised, per-head q/k norms, layer 1 dense
+    # through mlp_only_layers, GQA 4:1), OLMoE (8, top-4, not renormalised, q/k norms over the
+    # whole projection).
+    "mixtral": dict(arch="MixtralForCausalLM", num_local_experts=6, num_experts_per_tok=2, intermediate_size=64,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=24),
+    "qwen3moe": dict(arch="Qwen3MoeForCausalLM", num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
+                     moe_intermediate_size=40, intermediate_size=72, mlp_only_layers=[1], norm_topk_prob=True,
+                     num_attention_heads=4, num_key_value_heads=1, head_dim=32),
+    "olmoe": dict(arch="OlmoeForCausalLM", num_experts=8, num_experts_per_tok=4, intermediate_size=48,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=24),
 }
 # A wider init than transformers' default 0.02 makes the next token depend strongly on context,
 # so a wrong position, mask or block would change the greedy output.

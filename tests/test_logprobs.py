@@ -17,7 +17,7 @@ def hf_log_softmax(path, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0].float().log_softmax(dim=-1)  # [len, vocab]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3", "mixtral", "olmoe"])
 @pytest.mark.parametrize("engine_kwargs", [dict(), dict(max_num_batched_tokens=24)], ids=["whole", "chunked"])
 def test_logprobs_match_transformers(checkpoints, name, engine_kwargs) -> None:
     ckpt = checkpoints[name]

@@ -47,6 +47,27 @@ def test_smollm_shape_by_hand(tmp_path) -> None:
         linear_weights // 2 + groups * 2 * 2) + lm_head
 
 
+def test_mixture_of_experts_counts_total_and_active_parameters(tmp_path) -> None:
+    """OLMoE-1B-7B's shape: 64 experts of intermediate 1024, 8 a token, in all 16 layers; q/k norms
+    over the whole projection. Every expert's bytes are in the weights; a token multiplies 8 of 64."""
+    cfg = {"architectures": ["OlmoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 1024,
+           "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 50304,
+           "num_experts": 64, "num_experts_per_tok": 8, "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
+           "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    p = plan(tmp_path, kv_cache_memory=2**30, max_model_len=4096)
+    attention = 4 * 2048 * 2048 + 2048 + 2048  # q, k, v, o and the two q/k norms
+    per_layer = attention + 2048 * 64 + 64 * 3 * 2048 * 1024 + 2 * 2048  # router, experts, two norms
+    total = 2 * 50304 * 2048 + 16 * per_layer + 2048
+    assert p.parameters == total and 6.9e9 < total < 7.0e9
+    assert p.active_parameters == total - 16 * (64 - 8) * 3 * 2048 * 1024 and 1.2e9 < p.active_parameters < 1.3e9
+    assert p.experts == "8 of 64 experts in 16 of 16 layers"
+    assert {r.quantization for r in p.rows} == {"none"} and p.rows[0].weights_bytes == 2 * total
+    assert "parameters: 6919.2M, 1282.0M active per token (8 of 64 experts in 16 of 16 layers)" in p.render()
+    with pytest.raises(ValueError, match="mixture-of-experts models .OlmoeForCausalLM. load unquantized for now"):
+        plan(tmp_path, quantization="int4")
+
+
 def test_demo_shape_by_hand_with_a_total_budget() -> None:
     p = plan(DEMO_MODEL, kv_cache_memory=None, total_memory=64 * 2**20, kv_cache_dtype="fp8")
     assert p.formula.startswith("2 · B · S · L · n_kv_heads · head_dim · p = 2 · B · S · 6 · 2 · 64 · 2 = 3072")

@@ -68,9 +68,12 @@ ARCH_CONFIGS = {
     "Gemma3ForCausalLM": "Gemma3TextConfig",
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
+    "MixtralForCausalLM": "MixtralConfig",
+    "OlmoeForCausalLM": "OlmoeConfig",
     "Phi3ForCausalLM": "Phi3Config",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
 }
 
 

@@ -10,7 +10,10 @@ from typing import Any
 from dabba.models.files import read_json_object
 
 SUPPORTED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-                           "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+                           "MixtralForCausalLM", "OlmoeForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GEMMA_MAX_POSITIONS = {"Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}  # their configs' defaults
 # Architectures dabba knows and refuses, with what to use instead.
@@ -40,6 +43,21 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP's shape and routing (dabba.layers.moe)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k weights divided by their sum (Mixtral always; the others per norm_topk_prob)
+    # the routing weights rounded to the model's dtype before they scale the experts' outputs
+    # (Qwen3-MoE, OLMoE), or kept in float32 (Mixtral), as transformers does
+    weights_in_model_dtype: bool
+    # which layers route (Qwen3-MoE's mlp_only_layers and decoder_sparse_step); the rest run a
+    # dense MLP of the config's intermediate_size
+    sparse_layers: tuple[bool, ...]
 
 
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -88,6 +106,10 @@ class ArchConfig:
     # Gemma 3: the sliding layers' RoPE base (default rope, unscaled); rope_theta and rope_scaling
     # are then the global layers'. None: every layer uses rope_theta and rope_scaling.
     rope_local_theta: float | None = None
+    # Mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE); None: a dense MLP in every layer.
+    moe: MoEConfig | None = None
+    # OLMoE normalises q and k over the whole projection (all heads at once), not per head
+    qk_norm_whole: bool = False
 
     @property
     def attn_scale(self) -> float:
@@ -107,6 +129,8 @@ class ArchConfig:
         the Llama block: RMSNorm, SwiGLU, RoPE on each head's first rotary_dim dims with the cos/sin
         tables Python computes (so partial rotary and longrope), optional q/k/v and o biases); None
         where they have one. A family adding a feature the loop lacks says so here."""
+        if self.moe is not None:
+            return f"{self.architecture}'s mixture-of-experts layers are not in the native loop"
         if self.architecture in GEMMA_ARCHITECTURES:
             return (f"{self.architecture}'s (1 + w) RMSNorms, post-attention/feed-forward norms, GeGLU, embedding "
                     "scale and soft caps are not in the native loop")
@@ -197,7 +221,7 @@ class ArchConfig:
         # layer_types name (_layer_types; Gemma's window is 4096 unless the config says otherwise)
         sliding_window = cfg.get("sliding_window", 4096 if gemma else None)
         sliding_layers = None if layer_types is None else tuple(t == "sliding_attention" for t in layer_types)
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        if arch in QWEN_ARCHITECTURES and not cfg.get("use_sliding_window", False):
             sliding_window = None
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or null, not {sliding_window}")
@@ -215,6 +239,8 @@ class ArchConfig:
         if gemma and not (isinstance(query_pre_attn_scalar, (int, float)) and query_pre_attn_scalar > 0):
             raise ValueError(f"query_pre_attn_scalar must be a number > 0, not {query_pre_attn_scalar!r}")
 
+        if arch == "OlmoeForCausalLM" and cfg.get("clip_qkv") is not None:
+            raise ValueError(f"unsupported config: clip_qkv={cfg['clip_qkv']!r} (OLMoE with clipped q/k/v)")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -233,7 +259,9 @@ class ArchConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "OlmoeForCausalLM"),
+            qk_norm_whole=arch == "OlmoeForCausalLM",
+            moe=_moe_config(arch, cfg),
             sliding_window=sliding_window,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -260,7 +288,7 @@ def _layer_types(arch: str, cfg: dict[str, Any]) -> list[str] | None:
     elif arch == "Gemma3ForCausalLM":  # every sliding_window_pattern-th layer global (Gemma 3: 6)
         pattern = cfg.get("sliding_window_pattern") or 6
         default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # the layers from max_window_layers on
+    elif arch in QWEN_ARCHITECTURES:  # the layers from max_window_layers on
         default = ["sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
                    for i in range(num_layers)]
     else:
@@ -345,3 +373,27 @@ def _longrope_scaling(arch: str, cfg: dict[str, Any], rope: dict[str, Any], rota
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
                        attention_factor=float(attention_factor), **factors)
+
+
+def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
+    """The routing of a mixture-of-experts family, read as its transformers config reads it."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    num_layers = cfg["num_hidden_layers"]
+    num_experts = cfg.get("num_local_experts") if arch == "MixtralForCausalLM" else None
+    num_experts = num_experts or cfg.get("num_experts") or cfg.get("num_local_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    inter = cfg.get("moe_intermediate_size") if arch == "Qwen3MoeForCausalLM" else cfg.get("intermediate_size")
+    for name, value in (("num_experts", num_experts), ("num_experts_per_tok", top_k), ("expert intermediate size", inter)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{arch} needs a positive integer {name}, got {value!r}")
+    if top_k > num_experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must not exceed the number of experts ({num_experts})")
+    sparse = [True] * num_layers
+    if arch == "Qwen3MoeForCausalLM":
+        only_dense = set(cfg.get("mlp_only_layers") or [])
+        step = cfg.get("decoder_sparse_step") or 1
+        sparse = [i not in only_dense and (i + 1) % step == 0 for i in range(num_layers)]
+    return MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inter,
+                     renormalize=True if arch == "MixtralForCausalLM" else bool(cfg.get("norm_topk_prob", False)),
+                     weights_in_model_dtype=arch != "MixtralForCausalLM", sparse_layers=tuple(sparse))

@@ -81,9 +81,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_idx: int, prefix: str, quant_config: QuantConfig | None) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(cfg, layer_idx, f"{prefix}.self_attn", quant_config)
-        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", quant_config)
+        self.mlp = self.make_mlp(cfg, layer_idx, f"{prefix}.mlp", quant_config)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg: ArchConfig, layer_idx: int, prefix: str, quant_config: QuantConfig | None) -> nn.Module:
+        """The layer's feed-forward block (a mixture of experts in the MoE families)."""
+        return LlamaMLP(cfg, prefix, quant_config)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # derived from the config, not a weight
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store it anyway
-            target, shard_id = checkpoint_target(name)
+            target, shard_id = self.checkpoint_target(name)
             if target not in known:
                 unexpected.append(name)
                 continue
@@ -187,6 +191,10 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+
+    def checkpoint_target(self, name: str) -> tuple[str, Hashable]:
+        """A checkpoint tensor's parameter name and shard id (families with other names override)."""
+        return checkpoint_target(name)
 
     def _copy_tensor(self, name: str, target: str, tensor: torch.Tensor, shard_id: Hashable) -> None:
         """Checkpoint tensor ``name`` into parameter ``target`` (through its weight loader, if any)."""
@@ -206,8 +214,12 @@ class LlamaForCausalLM(nn.Module):
         """"param#shard" for each shard a tensor fills: the one named, or all of a merged layer's."""
         if shard_id is not None:
             return {f"{target}#{shard_id}"}
-        owner = self.get_submodule(target.rsplit(".", 1)[0])
-        shard_ids = owner.shard_ids if isinstance(owner, Linear) and owner.shard_ids else (None,)
+        module_name, _, attr = target.rpartition(".")
+        owner = self.get_submodule(module_name)
+        if hasattr(owner, "param_shard_ids"):  # stacked experts: a piece per expert (dabba.layers.moe)
+            shard_ids = owner.param_shard_ids(attr)
+        else:
+            shard_ids = owner.shard_ids if isinstance(owner, Linear) and owner.shard_ids else (None,)
         return {f"{target}#{sid}" for sid in shard_ids}
 
 

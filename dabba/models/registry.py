@@ -5,6 +5,7 @@ from torch import nn
 
 from dabba.models.gemma import GemmaForCausalLM
 from dabba.models.llama import LlamaForCausalLM
+from dabba.models.moe import MoEForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
 from dabba.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -12,9 +13,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # fused qkv/gate_up tensors, partial rotary, longrope: ArchConfig
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -40,3 +40,16 @@ def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfi
                 seen.add(id(param))
                 total += param.numel() * dtype.itemsize
     return total
+
+
+def parameter_counts(arch: ArchConfig) -> tuple[int, int]:
+    """(every parameter, those one token's forward multiplies): all of them, less in each routed
+    layer the experts a token does not take (num_experts - top_k of them)."""
+    with torch.device("meta"):
+        model = get_model_class(arch.architecture)(arch, 16, None)
+    total = sum(p.numel() for p in model.parameters())  # a tied head counted once
+    if arch.moe is None:
+        return total, total
+    per_expert = 3 * arch.hidden_size * arch.moe.intermediate_size  # gate, up, down
+    idle = sum(arch.moe.sparse_layers) * (arch.moe.num_experts - arch.moe.top_k) * per_expert
+    return total, total - idle
