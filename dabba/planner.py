@@ -106,11 +106,7 @@ def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_l
     else:
         if quantization not in WEIGHT_QUANTIZATIONS + ("none",):
             raise ValueError(f"quantization must be 'none', 'int8', 'int4' or None (all), got {quantization!r}")
-        if arch.moe is not None and quantization not in (None, "none"):
-            raise ValueError(f"quantization={quantization!r}: mixture-of-experts models ({arch.architecture}) "
-                             "load unquantized for now")
-        options = (None,) if arch.moe is not None else WEIGHT_QUANTIZATIONS
-        chosen = options if quantization is None else [None if quantization == "none" else quantization]
+        chosen = WEIGHT_QUANTIZATIONS if quantization is None else [None if quantization == "none" else quantization]
         weight_options = [(q or "none", QuantConfig(q) if q else None) for q in chosen]
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")

@@ -1,27 +1,29 @@
 """A mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): a router picks each token's top-k experts,
 and only the experts some token picked are read and multiplied.
 
-The experts' weights are stacked, as one tensor each: ``w13`` [experts, 2 * intermediate, hidden]
-(each expert's gate rows, then its up rows: the dense MLP's merged gate_up layout) and ``w2``
-[experts, hidden, intermediate]. Checkpoints store them per expert (``experts.{e}.gate_proj`` or
-Mixtral's ``w1``/``w3``/``w2``) or already stacked (transformers 5's ``experts.gate_up_proj`` and
-``experts.down_proj``); the weight loader takes either.
+Each expert is a gated MLP of its own, two ``Linear`` layers: ``experts.{e}.gate_up_proj`` (its
+gate rows, then its up rows, the dense MLP's merged layout) and ``experts.{e}.down_proj``. Held
+per expert, every linear method applies to them unchanged (load-time INT8/INT4, GPTQ and AWQ
+checkpoints, layer-by-layer repacking while loading, the planner's byte counts), and each is one
+``NativeLinearSpec`` to the native kernels. Checkpoints store the experts per expert
+(``experts.{e}.gate_proj``/``up_proj``/``down_proj``, Mixtral's ``w1``/``w3``/``w2``) or stacked
+(transformers 5's ``experts.gate_up_proj`` [experts, 2 * intermediate, hidden] and
+``experts.down_proj``); dabba.models.moe maps either onto these layers.
 
 The forward pass follows transformers' routing exactly: softmax over the router's logits in
 float32, torch.topk (the same ties), renormalised over the k where the family does; then tokens
-grouped by expert, one GEMM pair per active expert over its tokens, each result scaled by its
-routing weight and added into the token's row in ascending expert order (as transformers' loop
-adds them).
+grouped by expert, one gate_up and one down projection per expert that some token chose, over its
+tokens, each result scaled by its routing weight and added into the token's row in ascending
+expert order (as transformers' loop adds them). The Python loop runs over the chosen experts only.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from dabba import native
-from dabba.layers.activation import act_and_mul
 from dabba.layers.linear import Linear
 from dabba.models.config import MoEConfig
+from dabba.quantization.config import QuantConfig
 
 
 def route(router_logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,21 +37,27 @@ def route(router_logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, to
     return weights, experts
 
 
-def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str) -> torch.Tensor:
-    """One expert's down(act(gate) * up) on its tokens, through dabba's CPU kernels where they run."""
-    hidden = native.linear_act_and_mul(x, w13, None, activation)
-    if hidden is None:
-        hidden = act_and_mul(native.linear(x, w13), activation)
-    return native.linear(hidden, w2)
+class Expert(nn.Module):
+    """down(act(gate) * up), as the dense LlamaMLP, at the expert's intermediate size."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, prefix: str,
+                 quant_config: QuantConfig | None) -> None:
+        super().__init__()
+        self.activation = activation
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], shard_ids=(0, 1),
+                                   prefix=f"{prefix}.gate_up_proj", quant_config=quant_config)
+        self.down_proj = Linear(intermediate_size, [hidden_size], prefix=f"{prefix}.down_proj", quant_config=quant_config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x, act_and_mul=self.activation))
 
 
-def moe_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, activation: str) -> torch.Tensor:
-    """sum over each token's k experts of weight * expert(x), reading only the experts chosen."""
-    num_tokens, top_k = experts.shape
-    flat = experts.flatten()
+def moe_forward(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """sum over each token's k experts of weight * expert(x), calling only the experts chosen."""
+    top_k = chosen.shape[1]
+    flat = chosen.flatten()
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, in token order
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
     out = torch.zeros_like(x)
     flat_weights = weights.flatten()
     start = 0
@@ -59,49 +67,25 @@ def moe_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
         pairs = order[start:start + count]
         start += count
         tokens = pairs // top_k
-        y = expert_mlp(x[tokens], w13[e], w2[e], activation) * flat_weights[pairs, None]
+        y = experts[e](x[tokens]) * flat_weights[pairs, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
 
 class FusedMoE(nn.Module):
-    """Router + stacked experts. ``prefix``: the block's checkpoint name (mlp or block_sparse_moe)."""
+    """Router + experts. ``prefix``: the block's checkpoint name (dabba's ``mlp``). The router stays
+    unquantized whatever the quantization (a few thousand weights a layer, and it decides which
+    experts run at all); the experts take ``quant_config``."""
 
-    def __init__(self, hidden_size: int, cfg: MoEConfig, activation: str, prefix: str) -> None:
+    def __init__(self, hidden_size: int, cfg: MoEConfig, activation: str, prefix: str,
+                 quant_config: QuantConfig | None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.activation = activation
-        self.prefix = prefix
-        self.gate = Linear(hidden_size, [cfg.num_experts], prefix=f"{prefix}.gate")  # the router stays unquantized
-        e, inter = cfg.num_experts, cfg.intermediate_size
-        for name, shape in (("w13_weight", (e, 2 * inter, hidden_size)), ("w2_weight", (e, hidden_size, inter))):
-            param = nn.Parameter(torch.empty(shape), requires_grad=False)
-            param.weight_loader = self.weight_loader
-            self.register_parameter(name, param)
-
-    def param_shard_ids(self, param_name: str) -> list:
-        """The pieces a stacked parameter arrives in, per expert: gate (0) and up (1) of w13."""
-        experts = range(self.cfg.num_experts)
-        if param_name == "w13_weight":
-            return [(e, j) for e in experts for j in (0, 1)]
-        return [(e, None) for e in experts]
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        """shard_id (expert, 0 | 1 | None): that expert's gate rows, up rows or whole matrix; None:
-        every expert at once (a stacked checkpoint tensor)."""
-        target = param.data
-        if shard_id is not None:
-            expert, part = shard_id
-            if not 0 <= expert < self.cfg.num_experts:
-                raise ValueError(f"{self.prefix}: expert {expert} of a layer with {self.cfg.num_experts}")
-            target = target[expert]
-            if part is not None:
-                rows = self.cfg.intermediate_size
-                target = target.narrow(0, part * rows, rows)
-        if target.shape != loaded.shape:
-            raise ValueError(f"{self.prefix}: checkpoint tensor {tuple(loaded.shape)} != expected {tuple(target.shape)}")
-        target.copy_(loaded)
+        self.gate = Linear(hidden_size, [cfg.num_experts], prefix=f"{prefix}.gate")
+        self.experts = nn.ModuleList(
+            Expert(hidden_size, cfg.intermediate_size, activation, f"{prefix}.experts.{e}", quant_config)
+            for e in range(cfg.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.gate(x), self.cfg)
-        return moe_forward(x, weights, experts, self.w13_weight, self.w2_weight, self.activation)
+        weights, chosen = route(self.gate(x), self.cfg)
+        return moe_forward(x, weights, chosen, self.experts)

@@ -214,12 +214,8 @@ class LlamaForCausalLM(nn.Module):
         """"param#shard" for each shard a tensor fills: the one named, or all of a merged layer's."""
         if shard_id is not None:
             return {f"{target}#{shard_id}"}
-        module_name, _, attr = target.rpartition(".")
-        owner = self.get_submodule(module_name)
-        if hasattr(owner, "param_shard_ids"):  # stacked experts: a piece per expert (dabba.layers.moe)
-            shard_ids = owner.param_shard_ids(attr)
-        else:
-            shard_ids = owner.shard_ids if isinstance(owner, Linear) and owner.shard_ids else (None,)
+        owner = self.get_submodule(target.rsplit(".", 1)[0])
+        shard_ids = owner.shard_ids if isinstance(owner, Linear) and owner.shard_ids else (None,)
         return {f"{target}#{sid}" for sid in shard_ids}
 
 

@@ -2,14 +2,16 @@
 norms, optional dense layers) and OLMoE (q/k norms over the whole projection, 64 experts, top-8).
 Each is the Llama block with its MLP replaced by dabba.layers.moe.FusedMoE where the config routes.
 
-Checkpoint names: Mixtral's ``block_sparse_moe`` is dabba's ``mlp``; each expert's gate/up/down
-(``w1``/``w3``/``w2`` in Mixtral) fills its slice of the stacked ``w13_weight``/``w2_weight``, as
-do transformers 5's already stacked ``experts.gate_up_proj`` and ``experts.down_proj``.
+Checkpoint names: Mixtral's ``block_sparse_moe`` is dabba's ``mlp`` and its experts' ``w1``/``w3``/
+``w2`` are ``gate_proj``/``up_proj``/``down_proj``, which then merge as the dense MLP's do. A
+checkpoint that stacks the experts (transformers 5's ``experts.gate_up_proj`` [experts, 2 *
+intermediate, hidden] and ``experts.down_proj`` [experts, hidden, intermediate]) is split into
+each expert's tensors as it streams in.
 """
 from __future__ import annotations
 
 import re
-from typing import Hashable
+from typing import Callable, Hashable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -21,22 +23,27 @@ from dabba.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausal
 from dabba.models.qwen3 import Qwen3Attention
 from dabba.quantization.config import QuantConfig
 
-# layers.{i}.(mlp|block_sparse_moe).experts.{e}.{projection}.weight -> (stacked parameter, part of it)
-EXPERT_TENSOR = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-EXPERT_PART = {"gate_proj": ("w13_weight", 0), "w1": ("w13_weight", 0), "up_proj": ("w13_weight", 1),
-               "w3": ("w13_weight", 1), "down_proj": ("w2_weight", None), "w2": ("w2_weight", None)}
-# transformers 5 stacks them itself: [experts, 2 * intermediate, hidden] (gate rows, then up) and [experts, hidden, intermediate]
-STACKED_TENSOR = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w3|w2)\.")
+MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def moe_checkpoint_target(name: str) -> tuple[str, Hashable]:
-    """A MoE checkpoint tensor's parameter name and shard id; everything else as the Llama family's."""
-    if m := EXPERT_TENSOR.match(name):
-        param, part = EXPERT_PART[m.group(3)]
-        return f"{m.group(1)}.mlp.{param}", (int(m.group(2)), part)
-    if m := STACKED_TENSOR.match(name):
-        return f"{m.group(1)}.mlp.{'w13_weight' if m.group(2) == 'gate_up_proj' else 'w2_weight'}", None
-    return checkpoint_target(name.replace(".block_sparse_moe.", ".mlp."))
+    """A MoE checkpoint tensor's parameter name and shard id, in the Llama family's names."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    name = MIXTRAL_EXPERT.sub(lambda m: f".experts.{m.group(1)}.{MIXTRAL_NAMES[m.group(2)]}.", name)
+    return checkpoint_target(name)
+
+
+def unstack_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stacked expert tensors as each expert's own (a view each: nothing is copied here)."""
+    for name, tensor in weights:
+        m = STACKED_EXPERTS.match(name)
+        if m is None:
+            yield name, tensor
+            continue
+        for e in range(tensor.shape[0]):
+            yield f"{m.group(1)}.{e}.{m.group(2)}.weight", tensor[e]
 
 
 class OlmoeAttention(LlamaAttention):
@@ -55,7 +62,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, cfg: ArchConfig, layer_idx: int, prefix: str, quant_config: QuantConfig | None) -> nn.Module:
         if cfg.moe is None or not cfg.moe.sparse_layers[layer_idx]:
             return LlamaMLP(cfg, prefix, quant_config)
-        return FusedMoE(cfg.hidden_size, cfg.moe, cfg.mlp_activation, prefix)
+        return FusedMoE(cfg.hidden_size, cfg.moe, cfg.mlp_activation, prefix, quant_config)
 
 
 class Qwen3MoeDecoderLayer(MoEDecoderLayer):
@@ -69,14 +76,12 @@ class OlmoeDecoderLayer(MoEDecoderLayer):
 class MoEForCausalLM(LlamaForCausalLM):
     layer_cls = MoEDecoderLayer
 
-    def __init__(self, cfg: ArchConfig, max_position: int, quant_config: QuantConfig | None = None) -> None:
-        if quant_config is not None:
-            raise ValueError(f"quantization ({quant_config.method}) of mixture-of-experts models "
-                             f"({cfg.architecture}) is not supported yet: load it unquantized")
-        super().__init__(cfg, max_position, quant_config)
-
     def checkpoint_target(self, name: str) -> tuple[str, Hashable]:
         return moe_checkpoint_target(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     on_loaded: Callable[[str, Hashable], None] | None = None) -> None:
+        super().load_weights(unstack_experts(weights), on_loaded)
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):
