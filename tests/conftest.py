@@ -60,7 +60,7 @@ CHECKPOINTS = {
     "mixtral": dict(arch="MixtralForCausalLM", num_local_experts=6, num_experts_per_tok=2, intermediate_size=64,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=24),
     "qwen3moe": dict(arch="Qwen3MoeForCausalLM", num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
-                     moe_intermediate_size=40, intermediate_size=72, mlp_only_layers=[1], norm_topk_prob=True,
+                     moe_intermediate_size=64, intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=True,
                      num_attention_heads=4, num_key_value_heads=1, head_dim=32),
     "olmoe": dict(arch="OlmoeForCausalLM", num_experts=8, num_experts_per_tok=4, intermediate_size=48,
                   num_attention_heads=4, num_key_value_heads=4, head_dim=24),

@@ -11,6 +11,7 @@ only one layer's statistics are held.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +24,17 @@ from dabba.attention.backend import forward_context
 from dabba.attention.dense import DenseCausalBackend
 from dabba.engine.tokenizer import Tokenizer
 from dabba.layers.linear import Linear
+from dabba.layers.moe import FusedMoE
 from dabba.models.config import GEMMA_ARCHITECTURES, ArchConfig
 from dabba.models.files import read_json_object
 from dabba.models.loader import find_weight_files, load_model, open_safetensors
+from dabba.models.moe import STACKED_EXPERTS
 from dabba.quantization.awq import awq_clip_layer, awq_scale_layer
 from dabba.quantization.formats import awq_pack, gptq_pack
 from dabba.quantization.gptq import HessianAccumulator, gptq_quantize
 from dabba.quantization.rtn import quantize
+
+logger = logging.getLogger("dabba")
 
 # checkpoint names of the shards of each merged layer, in their order
 SHARD_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -100,6 +105,24 @@ def pack_linear(prefix: str, layer: Linear, codes: LayerCodes, opts: QuantizeOpt
     return tensors
 
 
+def quantized_linears(layer: torch.nn.Module) -> dict[str, Linear]:
+    """A decoder layer's linears that quantization replaces: all but a mixture of experts' router,
+    which stays in the checkpoint's precision (as the engine keeps it)."""
+    routers = {f"{name}.gate" for name, m in layer.named_modules() if isinstance(m, FusedMoE)}
+    return {name: m for name, m in layer.named_modules() if isinstance(m, Linear) and name not in routers}
+
+
+def checkpoint_name(arch: ArchConfig, name: str) -> str:
+    """dabba's name of a layer's tensor as the family's checkpoints spell it: Mixtral's experts are
+    block_sparse_moe.experts.{e}.w1 / w3 / w2 (dabba.models.moe reads either)."""
+    if arch.architecture != "MixtralForCausalLM" or ".mlp." not in name:
+        return name
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    for ours, theirs in ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2.")):
+        name = name.replace(ours, theirs)
+    return name
+
+
 def check_options(model_dir: Path, arch: ArchConfig, opts: QuantizeOptions) -> None:
     if arch.quantization_config:
         raise ValueError(f"{model_dir} is already quantized")
@@ -109,6 +132,9 @@ def check_options(model_dir: Path, arch: ArchConfig, opts: QuantizeOptions) -> N
         if arch.architecture in GEMMA_ARCHITECTURES:
             raise ValueError(f"method: AWQ folds its scales into the RMSNorm before each linear, and dabba's AWQ "
                              f"knows only the Llama block, not {arch.architecture}'s (1 + w) and post-norms; "
+                             "use --method gptq or rtn")
+        if arch.moe is not None:
+            raise ValueError(f"method: dabba's AWQ knows the dense Llama block, not {arch.architecture}'s experts; "
                              "use --method gptq or rtn")
         if opts.bits != 4:
             raise ValueError("bits: AWQ's gemm format holds 4-bit codes only")
@@ -132,9 +158,10 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
     hidden, residual = model.model.embed_tokens(ids.flatten()), None
     packed: dict[str, torch.Tensor] = {}
     changed: dict[str, torch.Tensor] = {}  # AWQ folds its scales into the norms
+    unreached = 0  # experts no calibration token was routed to: round-to-nearest instead of GPTQ
     with forward_context(backend, [None], [None] * len(model.model.layers)):
         for i, layer in enumerate(tqdm(model.model.layers, desc=f"{opts.method} {opts.bits}-bit", unit="layer")):
-            linears = {name: m for name, m in layer.named_modules() if isinstance(m, Linear)}
+            linears = quantized_linears(layer)
             hessians = {name: HessianAccumulator(m.in_features) for name, m in linears.items()
                         if opts.method == "gptq"}
             inputs: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
@@ -157,21 +184,28 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
                 for norm in ("input_layernorm", "post_attention_layernorm"):
                     changed[f"model.layers.{i}.{norm}.weight"] = getattr(layer, norm).weight.data
             for name, m in linears.items():
-                hessian = hessians[name].H if name in hessians else None
+                hessian = hessians[name].H if name in hessians and hessians[name].num_samples else None
+                if name in hessians and hessian is None:
+                    unreached += 1
                 codes = quantize_linear(m.weight.data, hessian, opts)
                 m.weight.data.copy_(codes.dequantize())
-                packed.update(pack_linear(f"model.layers.{i}.{name}", m, codes, opts))
+                packed.update({checkpoint_name(arch, k): v
+                               for k, v in pack_linear(f"model.layers.{i}.{name}", m, codes, opts).items()})
             hidden, residual = layer(rope, hidden, residual)  # the quantized layer feeds the next one
 
     # everything else is copied from the source checkpoint (AWQ's scaled norms in the source dtype);
-    # a merged layer's source may be its shards or one fused tensor (Phi-3's qkv_proj, gate_up_proj)
+    # a merged layer's source may be its shards or one fused tensor (Phi-3's qkv_proj, gate_up_proj),
+    # a mixture's experts one stacked tensor (transformers 5), which the quantized experts replace
+    if unreached:
+        logger.info("%d expert projections saw no calibration token and were rounded to nearest (no Hessian)",
+                    unreached)
     quantized_prefixes = {k.rsplit(".", 1)[0] for k in packed} | {
-        f"model.layers.{i}.{name}" for i, layer in enumerate(model.model.layers)
-        for name, m in layer.named_modules() if isinstance(m, Linear)}
+        checkpoint_name(arch, f"model.layers.{i}.{name}") for i, layer in enumerate(model.model.layers)
+        for name in quantized_linears(layer)}
     for file in find_weight_files(model_dir):
         with open_safetensors(file) as f:
             for name in f.keys():
-                if name.rsplit(".", 1)[0] not in quantized_prefixes:
+                if name.rsplit(".", 1)[0] not in quantized_prefixes and not STACKED_EXPERTS.match(name):
                     t = f.get_tensor(name)
                     packed[name] = changed[name].to(t.dtype) if name in changed else t
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -187,6 +221,8 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
         qc = {"quant_method": "gptq", "bits": opts.bits, "group_size": opts.group_size,
               "desc_act": opts.act_order and opts.method == "gptq", "sym": True, "checkpoint_format": "gptq",
               "damp_percent": opts.damp, "dabba_method": opts.method}
+        if arch.moe is not None and opts.method == "gptq":
+            qc["dabba_rtn_projections"] = unreached  # expert projections calibration never reached
     config["quantization_config"] = qc
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return qc
