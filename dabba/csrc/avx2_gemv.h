@@ -1,6 +1,5 @@
 // What the AVX2 GEMVs (the avx2 variant's bf16 and INT8 decode kernels: gemv_cpu.cpp,
-// int8_gemv_cpu.cpp) and its GEMM (gemm_avx2_cpu.cpp) share; the AVX-512 INT8 GEMV takes the
-// prefetch distance too.
+// int8_gemv_cpu.cpp) share; the AVX-512 INT8 GEMV takes the prefetch distance too.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -17,15 +16,6 @@ namespace dabba {
 // INT8 GEMV asks as far ahead: Qwen2.5-1.5B's 28 layers of codes (1.3 GB, cold) 60.5 against 71.8 ms
 // at one row (21.7 GB/s), 88.3 against 112.5 at 6 (int8_linear over every layer, 2-core Xeon).
 constexpr int64_t kGemvPrefetchBytes = 3072;
-
-// 16 bf16 as two vectors of 8 float32, exactly: each 32-bit lane holds an (even, odd) pair, the even
-// element in its low half. Shifting left 16 gives the even ones, masking the low half the odd ones:
-// no shuffle, and x and w split alike, so the products pair up.
-inline void bf16x16_to_float(const uint16_t* p, __m256& even, __m256& odd) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
 
 // The sum of 8 float32 lanes.
 inline float reduce_add8(__m256 v) {

@@ -145,12 +145,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                        const c10::optional<at::Tensor>& bias);
 
 // gemm_avx2_cpu.cpp: the avx2 variant's bf16 GEMM, float32 FMAs on operands widened once per call;
-// dense_linear takes it from kAvx2GemmMinRows rows. SmolLM2-135M's 30 layers (python -m
-// benchmarks.kernels, PyTorch held to AVX2), against the GEMV 8 rows a pass: 38 against 34 ms at 16
-// rows, 55 against 67 at 32, 87 against 132 at 64, 574 against 1003 at 512 (189 GFLOP/s); 4
-// layers of Qwen2.5-1.5B: level at 16, 57 against 73 at 20, 152 against 202 at 64. The INT8 GEMV
-// (int16 x int8 pairs by pmaddwd: twice the products an instruction) keeps every row count: codes
-// widened to float32 through this GEMM were 0.9x its passes on Qwen2.5-1.5B's shapes at 128-512 rows.
+// dense_linear takes it from kAvx2GemmMinRows rows. SmolLM2-135M's 30 layers of random bf16
+// weights, avx2_bf16_gemm against bf16_gemv 8 rows a pass in one process (2-core Xeon, the avx2
+// variant): 38 against 34 ms at 16 rows, 55 against 67 at 32, 87 against 132 at 64, 574 against
+// 1003 at 512 (189 GFLOP/s); 4 layers of Qwen2.5-1.5B: level at 16, 57 against 73 at 20, 152
+// against 202 at 64. The INT8 GEMV (int16 x int8 pairs by pmaddwd: twice the products an
+// instruction) keeps every row count: codes widened to float32 through this GEMM were 0.9x its
+// passes on Qwen2.5-1.5B's shapes at 128-512 rows.
 constexpr int kAvx2GemmMinRows = 17;
 bool avx2_gemm_available();
 void avx2_bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);

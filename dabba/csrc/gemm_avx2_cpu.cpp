@@ -21,17 +21,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "avx2_gemv.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+#include <immintrin.h>
 #define DABBA_HAVE_AVX2_GEMM 1
 #endif
 

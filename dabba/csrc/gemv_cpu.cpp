@@ -70,6 +70,15 @@ inline void gemv_row(const uint16_t* __restrict x, int64_t ldx, const uint16_t* 
 
 #else  // AVX2 + FMA
 
+// 16 bf16 as two vectors of 8 float32, exactly: each 32-bit lane holds an (even, odd) pair, the even
+// element in its low half. Shifting left 16 gives the even ones, masking the low half the odd ones:
+// no shuffle, and x and w split alike, so the products pair up.
+inline void bf16x16_to_float(const uint16_t* p, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // Weight row n against M activation rows: M float32 sums; K in steps of 32 (a cache line of the
 // weight), then 16, then a tail copied into zeros. An FMA's result is ready 4 cycles later: at few
 // rows each row keeps several accumulators, so that the FMAs of one step do not wait on each other.
