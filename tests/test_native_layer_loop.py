@@ -38,6 +38,11 @@ def count_python_layer_calls(llm: LLM) -> list[int]:
     # 8-bit KV caches: GQA 2:1 and 4:1 with a 40-key window (mistral), float32 and bf16
     ("llama", "bfloat16", None, "int8"), ("llama", "float32", None, "fp8"), ("mistral", "bfloat16", None, "fp8"),
     ("qwen2", "float32", "int8", "int8"),
+    # q/k norms per head (qwen3) and over all heads (olmoe); mixtures of experts, every linear form
+    ("qwen3", "bfloat16", None, "auto"), ("qwen3", "float32", "int8", "auto"),
+    ("mixtral", "bfloat16", None, "auto"), ("mixtral", "float32", None, "auto"), ("mixtral", "bfloat16", "int8", "auto"),
+    ("qwen3moe", "bfloat16", "int4", "auto"), ("qwen3moe", "bfloat16", None, "int8"),
+    ("olmoe", "bfloat16", None, "auto"), ("olmoe", "bfloat16", "int4", "auto"), ("olmoe", "float32", "int8", "auto"),
 ])
 def test_native_loop_is_bit_identical_to_the_python_layers(checkpoints, family, dtype, quantization,
                                                            kv_cache_dtype) -> None:
@@ -67,7 +72,8 @@ def test_auto_takes_the_native_loop_where_it_applies_and_says_why(checkpoints, d
 
 
 @pytest.mark.parametrize("family, options, reason", [
-    ("qwen3", {}, "Qwen3ForCausalLM's per-head q/k RMSNorm is not in the native loop"),
+    ("gemma2", {}, "Gemma2ForCausalLM's (1 + w) RMSNorms, post-attention/feed-forward norms, GeGLU, embedding "
+                   "scale and soft caps are not in the native loop"),
     ("llama", {"kv_cache_dtype": "int8", "attention_backend": "torch_ref"},
      "the TorchRefBackend attention backend (the loop reads the CPU backend's cache)"),
     ("llama", {"attention_backend": "torch_ref"},
@@ -88,8 +94,8 @@ def test_without_a_native_form_every_step_runs_the_python_layers(checkpoints, da
 
 
 def test_on_refuses_a_model_it_cannot_run_exactly(checkpoints) -> None:
-    with pytest.raises(ValueError, match=r"native_layer_loop='on', but Qwen3ForCausalLM's per-head q/k RMSNorm "
-                                         r"is not in the native loop; use 'auto' or 'off'"):
-        LLM(str(checkpoints["qwen3"].path), kv_cache_memory=2**22, native_layer_loop="on")
+    with pytest.raises(ValueError, match=r"native_layer_loop='on', but Gemma3ForCausalLM's \(1 \+ w\) RMSNorms.* "
+                                         r"are not in the native loop; use 'auto' or 'off'"):
+        LLM(str(checkpoints["gemma3"].path), kv_cache_memory=2**22, native_layer_loop="on")
     with pytest.raises(ValueError, match="native_layer_loop must be one of"):
         LLM(str(checkpoints["llama"].path), kv_cache_memory=2**22, native_layer_loop="yes")

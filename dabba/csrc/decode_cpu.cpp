@@ -7,9 +7,10 @@
 // Python path's (tested), which stays the reference. It serves decode steps and steps with
 // prompt chunks alike: only the attention kernel differs.
 //
-// Per layer: [fused add +] RMSNorm, qkv projection, rotary in place (each head's first rotary_dim
-// dims), KV write, paged attention, o projection, fused add + RMSNorm, gate_up projection with
-// SiLU-and-mul, down projection; then the final fused add + RMSNorm. Built once per model
+// Per layer: [fused add +] RMSNorm, qkv projection, [q/k RMSNorms (Qwen3 per head, OLMoE over
+// all heads),] rotary in place (each head's first rotary_dim dims), KV write, paged attention,
+// o projection, fused add + RMSNorm, then the MLP: gate_up projection with SiLU-and-mul and down
+// projection, or a mixture of experts (moe_cpu.cpp); then the final fused add + RMSNorm. Built once per model
 // (dabba/models/native_layer_loop.py); the model runner chooses between it and the Python layers
 // (dabba/worker/model_runner.py).
 #include <ATen/ATen.h>
@@ -18,38 +19,16 @@
 
 #include <vector>
 
-#include "cpu_ops.h"
+#include "native_layers.h"
 
 namespace dabba {
 
-// How one linear layer computes x W^T + b, as its Python LinearMethod does on the CPU.
-struct NativeLinear {
-  LinearKind kind;
-  at::Tensor weight;  // dense [N, K]; int8 codes [N, K]; int4 codes in PyTorch's packed CPU layout
-  at::Tensor scales;  // int8: [N]; int4: scales_and_zeros; dense: unused
-  int64_t group_size;  // int4
-  c10::optional<at::Tensor> bias;
-
-  // SwiGLU of a merged gate_up projection's output: fused into the GEMM where dense, as
-  // LinearMethod.apply_act_and_mul(..., "silu") does.
-  at::Tensor silu_and_mul(const at::Tensor& x) const {
-    if (kind == LinearKind::kDense) return dense_linear_silu_and_mul(x, weight, bias);
-    const at::Tensor gate_up = (*this)(x);
-    at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-    dabba::silu_and_mul(act, gate_up);
-    return act;
-  }
-
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (kind == LinearKind::kDense) return dense_linear(x, weight, bias);  // as dabba.native.linear
-    if (kind == LinearKind::kInt8) return int8_linear(x, weight, scales, bias);  // as dabba.native.int8_linear
-    return int4_linear(x, weight, group_size, scales, bias);  // as dabba.quantization.kernels.int4_matmul_cpu
-  }
-};
-
 struct NativeLayer {
   at::Tensor input_norm, post_norm;
-  NativeLinear qkv, o, gate_up, down;
+  at::Tensor q_norm, k_norm;  // RMSNorm weights for q and k before RoPE; undefined: none
+  bool qk_norm_whole;  // q_norm/k_norm span all heads at once (OLMoE), else each head (Qwen3)
+  NativeLinear qkv, o, gate_up, down;  // gate_up/down: a dense MLP's, unused where moe is set
+  c10::optional<NativeMoE> moe;
   int64_t sliding_window;  // the layer's attention window in keys; 0: none
 };
 
@@ -61,26 +40,58 @@ class NativeDecoder : public torch::CustomClassHolder {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         kv_q_max_(kv_q_max), final_norm_(std::move(final_norm)) {}
 
-  // One decoder layer; its four linears (qkv, o, gate_up, down) as LinearKind values, weights,
-  // scales (empty where unused), group sizes and biases (empty where none); its attention's
-  // sliding window (0: none; per layer, as models interleave sliding and global layers).
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<int64_t> kinds,
-                 std::vector<at::Tensor> weights, std::vector<at::Tensor> scales, std::vector<int64_t> group_sizes,
-                 std::vector<at::Tensor> biases, int64_t sliding_window) {
+  // One decoder layer: its norms (q_norm/k_norm empty: none; whole: over all heads at once), its
+  // linears as LinearKind values, weights, scales (empty where unused), group sizes and biases
+  // (empty where none): four (qkv, o, gate_up, down), or two (qkv, o) for a layer whose MLP
+  // add_moe gives next; its attention's sliding window (0: none; per layer, as models interleave
+  // sliding and global layers).
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor q_norm, at::Tensor k_norm,
+                 bool qk_norm_whole, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
+                 std::vector<at::Tensor> scales, std::vector<int64_t> group_sizes, std::vector<at::Tensor> biases,
+                 int64_t sliding_window) {
     TORCH_CHECK(sliding_window >= 0, "add_layer: sliding_window must be >= 0 (0: none)");
-    TORCH_CHECK(kinds.size() == 4 && weights.size() == 4 && scales.size() == 4 && group_sizes.size() == 4 &&
-                    biases.size() == 4,
-                "add_layer: four linears (qkv, o, gate_up, down)");
-    NativeLinear linears[4];
-    for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK(kinds[i] >= static_cast<int64_t>(LinearKind::kDense) &&
-                      kinds[i] <= static_cast<int64_t>(LinearKind::kInt4),
-                  "unknown linear kind ", kinds[i]);
-      linears[i] = NativeLinear{static_cast<LinearKind>(kinds[i]), weights[i], scales[i], group_sizes[i],
-                                biases[i].numel() ? c10::optional<at::Tensor>(biases[i]) : c10::nullopt};
+    const size_t count = kinds.size();
+    TORCH_CHECK((count == 4 || count == 2) && weights.size() == count && scales.size() == count &&
+                    group_sizes.size() == count && biases.size() == count,
+                "add_layer: four linears (qkv, o, gate_up, down), or two (qkv, o) before add_moe");
+    TORCH_CHECK(q_norm.numel() == 0 && k_norm.numel() == 0 || q_norm.numel() > 0 && k_norm.numel() > 0,
+                "add_layer: q and k norms come together");
+    std::vector<NativeLinear> linears(4);
+    for (size_t i = 0; i < count; ++i)
+      linears[i] = NativeLinear::make(kinds[i], weights[i], scales[i], group_sizes[i], biases[i]);
+    layers_.push_back(NativeLayer{std::move(input_norm), std::move(post_norm),
+                                  q_norm.numel() ? q_norm : at::Tensor(), k_norm.numel() ? k_norm : at::Tensor(),
+                                  qk_norm_whole, linears[0], linears[1], linears[2], linears[3], c10::nullopt,
+                                  sliding_window});
+    mlp_pending_ = count == 2;
+  }
+
+  // The mixture-of-experts MLP of the layer add_layer just took with two linears: its router's
+  // weight (unquantized, no bias), each expert's gate_up and down linears in turn (kinds, weights,
+  // scales, group sizes as add_layer's; no biases), and the routing of dabba.models.config.MoEConfig.
+  void add_moe(at::Tensor router_weight, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
+               std::vector<at::Tensor> scales, std::vector<int64_t> group_sizes, int64_t top_k, bool renormalize,
+               bool weights_in_model_dtype) {
+    TORCH_CHECK(mlp_pending_, "add_moe follows an add_layer with two linears");
+    const size_t count = kinds.size();
+    TORCH_CHECK(count >= 2 && count % 2 == 0 && weights.size() == count && scales.size() == count &&
+                    group_sizes.size() == count,
+                "add_moe: each expert's gate_up and down linears in turn");
+    const int64_t num_experts = static_cast<int64_t>(count / 2);
+    TORCH_CHECK(router_weight.dim() == 2 && router_weight.size(0) == num_experts,
+                "add_moe: the router has one row per expert");
+    TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "add_moe: top_k must lie in [1, num_experts]");
+    NativeMoE moe{NativeLinear::make(static_cast<int64_t>(LinearKind::kDense), std::move(router_weight),
+                                     at::Tensor(), 0, at::Tensor()),
+                  {}, {}, top_k, renormalize, weights_in_model_dtype};
+    const at::Tensor none;
+    for (size_t i = 0; i < count; i += 2) {
+      moe.gate_up.push_back(NativeLinear::make(kinds[i], weights[i], scales[i], group_sizes[i], at::empty({0})));
+      moe.down.push_back(NativeLinear::make(kinds[i + 1], weights[i + 1], scales[i + 1], group_sizes[i + 1],
+                                            at::empty({0})));
     }
-    layers_.push_back(NativeLayer{std::move(input_norm), std::move(post_norm), linears[0], linears[1], linears[2],
-                                  linears[3], sliding_window});
+    layers_.back().moe = std::move(moe);
+    mlp_pending_ = false;
   }
 
   // x: the step's embedded tokens [num_tokens, hidden]; cos/sin [num_tokens, rotary_dim]; per layer
@@ -95,6 +106,7 @@ class NativeDecoder : public torch::CustomClassHolder {
                      std::vector<at::Tensor> kv_scales, std::vector<at::Tensor> block_tables,
                      std::vector<at::Tensor> slot_mappings, std::vector<int64_t> layer_groups, const at::Tensor& seq_lens,
                      const c10::optional<at::Tensor>& query_start_loc) const {
+    TORCH_CHECK(!mlp_pending_, "the last layer has no MLP: add_moe gives it");
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     TORCH_CHECK(kv_scales.empty() == (kv_q_max_ == 0.0) && (kv_scales.empty() || kv_scales.size() == layers_.size()),
                 "an 8-bit KV cache (kv_q_max > 0) has scales per layer, a full-precision one none");
@@ -115,8 +127,12 @@ class NativeDecoder : public torch::CustomClassHolder {
         fused_add_rms_norm(x, residual, layer.input_norm, eps_);
       }
       const at::Tensor qkv = layer.qkv(x);
-      const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
-      const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
+      if (layer.q_norm.defined()) {  // as Qwen3Attention / OlmoeAttention.norm_qk, through RMSNorm's native path
+        q = norm_rows(q, layer.q_norm, layer.qk_norm_whole ? q_size : head_dim_);
+        k = norm_rows(k, layer.k_norm, layer.qk_norm_whole ? kv_size : head_dim_);
+      }
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
       // the first cos.size(1) dims of each head (all of it, or a partial rotary_dim), as apply_rotary
       rotary_embedding(q.narrow(2, 0, cos.size(1)), k.narrow(2, 0, cos.size(1)), cos, sin);
@@ -141,17 +157,27 @@ class NativeDecoder : public torch::CustomClassHolder {
                                layer.sliding_window, /*softcap=*/0.0, key_scales, value_scales);
       x = layer.o(attn.view({n, q_size}));
       fused_add_rms_norm(x, residual, layer.post_norm, eps_);
-      x = layer.down(layer.gate_up.silu_and_mul(x));
+      x = layer.moe.has_value() ? (*layer.moe)(x) : layer.down(layer.gate_up.silu_and_mul(x));
     }
     fused_add_rms_norm(x, residual, final_norm_, eps_);
     return x;
   }
 
  private:
+  // RMSNorm over rows of ``width`` values of t (a head each, or all of a token's heads), into a new
+  // tensor of t's shape: what RMSNorm.forward does with a q or k view of the qkv projection.
+  at::Tensor norm_rows(const at::Tensor& t, const at::Tensor& weight, int64_t width) const {
+    const at::Tensor rows = t.reshape({-1, width}).contiguous();
+    at::Tensor out = at::empty_like(rows);
+    rms_norm(out, rows, weight, eps_);
+    return out.view(t.sizes());
+  }
+
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_, kv_q_max_;
   at::Tensor final_norm_;
   std::vector<NativeLayer> layers_;
+  bool mlp_pending_ = false;  // the last layer awaits add_moe
 };
 
 }  // namespace dabba
@@ -160,5 +186,6 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.class_<dabba::NativeDecoder>("NativeDecoder")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, double>())
       .def("add_layer", &dabba::NativeDecoder::add_layer)
+      .def("add_moe", &dabba::NativeDecoder::add_moe)
       .def("forward", &dabba::NativeDecoder::forward);
 }

@@ -18,6 +18,7 @@ import torch
 from dabba import native
 from dabba.attention.cpu import CpuMetadata
 from dabba.attention.kv_quant import KVQuant
+from dabba.layers.moe import FusedMoE
 from dabba.models.config import ArchConfig
 
 
@@ -31,19 +32,37 @@ def missing_native_form(model: Any, arch: ArchConfig) -> str | None:
     inner = model.model
     if inner.norm.weight.device.type != "cpu":
         return f"the weights are on {inner.norm.weight.device.type}, the loop runs on the CPU"
-    norms = [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms = [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                   *_qk_norms(layer))]
     if any(n.eps != inner.norm.eps for n in norms):
         return "its RMSNorms do not share one eps"
     for layer in inner.layers:
-        for linear in _linears(layer):
+        for linear in _linears(layer) + _expert_linears(layer):
             if linear.quant_method.native_spec(linear) is None:
                 return f"{linear.prefix} ({type(linear.quant_method).__name__}) has no native form"
     return None
 
 
+def _moe(layer: Any) -> FusedMoE | None:
+    return layer.mlp if isinstance(layer.mlp, FusedMoE) else None
+
+
+def _qk_norms(layer: Any) -> list[Any]:
+    attn = layer.self_attn
+    return [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
+
+
 def _linears(layer: Any) -> list[Any]:
-    """A decoder layer's linears in the order NativeDecoder.add_layer takes them."""
-    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    """A decoder layer's linears in the order NativeDecoder.add_layer takes them: qkv, o, then a
+    dense MLP's gate_up and down (a mixture of experts' go to add_moe)."""
+    attn = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+    return attn if _moe(layer) is not None else attn + [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+
+
+def _expert_linears(layer: Any) -> list[Any]:
+    """Each expert's gate_up and down in turn, as NativeDecoder.add_moe takes them (none: dense)."""
+    moe = _moe(layer)
+    return [] if moe is None else [linear for e in moe.experts for linear in (e.gate_up_proj, e.down_proj)]
 
 
 class NativeLayerLoop:
@@ -64,13 +83,17 @@ class NativeLayerLoop:
         empty = torch.empty(0)
         for layer in self.model.layers:
             linears = _linears(layer)
-            specs = [linear.quant_method.native_spec(linear) for linear in linears]
+            kinds_, weights, scales, group_sizes = _specs(linears, kinds)
+            q_norm, k_norm = (n.weight for n in _qk_norms(layer)) if _qk_norms(layer) else (empty, empty)
             self.decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                   [kinds[s.kind] for s in specs], [s.weight for s in specs],
-                                   [empty if s.scales is None else s.scales for s in specs],
-                                   [s.group_size for s in specs],
+                                   q_norm, k_norm, model.config.qk_norm_whole,
+                                   kinds_, weights, scales, group_sizes,
                                    [empty if linear.bias is None else linear.bias for linear in linears],
                                    layer.self_attn.attn.sliding_window or 0)
+            moe = _moe(layer)
+            if moe is not None:
+                self.decoder.add_moe(moe.gate.weight, *_specs(_expert_linears(layer), kinds), moe.cfg.top_k,
+                                     moe.cfg.renormalize, moe.cfg.weights_in_model_dtype)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list[CpuMetadata],
                  kv_caches: list[Any], layer_groups: list[int] | None = None) -> torch.Tensor:
@@ -90,3 +113,12 @@ class NativeLayerLoop:
             return kv_caches, []
         code_dtype = self.kv_quant.code_dtype
         return [codes.view(code_dtype) for codes, _ in kv_caches], [scales for _, scales in kv_caches]
+
+
+def _specs(linears: list[Any], kinds: dict[str, int]) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """The linears' native forms as NativeDecoder takes them: kinds, weights, scales (empty where
+    none) and group sizes."""
+    specs = [linear.quant_method.native_spec(linear) for linear in linears]
+    empty = torch.empty(0)
+    return ([kinds[s.kind] for s in specs], [s.weight for s in specs],
+            [empty if s.scales is None else s.scales for s in specs], [s.group_size for s in specs])

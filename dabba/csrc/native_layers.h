@@ -1,0 +1,63 @@
+// The parts of a decoder layer the native layer loop (decode_cpu.cpp) strings together: a linear
+// layer in any of its LinearMethod's forms, and a mixture-of-experts MLP (moe_cpu.cpp). Each
+// computes exactly what its Python module does on the CPU (dabba/layers/linear.py,
+// dabba/layers/moe.py), with the same kernels in the same order.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace dabba {
+
+// How one linear layer computes x W^T + b, as its Python LinearMethod does on the CPU.
+struct NativeLinear {
+  LinearKind kind = LinearKind::kDense;
+  at::Tensor weight;  // dense [N, K]; int8 codes [N, K]; int4 codes in PyTorch's packed CPU layout
+  at::Tensor scales;  // int8: [N]; int4: scales_and_zeros; dense: unused
+  int64_t group_size = 0;  // int4
+  c10::optional<at::Tensor> bias;
+
+  // kind: a LinearKind value (Python's native.KernelConstants.linear_kinds); empty scales or bias: none.
+  static NativeLinear make(int64_t kind, at::Tensor weight, at::Tensor scales, int64_t group_size,
+                           const at::Tensor& bias) {
+    TORCH_CHECK(kind >= static_cast<int64_t>(LinearKind::kDense) && kind <= static_cast<int64_t>(LinearKind::kInt4),
+                "unknown linear kind ", kind);
+    return NativeLinear{static_cast<LinearKind>(kind), std::move(weight), std::move(scales), group_size,
+                        bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt};
+  }
+
+  // SwiGLU of a merged gate_up projection's output: fused into the GEMM where dense, as
+  // LinearMethod.apply_act_and_mul(..., "silu") does.
+  at::Tensor silu_and_mul(const at::Tensor& x) const {
+    if (kind == LinearKind::kDense) return dense_linear_silu_and_mul(x, weight, bias);
+    const at::Tensor gate_up = (*this)(x);
+    at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+    dabba::silu_and_mul(act, gate_up);
+    return act;
+  }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (kind == LinearKind::kDense) return dense_linear(x, weight, bias);  // as dabba.native.linear
+    if (kind == LinearKind::kInt8) return int8_linear(x, weight, scales, bias);  // as dabba.native.int8_linear
+    return int4_linear(x, weight, group_size, scales, bias);  // as dabba.quantization.kernels.int4_matmul_cpu
+  }
+};
+
+// A mixture-of-experts MLP as dabba.layers.moe.FusedMoE computes it: the router's logits, softmax
+// in float32, top-k (torch.topk's ties), renormalised and rounded as the family does; then each
+// chosen expert's SwiGLU MLP over the tokens that chose it, scaled by their routing weights and
+// added into their rows in ascending expert order. Experts no token chose are never touched.
+struct NativeMoE {
+  NativeLinear router;  // [num_experts, hidden], unquantized
+  std::vector<NativeLinear> gate_up, down;  // per expert
+  int64_t top_k = 0;
+  bool renormalize = false;
+  bool weights_in_model_dtype = false;
+
+  at::Tensor operator()(const at::Tensor& x) const;  // moe_cpu.cpp
+};
+
+}  // namespace dabba
