@@ -26,7 +26,8 @@ def decode_bytes_per_token(model_dir: str, variant: str) -> int:
     """Weight bytes one batch-1 decode step reads, at dabba's own packed sizes: every weight but
     the embedding table (a step reads one row of it), except a bf16 tied embedding, which the LM
     head reads whole (load-time quantized, the embedding reads its rows from the head's INT8 codes,
-    so a tied model's table is counted once either way)."""
+    so a tied model's table is counted once either way); of a mixture of experts, the top_k
+    experts a token takes in each routed layer."""
     import torch
 
     from dabba.models.sizes import weights_bytes
@@ -34,7 +35,7 @@ def decode_bytes_per_token(model_dir: str, variant: str) -> int:
 
     arch = ArchConfig.from_hf(model_dir)
     quant = DABBA_QUANT[variant]
-    total = weights_bytes(arch, torch.bfloat16, QuantConfig(quant) if quant else None)
+    total = weights_bytes(arch, torch.bfloat16, QuantConfig(quant) if quant else None, active=True)
     if arch.tie_word_embeddings:
         return total
     return total - arch.vocab_size * arch.hidden_size * torch.bfloat16.itemsize

@@ -1,5 +1,5 @@
 """Make the random bf16 checkpoints that benchmarks/compare_peers.py measures across model shapes,
-and their GGUF files (bf16, q8_0, q4_0) for the llama.cpp peer.
+and their GGUF files (bf16, q8_0, q4_0; the mixture of experts: bf16, q4_0) for the llama.cpp peer.
 
     .venv/bin/python -m benchmarks.peers.make_shapes [--out /tmp/shapes] [--shapes NAME,...] \\
         [--llamacpp-python /tmp/peers/llamacpp/bin/python] [--llama-cpp-dir SRC] [--no-gguf]
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 PEERS_DIR = Path(__file__).resolve().parent
+MOE = ("OlmoeForCausalLM",)
 LLAMA_CPP_SRC = "/tmp/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp"
 
 
@@ -38,6 +39,8 @@ class Shape:
     name: str
     arch: str
     config: dict[str, Any] = field(default_factory=dict)
+    # the GGUF types made for llama.cpp (a 7B-parameter MoE's bf16 and q4_0 files alone take 18 GB)
+    gguf_types: tuple[str, ...] = ("bf16", "q8_0", "q4_0")
 
 
 SHAPES = {s.name: s for s in (
@@ -55,6 +58,12 @@ SHAPES = {s.name: s for s in (
         tie_word_embeddings=True, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    # a mixture of experts (issue 20): 64 experts of 1024, 8 per token; 6.9 B parameters, 1.3 B active
+    Shape("olmoe-1b-7b", "OlmoeForCausalLM", dict(
+        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, clip_qkv=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), gguf_types=("bf16", "q4_0")),
 )}
 
 
@@ -82,10 +91,10 @@ def make_checkpoint(shape: Shape, model_dir: Path) -> None:
          **shape.config)
 
 
-def make_ggufs(model_dir: Path, llamacpp_python: str, llama_cpp_dir: str) -> dict[str, str]:
-    """make_gguf.py under the llama.cpp venv: model_dir/gguf/model-{bf16,q8_0,q4_0}.gguf."""
+def make_ggufs(shape: Shape, model_dir: Path, llamacpp_python: str, llama_cpp_dir: str) -> dict[str, str]:
+    """make_gguf.py under the llama.cpp venv: model_dir/gguf/model-{type}.gguf for the shape's types."""
     cmd = [llamacpp_python, str(PEERS_DIR / "make_gguf.py"), "--model", str(model_dir), "--llama-cpp-dir",
-           llama_cpp_dir, "--out-dir", str(model_dir / "gguf")]
+           llama_cpp_dir, "--out-dir", str(model_dir / "gguf"), "--types", ",".join(shape.gguf_types)]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -101,8 +110,8 @@ def parse_shapes(text: str) -> list[Shape]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/tmp/shapes"), help="parent directory (default /tmp/shapes)")
-    parser.add_argument("--shapes", type=parse_shapes, default=list(SHAPES.values()),
-                        help=f"comma list of {','.join(SHAPES)} (default: all)")
+    parser.add_argument("--shapes", type=parse_shapes, default=[s for s in SHAPES.values() if s.arch not in MOE],
+                        help=f"comma list of {','.join(SHAPES)} (default: all but the mixture of experts)")
     parser.add_argument("--llamacpp-python", default="/tmp/peers/llamacpp/bin/python")
     parser.add_argument("--llama-cpp-dir", default=LLAMA_CPP_SRC, help="llama.cpp source tree (its converter)")
     parser.add_argument("--no-gguf", action="store_true", help="the HF checkpoints only")
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             make_checkpoint(shape, model_dir)
         if not args.no_gguf:
-            ggufs = make_ggufs(model_dir, args.llamacpp_python, args.llama_cpp_dir)
+            ggufs = make_ggufs(shape, model_dir, args.llamacpp_python, args.llama_cpp_dir)
             log(f"{shape.name}: GGUF files {ggufs}")
         made[shape.name] = str(model_dir)
     print(json.dumps(made))

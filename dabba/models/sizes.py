@@ -6,22 +6,29 @@ import torch
 
 from dabba.layers.embedding import LMHead
 from dabba.layers.linear import Linear
+from dabba.layers.moe import Expert
 from dabba.models.config import ArchConfig
 from dabba.models.registry import get_model_class
 from dabba.quantization.config import QuantConfig
 
 
-def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None,
-                  device_type: str = "cpu") -> int:
-    """The model built on the meta device (no memory, no loading): every parameter at ``dtype``
-    except each linear's weight, counted as its method packs it."""
+def _meta_model(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None) -> torch.nn.Module:
+    """The model built on the meta device: no memory, no loading."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = get_model_class(arch.architecture)(arch, 16, quant_config)
+            return get_model_class(arch.architecture)(arch, 16, quant_config)
     finally:
         torch.set_default_dtype(previous)
+
+
+def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None,
+                  device_type: str = "cpu", active: bool = False) -> int:
+    """Every parameter at ``dtype`` except each linear's weight, counted as its method packs it.
+    ``active``: only what one token's forward multiplies (a mixture of experts' routed layers
+    count top_k of their experts)."""
+    model = _meta_model(arch, dtype, quant_config)
     total, seen = 0, set()  # a tied LM head shares the embedding's tensor
     head = getattr(model, "lm_head", None)
     if isinstance(head, LMHead) and head.shares_packed_rows:  # the embedding reads the head's codes
@@ -39,6 +46,11 @@ def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfi
             if id(param) not in seen:
                 seen.add(id(param))
                 total += param.numel() * dtype.itemsize
+    if active and arch.moe is not None:
+        expert = next(m for m in model.modules() if isinstance(m, Expert))
+        per_expert = sum(lin.quant_method.packed_bytes(lin, dtype, device_type)
+                         for lin in (expert.gate_up_proj, expert.down_proj))
+        total -= sum(arch.moe.sparse_layers) * (arch.moe.num_experts - arch.moe.top_k) * per_expert
     return total
 
 
