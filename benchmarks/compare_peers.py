@@ -4,7 +4,7 @@ more model shapes, with each engine's peak memory and dabba's share of the memor
     python -m benchmarks.compare_peers --model DIR [--model DIR ...] \\
         [--gguf-dir DIR ...] [--batch-workload W1|B32 ...] \\
         [--vllm-python /tmp/peers/vllm/bin/python] [--llamacpp-python /tmp/peers/llamacpp/bin/python] \\
-        [--workloads BATCH,W2,W3,L4] [--variants bf16,int8,int4] [--repeats 3] \\
+        [--workloads BATCH,W2,W3,L4] [--variants bf16,int8,int4] [--batch-variants bf16] [--repeats 3] \\
         [--json-out FILE] [--markdown-out FILE]
 
 Models: --model is repeatable or a comma list. Each model's GGUF files (model-{bf16,q8_0,q4_0}.gguf,
@@ -30,6 +30,8 @@ model.
   W3  32 requests sharing a 512-token prefix + 32 own, 64 out, prefix caching on
                                                             total tokens/s
   L4  4 requests x 2048 prompt tokens, 64 out (long prompts) total tokens/s
+  B16, B64  16 or 64 requests x 256 prompt tokens, 64 out (a mixture of experts' batches)
+                                                            total tokens/s
   serve (--serve, first model)  `dabba serve` and `vllm serve` under the same Poisson arrivals,
                    measured by `dabba bench serve`: TTFT and TPOT p50/p99, goodput against --slo-*
 
@@ -167,7 +169,7 @@ def run_llamacpp(python: str, job: Job, variant: str) -> dict[str, Any]:
 
 
 def engines_for(w: Workload, args: argparse.Namespace) -> list[tuple[str, str]]:
-    variants = args.variants if w.name == "W2" else ["bf16"]
+    variants = args.variants if w.name == "W2" else args.batch_variants
     ours = [(f"dabba-{isa}" if isa else "dabba", v) for isa in args.dabba_isa or [None] for v in variants]
     peers = []
     if args.vllm_python:
@@ -276,6 +278,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated subset of {BATCH},{','.join(WORKLOADS)} (default {BATCH},W2,W3,L4)")
     parser.add_argument("--variants", default="bf16,int8,int4",
                         help="W2's weight variants: dabba bf16,int8,int4 against llama.cpp bf16,q8_0,q4_0")
+    parser.add_argument("--batch-variants", default="bf16",
+                        help="the other workloads' weight variants (default bf16; vLLM runs bf16 whatever they are)")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per engine and workload (default 3)")
     parser.add_argument("--pss-interval", type=float, default=0.5,
                         help="seconds between PSS samples, at least (default 0.5; see benchmarks/peers/pss.py)")
@@ -297,11 +301,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.workloads = split_list([args.workloads])
     args.variants = split_list([args.variants])
+    args.batch_variants = split_list([args.batch_variants])
     args.dabba_isa = split_list([args.dabba_isa]) if args.dabba_isa else None
     if args.dabba_isa and any(isa not in ISA_ENV for isa in args.dabba_isa):
         parser.error(f"--dabba-isa: a comma list of {', '.join(ISA_ENV)}")
-    if not args.variants or any(v not in PEER_VARIANT for v in args.variants):
-        parser.error(f"--variants: a comma list of {', '.join(PEER_VARIANT)}")
+    for name in ("variants", "batch_variants"):
+        if not getattr(args, name) or any(v not in PEER_VARIANT for v in getattr(args, name)):
+            parser.error(f"--{name.replace('_', '-')}: a comma list of {', '.join(PEER_VARIANT)}")
     unknown = [w for w in args.workloads if w not in WORKLOADS and w != BATCH]
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {BATCH}, {', '.join(WORKLOADS)}")

@@ -146,6 +146,19 @@ def test_dabba_runs_once_per_kernel_variant_with_the_cpu_that_variant_sees(monke
         parse_args(["--model", "/m/a", "--dabba-isa", "avx9"])
 
 
+def test_batch_workloads_run_the_batch_variants() -> None:
+    """A mixture of experts' batches at INT4: dabba int4 against llama.cpp q4_0, vLLM in bf16."""
+    args = parse_args(["--model", "/m/a", "--workloads", "B16,B64,W2", "--variants", "int4", "--batch-variants",
+                       "int4", "--llamacpp-python", "/p/python", "--vllm-python", "/v/python"])
+    for name in ("B16", "B64"):
+        assert compare_peers.engines_for(WORKLOADS[name], args) == [("dabba", "int4"), ("vllm", "bf16"),
+                                                                    ("llama.cpp", "q4_0")]
+    assert WORKLOADS["B64"].shape.num_prompts == 64 and WORKLOADS["B16"].shape.num_prompts == 16
+    assert compare_peers.engines_for(WORKLOADS["W1"], parse_args(["--model", "/m/a"])) == [("dabba", "bf16")]
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "/m/a", "--batch-variants", "int3"])
+
+
 def test_a_target_checks_its_ratio_in_its_direction() -> None:
     medians = {"W2": {"dabba/int8": {"decode_tok_s": 13.0, "peak_pss_mib": 500.0},
                       "llama.cpp/q8_0": {"decode_tok_s": 10.0, "peak_pss_mib": 400.0}}}

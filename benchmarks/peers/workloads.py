@@ -19,5 +19,8 @@ WORKLOADS = {
     "W2": Workload("W2", "latency", OfflineWorkload(1, 128, 256), "decode_tok_s"),
     "W3": Workload("W3", "throughput", OfflineWorkload(32, 32, 64, prefix_len=512), "total_tok_s"),
     "L4": Workload("L4", "throughput", OfflineWorkload(4, 2048, 64), "total_tok_s"),
+    # a mixture of experts' batches, where the union of the experts a step reads grows with them
+    "B16": Workload("B16", "throughput", OfflineWorkload(16, 256, 64), "total_tok_s"),
+    "B64": Workload("B64", "throughput", OfflineWorkload(64, 256, 64), "total_tok_s"),
 }
 BATCH_WORKLOADS = ("W1", "B32")
