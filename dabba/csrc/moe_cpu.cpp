@@ -3,7 +3,6 @@
 // routing ops, the same (token, slot) grouping, each expert's two linears on the same kernels,
 // and the weighted rows added in the same order, so the two are bit-identical (tested).
 #include <ATen/ATen.h>
-
 #include <ATen/Parallel.h>
 
 #include <algorithm>

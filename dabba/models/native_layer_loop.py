@@ -83,11 +83,11 @@ class NativeLayerLoop:
         empty = torch.empty(0)
         for layer in self.model.layers:
             linears = _linears(layer)
-            kinds_, weights, scales, group_sizes = _specs(linears, kinds)
+            kind_ids, weights, scales, group_sizes = _specs(linears, kinds)
             q_norm, k_norm = (n.weight for n in _qk_norms(layer)) if _qk_norms(layer) else (empty, empty)
             self.decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                    q_norm, k_norm, model.config.qk_norm_whole,
-                                   kinds_, weights, scales, group_sizes,
+                                   kind_ids, weights, scales, group_sizes,
                                    [empty if linear.bias is None else linear.bias for linear in linears],
                                    layer.self_attn.attn.sliding_window or 0)
             moe = _moe(layer)

@@ -68,6 +68,25 @@ def source(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def moe_source(tmp_path_factory) -> Path:
+    """A random tiny Qwen3-MoE in bfloat16 (8 experts of 128, 2 per token), the demo tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    path = tmp_path_factory.mktemp("peer") / "moe-source"
+    config = Qwen3MoeConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+                            bos_token_id=0, eos_token_id=4, pad_token_id=0, tie_word_embeddings=True,
+                            initializer_range=0.1)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(DEMO_MODEL) / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     from tokenizers import Tokenizer
 
@@ -159,6 +178,23 @@ def test_dabba_reads_what_gptqmodel_writes(method, peer_python, peer_written, pr
     ours = dabba_logprobs(ckpt, prompts)
     theirs = peer_logprobs(peer_python, ckpt, prompts, tmp_path)
     assert_agree(ckpt, ours, theirs, source_logprobs, record_property)
+
+
+def test_dabba_reads_a_mixture_of_experts_gptqmodel_quantized(peer_python, moe_source, prompts, tmp_path,
+                                                              record_property) -> None:
+    """GPTQModel quantizes each expert on the tokens routed to it (round-to-nearest where too few
+    reach one, its default fallback); dabba loads the per-expert GPTQ tensors into its experts."""
+    ckpt = tmp_path / "gptqmodel-moe-gptq"
+    run_peer(peer_python, "write", str(moe_source), str(ckpt), "gptq", cwd=tmp_path)
+    assert quantization_config(ckpt)["quant_method"] == "gptq"
+    from safetensors import safe_open
+
+    names = {n for f in ckpt.glob("*.safetensors") for n in safe_open(str(f), "pt").keys()}
+    assert all(f"model.layers.{i}.mlp.experts.{e}.{p}.qweight" in names
+               for i in range(2) for e in range(8) for p in ("gate_proj", "up_proj", "down_proj"))
+    ours = dabba_logprobs(ckpt, prompts)
+    theirs = peer_logprobs(peer_python, ckpt, prompts, tmp_path)
+    assert_agree(ckpt, ours, theirs, dabba_logprobs(moe_source, prompts), record_property)
 
 
 # --- dabba writes, GPTQModel reads --------------------------------------------------------------
