@@ -43,6 +43,41 @@ bool experts_in_parallel(const at::Tensor& x, int64_t num_active, int64_t max_ro
          (gemm_available() || avx2_gemm_available()) && !at::in_parallel_region();
 }
 
+// One chosen expert: its tokens (rows of x, ascending) and each one's routing weight.
+struct ExpertRows {
+  int64_t expert;
+  std::vector<int64_t> tokens;
+  std::vector<float> weights;  // the routing weights' values (bf16 or float32, exact in float)
+  at::ScalarType weights_dtype;  // the dtype Python multiplies by
+};
+
+// out[token] += (y[row] * weight).to(out's dtype) for each of an expert's rows, as Python's
+// ``out.index_add_(0, tokens, (y * w).to(out.dtype))``. bf16 (the served dtype) runs as a plain
+// loop: the product in float32 rounded to bf16 (exact for bf16 x bf16; float32 weights then bf16
+// for Mixtral, as PyTorch's promotion does), the sum in float32 rounded; the rounding between them
+// keeps the compiler from fusing them into an FMA. Other dtypes take ATen's ops, whose float32
+// multiply and add are never contracted.
+void add_weighted_rows(at::Tensor& out, const at::Tensor& y, const ExpertRows& g) {
+  const int64_t hidden = out.size(1);
+  if (out.scalar_type() != at::kBFloat16 || y.scalar_type() != at::kBFloat16 || !y.is_contiguous()) {
+    const at::Tensor index = at::from_blob(const_cast<int64_t*>(g.tokens.data()),
+                                           {static_cast<int64_t>(g.tokens.size())}, at::kLong);
+    const at::Tensor w = at::from_blob(const_cast<float*>(g.weights.data()),
+                                       {static_cast<int64_t>(g.weights.size()), 1}, at::kFloat);
+    out.index_add_(0, index, (y * w.to(g.weights_dtype)).to(out.scalar_type()));
+    return;
+  }
+  for (size_t r = 0; r < g.tokens.size(); ++r) {
+    const float w = g.weights[r];
+    const c10::BFloat16* src = y.data_ptr<c10::BFloat16>() + r * hidden;
+    c10::BFloat16* dst = out.data_ptr<c10::BFloat16>() + g.tokens[r] * hidden;
+    for (int64_t h = 0; h < hidden; ++h) {
+      const c10::BFloat16 weighted(static_cast<float>(src[h]) * w);
+      dst[h] = c10::BFloat16(static_cast<float>(dst[h]) + static_cast<float>(weighted));
+    }
+  }
+}
+
 }  // namespace
 
 at::Tensor NativeMoE::operator()(const at::Tensor& x) const {
@@ -51,36 +86,38 @@ at::Tensor NativeMoE::operator()(const at::Tensor& x) const {
   auto [weights, chosen] = at::topk(at::softmax(logits.to(at::kFloat), -1), top_k, -1);
   if (renormalize) weights = weights / weights.sum(-1, /*keepdim=*/true);
   if (weights_in_model_dtype) weights = weights.to(logits.scalar_type());
-  const at::Tensor flat_weights = weights.flatten();
   const std::vector<std::vector<int64_t>> pairs = group_by_expert(chosen, static_cast<int64_t>(gate_up.size()));
+  const at::Tensor flat_weights = weights.flatten().to(at::kFloat);  // exact: bf16 or float32 values
 
   // The chosen experts in ascending order, each with its tokens (rows of x) and routing weights.
-  std::vector<int64_t> active;
-  std::vector<at::Tensor> tokens, expert_weights;
-  const auto index_options = at::TensorOptions().dtype(at::kLong);
+  std::vector<ExpertRows> groups;
   for (size_t e = 0; e < pairs.size(); ++e) {
-    const int64_t count = static_cast<int64_t>(pairs[e].size());
-    if (count == 0) continue;
-    const at::Tensor expert_pairs = at::from_blob(const_cast<int64_t*>(pairs[e].data()), {count}, index_options);
-    active.push_back(static_cast<int64_t>(e));
-    tokens.push_back(at::floor_divide(expert_pairs, top_k));
-    expert_weights.push_back(flat_weights.index_select(0, expert_pairs).unsqueeze(1));
+    if (pairs[e].empty()) continue;
+    ExpertRows g{static_cast<int64_t>(e), {}, {}, weights.scalar_type()};
+    for (const int64_t pair : pairs[e]) {
+      g.tokens.push_back(pair / top_k);
+      g.weights.push_back(flat_weights.data_ptr<float>()[pair]);
+    }
+    groups.push_back(std::move(g));
   }
-  const int64_t num_active = static_cast<int64_t>(active.size());
+  const int64_t num_active = static_cast<int64_t>(groups.size()), n = x.size(0);
   std::vector<at::Tensor> y(num_active);
   const auto run_expert = [&](int64_t a) {
-    const int64_t e = active[a];
-    y[a] = (down[e](gate_up[e].silu_and_mul(x.index_select(0, tokens[a]))) * expert_weights[a]).to(x.scalar_type());
+    ExpertRows& g = groups[a];
+    const int64_t count = static_cast<int64_t>(g.tokens.size());
+    // Python's x[tokens]: the same values, so every token's row, in order, is x itself
+    const at::Tensor rows = count == n ? x : x.index_select(0, at::from_blob(g.tokens.data(), {count}, at::kLong));
+    y[a] = down[g.expert](gate_up[g.expert].silu_and_mul(rows));
   };
   int64_t max_rows = 0;
-  for (const at::Tensor& t : tokens) max_rows = std::max(max_rows, t.numel());
+  for (const ExpertRows& g : groups) max_rows = std::max(max_rows, static_cast<int64_t>(g.tokens.size()));
   if (experts_in_parallel(x, num_active, max_rows)) {
     // Heaviest first, each thread taking the next expert as it finishes one; the kernels an expert
     // calls see they are inside a parallel region and run on the calling thread.
     std::vector<int64_t> order(num_active);
     for (int64_t a = 0; a < num_active; ++a) order[a] = a;
     std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return tokens[a].numel() > tokens[b].numel(); });
+                     [&](int64_t a, int64_t b) { return groups[a].tokens.size() > groups[b].tokens.size(); });
     std::atomic<int64_t> next{0};
     const int64_t threads = at::get_num_threads();
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -89,9 +126,8 @@ at::Tensor NativeMoE::operator()(const at::Tensor& x) const {
   } else {
     for (int64_t a = 0; a < num_active; ++a) run_expert(a);
   }
-  // each token's weighted expert outputs added in ascending expert order, as Python adds them
   at::Tensor out = at::zeros_like(x);
-  for (int64_t a = 0; a < num_active; ++a) out.index_add_(0, tokens[a], y[a]);
+  for (int64_t a = 0; a < num_active; ++a) add_weighted_rows(out, y[a], groups[a]);
   return out;
 }
 
