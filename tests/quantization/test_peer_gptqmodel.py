@@ -49,17 +49,10 @@ def run_peer(python: Path, *args: str, cwd: Path) -> None:
     assert proc.returncode == 0, f"peer {args[0]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    """A random tiny Llama in bfloat16 with the demo model's tokenizer: every linear has 128 | in_features."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def save_random_bf16(config, path: Path) -> Path:
+    """transformers' random init of config at seed 0, saved in bfloat16 with the demo tokenizer."""
+    from transformers import AutoModelForCausalLM
 
-    path = tmp_path_factory.mktemp("peer") / "source"
-    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=0, eos_token_id=4, pad_token_id=0, tie_word_embeddings=True,
-                         initializer_range=0.1)  # a wide init: log-probs far from uniform
-    config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
     for name in TOKENIZER_FILES:
@@ -68,9 +61,23 @@ def source(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A random tiny Llama in bfloat16 with the demo model's tokenizer: every linear has 128 | in_features."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("peer") / "source"
+    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=0, eos_token_id=4, pad_token_id=0, tie_word_embeddings=True,
+                         initializer_range=0.1)  # a wide init: log-probs far from uniform
+    config.architectures = ["LlamaForCausalLM"]
+    return save_random_bf16(config, path)
+
+
+@pytest.fixture(scope="module")
 def moe_source(tmp_path_factory) -> Path:
     """A random tiny Qwen3-MoE in bfloat16 (8 experts of 128, 2 per token), the demo tokenizer."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
 
     path = tmp_path_factory.mktemp("peer") / "moe-source"
     config = Qwen3MoeConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
@@ -79,11 +86,7 @@ def moe_source(tmp_path_factory) -> Path:
                             bos_token_id=0, eos_token_id=4, pad_token_id=0, tie_word_embeddings=True,
                             initializer_range=0.1)
     config.architectures = ["Qwen3MoeForCausalLM"]
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(Path(DEMO_MODEL) / name, path / name)
-    return path
+    return save_random_bf16(config, path)
 
 
 @pytest.fixture(scope="module")
