@@ -115,7 +115,8 @@ class NativeLayerLoop:
         return [codes.view(code_dtype) for codes, _ in kv_caches], [scales for _, scales in kv_caches]
 
 
-def _specs(linears: list[Any], kinds: dict[str, int]) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[int]]:
+def _specs(linears: list[Any],
+           kinds: dict[str, int]) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[int]]:
     """The linears' native forms as NativeDecoder takes them: kinds, weights, scales (empty where
     none) and group sizes."""
     specs = [linear.quant_method.native_spec(linear) for linear in linears]
