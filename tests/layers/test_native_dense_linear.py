@@ -59,6 +59,39 @@ def test_gemm_kernel_at_any_row_count(rows, use_amx) -> None:
     assert (out[:, 45:] == 7.0).all()  # nothing written past the output's columns
 
 
+@needs_gemm
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 40])
+@pytest.mark.parametrize("in_features", [1024, 2048])
+def test_tiles_for_rows_whose_lines_collide_give_the_same_sums(rows, in_features) -> None:
+    """Where K is a multiple of 1024 the AVX512 tiles take fewer weight rows at once (their lines
+    would crowd one L1 set): the same pairs in the same order, so the same bits as the usual tiles
+    give with K padded by zero pairs (which add +0 to every sum), plain, gated and on INT8 codes."""
+    torch.manual_seed(rows + in_features)
+    ops = torch.ops.dabba_cpu
+    x = torch.randn(rows, in_features).bfloat16()
+    w = (torch.randn(40, in_features) * 0.1).bfloat16()
+    b = torch.randn(40).bfloat16()
+    pad = lambda t: F.pad(t, (0, 32))  # noqa: E731
+    for op, cols in ((ops.bf16_gemm, 40), (ops.bf16_gemm_silu_and_mul, 20), (ops.bf16_gemm_gelu_tanh_and_mul, 20)):
+        got, ref = (torch.empty(rows, cols, dtype=torch.bfloat16) for _ in range(2))
+        op(got, x, w, b, False)
+        op(ref, pad(x), pad(w), b, False)
+        assert torch.equal(got, ref), op
+    assert_rounded_products(_gemm(x, w, b), x, w, b)  # and right
+    codes = torch.randint(-127, 128, (40, in_features), dtype=torch.int8)
+    scales = (torch.rand(40) * 0.01).bfloat16()
+    got, ref = (torch.empty(rows, 40, dtype=torch.bfloat16) for _ in range(2))
+    ops.int8_gemm(got, x, codes, scales, b, False)
+    ops.int8_gemm(ref, pad(x), pad(codes), scales, b, False)
+    assert torch.equal(got, ref)
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    torch.ops.dabba_cpu.bf16_gemm(out, x, w, b, False)
+    return out
+
+
 @pytest.mark.skipif(not amx, reason="no AMX tiles here")
 @pytest.mark.parametrize("out_features", [13, 32, 45, 100, 2 * 17 * 32])
 @pytest.mark.parametrize("in_features", [96, 2112])
