@@ -5,9 +5,9 @@ dabba/csrc's comments come from here.
     python -m benchmarks.kernels [--layers 30 --repeats 5]
 
 - linear: one pass over every layer's weights (cold: more bytes than the caches hold) at 1-4096
-  rows: dabba's bf16 linear (the GEMV to gemv_max_rows rows, the GEMM to gemm_max_rows: the
-  kernel's KernelConstants; on AMX tiles the GEMM from one row, and the GEMV timed beside it up to
-  gemv_max_rows; the avx2 build the GEMV below avx2_gemm_min_rows, its own GEMM from there) against F.linear,
+  rows: dabba's bf16 linear (each linear the GEMV to native.gemv_max_rows(K) rows, fewer for wide
+  inputs, the GEMM to gemm_max_rows: "gemm+gemv" where the layer's linears take both; on AMX tiles
+  the GEMM from one row, and the GEMV timed beside it up to gemv_max_rows; the avx2 build the GEMV below avx2_gemm_min_rows, its own GEMM from there) against F.linear,
   GB/s of weights and GFLOP/s; its INT8 linear (GEMV, then GEMM on codes widened to bf16) against
   _weight_int8pack_mm. Each row names the kernel that took it and whether its outputs agreed with
   the op it is timed against (a wrong kernel's timing means nothing).
@@ -75,7 +75,6 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
               for n, k in linears] for _ in range(layers)]
     weights = sum(n * k for n, k in linears) * layers  # elements per pass
     amx = native.amx_usable(shape.hidden)  # the GEMM on AMX tiles, and the thresholds that go with it
-    gemv_max_rows = limits.amx_gemv_max_rows if amx else limits.gemv_max_rows
     int8_gemm_min_rows = limits.amx_int8_gemm_min_rows if amx else limits.int8_gemm_min_rows
     gemm = "gemm_amx" if amx else "gemm"
     has_gemm = native.gemm_available()  # the avx2 build has its own bf16 GEMM, and the INT8 GEMV at every row count
@@ -86,7 +85,10 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
         row["bf16_f_linear_ms"] = best_ms(lambda: [F.linear(xs[w.shape[1]], w) for layer in dense for w in layer], repeats)
         if native.gemv_available():
             if has_gemm:
-                row["bf16_kernel"] = "gemv" if m <= gemv_max_rows else gemm if m <= limits.gemm_max_rows else "f_linear"
+                # per linear: the GEMV while its rows of x fit (native.gemv_max_rows(K)), then the GEMM
+                kernels = {"gemv" if m <= native.gemv_max_rows(k) else gemm if m <= limits.gemm_max_rows
+                           else "f_linear" for _, k in linears}
+                row["bf16_kernel"] = "+".join(sorted(kernels))
             else:
                 row["bf16_kernel"] = "gemm_avx2" if m >= limits.avx2_gemm_min_rows and native.avx2_gemm_available() \
                     else "gemv"

@@ -81,7 +81,7 @@ class KernelConstants:
     once): activation rows up to which a linear takes each kernel, and the native layer loop's
     linear kinds by name."""
 
-    gemv_max_rows: int  # bf16: the GEMV up to here
+    gemv_max_rows: int  # bf16: the most rows the GEMV takes at once; a linear takes it up to gemv_max_rows(K)
     gemm_max_rows: int  # and the GEMM beyond, up to here; F.linear (oneDNN) past it
     int8_gemv_max_rows: int  # INT8 codes: the GEMV up to here
     int4_gemv_max_rows: int  # INT4 codes (PyTorch's packed layout): dabba's GEMV up to here, tinygemm beyond
@@ -132,6 +132,12 @@ def amx_usable(in_features: int) -> bool:
     """Whether the GEMM runs on AMX tiles for this many input features here (csrc/gemm_amx_cpu.cpp):
     the CPU has AMX-BF16, the OS granted the tiles, and the features are a multiple of 32."""
     return gemm_available() and torch.ops.dabba_cpu.amx_usable(in_features)
+
+
+def gemv_max_rows(in_features: int) -> int:
+    """Rows of x up to which a bf16 linear with this many input features takes the GEMV rather than
+    the GEMM here (csrc/cpu_ops.h: fewer for wide inputs, none on AMX tiles)."""
+    return int(torch.ops.dabba_cpu.gemv_max_rows(in_features)) if gemm_available() else 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -72,6 +72,18 @@ const uint16_t* check_bf16_output(const at::Tensor& out, int64_t M, int64_t N, c
 // 1.2-1.4x at 1-6 rows, 0.8-0.95x at 8-12.
 constexpr int kGemvMaxRows = 8;
 constexpr int kInt8GemvMaxRows = 6;
+// On the AVX512-BF16 tiles (no AMX) a bf16 linear takes the GEMV while its rows of x fit in
+// kGemvMaxXBytes, up to kGemvMaxRows (gemv_max_rows in gemm_cpu.cpp). The GEMV reads every row
+// of x again for each weight row, from L1 while they fit beside the weight's lines; past about a
+// third of a 48 KiB L1 they do not, and the GEMV slows by up to 2.3x (Llama-3.2-1B's q/k/v at 8
+// rows: 7.3 ms against the GEMM's 3.3), where the GEMM reads the weight at 37-45 GB/s from 1-2
+// rows on. SmolLM's, Qwen2.5-0.5B's, Qwen2.5-1.5B's and Llama-3.2-1B's linears, one cold pass of
+// 128 MB each at 1-8 rows, a layer's four summed: within 1.04-1.11x of the faster kernel for each
+// linear at every row count, where 8 rows for every K was up to 2.3x (2-core AMD EPYC, Zen 5,
+// 48 KiB L1; 12-32 KiB budgets stay within 1.13x).
+constexpr int64_t kGemvMaxXBytes = 16 * 1024;
+// Rows of x up to which a bf16 linear with K inputs takes the GEMV rather than the GEMM.
+int64_t gemv_max_rows(int64_t K);
 // From this many rows an INT8 linear takes int8_gemm (codes widened to bf16 per call: 10.9 ms over
 // SmolLM's 30 layers at 8-16 rows, where that widening sets the pace; _weight_int8pack_mm 7.5 at
 // 8, 10.3 at 12, 13.1 at 14; at 64 rows 21.7 against 45.7).

@@ -326,11 +326,15 @@ void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, con
 #endif
 }
 
+int64_t gemv_max_rows(int64_t K) {
+  if (amx_usable(K)) return kAmxGemvMaxRows;
+  return std::clamp<int64_t>(kGemvMaxXBytes / (2 * std::max<int64_t>(K, 1)), 1, kGemvMaxRows);
+}
+
 namespace {
 
-// Rows up to which a linear with K inputs takes the GEMV (bf16) or _weight_int8pack_mm (INT8)
-// rather than the GEMM: fewer where the GEMM has AMX tiles.
-int64_t gemv_max_rows(int64_t K) { return amx_usable(K) ? kAmxGemvMaxRows : kGemvMaxRows; }
+// Rows from which an INT8 linear with K inputs takes the GEMM rather than _weight_int8pack_mm:
+// fewer where the GEMM has AMX tiles.
 int64_t int8_gemm_min_rows(int64_t K) { return amx_usable(K) ? kAmxInt8GemmMinRows : kInt8GemmMinRows; }
 
 // y [M, N] in x's dtype, filled by a GEMV `step` rows of x at a time.
@@ -450,6 +454,7 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.impl("int8_gemm", c10::DispatchKey::CPU, TORCH_FN(dabba::int8_gemm));
   m.def("gemm_available() -> bool", &dabba::gemm_available);
   m.def("amx_usable(int K) -> bool", &dabba::amx_usable);  // no tensor: a catch-all
+  m.def("gemv_max_rows(int K) -> int", &dabba::gemv_max_rows);
   m.def("bf16_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, bool amx=True) -> ()");
   m.impl("bf16_gemm", c10::DispatchKey::CPU, TORCH_FN(dabba::bf16_gemm));
   m.def("bf16_gemm_silu_and_mul(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, bool amx=True) -> ()");
