@@ -26,6 +26,9 @@ def wide_moe(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("wide-moe"), "OlmoeForCausalLM", dtype="bfloat16", **MOE)
 
 
+# The kernel may clear accessed bits on its own (page aging, multi-gen LRU's walks) between a call
+# and the count, so a count can fall short of what the call read, never above it: the lower bounds
+# below take the largest of three counts.
 def test_touched_by_counts_the_pages_a_call_reads() -> None:
     code = """
 import json, torch
@@ -33,7 +36,8 @@ from benchmarks.bytes_touched import disable_huge_pages, touched_by
 disable_huge_pages()
 x = torch.ones(64 * 2**20 // 4)
 quarter = x[: x.numel() // 4]
-print(json.dumps([touched_by(lambda: quarter.sum()), touched_by(lambda: x.sum())]))
+print(json.dumps([max(touched_by(lambda: quarter.sum()) for _ in range(3)),
+                  max(touched_by(lambda: x.sum()) for _ in range(3))]))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     quarter, whole = json.loads(out.stdout)
@@ -53,5 +57,5 @@ def test_a_decode_step_touches_only_the_chosen_experts(wide_moe) -> None:
                          capture_output=True, text=True, check=True)
     r = json.loads(out.stdout)
     assert r["layer_loop"] == "native" and len(r["touched_mib_per_step"]) == 3
-    assert r["touched_mib_median"] >= r["active_weights_mib"]  # what a step must read, it touched
+    assert max(r["touched_mib_per_step"]) >= r["active_weights_mib"]  # what a step must read, it touched
     assert r["touched_mib_median"] < 0.3 * r["all_weights_mib"]  # and not the 124 idle experts
