@@ -116,8 +116,8 @@ bool gemm_available();
 // ones, the reference.
 void bf16_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                bool amx = true);
-// x W^T + b on the CPU, the one place that picks the kernel: the GEMV up to kGemvMaxRows bf16 rows
-// (kAmxGemvMaxRows where the GEMM has AMX tiles), the GEMM up to kGemmMaxRows, F.linear beyond and
+// x W^T + b on the CPU, the one place that picks the kernel: the GEMV up to gemv_max_rows(K) bf16
+// rows (kAmxGemvMaxRows where the GEMM has AMX tiles), the GEMM up to kGemmMaxRows, F.linear beyond and
 // where neither applies (other dtypes, odd K, strided operands). The avx2 build runs the GEMV to
 // kAvx2GemmMinRows - 1 rows, kGemvMaxRows rows a pass, and its own GEMM (gemm_avx2_cpu.cpp) from
 // there, at any row count.
