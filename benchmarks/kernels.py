@@ -9,8 +9,9 @@ dabba/csrc's comments come from here.
   inputs, the GEMM to gemm_max_rows: "gemm+gemv" where the layer's linears take both; on AMX tiles
   the GEMM from one row, and the GEMV timed beside it up to gemv_max_rows; the avx2 build the GEMV
   below avx2_gemm_min_rows, its own GEMM from there) against F.linear, GB/s of weights and
-  GFLOP/s; its INT8 linear (GEMV, then GEMM on codes widened to bf16) against _weight_int8pack_mm. Each row names the kernel that took it and whether its outputs agreed with
-  the op it is timed against (a wrong kernel's timing means nothing).
+  GFLOP/s; its INT8 linear (GEMV, then GEMM on codes widened to bf16) against _weight_int8pack_mm.
+  Each row names the kernel that took it and whether its outputs agreed with the op it is timed
+  against (a wrong kernel's timing means nothing).
 - int8_prefill: the INT8 linear at prefill's row counts, _weight_int8pack_mm against codes
   dequantized per call + dabba's linear (what rows past gemm_max_rows get).
 - attention: decode over --decode-seqs sequences of --decode-context positions (blocks shuffled, as
