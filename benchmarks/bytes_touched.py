@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.peers.bandwidth import decode_bytes_per_token
 from dabba import LLM, SamplingParams
 from dabba.models.config import ArchConfig
 from dabba.models.sizes import weights_bytes
@@ -62,13 +63,11 @@ def touched_by(fn) -> int:  # type: ignore[no-untyped-def]
 
 
 def expected_bytes(model_dir: str, quantization: str | None) -> dict[str, int]:
-    """dabba's packed weight bytes: all, and those one token's forward reads (less the embedding
-    table but one row, where the LM head does not share it)."""
-    arch = ArchConfig.from_hf(model_dir)
+    """dabba's packed weight bytes: all, and those one token's forward reads (compare_peers'
+    bandwidth report counts the same: benchmarks/peers/bandwidth.py)."""
     quant = QuantConfig(quantization) if quantization else None
-    embedding = 0 if arch.tie_word_embeddings else (arch.vocab_size - 1) * arch.hidden_size * torch.bfloat16.itemsize
-    return {"all_weights": weights_bytes(arch, torch.bfloat16, quant),
-            "active_weights": weights_bytes(arch, torch.bfloat16, quant, active=True) - embedding}
+    return {"all_weights": weights_bytes(ArchConfig.from_hf(model_dir), torch.bfloat16, quant),
+            "active_weights": decode_bytes_per_token(model_dir, quantization or "bf16")}
 
 
 def measure(model_dir: str, quantization: str | None, batch: int, steps: int, prompt_len: int) -> dict:

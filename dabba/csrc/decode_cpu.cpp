@@ -81,14 +81,13 @@ class NativeDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(router_weight.dim() == 2 && router_weight.size(0) == num_experts,
                 "add_moe: the router has one row per expert");
     TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "add_moe: top_k must lie in [1, num_experts]");
+    const at::Tensor no_bias;  // undefined: numel() 0, so none
     NativeMoE moe{NativeLinear::make(static_cast<int64_t>(LinearKind::kDense), std::move(router_weight),
-                                     at::Tensor(), 0, at::Tensor()),
+                                     at::Tensor(), 0, no_bias),
                   {}, {}, top_k, renormalize, weights_in_model_dtype};
-    const at::Tensor none;
     for (size_t i = 0; i < count; i += 2) {
-      moe.gate_up.push_back(NativeLinear::make(kinds[i], weights[i], scales[i], group_sizes[i], at::empty({0})));
-      moe.down.push_back(NativeLinear::make(kinds[i + 1], weights[i + 1], scales[i + 1], group_sizes[i + 1],
-                                            at::empty({0})));
+      moe.gate_up.push_back(NativeLinear::make(kinds[i], weights[i], scales[i], group_sizes[i], no_bias));
+      moe.down.push_back(NativeLinear::make(kinds[i + 1], weights[i + 1], scales[i + 1], group_sizes[i + 1], no_bias));
     }
     layers_.back().moe = std::move(moe);
     mlp_pending_ = false;

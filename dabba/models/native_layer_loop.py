@@ -84,7 +84,8 @@ class NativeLayerLoop:
         for layer in self.model.layers:
             linears = _linears(layer)
             kind_ids, weights, scales, group_sizes = _specs(linears, kinds)
-            q_norm, k_norm = (n.weight for n in _qk_norms(layer)) if _qk_norms(layer) else (empty, empty)
+            qk_norms = _qk_norms(layer)
+            q_norm, k_norm = (n.weight for n in qk_norms) if qk_norms else (empty, empty)
             self.decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                    q_norm, k_norm, model.config.qk_norm_whole,
                                    kind_ids, weights, scales, group_sizes,
