@@ -59,6 +59,12 @@ Bandwidth: benchmarks/membw.py's read bandwidth (one pass over a --membw-gib buf
 is measured once per run; dabba's W2 decode reads its weights at bytes-per-token x decode tokens/s,
 the bytes per token from dabba's own packed sizes (dabba.models.sizes.weights_bytes) less an
 untied embedding table, of which a step reads one row (benchmarks/peers/bandwidth.py).
+
+Compute: benchmarks/compute_peak.py's dot-product peak (all threads, --peak-seconds) is measured
+once per run; each throughput workload's flops at that rate give the best total tokens/s any
+engine could reach, and the report gives each engine's share of it (benchmarks/peers/compute.py):
+a ratio target above that best over the peer's figure is out of reach on the machine. No ceiling
+on a CPU with AMX, whose tiles outrun the probe.
 """
 from __future__ import annotations
 
@@ -74,7 +80,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.compute_peak import measure_peak
 from benchmarks.peers.bandwidth import DABBA_QUANT, bandwidth_report, copy_bandwidth
+from benchmarks.peers.compute import compute_report
 from benchmarks.peers.models import (BATCH, ModelRun, ModelShape, kv_budgets, kv_tokens, max_model_len, model_runs,
                                      split_list)
 from benchmarks.peers.online import compare_online
@@ -208,7 +216,8 @@ def medians_of(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, flo
 
 # --- one model, then all ----------------------------------------------------------------------------
 
-def compare_model(m: ModelRun, args: argparse.Namespace, membw: dict[str, Any] | None) -> dict[str, Any]:
+def compare_model(m: ModelRun, args: argparse.Namespace, membw: dict[str, Any] | None,
+                  peak: dict[str, Any] | None) -> dict[str, Any]:
     shape = ModelShape.from_dir(m.path)
     names = m.workloads(args.workloads)
     results, budgets = {}, {}
@@ -228,7 +237,8 @@ def compare_model(m: ModelRun, args: argparse.Namespace, membw: dict[str, Any] |
     return {"model": m.path, "name": Path(m.path).name, "shape": asdict(shape), "description": shape.describe(),
             "gguf_dir": m.gguf_dir if args.llamacpp_python else None, "batch_workload": m.batch_workload,
             "workloads": {n: asdict(WORKLOADS[n].shape) for n in names}, "kv_budget": budgets,
-            "medians": medians, "bandwidth": bandwidth, "checks": checks + bw_checks, "runs": results}
+            "medians": medians, "bandwidth": bandwidth, "compute": compute_report(m.path, medians, peak),
+            "checks": checks + bw_checks, "runs": results}
 
 
 def cpu_name() -> str:
@@ -256,9 +266,10 @@ def build_native_kernels(isas: list[str] | None) -> None:
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     build_native_kernels(args.dabba_isa)
     membw = copy_bandwidth(args.membw_gib, args.membw_iters) if args.membw_gib > 0 else None
+    peak = measure_peak(args.peak_seconds) if args.peak_seconds > 0 else None
     return {"cpu": cpu_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "repeats": args.repeats, "llamacpp_extra_bufts": not args.llamacpp_no_extra_bufts, "membw": membw,
-            "models": [compare_model(m, args, membw) for m in args.models]}
+            "compute_peak": peak, "models": [compare_model(m, args, membw, peak) for m in args.models]}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -286,6 +297,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--membw-gib", type=float, default=2.0,
                         help="benchmarks/membw.py's buffer, GiB (default 2; 0: no bandwidth figure)")
     parser.add_argument("--membw-iters", type=int, default=5)
+    parser.add_argument("--peak-seconds", type=float, default=1.0,
+                        help="benchmarks/compute_peak.py's probe, seconds (default 1; 0: no compute ceiling)")
     parser.add_argument("--serve", action="store_true",
                         help="also compare online serving with vllm serve (first model)")
     parser.add_argument("--request-rate", type=float, default=4.0, help="--serve: Poisson requests/s (default 4)")

@@ -26,7 +26,8 @@ def test_compare_peers_runs_dabba_alone(checkpoints, tmp_path, capsys) -> None:
     out, md = tmp_path / "cmp.json", tmp_path / "cmp.md"
     path = checkpoints["llama"].path
     assert compare_peers.main(["--model", str(path), "--workloads", "W2", "--repeats", "1", "--membw-gib", "0.0625",
-                               "--membw-iters", "2", "--json-out", str(out), "--markdown-out", str(md)]) == 0
+                               "--membw-iters", "2", "--peak-seconds", "0.05", "--json-out", str(out), "--markdown-out",
+                               str(md)]) == 0
     summary = json.loads(capsys.readouterr().out)
     (model,) = summary["models"]
     w2 = model["medians"]["W2"]
@@ -38,6 +39,7 @@ def test_compare_peers_runs_dabba_alone(checkpoints, tmp_path, capsys) -> None:
     assert budget["dabba"] == kv_tokens(WORKLOADS["W2"].shape) * model["shape"]["num_layers"] * 2 * 2 * 2 * 24
     assert set(model["bandwidth"]) == {"bf16", "int8", "int4"}
     assert summary["llamacpp_extra_bufts"] is True and summary["membw"]["read_gb_s_best"] > 0
+    assert model["compute"] == {}  # W2 is no throughput workload: no ceiling
     full = json.loads(out.read_text())
     assert full["models"][0]["runs"]["W2"]["dabba/int4"][0]["decode_tok_s"] == w2["dabba/int4"]["decode_tok_s"]
     text = md.read_text()

@@ -1,13 +1,12 @@
 """Gemma 2 and Gemma 3 (text): config normalisation and refusals, Gemma's layers against
 transformers' (norm, embedding scale, RoPE tables, the soft-capped reference attention), logprobs
-(the final-logit soft cap), quantized loads (INT8/INT4 at load time, GPTQ and AWQ checkpoints),
-the native loop's refusal, and `dabba plan`. Greedy parity with transformers on both attention
-backends, chunked prefill, prefix caching and preemption runs in tests/test_parity.py over the
-"gemma2" and "gemma3" checkpoints."""
+(the final-logit soft cap), quantized loads (INT8/INT4 at load time, GPTQ and AWQ checkpoints)
+and `dabba plan`. Greedy parity with transformers on both attention backends, chunked prefill,
+prefix caching and preemption runs in tests/test_parity.py over the "gemma2" and "gemma3"
+checkpoints; the native layer loop against the Python layers in tests/test_native_layer_loop.py."""
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -59,8 +58,6 @@ def test_published_configs_normalise() -> None:
     assert g2.sliding_layers == tuple(i % 2 == 0 for i in range(26))
     assert (g2.attn_logit_softcapping, g2.final_logit_softcapping, g2.rope_local_theta, g2.qk_norm) == \
         (50.0, 30.0, None, False)
-    assert g2.missing_native_form == ("Gemma2ForCausalLM's (1 + w) RMSNorms, post-attention/feed-forward norms, "
-                                      "GeGLU, embedding scale and soft caps are not in the native loop")
 
 
 def test_both_rope_spellings_normalise_the_same() -> None:
@@ -277,22 +274,6 @@ def test_prompt_logprobs_match_transformers(checkpoints, name) -> None:
     if name == "gemma2":
         uncapped = hf_logits(ckpt.path, prompt, final_logit_softcapping=None).log_softmax(-1)
         assert (uncapped[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])] - ref).abs().max() > 0.1
-
-
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_native_loop_refuses_gemma_and_says_why(checkpoints, name, dabba_log) -> None:
-    path = str(checkpoints[name].path)
-    arch = ArchConfig.from_hf(path).architecture
-    reason = (f"{arch}'s (1 + w) RMSNorms, post-attention/feed-forward norms, GeGLU, embedding scale and soft caps "
-              "are not in the native loop")
-    runner = LLM(path, kv_cache_memory=2**22, attention_backend="auto").llm_engine.model_runner
-    assert runner.native_loop is None and runner.layer_loop_reason == reason
-    assert any(r.levelno == logging.INFO and r.getMessage() == f"Layers run in Python: {reason}" for r in dabba_log)
-    from dabba.native import load_cpu_ops
-
-    if load_cpu_ops():
-        with pytest.raises(ValueError, match=r"native_layer_loop='on', but Gemma.*use 'auto' or 'off'"):
-            LLM(path, kv_cache_memory=2**22, native_layer_loop="on")
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

@@ -135,7 +135,6 @@ def test_config_reads_routing_and_dense_layers() -> None:
     arch = ArchConfig.from_dict({**QWEN3_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": True})
     assert arch.moe == MoEConfig(num_experts=8, top_k=2, intermediate_size=16, renormalize=True,
                                  weights_in_model_dtype=True, sparse_layers=(False, True, False, False))
-    assert arch.missing_native_form is None  # the native layer loop runs experts too
     mixtral = ArchConfig.from_dict({**QWEN3_MOE, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4})
     assert mixtral.moe.num_experts == 4 and mixtral.moe.intermediate_size == 48 and mixtral.moe.renormalize
     assert not mixtral.moe.weights_in_model_dtype and mixtral.moe.sparse_layers == (True,) * 4

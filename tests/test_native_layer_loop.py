@@ -1,8 +1,9 @@
 """The native layer loop (csrc/decode_cpu.cpp) against the Python layers it stands in for: the same
 kernels in the same order, so greedy tokens and their logprobs must be bit-identical, for dense
-bf16 and float32, load-time INT8 and INT4, q/k/v biases (Qwen2), partial rotary (Phi-3), 8-bit
-KV caches (int8, fp8) and batches of one and many. The model runner chooses the path once (``native_layer_loop``): these
-tests observe which layers ran (a forward hook on a decoder layer fires only in Python) and the
+bf16 and float32, load-time INT8 and INT4, q/k/v biases (Qwen2), partial rotary (Phi-3), q/k
+norms (Qwen3, OLMoE, Gemma 3), mixtures of experts, Gemma's norms, GeGLU, soft caps and RoPE
+tables, 8-bit KV caches (int8, fp8) and batches of one and many. The model runner chooses the path
+once (``native_layer_loop``): these tests observe which layers ran (a forward hook on a decoder layer fires only in Python) and the
 reason it logs."""
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ def count_python_layer_calls(llm: LLM) -> list[int]:
     ("mixtral", "bfloat16", None, "auto"), ("mixtral", "float32", None, "auto"), ("mixtral", "bfloat16", "int8", "auto"),
     ("qwen3moe", "bfloat16", "int4", "auto"), ("qwen3moe", "bfloat16", None, "int8"),
     ("olmoe", "bfloat16", None, "auto"), ("olmoe", "bfloat16", "int4", "auto"), ("olmoe", "float32", "int8", "auto"),
+    # Gemma: (1 + w) norms around attention and MLP, GeGLU, sliding layers between global ones;
+    # Gemma 2 soft-caps the scores, Gemma 3 norms q/k per head and rotates its sliding layers by
+    # their own RoPE base
+    ("gemma2", "bfloat16", None, "auto"), ("gemma2", "float32", "int8", "auto"), ("gemma2", "bfloat16", None, "fp8"),
+    ("gemma3", "bfloat16", None, "auto"), ("gemma3", "float32", None, "auto"), ("gemma3", "bfloat16", "int4", "int8"),
 ])
 def test_native_loop_is_bit_identical_to_the_python_layers(checkpoints, family, dtype, quantization,
                                                            kv_cache_dtype) -> None:
@@ -72,8 +78,6 @@ def test_auto_takes_the_native_loop_where_it_applies_and_says_why(checkpoints, d
 
 
 @pytest.mark.parametrize("family, options, reason", [
-    ("gemma2", {}, "Gemma2ForCausalLM's (1 + w) RMSNorms, post-attention/feed-forward norms, GeGLU, embedding "
-                   "scale and soft caps are not in the native loop"),
     ("llama", {"kv_cache_dtype": "int8", "attention_backend": "torch_ref"},
      "the TorchRefBackend attention backend (the loop reads the CPU backend's cache)"),
     ("llama", {"attention_backend": "torch_ref"},
@@ -94,8 +98,9 @@ def test_without_a_native_form_every_step_runs_the_python_layers(checkpoints, da
 
 
 def test_on_refuses_a_model_it_cannot_run_exactly(checkpoints) -> None:
-    with pytest.raises(ValueError, match=r"native_layer_loop='on', but Gemma3ForCausalLM's \(1 \+ w\) RMSNorms.* "
-                                         r"are not in the native loop; use 'auto' or 'off'"):
-        LLM(str(checkpoints["gemma3"].path), kv_cache_memory=2**22, native_layer_loop="on")
+    with pytest.raises(ValueError, match=r"native_layer_loop='on', but the TorchRefBackend attention backend "
+                                         r"\(the loop reads the CPU backend's cache\); use 'auto' or 'off'"):
+        LLM(str(checkpoints["gemma3"].path), kv_cache_memory=2**22, attention_backend="torch_ref",
+            native_layer_loop="on")
     with pytest.raises(ValueError, match="native_layer_loop must be one of"):
         LLM(str(checkpoints["llama"].path), kv_cache_memory=2**22, native_layer_loop="yes")

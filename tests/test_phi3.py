@@ -68,7 +68,6 @@ def test_older_phi_configs_normalise_the_same() -> None:
     assert a == b
     assert (a.head_dim, a.rotary_dim, a.rope_scaling.rope_type, a.rope_scaling.original_max_position_embeddings,
             a.rope_scaling.factor) == (32, 24, "longrope", 64, 8.0)
-    assert a.missing_native_form is None
 
 
 def test_partial_rotary_is_refused_where_transformers_ignores_it() -> None:

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 PEERS_DIR = Path(__file__).resolve().parent
-MOE = ("OlmoeForCausalLM",)
 LLAMA_CPP_SRC = "/tmp/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp"
 
 
@@ -41,6 +40,7 @@ class Shape:
     config: dict[str, Any] = field(default_factory=dict)
     # the GGUF types made for llama.cpp (a 7B-parameter MoE's bf16 and q4_0 files alone take 18 GB)
     gguf_types: tuple[str, ...] = ("bf16", "q8_0", "q4_0")
+    default: bool = True  # made without --shapes: issue 17's three shapes
 
 
 SHAPES = {s.name: s for s in (
@@ -63,7 +63,19 @@ SHAPES = {s.name: s for s in (
         vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
         num_key_value_heads=16, head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5,
         tie_word_embeddings=False, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, clip_qkv=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), gguf_types=("bf16", "q4_0")),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), gguf_types=("bf16", "q4_0"), default=False),
+    # issue 15's two: Gemma 3 1B (head_dim 256, one KV head, 5 of 6 layers sliding within 512 keys
+    # with their own RoPE base, 262k vocabulary, tied) and Qwen2.5-1.5B (q/k/v biases, GQA 6:1)
+    Shape("gemma-3-1b", "Gemma3ForCausalLM", dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, sliding_window=512, sliding_window_pattern=6, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), default=False),
+    Shape("qwen2.5-1.5b", "Qwen2ForCausalLM", dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), default=False),
 )}
 
 
@@ -110,8 +122,9 @@ def parse_shapes(text: str) -> list[Shape]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/tmp/shapes"), help="parent directory (default /tmp/shapes)")
-    parser.add_argument("--shapes", type=parse_shapes, default=[s for s in SHAPES.values() if s.arch not in MOE],
-                        help=f"comma list of {','.join(SHAPES)} (default: all but the mixture of experts)")
+    parser.add_argument("--shapes", type=parse_shapes, default=[s for s in SHAPES.values() if s.default],
+                        help=f"comma list of {','.join(SHAPES)} (default: "
+                             f"{','.join(s.name for s in SHAPES.values() if s.default)})")
     parser.add_argument("--llamacpp-python", default="/tmp/peers/llamacpp/bin/python")
     parser.add_argument("--llama-cpp-dir", default=LLAMA_CPP_SRC, help="llama.cpp source tree (its converter)")
     parser.add_argument("--no-gguf", action="store_true", help="the HF checkpoints only")

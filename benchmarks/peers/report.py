@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from benchmarks.peers.compute import compute_lines
 from benchmarks.peers.workloads import WORKLOADS
 
 MIB = 2**20
@@ -33,7 +34,7 @@ def check_text(c: dict[str, Any]) -> str:
             f"| {'yes' if c['met'] else '**no**'} |")
 
 
-def model_markdown(r: dict[str, Any]) -> list[str]:
+def model_markdown(r: dict[str, Any], peak: dict[str, Any] | None) -> list[str]:
     """One shape: its figures, then its targets."""
     lines = [f"#### {r['name']}", "", r["description"] + ".", "",
              "| workload | engine | weights | figure | peak PSS (MiB) | KV budget (MiB) |", "|---|---|---|---|---|---|"]
@@ -49,6 +50,9 @@ def model_markdown(r: dict[str, Any]) -> list[str]:
         share = f", {b['share_of_read_bw']:.0%} of the read bandwidth" if "share_of_read_bw" in b else ""
         lines.append(f"W2 decode, dabba {variant}: {b['bytes_per_token'] / MIB:.0f} MiB of weights per token x "
                      f"{b['decode_tok_s']:.1f} tok/s = {b['decode_gb_s']:.1f} GB/s{share}.  ")
+    ceilings = compute_lines(r["name"], r.get("compute", {}), peak)
+    if ceilings:
+        lines += [""] + [f"{line}.  " for line in ceilings]
     if r["checks"]:
         lines += ["", "| target | dabba | against | ratio | target | met |", "|---|---|---|---|---|---|"]
         lines += [check_text(c) for c in r["checks"]]
@@ -70,7 +74,7 @@ def to_markdown(result: dict[str, Any]) -> str:
                     "its figures are lower bounds.")
     lines = [" ".join(head), ""]
     for r in result["models"]:
-        lines += model_markdown(r)
+        lines += model_markdown(r, result.get("compute_peak"))
     return "\n".join(lines)
 
 
@@ -85,6 +89,8 @@ def summary_of(result: dict[str, Any]) -> dict[str, Any]:
 
 def print_checks(result: dict[str, Any]) -> None:
     for r in result["models"]:
+        for line in compute_lines(r["name"], r.get("compute", {}), result.get("compute_peak")):
+            print(line, file=sys.stderr)
         for c in r["checks"]:
             print(f"{r['name']} {c['workload']}: {c['ours']} / {c['theirs']} {c['metric']}: {c['ratio']:.2f} "
                   f"(target {c['op']} {c['target']}: {'met' if c['met'] else 'NOT met'})", file=sys.stderr)

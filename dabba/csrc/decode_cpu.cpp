@@ -7,16 +7,20 @@
 // Python path's (tested), which stays the reference. It serves decode steps and steps with
 // prompt chunks alike: only the attention kernel differs.
 //
-// Per layer: [fused add +] RMSNorm, qkv projection, [q/k RMSNorms (Qwen3 per head, OLMoE over
-// all heads),] rotary in place (each head's first rotary_dim dims), KV write, paged attention,
-// o projection, fused add + RMSNorm, then the MLP: gate_up projection with SiLU-and-mul and down
-// projection, or a mixture of experts (moe_cpu.cpp); then the final fused add + RMSNorm. Built once per model
-// (dabba/models/native_layer_loop.py); the model runner chooses between it and the Python layers
-// (dabba/worker/model_runner.py).
+// Per layer: [fused add +] RMSNorm, qkv projection, [q/k RMSNorms (Qwen3 and Gemma 3 per head,
+// OLMoE over all heads),] rotary in place (each head's first rotary_dim dims, from the layer's
+// RoPE table), KV write, paged attention (with the layer's window and the model's soft cap),
+// o projection, fused add + RMSNorm, then the MLP: gate_up projection with SiLU- or GELU-and-mul
+// and down projection, or a mixture of experts (moe_cpu.cpp); then the final fused add + RMSNorm.
+// Gemma's layers norm the attention's and the MLP's outputs before each residual add (four norms a
+// layer: the attention output's norm stands alone, the pre-feed-forward one takes the fused add)
+// and scale by (1 + w) (the gemma_* norms). Built once per model (dabba/models/native_layer_loop.py);
+// the model runner chooses between it and the Python layers (dabba/worker/model_runner.py).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <string>
 #include <vector>
 
 #include "native_layers.h"
@@ -25,44 +29,69 @@ namespace dabba {
 
 struct NativeLayer {
   at::Tensor input_norm, post_norm;
+  at::Tensor pre_ffw_norm, post_ffw_norm;  // Gemma's norms around the MLP; undefined: Llama's layout
   at::Tensor q_norm, k_norm;  // RMSNorm weights for q and k before RoPE; undefined: none
   bool qk_norm_whole;  // q_norm/k_norm span all heads at once (OLMoE), else each head (Qwen3)
   NativeLinear qkv, o, gate_up, down;  // gate_up/down: a dense MLP's, unused where moe is set
   c10::optional<NativeMoE> moe;
   int64_t sliding_window;  // the layer's attention window in keys; 0: none
+  int64_t rope_table;  // which of forward's cos/sin tables the layer rotates by
+};
+
+// An RMSNorm's two kernels, by the name of the plain one (RMSNorm.native_norm in Python).
+struct NormKernels {
+  void (*norm)(at::Tensor, const at::Tensor&, const at::Tensor&, double);
+  void (*fused_add)(at::Tensor, at::Tensor, const at::Tensor&, double);
+
+  static NormKernels named(const std::string& name) {
+    if (name == "rms_norm") return {rms_norm, fused_add_rms_norm};
+    TORCH_CHECK(name == "gemma_rms_norm", "unknown RMSNorm kernel '", name, "'");
+    return {gemma_rms_norm, gemma_fused_add_rms_norm};
+  }
 };
 
 class NativeDecoder : public torch::CustomClassHolder {
  public:
-  // kv_q_max: KVQuant.q_max for an 8-bit KV cache, 0 for a full-precision one.
+  // kv_q_max: KVQuant.q_max for an 8-bit KV cache, 0 for a full-precision one. norm: the norms'
+  // kernel ("rms_norm" or "gemma_rms_norm", as RMSNorm.native_norm names it); activation: the gated
+  // MLPs' ("silu" or "gelu_tanh"); softcap: the attention scores' soft cap (0: none).
   NativeDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                at::Tensor final_norm, double kv_q_max)
+                at::Tensor final_norm, double kv_q_max, const std::string& norm, const std::string& activation,
+                double softcap)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        kv_q_max_(kv_q_max), final_norm_(std::move(final_norm)) {}
+        kv_q_max_(kv_q_max), softcap_(softcap), final_norm_(std::move(final_norm)), norm_(NormKernels::named(norm)),
+        activation_(activation_named(activation)) {
+    TORCH_CHECK(softcap >= 0.0, "NativeDecoder: softcap must be >= 0 (0: none)");
+  }
 
-  // One decoder layer: its norms (q_norm/k_norm empty: none; whole: over all heads at once), its
-  // linears as LinearKind values, weights, scales (empty where unused), group sizes and biases
-  // (empty where none): four (qkv, o, gate_up, down), or two (qkv, o) for a layer whose MLP
-  // add_moe gives next; its attention's sliding window (0: none; per layer, as models interleave
-  // sliding and global layers).
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor q_norm, at::Tensor k_norm,
-                 bool qk_norm_whole, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
-                 std::vector<at::Tensor> scales, std::vector<int64_t> group_sizes, std::vector<at::Tensor> biases,
-                 int64_t sliding_window) {
+  // One decoder layer: its norms (q_norm/k_norm empty: none; whole: over all heads at once;
+  // pre_ffw_norm/post_ffw_norm: Gemma's, empty for Llama's layout, where post_norm is the MLP's
+  // input norm), its linears as LinearKind values, weights, scales (empty where unused), group
+  // sizes and biases (empty where none): four (qkv, o, gate_up, down), or two (qkv, o) for a layer
+  // whose MLP add_moe gives next; its attention's sliding window (0: none; per layer, as models
+  // interleave sliding and global layers) and the index of its RoPE table in forward's cos/sin.
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor pre_ffw_norm, at::Tensor post_ffw_norm,
+                 at::Tensor q_norm, at::Tensor k_norm, bool qk_norm_whole, std::vector<int64_t> kinds,
+                 std::vector<at::Tensor> weights, std::vector<at::Tensor> scales, std::vector<int64_t> group_sizes,
+                 std::vector<at::Tensor> biases, int64_t sliding_window, int64_t rope_table) {
     TORCH_CHECK(sliding_window >= 0, "add_layer: sliding_window must be >= 0 (0: none)");
+    TORCH_CHECK(rope_table >= 0, "add_layer: rope_table must be >= 0");
     const size_t count = kinds.size();
     TORCH_CHECK((count == 4 || count == 2) && weights.size() == count && scales.size() == count &&
                     group_sizes.size() == count && biases.size() == count,
                 "add_layer: four linears (qkv, o, gate_up, down), or two (qkv, o) before add_moe");
     TORCH_CHECK(q_norm.numel() == 0 && k_norm.numel() == 0 || q_norm.numel() > 0 && k_norm.numel() > 0,
                 "add_layer: q and k norms come together");
+    TORCH_CHECK((pre_ffw_norm.numel() > 0) == (post_ffw_norm.numel() > 0),
+                "add_layer: the norms before and after the MLP come together");
     std::vector<NativeLinear> linears(4);
     for (size_t i = 0; i < count; ++i)
       linears[i] = NativeLinear::make(kinds[i], weights[i], scales[i], group_sizes[i], biases[i]);
-    layers_.push_back(NativeLayer{std::move(input_norm), std::move(post_norm),
-                                  q_norm.numel() ? q_norm : at::Tensor(), k_norm.numel() ? k_norm : at::Tensor(),
-                                  qk_norm_whole, linears[0], linears[1], linears[2], linears[3], c10::nullopt,
-                                  sliding_window});
+    const auto defined = [](const at::Tensor& t) { return t.numel() ? t : at::Tensor(); };
+    layers_.push_back(NativeLayer{std::move(input_norm), std::move(post_norm), defined(pre_ffw_norm),
+                                  defined(post_ffw_norm), defined(q_norm), defined(k_norm), qk_norm_whole,
+                                  linears[0], linears[1], linears[2], linears[3], c10::nullopt, sliding_window,
+                                  rope_table});
     mlp_pending_ = count == 2;
   }
 
@@ -84,7 +113,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     const at::Tensor no_bias;  // undefined: numel() 0, so none
     NativeMoE moe{NativeLinear::make(static_cast<int64_t>(LinearKind::kDense), std::move(router_weight),
                                      at::Tensor(), 0, no_bias),
-                  {}, {}, top_k, renormalize, weights_in_model_dtype};
+                  {}, {}, top_k, renormalize, weights_in_model_dtype, activation_};
     for (size_t i = 0; i < count; i += 2) {
       moe.gate_up.push_back(NativeLinear::make(kinds[i], weights[i], scales[i], group_sizes[i], no_bias));
       moe.down.push_back(NativeLinear::make(kinds[i + 1], weights[i + 1], scales[i + 1], group_sizes[i + 1], no_bias));
@@ -93,7 +122,9 @@ class NativeDecoder : public torch::CustomClassHolder {
     mlp_pending_ = false;
   }
 
-  // x: the step's embedded tokens [num_tokens, hidden]; cos/sin [num_tokens, rotary_dim]; per layer
+  // x: the step's embedded tokens [num_tokens, hidden]; cos/sin: RoPE tables [num_tokens,
+  // rotary_dim], one per kind a layer's rope_table names (Gemma 3's sliding layers have their own
+  // base); per layer
   // the CPU backend's cache [2, kv_heads, blocks, block_size, head_dim] (keys stored transposed
   // per block): values, or 8-bit codes (int8 or float8_e4m3fn) whose scales [2, kv_heads, blocks,
   // block_size] are kv_scales' (empty for a full-precision cache). Per KV-cache group
@@ -101,7 +132,8 @@ class NativeDecoder : public torch::CustomClassHolder {
   // group (empty: one group). query_start_loc: each request's tokens, as the CPU backend's
   // paged_attention takes them; none when every request decodes one token. Returns the final
   // norm's output.
-  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> kv_caches,
+  at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+                     std::vector<at::Tensor> kv_caches,
                      std::vector<at::Tensor> kv_scales, std::vector<at::Tensor> block_tables,
                      std::vector<at::Tensor> slot_mappings, std::vector<int64_t> layer_groups, const at::Tensor& seq_lens,
                      const c10::optional<at::Tensor>& query_start_loc) const {
@@ -112,6 +144,9 @@ class NativeDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(block_tables.size() == slot_mappings.size() && !block_tables.empty(),
                 "one block table and slot mapping per KV-cache group");
     TORCH_CHECK(layer_groups.empty() || layer_groups.size() == layers_.size(), "one group per layer");
+    TORCH_CHECK(cos.size() == sin.size(), "as many cos tables as sin tables");
+    for (const NativeLayer& layer : layers_)
+      TORCH_CHECK(layer.rope_table < static_cast<int64_t>(cos.size()), "no RoPE table ", layer.rope_table);
     for (const int64_t g : layer_groups)
       TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(block_tables.size()), "layer group ", g, " out of range");
     const int64_t n = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -121,9 +156,9 @@ class NativeDecoder : public torch::CustomClassHolder {
       if (i == 0) {
         residual = x;
         x = at::empty_like(residual);
-        rms_norm(x, residual, layer.input_norm, eps_);
+        norm_.norm(x, residual, layer.input_norm, eps_);
       } else {
-        fused_add_rms_norm(x, residual, layer.input_norm, eps_);
+        norm_.fused_add(x, residual, layer.input_norm, eps_);
       }
       const at::Tensor qkv = layer.qkv(x);
       at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
@@ -133,8 +168,10 @@ class NativeDecoder : public torch::CustomClassHolder {
         k = norm_rows(k, layer.k_norm, layer.qk_norm_whole ? kv_size : head_dim_);
       }
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
-      // the first cos.size(1) dims of each head (all of it, or a partial rotary_dim), as apply_rotary
-      rotary_embedding(q.narrow(2, 0, cos.size(1)), k.narrow(2, 0, cos.size(1)), cos, sin);
+      // the first rotary_dim dims of each head (all of it, or a partial rotary_dim), as apply_rotary
+      const at::Tensor& layer_cos = cos[layer.rope_table];
+      const int64_t rotary_dim = layer_cos.size(1);
+      rotary_embedding(q.narrow(2, 0, rotary_dim), k.narrow(2, 0, rotary_dim), layer_cos, sin[layer.rope_table]);
       const size_t group = layer_groups.empty() ? 0 : static_cast<size_t>(layer_groups[i]);
       const at::Tensor& block_table = block_tables[group];
       const at::Tensor& cache = kv_caches[i];
@@ -150,31 +187,44 @@ class NativeDecoder : public torch::CustomClassHolder {
       const at::Tensor attn = at::empty({n, num_heads_, head_dim_}, x.options());
       if (query_start_loc.has_value())
         paged_attention(attn, q.contiguous(), key_cache, value_cache, block_table, *query_start_loc, seq_lens, scale_,
-                        layer.sliding_window, /*softcap=*/0.0, key_scales, value_scales);
+                        layer.sliding_window, softcap_, key_scales, value_scales);
       else
         paged_decode_attention(attn, q.contiguous(), key_cache, value_cache, block_table, seq_lens, scale_,
-                               layer.sliding_window, /*softcap=*/0.0, key_scales, value_scales);
+                               layer.sliding_window, softcap_, key_scales, value_scales);
       x = layer.o(attn.view({n, q_size}));
-      fused_add_rms_norm(x, residual, layer.post_norm, eps_);
-      x = layer.moe.has_value() ? (*layer.moe)(x) : layer.down(layer.gate_up.silu_and_mul(x));
+      if (layer.pre_ffw_norm.defined()) {  // Gemma: norm(attention) + residual -> norm -> MLP -> norm
+        x = norm_rows(x, layer.post_norm, x.size(1));
+        norm_.fused_add(x, residual, layer.pre_ffw_norm, eps_);
+        x = norm_rows(mlp(layer, x), layer.post_ffw_norm, x.size(1));
+      } else {
+        norm_.fused_add(x, residual, layer.post_norm, eps_);
+        x = mlp(layer, x);
+      }
     }
-    fused_add_rms_norm(x, residual, final_norm_, eps_);
+    norm_.fused_add(x, residual, final_norm_, eps_);
     return x;
   }
 
  private:
-  // RMSNorm over rows of ``width`` values of t (a head each, or all of a token's heads), into a new
-  // tensor of t's shape: what RMSNorm.forward does with a q or k view of the qkv projection.
+  // RMSNorm over rows of ``width`` values of t (a head each, all of a token's heads, or a hidden
+  // state), into a new tensor of t's shape: what RMSNorm.forward does without a residual (with a
+  // q or k view of the qkv projection, or Gemma's attention and MLP outputs).
   at::Tensor norm_rows(const at::Tensor& t, const at::Tensor& weight, int64_t width) const {
     const at::Tensor rows = t.reshape({-1, width}).contiguous();
     at::Tensor out = at::empty_like(rows);
-    rms_norm(out, rows, weight, eps_);
+    norm_.norm(out, rows, weight, eps_);
     return out.view(t.sizes());
   }
 
+  at::Tensor mlp(const NativeLayer& layer, const at::Tensor& x) const {
+    return layer.moe.has_value() ? (*layer.moe)(x) : layer.down(layer.gate_up.act_and_mul(x, activation_));
+  }
+
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  double eps_, scale_, kv_q_max_;
+  double eps_, scale_, kv_q_max_, softcap_;
   at::Tensor final_norm_;
+  NormKernels norm_;
+  Activation activation_;
   std::vector<NativeLayer> layers_;
   bool mlp_pending_ = false;  // the last layer awaits add_moe
 };
@@ -183,7 +233,8 @@ class NativeDecoder : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.class_<dabba::NativeDecoder>("NativeDecoder")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, double, std::string, std::string,
+                       double>())
       .def("add_layer", &dabba::NativeDecoder::add_layer)
       .def("add_moe", &dabba::NativeDecoder::add_moe)
       .def("forward", &dabba::NativeDecoder::forward);

@@ -107,7 +107,7 @@ at::Tensor NativeMoE::operator()(const at::Tensor& x) const {
     const int64_t count = static_cast<int64_t>(g.tokens.size());
     // Python's x[tokens]: the same values, so every token's row, in order, is x itself
     const at::Tensor rows = count == n ? x : x.index_select(0, at::from_blob(g.tokens.data(), {count}, at::kLong));
-    y[a] = down[g.expert](gate_up[g.expert].silu_and_mul(rows));
+    y[a] = down[g.expert](gate_up[g.expert].act_and_mul(rows, activation));
   };
   int64_t max_rows = 0;
   for (const ExpertRows& g : groups) max_rows = std::max(max_rows, static_cast<int64_t>(g.tokens.size()));

@@ -6,11 +6,21 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <vector>
 
 #include "cpu_ops.h"
 
 namespace dabba {
+
+// A gated MLP's activation, by the name dabba.layers.activation.ACTIVATIONS gives it.
+enum class Activation { kSilu, kGeluTanh };
+
+inline Activation activation_named(const std::string& name) {
+  if (name == "silu") return Activation::kSilu;
+  TORCH_CHECK(name == "gelu_tanh", "unknown MLP activation '", name, "'");
+  return Activation::kGeluTanh;
+}
 
 // How one linear layer computes x W^T + b, as its Python LinearMethod does on the CPU.
 struct NativeLinear {
@@ -29,13 +39,18 @@ struct NativeLinear {
                         bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt};
   }
 
-  // SwiGLU of a merged gate_up projection's output: fused into the GEMM where dense, as
-  // LinearMethod.apply_act_and_mul(..., "silu") does.
-  at::Tensor silu_and_mul(const at::Tensor& x) const {
-    if (kind == LinearKind::kDense) return dense_linear_silu_and_mul(x, weight, bias);
+  // act(gate) * up of a merged gate_up projection's output (SwiGLU or GeGLU): fused into the GEMM
+  // where dense, as LinearMethod.apply_act_and_mul(..., activation) does.
+  at::Tensor act_and_mul(const at::Tensor& x, Activation activation) const {
+    const bool silu = activation == Activation::kSilu;
+    if (kind == LinearKind::kDense)
+      return silu ? dense_linear_silu_and_mul(x, weight, bias) : dense_linear_gelu_tanh_and_mul(x, weight, bias);
     const at::Tensor gate_up = (*this)(x);
     at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-    dabba::silu_and_mul(act, gate_up);
+    if (silu)
+      dabba::silu_and_mul(act, gate_up);
+    else
+      dabba::gelu_tanh_and_mul(act, gate_up);
     return act;
   }
 
@@ -48,7 +63,7 @@ struct NativeLinear {
 
 // A mixture-of-experts MLP as dabba.layers.moe.FusedMoE computes it: the router's logits, softmax
 // in float32, top-k (torch.topk's ties), renormalised and rounded as the family does; then each
-// chosen expert's SwiGLU MLP over the tokens that chose it, scaled by their routing weights and
+// chosen expert's gated MLP over the tokens that chose it, scaled by their routing weights and
 // added into their rows in ascending expert order. Experts no token chose are never touched.
 struct NativeMoE {
   NativeLinear router;  // [num_experts, hidden], unquantized
@@ -56,6 +71,7 @@ struct NativeMoE {
   int64_t top_k = 0;
   bool renormalize = false;
   bool weights_in_model_dtype = false;
+  Activation activation = Activation::kSilu;  // the model's, as each Expert's act_and_mul
 
   at::Tensor operator()(const at::Tensor& x) const;  // moe_cpu.cpp
 };

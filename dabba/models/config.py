@@ -123,18 +123,6 @@ class ArchConfig:
             return None
         return self.sliding_window
 
-    @property
-    def missing_native_form(self) -> str | None:
-        """Why this family's layers have no form in the native layer loop (csrc/decode_cpu.cpp runs
-        the Llama block: RMSNorm, SwiGLU, RoPE on each head's first rotary_dim dims with the cos/sin
-        tables Python computes (so partial rotary and longrope), optional q/k/v and o biases, q/k
-        RMSNorms per head or over all heads, mixture-of-experts MLPs); None where they have one. A
-        family adding a feature the loop lacks says so here."""
-        if self.architecture in GEMMA_ARCHITECTURES:
-            return (f"{self.architecture}'s (1 + w) RMSNorms, post-attention/feed-forward norms, GeGLU, embedding "
-                    "scale and soft caps are not in the native loop")
-        return None
-
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> "ArchConfig":
         path = Path(model_dir) / "config.json"

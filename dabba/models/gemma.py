@@ -14,8 +14,9 @@ weight loading, with Gemma's differences, read from ArchConfig:
 
 Gemma 2 and Gemma 3 differ only in those config fields, so one class serves both. The layers keep
 LlamaDecoderLayer's contract, (x, residual) -> (x, residual) with the residual add fused into the
-next norm, so calibration (dabba quantize) drives them the same way; they have no form in the
-native layer loop (ArchConfig.missing_native_form says why).
+next norm, so calibration (dabba quantize) drives them the same way. The native layer loop
+(csrc/decode_cpu.cpp) runs them too: the gemma_* norm kernels, the norms around the MLP, GeGLU,
+the soft cap and a RoPE table per attention kind.
 """
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ class ModelRunner:
         if not isinstance(self.backend, CpuBackend):
             why = f"the {type(self.backend).__name__} attention backend (the loop reads the CPU backend's cache)"
         else:
-            why = missing_native_form(self.model, self.arch)
+            why = missing_native_form(self.model)
         if why is None:
             loop = NativeLayerLoop(self.model, self.kv_quant)  # the loop writes and reads 8-bit caches too
             return loop, f"native_layer_loop={setting!r}, and every layer has a native form"
