@@ -77,7 +77,7 @@ def run(shape: KVShape, context: int, chunk: int, block_size: int) -> dict[str, 
         if held > peak_blocks:
             peak_blocks, peak_at = held, request.num_computed_tokens
         done = request.num_computed_tokens + out.num_scheduled_tokens["seq"] == request.num_tokens
-        scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"seq": 7} if done else {}))
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"seq": [7]} if done else {}))
         kv.check_integrity()
     grouped = peak_blocks * block_bytes
     keep_all = context * len(shape.layer_windows) * shape.bytes_per_token_per_layer

@@ -6,6 +6,7 @@ Values derived at run time (the number of KV blocks) live in ``CacheLayout``, ne
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -100,16 +101,75 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
 
 
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding as vLLM spells it: each step a request may carry up to
+    ``num_speculative_tokens`` proposed tokens, verified in the same forward as its next token.
+    "ngram": the proposal is what followed the most recent earlier occurrence of the request's
+    last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its prompt and output."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: unknown method {self.method!r}; supported: {SPEC_METHODS}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"speculative_config: prompt_lookup_max ({self.prompt_lookup_max}) must be >= "
+                             f"prompt_lookup_min ({self.prompt_lookup_min})")
+
+    @classmethod
+    def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From a dict (``LLM(speculative_config={...})``) or its JSON text (``--speculative-config``)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = dict(value)
+        if "model" in value:  # vLLM's draft-model form
+            raise ValueError("speculative_config: draft models ('model') are not supported yet; "
+                             'use {"method": "ngram", ...}')
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+def speculative_config_json(text: str) -> dict[str, Any]:
+    """--speculative-config's JSON, checked now and kept as a plain dict (benchmarks print their options)."""
+    return dataclasses.asdict(SpeculativeConfig.parse(text))
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = _help("Most requests running in one step.", 256)
     max_num_batched_tokens: int = _help("Token budget of one step (prefill chunks + decodes).", 4096)
+    speculative_config: SpeculativeConfig | None = _help(
+        'Speculative decoding, as JSON (vLLM\'s form): {"method": "ngram", "num_speculative_tokens": k, '
+        '"prompt_lookup_min": a, "prompt_lookup_max": b}. Lossless: outputs are what the model alone gives.',
+        None, parse=speculative_config_json)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,18 @@ def bench_throughput(model: str, w: OfflineWorkload, **engine_kwargs: Any) -> di
     return {"benchmark": "throughput", "model": model, "workload": asdict(w), "engine": engine_kwargs,
             "elapsed_s": elapsed, "requests_per_s": len(prompts) / elapsed,
             "total_tokens_per_s": (in_tokens + out_tokens) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
-            "num_output_tokens": out_tokens}
+            "num_output_tokens": out_tokens, **spec_decode_stats(llm)}
+
+
+def spec_decode_stats(llm: Any) -> dict[str, Any]:
+    """Speculative decoding's acceptance over the engine's life (warm-up included), where it is on."""
+    if llm.llm_engine.config.scheduler_config.speculative_config is None:
+        return {}
+    stats = llm.get_stats()
+    return {"spec_decode": {"num_drafts": stats.spec_num_drafts, "num_draft_tokens": stats.spec_num_draft_tokens,
+                            "num_accepted_tokens": stats.spec_num_accepted_tokens,
+                            "acceptance_rate": stats.spec_acceptance_rate,
+                            "mean_accepted_length": stats.spec_mean_accepted_length}}
 
 
 def bench_latency(model: str, w: OfflineWorkload, batch_size: int = 1, num_iters_warmup: int = 2,
@@ -107,7 +118,7 @@ def bench_latency(model: str, w: OfflineWorkload, batch_size: int = 1, num_iters
     return {"benchmark": "latency", "model": model, "workload": {**asdict(w), "batch_size": batch_size},
             "engine": engine_kwargs, "latency_s": _percentiles(latencies), "ttft_s": _percentiles(ttfts),
             "decode_tokens_per_s": batch_size * (w.output_len - 1) / decode_s if decode_s > 0 else None,
-            "prefix_cache_hit_tokens": llm.get_stats().prefix_cache_hit_tokens}
+            "prefix_cache_hit_tokens": llm.get_stats().prefix_cache_hit_tokens, **spec_decode_stats(llm)}
 
 
 def add_workload_args(parser: argparse.ArgumentParser, num_prompts: bool = True) -> None:

@@ -41,6 +41,9 @@ class SchedulerOutput:
     # of the tokens their grammars allow ([rows, ceil(vocab / 32)] int32, a numpy array).
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # Speculative decoding: the draft tokens a request's scheduled tokens end with (its last known
+    # token comes first, then these); the step verifies them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -59,12 +62,15 @@ class TokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled token per request that reached the end of its known tokens this step."""
+    """The tokens of each request that reached the end of its known tokens this step: one, or
+    with draft tokens the accepted ones and the token after them; logprobs one per token."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # request -> (position of the first prompt token covered, one entry per covered prompt token)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Speculative decoding: draft tokens proposed for each request's next step
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -72,6 +72,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | None = None  # the stop token id that ended it (stop strings are the engine's)
     block_hashes: list[BlockHash] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens for its next step (never in all_token_ids)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

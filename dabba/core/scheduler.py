@@ -6,6 +6,11 @@ running requests are served first (in priority order), then waiting ones are adm
 prefill+decode steps and resumed requests need no special case. When blocks run out, the
 lowest-priority (newest) running request is preempted by recompute.
 
+Speculative decoding: a decoding request's draft tokens (Request.spec_token_ids, proposed by the
+worker last step) are scheduled after its next token and verified in the same forward; what the
+sampler rejects is rolled back by not counting it computed (its KV slots are overwritten next
+step; only known tokens are ever hashed into the prefix cache).
+
 Requests under structured_outputs wait (WAITING_FOR_GRAMMAR) until their grammar is compiled,
 letting the requests behind them pass; each step they get a row of the grammar bitmask, and
 their matchers advance on every token they sample (the StructuredOutputs collaborator below).
@@ -54,6 +59,19 @@ class SchedulerStats:
     kv_tokens_stored: int = 0  # of those, slots holding a computed token (shared blocks once)
     prefix_cache_hit_tokens: int = 0
     prefix_cache_queried_tokens: int = 0
+    spec_num_drafts: int = 0  # speculative steps: a request's drafts verified once
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed ones."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a speculative step gives a request on average: its accepted drafts and the one after."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def kv_slot_utilization(self) -> float:
@@ -74,6 +92,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # to tell the worker next step
         self.num_preemptions = 0
         self._failed: list[EngineCoreOutput] = []  # requests ended outside a step's outputs
+        self.spec_counts = [0, 0, 0]  # speculative steps, draft tokens, accepted tokens
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -129,6 +148,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, num_new, budget)
+            num_new += len(drafts)
             new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running[-1]
@@ -144,6 +165,8 @@ class Scheduler:
                 request.request_id, tuple([b.block_id for b in blocks] for blocks in new_blocks),
                 request.num_computed_tokens))
             out.num_scheduled_tokens[request.request_id] = num_new
+            if drafts:
+                out.scheduled_spec_decode_tokens[request.request_id] = drafts
             budget -= num_new
             i += 1
 
@@ -187,6 +210,15 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
 
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The draft tokens to verify with a decoding request's next token: as many as the budget,
+        max_tokens and max_model_len leave room to accept (admission reserved KV for those)."""
+        if not request.spec_token_ids or num_new != request.num_tokens - request.num_computed_tokens or num_new != 1:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return request.spec_token_ids[:max(room, 0)]
+
     def _grammar_ready(self, request: Request) -> bool | None:
         """Whether its grammar is compiled (it is WAITING then); None if compiling failed, which
         ends the request (its output says "abort", the log says why)."""
@@ -217,6 +249,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=Request.sort_key)
@@ -230,31 +263,49 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += num_tokens
             prompt_logprobs = runner_out.prompt_logprobs.get(request_id)
-            token_id = runner_out.sampled_token_ids.get(request_id)
-            if token_id is None:  # a prefill chunk that has not reached the end of the prompt
+            token_ids = runner_out.sampled_token_ids.get(request_id)
+            drafts = sched_out.scheduled_spec_decode_tokens.get(request_id, ())
+            # Drafts after the first one the sampler disagreed with are not computed: their KV
+            # slots are written over next step.
+            num_rejected = len(drafts) - (len(token_ids) - 1) if drafts and token_ids else 0
+            request.num_computed_tokens += num_tokens - num_rejected
+            if drafts:
+                self._count_drafts(len(drafts), len(drafts) - num_rejected)
+            if token_ids is None:  # a prefill chunk that has not reached the end of the prompt
                 if prompt_logprobs is not None:
                     outputs.outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=prompt_logprobs,
                                                             num_cached_tokens=request.num_cached_tokens))
                 continue
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
-            if request.use_structured_output:
-                status = self._advance_grammar(request, token_id, status)
+            new_token_ids, status = [], None
+            for token_id in token_ids:  # a stop inside an accepted run cuts it where a plain run stops
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if request.use_structured_output:
+                    status = self._advance_grammar(request, token_id, status)
+                if status is not None:
+                    break
             if status is not None:
                 self._finish(request, status)
+            else:
+                request.spec_token_ids = runner_out.spec_token_ids.get(request_id, [])
             logprobs = runner_out.logprobs.get(request_id)
             outputs.outputs.append(EngineCoreOutput(
                 request_id=request_id,
-                new_token_ids=[token_id],
+                new_token_ids=new_token_ids,
                 finish_reason=request.status.finish_reason,
                 stop_reason=request.stop_reason,
-                new_logprobs=[logprobs] if logprobs is not None else None,
+                new_logprobs=logprobs[:len(new_token_ids)] if logprobs is not None else None,
                 new_prompt_logprobs=prompt_logprobs,
                 num_cached_tokens=request.num_cached_tokens,
             ))
         return outputs
+
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_counts[0] += 1
+        self.spec_counts[1] += num_drafts
+        self.spec_counts[2] += num_accepted
 
     def _advance_grammar(self, request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:
         """The grammar's end stops the request (whatever min_tokens or ignore_eos say: nothing
@@ -314,4 +365,7 @@ class Scheduler:
             kv_tokens_stored=kv.filled_slots({r.request_id: r.num_computed_tokens for r in self.running}),
             prefix_cache_hit_tokens=kv.prefix_stats.num_hit_tokens,
             prefix_cache_queried_tokens=kv.prefix_stats.num_queried_tokens,
+            spec_num_drafts=self.spec_counts[0],
+            spec_num_draft_tokens=self.spec_counts[1],
+            spec_num_accepted_tokens=self.spec_counts[2],
         )

@@ -86,6 +86,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(
             str(model_dir), self.arch, resolve_dtype(mc.dtype, self.arch.torch_dtype), resolve_device(mc.device),
             self.max_model_len, mc.seed, mc.attention_backend, quant_config, cc.kv_cache_dtype, mc.native_layer_loop,
+            config.scheduler_config.speculative_config,
         )
         sc = config.scheduler_config
         self.cache_layout = self.model_runner.initialize_kv_cache(cc, sc.max_num_seqs, sc.max_num_batched_tokens)

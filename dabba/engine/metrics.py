@@ -1,5 +1,5 @@
 """Prometheus metrics of one engine: queue sizes, KV-cache use, prefix-cache hits, preemptions,
-token counters and latency histograms (time to first token, per output token, end to end)."""
+speculative decoding's drafts and acceptance, token counters and latency histograms (time to first token, per output token, end to end)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -37,7 +37,14 @@ class EngineMetrics:
         self.time_to_first_token = histogram("dabba:time_to_first_token_seconds", "Arrival to first output token")
         self.time_per_output_token = histogram("dabba:time_per_output_token_seconds", "Mean gap between output tokens of a request")
         self.e2e_request_latency = histogram("dabba:e2e_request_latency_seconds", "Arrival to finish")
+        self.spec_num_drafts = counter("dabba:spec_decode_num_drafts", "Speculative steps (a request's drafts verified)")
+        self.spec_num_draft_tokens = counter("dabba:spec_decode_num_draft_tokens", "Draft tokens proposed and verified")
+        self.spec_num_accepted_tokens = counter("dabba:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_acceptance_rate = gauge("dabba:spec_decode_acceptance_rate", "Accepted draft tokens / proposed ones")
+        self.spec_mean_accepted_length = gauge("dabba:spec_decode_mean_accepted_length",
+                                               "Tokens a speculative step gives a request: accepted drafts + 1")
         self._preemptions_seen = 0
+        self._spec_seen = (0, 0, 0)
 
     def observe_scheduler(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
@@ -48,3 +55,10 @@ class EngineMetrics:
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
         self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.num_preemptions
+        spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+        for counter, now, seen in zip((self.spec_num_drafts, self.spec_num_draft_tokens, self.spec_num_accepted_tokens),
+                                      spec, self._spec_seen):
+            counter.inc(now - seen)
+        self._spec_seen = spec
+        self.spec_acceptance_rate.set(stats.spec_acceptance_rate)
+        self.spec_mean_accepted_length.set(stats.spec_mean_accepted_length)

@@ -153,13 +153,17 @@ class OutputProcessor:
 
     def _update_sample(self, sample: SampleState, out: EngineCoreOutput, min_tokens: int) -> str | None:
         """Take a sample's new tokens; returns a stop string if its text now ends one."""
-        sample.token_ids += out.new_token_ids
-        if sample.logprobs is not None and out.new_logprobs is not None:
-            for entry in out.new_logprobs:
+        stop = None
+        for i, token_id in enumerate(out.new_token_ids):  # several with speculative decoding: a stop string cuts them
+            sample.token_ids.append(token_id)
+            if sample.logprobs is not None and out.new_logprobs is not None:
+                entry = out.new_logprobs[i]
                 sample.logprobs.append(self._position(entry))
                 sample.cumulative_logprob += entry.logprobs[0]
-        # Like stop tokens, stop strings do not count before min_tokens.
-        stop = sample.detokenizer.update(out.new_token_ids, check_stop=len(sample.token_ids) > min_tokens)
+            # Like stop tokens, stop strings do not count before min_tokens.
+            stop = sample.detokenizer.update([token_id], check_stop=len(sample.token_ids) > min_tokens)
+            if stop is not None:
+                break
         if stop is not None:  # it wins even when the same token also ended the request in the core
             sample.finish_reason, sample.stop_reason = "stop", stop
         else:

@@ -33,7 +33,19 @@ def add_config_args(parser: argparse.ArgumentParser, parts: dict[str, type]) -> 
                                    help=f"{help_text} (default: {f.default})")
             else:
                 parse = f.metadata.get("parse") or _SCALARS[type_name]
-                group.add_argument(flag, dest=f.name, type=parse, default=None, help=f"{help_text} (default: {f.default})")
+                group.add_argument(flag, dest=f.name, type=_argument_type(parse), default=None,
+                                   help=f"{help_text} (default: {f.default})")
+
+
+def _argument_type(parse: Any) -> Any:
+    """``parse`` with its ValueError's message shown by argparse (else it says only "invalid value")."""
+    def checked(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    checked.__name__ = getattr(parse, "__name__", "value")
+    return checked
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """The worker's view of each request, and the flat input tensors built from it every step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -10,6 +10,11 @@ from dabba.attention.backend import CommonAttentionMetadata
 from dabba.worker.block_table import BlockTables
 from dabba.core.outputs import SchedulerOutput
 from dabba.sampling_params import SamplingParams
+from dabba.spec_decode.ngram import PackedTokens
+
+
+SPEC_MISSES_BEFORE_PAUSE = 3
+SPEC_MAX_PAUSE = 64
 
 
 @dataclass
@@ -20,10 +25,21 @@ class CachedRequestState:
     num_computed_tokens: int
     num_prompt_tokens: int  # where the outputs start (also for resumed requests)
     eos_token_ids: frozenset[int] = frozenset()
+    packed: PackedTokens = field(default_factory=PackedTokens)  # token_ids as the n-gram proposer searches them
+    spec_misses: int = 0  # drafts in a row of which none was accepted
+    spec_pause: int = 0  # steps left without proposals (text with nothing to look up costs no drafts)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def record_drafts(self, num_accepted: int) -> None:
+        """After SPEC_MISSES_BEFORE_PAUSE drafts in a row with none accepted, proposals pause for
+        2, 4, 8 ... (at most SPEC_MAX_PAUSE) steps, so text with nothing to look up costs
+        about what plain decoding does; one accepted token ends the pause for good."""
+        self.spec_misses = 0 if num_accepted else self.spec_misses + 1
+        if self.spec_misses >= SPEC_MISSES_BEFORE_PAUSE:
+            self.spec_pause = min(2 ** (self.spec_misses - SPEC_MISSES_BEFORE_PAUSE + 1), SPEC_MAX_PAUSE)
 
 
 @dataclass
@@ -31,8 +47,10 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     attn: list[CommonAttentionMetadata]  # one per KV-cache group: the same requests, that group's tables
-    logits_indices: torch.Tensor  # [num_sampling_reqs]: last scheduled token of each request that samples
+    logits_indices: torch.Tensor  # [rows]: the last scheduled token of each request that samples,
+    # preceded by its last known token and all but the last of its drafts where it has drafts
     sampling_req_ids: list[str]  # requests that sample this step, in logits_indices order
+    num_rows: list[int]  # logits rows of each of them: 1, or 1 + its drafts
 
 
 class RequestStates:
@@ -65,6 +83,9 @@ class RequestStates:
 
             request i contributes token_ids[num_computed : num_computed + num_scheduled]
             at positions num_computed .. num_computed + num_scheduled - 1
+
+        where a request with draft tokens (speculative decoding) has its last known token then
+        its drafts; each of those positions gives a logits row, to verify the draft after it.
         """
         req_ids = list(sched.num_scheduled_tokens)
         num_sched = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
@@ -78,9 +99,11 @@ class RequestStates:
         req_of_token = np.repeat(np.arange(len(req_ids)), num_sched)
         positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req_of_token] + num_computed[req_of_token]
 
+        drafts = [sched.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
         input_ids = np.empty(len(positions), dtype=np.int64)
         for i, s in enumerate(states):
-            input_ids[query_start_loc[i]:query_start_loc[i + 1]] = s.token_ids[num_computed[i]:seq_lens[i]]
+            known = s.token_ids[num_computed[i]:seq_lens[i]]
+            input_ids[query_start_loc[i]:query_start_loc[i + 1]] = known + drafts[i] if drafts[i] else known
         attn = []
         for g in range(len(self.block_tables.tables)):
             block_table = self.block_tables.gather(req_ids, g)
@@ -94,17 +117,21 @@ class RequestStates:
                 device=device,
             ))
 
-        # A request samples when this step reaches the end of its known tokens.
-        samples = np.array([seq_lens[i] == len(s.token_ids) for i, s in enumerate(states)], dtype=bool)
-        logits_indices = query_start_loc[1:][samples] - 1
+        # A request samples when this step reaches the end of its known tokens (and drafts).
+        samples = [seq_lens[i] == len(s.token_ids) + len(drafts[i]) for i, s in enumerate(states)]
+        num_rows = [1 + len(drafts[i]) for i in range(len(req_ids)) if samples[i]]
+        ends = query_start_loc[1:][np.array(samples, dtype=bool)]
+        logits_indices = np.concatenate([np.arange(end - rows, end) for end, rows in zip(ends, num_rows)]
+                                        ) if num_rows else np.zeros(0, dtype=np.int64)
         return ModelInputs(
             input_ids=torch.from_numpy(input_ids).to(device),
             positions=torch.from_numpy(positions).to(device),
             attn=attn,
             logits_indices=torch.from_numpy(logits_indices).to(device),
             sampling_req_ids=[r for r, s in zip(req_ids, samples) if s],
+            num_rows=num_rows,
         )
 
-    def append_sampled(self, sampled: dict[str, int]) -> None:
-        for request_id, token_id in sampled.items():
-            self.states[request_id].token_ids.append(token_id)
+    def append_sampled(self, sampled: dict[str, list[int]]) -> None:
+        for request_id, token_ids in sampled.items():
+            self.states[request_id].token_ids.extend(token_ids)

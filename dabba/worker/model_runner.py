@@ -1,12 +1,22 @@
 """Runs one step: all scheduled tokens of all requests as one flat batch, one forward pass.
 
-prepare inputs -> forward (under forward_context) -> logits of sampling rows -> sample.
+prepare inputs -> forward (under forward_context) -> logits of sampling rows -> sample -> verify
+drafts -> propose the next drafts.
+
+Speculative decoding (n-gram proposals, spec_decode/ngram.py): a request's drafts run in the same
+forward as its next token, each position giving a logits row. Row j is sampled as a plain run
+would sample the request's next token had the drafts before it been its output (penalties,
+min_tokens and a seeded request's noise all see them), so accepting drafts while each equals the
+token sampled before it, and then taking the sampled token after the last one accepted, gives
+exactly what decoding one token a step gives: for one-hot proposals this is rejection sampling
+(draft d accepted with probability p(d), else a token drawn from p without d).
 
 The forward runs the model's Python layers (the reference) or the native layer loop, the same
 layers in C++ (models/native_layer_loop.py); ``_select_layer_loop`` makes that choice once, here.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,7 +28,7 @@ from dabba.attention.backend import forward_context
 from dabba.attention.cpu import CpuBackend
 from dabba.attention.kv_quant import SCALE_DTYPE, kv_bytes_per_token, make_kv_quant
 from dabba.attention.selector import get_attention_backend
-from dabba.config import CacheConfig
+from dabba.config import CacheConfig, SpeculativeConfig
 from dabba.core.kv_cache_groups import KVCacheGroup, group_layers, group_size, layer_slots
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from dabba.models.config import ArchConfig
@@ -26,7 +36,8 @@ from dabba.models.loader import load_model
 from dabba.models.native_layer_loop import NativeLayerLoop, missing_native_form
 from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QuantConfig
-from dabba.worker.input_batch import ModelInputs, RequestStates
+from dabba.spec_decode.ngram import NgramProposer
+from dabba.worker.input_batch import CachedRequestState, ModelInputs, RequestStates
 from dabba.worker.memory import allocate_kv_cache, check_fits, default_kv_cache_memory, keep_freed_host_memory
 from dabba.worker.sampler import Sampler, apply_grammar_bitmask
 from dabba.worker.sampling_metadata import build_sampling_metadata
@@ -51,7 +62,7 @@ class ModelRunner:
     def __init__(self, model_dir: str, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
                  max_model_len: int, seed: int, attention_backend: str = "auto",
                  quant_config: QuantConfig | None = None, kv_cache_dtype: str = "auto",
-                 native_layer_loop: str = "auto") -> None:
+                 native_layer_loop: str = "auto", speculative_config: SpeculativeConfig | None = None) -> None:
         self.arch = arch
         self.dtype = dtype
         self.device = device
@@ -79,6 +90,9 @@ class ModelRunner:
         logger.info("Layers run %s: %s", "in the native loop (csrc/decode_cpu.cpp)" if self.native_loop
                     else "in Python", self.layer_loop_reason)
         self.sampler = Sampler(device, seed)
+        self.proposer = None if speculative_config is None else NgramProposer(
+            speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
+            speculative_config.prompt_lookup_max)
         self.requests = RequestStates()
         self.kv_caches: list = []  # per layer: a tensor, or (codes, scales) for an 8-bit cache
         self.layer_groups: list[int] | None = None  # per layer: its KV-cache group; None: one group
@@ -159,23 +173,59 @@ class ModelRunner:
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden))
         if not inputs.sampling_req_ids:
             return output
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
-        if sched.grammar_bitmask is not None:  # structured outputs: before every sampler feature
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
+        first_rows = [sum(inputs.num_rows[:i]) for i in range(len(inputs.num_rows))]
+        if sched.grammar_bitmask is not None:  # structured outputs (one row each): before every sampler feature
             logits = logits.float()
-            row_of = {request_id: row for row, request_id in enumerate(inputs.sampling_req_ids)}
+            row_of = dict(zip(inputs.sampling_req_ids, first_rows))
             apply_grammar_bitmask(logits, sched.grammar_bitmask, [row_of[r] for r in sched.structured_output_request_ids])
-        states = [self.requests.states[r] for r in inputs.sampling_req_ids]
-        sampler_out = self.sampler(logits, build_sampling_metadata(states, self.arch.vocab_size, self.device))
-        output.sampled_token_ids = dict(zip(inputs.sampling_req_ids, sampler_out.sampled.tolist()))
+        drafts = [sched.scheduled_spec_decode_tokens.get(r, []) for r in inputs.sampling_req_ids]
+        rows = self._row_states(inputs.sampling_req_ids, drafts)
+        sampler_out = self.sampler(logits, build_sampling_metadata(rows, self.arch.vocab_size, self.device))
+        sampled = sampler_out.sampled.tolist()
         if sampler_out.logprobs is not None:
             ids, lps, ranks = (sampler_out.logprob_token_ids.tolist(), sampler_out.logprobs.tolist(),
                                sampler_out.sampled_ranks.tolist())
-            for i, state in enumerate(states):
-                n = state.sampling_params.logprobs
-                if n is not None:
-                    output.logprobs[state.request_id] = TokenLogprobs(ids[i][: n + 1], lps[i][: n + 1], ranks[i])
+        for request_id, first, draft in zip(inputs.sampling_req_ids, first_rows, drafts):
+            tokens = accepted_tokens(sampled[first:first + 1 + len(draft)], draft)
+            output.sampled_token_ids[request_id] = tokens
+            if draft:
+                self.requests.states[request_id].record_drafts(len(tokens) - 1)
+            n = self.requests.states[request_id].sampling_params.logprobs
+            if n is not None:
+                output.logprobs[request_id] = [TokenLogprobs(ids[r][: n + 1], lps[r][: n + 1], ranks[r])
+                                               for r in range(first, first + len(tokens))]
         self.requests.append_sampled(output.sampled_token_ids)
+        if self.proposer is not None:
+            output.spec_token_ids = self._propose(inputs.sampling_req_ids)
         return output
+
+    def _row_states(self, request_ids: list[str], drafts: list[list[int]]) -> list[CachedRequestState]:
+        """A state per logits row: a request's own, then for the row after each of its drafts the
+        request as if its output already ended with the drafts up to there."""
+        rows = []
+        for request_id, draft in zip(request_ids, drafts):
+            state = self.requests.states[request_id]
+            rows.append(state)
+            rows += [dataclasses.replace(state, token_ids=state.token_ids + draft[:j]) for j in range(1, len(draft) + 1)]
+        return rows
+
+    def _propose(self, request_ids: list[str]) -> dict[str, list[int]]:
+        """Drafts for the next step of each request that sampled (none under structured outputs,
+        whose grammar would have to walk them)."""
+        proposals = {}
+        for request_id in request_ids:
+            state = self.requests.states[request_id]
+            if state.sampling_params.structured_outputs is not None:
+                continue
+            if state.spec_pause > 0:
+                state.spec_pause -= 1
+                continue
+            state.packed.sync(state.token_ids)
+            draft = self.proposer.propose(state.packed, self.proposer.num_tokens)
+            if draft:
+                proposals[request_id] = draft
+        return proposals
 
     def _prompt_logprobs(self, sched: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor) -> dict:
         """For requests asking prompt_logprobs, the logprob of each prompt token this step's chunk
@@ -202,3 +252,14 @@ class ModelRunner:
                 entries += [TokenLogprobs(a, b, r) for a, b, r in zip(ids, lps, ranks)]
             result[request_id] = (start + 1, entries)
         return result
+
+
+def accepted_tokens(sampled: list[int], draft: list[int]) -> list[int]:
+    """What a step gives a request: the sampled tokens while each equals the draft it verifies,
+    then the first that differs (or the one after the last draft)."""
+    tokens = []
+    for j, token in enumerate(sampled):
+        tokens.append(token)
+        if j == len(draft) or token != draft[j]:
+            break
+    return tokens

@@ -102,7 +102,7 @@ class FakeWorker:
             if num_computed == len(tokens):
                 token_id = self.sample(request_id, len(tokens) - self.num_prompt_tokens[request_id])
                 tokens.append(token_id)
-                sampled[request_id] = token_id
+                sampled[request_id] = [token_id]
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
@@ -122,7 +122,7 @@ def run_step(scheduler: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutput,
     core_outputs = scheduler.update_from_output(out, runner_out)
     # The engine hears of each sampled token once, in batch order (the FakeWorker sends no logprobs).
     assert [(o.request_id, o.new_token_ids) for o in core_outputs.outputs] == [
-        (rid, [runner_out.sampled_token_ids[rid]]) for rid in scheduled if rid in runner_out.sampled_token_ids]
+        (rid, runner_out.sampled_token_ids[rid]) for rid in scheduled if rid in runner_out.sampled_token_ids]
 
     kv = scheduler.kv_cache_manager
     kv.check_integrity()
@@ -612,7 +612,7 @@ def step_with_logprobs(scheduler: Scheduler, worker: FakeWorker) -> EngineCoreOu
     computed_before = {**{c.request_id: c.num_computed_tokens for c in out.scheduled_cached_reqs},
                        **{n.request_id: n.num_computed_tokens for n in out.scheduled_new_reqs}}
     runner_out = worker.execute(out)
-    runner_out.logprobs = {rid: logprobs_of(t) for rid, t in runner_out.sampled_token_ids.items()}
+    runner_out.logprobs = {rid: [logprobs_of(t) for t in ts] for rid, ts in runner_out.sampled_token_ids.items()}
     for rid, num_tokens in out.num_scheduled_tokens.items():
         start = computed_before[rid]
         covered = worker.token_ids[rid][start:min(start + num_tokens, worker.num_prompt_tokens[rid])]

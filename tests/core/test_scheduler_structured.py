@@ -56,7 +56,7 @@ def request(request_id: str, prompt_len: int, constrained: bool, max_tokens: int
 
 def step(scheduler: Scheduler, token: int = 7):
     out = scheduler.schedule()
-    sampled = {r: token for r, n in out.num_scheduled_tokens.items()
+    sampled = {r: [token] for r, n in out.num_scheduled_tokens.items()
                if scheduler.requests[r].num_computed_tokens + n >= scheduler.requests[r].num_tokens}
     return out, scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
 

@@ -1,0 +1,58 @@
+"""Prompt lookup (n-gram) proposals: a request's next tokens guessed from its own text.
+
+Text that copies or edits its prompt (code edits, summaries quoting a source, extraction) repeats
+spans of it. If the last n tokens occurred earlier, what followed them then is a good guess for
+what follows now. No model runs: the proposal is a search over the request's tokens.
+
+The search is bytes.rfind over the token ids packed 4 bytes each, in C: the most recent earlier
+occurrence of the longest n-gram (n from max_n down to min_n) whose match starts on a token
+boundary. A request's packed ids grow by its new tokens each step; they are not repacked.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PackedTokens:
+    """A request's token ids packed as int32 bytes, appended to as it grows."""
+
+    ids: array = field(default_factory=lambda: array("i"))
+    packed: bytearray = field(default_factory=bytearray)
+
+    def sync(self, token_ids: list[int]) -> None:
+        """Append what ``token_ids`` has beyond what is packed (token lists only ever grow)."""
+        if len(token_ids) < len(self.ids):  # a request resent whole (resumed): start again
+            self.ids, self.packed = array("i"), bytearray()
+        new = array("i", token_ids[len(self.ids):])
+        self.ids.extend(new)
+        self.packed += new.tobytes()
+
+
+@dataclass
+class NgramProposer:
+    num_tokens: int  # k: the most tokens proposed
+    min_n: int
+    max_n: int
+
+    def propose(self, tokens: PackedTokens, limit: int) -> list[int]:
+        """Up to min(k, limit) tokens that followed the latest earlier occurrence of the longest
+        suffix n-gram of ``tokens``; none if no n-gram of min_n or more tokens recurs."""
+        count = min(self.num_tokens, limit)
+        length = len(tokens.ids)
+        if count < 1:
+            return []
+        data = tokens.packed
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            pattern = bytes(data[(length - n) * 4:])
+            end = (length - 1) * 4  # a match must end before the last token: not the suffix itself
+            while True:
+                at = data.rfind(pattern, 0, end)
+                if at < 0:
+                    break
+                if at % 4 == 0:  # on a token boundary
+                    start = at // 4 + n
+                    return tokens.ids[start:start + count].tolist()
+                end = at + len(pattern) - 1  # a misaligned hit: look before it
+        return []

@@ -1,0 +1,181 @@
+"""Speculative decoding with n-gram proposals: the proposer's search, the configuration and its
+refusals, and losslessness end to end. Greedy requests, and seeded sampled ones (whose noise
+depends only on (seed, output index)), must give exactly the tokens a plain engine gives: under
+chunked prefill, prefix caching, preemption and mixed batches, with penalties, min_tokens, stop
+tokens, stop strings and max_tokens landing inside an accepted run. run_checked checks the KV
+cache after every step; the engine's counters prove drafts were proposed and accepted."""
+from __future__ import annotations
+
+import pytest
+
+from dabba import LLM, SamplingParams
+from dabba.config import SpeculativeConfig
+from dabba.spec_decode.ngram import NgramProposer, PackedTokens
+from dabba.worker.model_runner import accepted_tokens
+from tests.conftest import run_checked, token_prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def packed(ids: list[int]) -> PackedTokens:
+    tokens = PackedTokens()
+    tokens.sync(ids)
+    return tokens
+
+
+def test_the_proposal_follows_the_latest_longest_match() -> None:
+    proposer = NgramProposer(3, 1, 3)
+    assert proposer.propose(packed([1, 2, 3, 4, 5, 9, 1, 2, 3]), 10) == [4, 5, 9]
+    # the most recent earlier occurrence wins: "2 3" was followed by 7 last time
+    assert proposer.propose(packed([2, 3, 4, 2, 3, 7, 8, 2, 3]), 10) == [7, 8, 2]
+    assert proposer.propose(packed([1, 2, 3, 4, 5, 9, 1, 2, 3]), 2) == [4, 5]  # the limit caps it
+    assert proposer.propose(packed([5, 6, 7, 8]), 10) == []  # nothing recurs
+    assert NgramProposer(3, 2, 3).propose(packed([7, 1, 7]), 10) == []  # a 1-gram is below min_n
+    # token 256 packs as bytes 00 01 00 00: a byte-level hit across two tokens is no match
+    assert proposer.propose(packed([0, 1, 0, 0, 9, 256]), 10) == []
+    tokens = packed([1, 2, 1])
+    tokens.sync([1, 2, 1, 2])  # grows with the request
+    assert proposer.propose(tokens, 10) == [1, 2]
+    tokens.sync([4, 4])  # a request resent whole starts again
+    assert list(tokens.ids) == [4, 4] and proposer.propose(tokens, 10) == [4]
+
+
+def test_accepted_tokens_stop_at_the_first_disagreement() -> None:
+    assert accepted_tokens([5], []) == [5]
+    assert accepted_tokens([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all accepted, and the one after
+    assert accepted_tokens([5, 9, 7, 8], [5, 6, 7]) == [5, 9]
+    assert accepted_tokens([4, 6, 7, 8], [5, 6, 7]) == [4]
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "eagle"}, "unknown method 'eagle'"),
+    ({"model": "/tmp/draft", "num_speculative_tokens": 3}, r"draft models \('model'\) are not supported yet"),
+    ({"num_speculative_token": 3}, r"unknown field\(s\) \['num_speculative_token'\]"),
+    ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_max .2. must be >= prompt_lookup_min .4."),
+    ("{not json", "speculative_config is not valid JSON"),
+    ("[3]", "speculative_config must be a JSON object"),
+])
+def test_bad_configs_are_refused(checkpoints, value, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(checkpoints["llama"].path), kv_cache_memory=2**22, speculative_config=value)
+
+
+def repetitive_prompts(ckpt, count: int) -> list[list[int]]:
+    """Prompts that repeat a span of themselves, as edits and quotations do: lookups find them."""
+    prompts = []
+    for i in range(count):
+        base = ckpt.prompts[i % len(ckpt.prompts)]
+        span = base[: 6 + i % 9]
+        prompts.append((base[: 10 + 3 * i] + span * (2 + i % 3))[:120])
+    return prompts
+
+
+def generate_both(path, prompts, params, **options) -> tuple[list, list, object]:
+    plain = LLM(str(path), dtype="float32", kv_cache_memory=2**22, **options)
+    spec = LLM(str(path), dtype="float32", kv_cache_memory=2**22, speculative_config=NGRAM, **options)
+    outs = [run_checked(llm, token_prompts(prompts), params) for llm in (plain, spec)]
+    return outs[0], outs[1], spec.get_stats()
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"max_num_batched_tokens": 24},  # chunked prefill: drafts share steps with prompt chunks
+    {"enable_prefix_caching": False},
+    {"native_layer_loop": "off"},
+])
+def test_greedy_tokens_and_logprobs_match_plain_decoding(checkpoints, options) -> None:
+    ckpt = checkpoints["llama"]
+    prompts = repetitive_prompts(ckpt, 12)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    plain, spec, stats = generate_both(ckpt.path, prompts, params, **options)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    for a, b in zip(plain, spec):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert list(x) == list(y)  # the same top tokens, their logprobs within float32 noise
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+    assert 1 < stats.spec_mean_accepted_length <= 1 + NGRAM["num_speculative_tokens"]
+    assert 0 < stats.spec_acceptance_rate <= 1
+
+
+def test_preemption_and_prefix_sharing_keep_outputs(checkpoints) -> None:
+    """A KV cache too small for the batch: requests are preempted (their drafts dropped) and
+    resumed; the shared prompt prefix is cached once."""
+    ckpt = checkpoints["llama"]
+    shared = ckpt.prompts[8][:48]
+    prompts = [shared + p[:20] for p in repetitive_prompts(ckpt, 8)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    options = {"max_num_seqs": 8, "block_size": 16}
+    plain = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22, **options)
+    bytes_per_block = plain.llm_engine.cache_layout.bytes_per_block
+    small = 3 * 10 * bytes_per_block  # about three requests' worth of blocks, for eight
+    plain = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=small, **options)
+    spec = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=small, speculative_config=NGRAM, **options)
+    outs = [run_checked(llm, token_prompts(prompts), params) for llm in (plain, spec)]
+    assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]
+    stats = spec.get_stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0
+
+
+def test_seeded_sampling_with_every_feature_matches_plain_decoding(checkpoints) -> None:
+    """Row j of a speculative step is sampled as the plain run samples output j: the same
+    penalties, min_tokens ban and (seed, index) noise, so a seeded request's text is the same."""
+    ckpt = checkpoints["llama"]
+    prompts = repetitive_prompts(ckpt, 10)
+    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=i, max_tokens=32, ignore_eos=True,
+                             repetition_penalty=1.1 if i % 2 else 1.0, presence_penalty=0.3 if i % 3 == 0 else 0.0,
+                             min_tokens=5 if i % 4 == 0 else 0, logprobs=1)
+              for i in range(len(prompts))]
+    plain, spec, stats = generate_both(ckpt.path, prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert stats.spec_num_draft_tokens > 0
+
+
+def test_stops_inside_an_accepted_run_cut_it_where_plain_decoding_stops(checkpoints) -> None:
+    ckpt = checkpoints["llama"]
+    prompts = repetitive_prompts(ckpt, 10)
+    plain_llm = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22)
+    free = run_checked(plain_llm, token_prompts(prompts), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    tokenizer = plain_llm.get_tokenizer()
+    params = []
+    for i, out in enumerate(free):  # stop at a token, or at text, that the free run reaches mid-way
+        ids = out.outputs[0].token_ids
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[ids[17]]))
+        elif i % 3 == 1:
+            text = tokenizer.decode(ids[:20])
+            params.append(SamplingParams(temperature=0, max_tokens=40, stop=[text[-3:]] if text.strip() else None))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=7 + i, min_tokens=5, ignore_eos=True))
+    plain, spec, stats = generate_both(ckpt.path, prompts, params)
+    for a, b in zip(plain, spec):
+        assert (b.outputs[0].token_ids, b.outputs[0].text, b.outputs[0].finish_reason, b.outputs[0].stop_reason) == (
+            a.outputs[0].token_ids, a.outputs[0].text, a.outputs[0].finish_reason, a.outputs[0].stop_reason)
+    assert stats.spec_num_accepted_tokens > 0
+
+
+def test_structured_outputs_requests_do_not_speculate(checkpoints) -> None:
+    ckpt = checkpoints["llama"]
+    llm = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22, speculative_config=NGRAM)
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs={"regex": "(ab){5}"})
+    out = llm.generate(["abababab"], params, use_tqdm=False)[0]
+    assert out.outputs[0].text == "ababababab"
+    assert llm.get_stats().spec_num_draft_tokens == 0
+
+
+def test_proposals_pause_after_drafts_keep_failing() -> None:
+    from dabba.worker.input_batch import SPEC_MAX_PAUSE, CachedRequestState
+
+    state = CachedRequestState("r", [1, 2], SamplingParams(), 0, 2)
+    pauses = []
+    for accepted in (0, 0, 0, 0, 0, 1, 0):
+        state.record_drafts(accepted)
+        pauses.append(state.spec_pause)
+        state.spec_pause = 0  # as if the pause ran out
+    assert pauses == [0, 0, 2, 4, 8, 0, 0]  # an accepted token starts the count again
+    for _ in range(20):
+        state.record_drafts(0)
+    assert state.spec_pause == SPEC_MAX_PAUSE
