@@ -35,9 +35,10 @@ def test_the_proposal_follows_the_latest_longest_match() -> None:
     assert proposer.propose(packed([0, 1, 0, 0, 9, 256]), 10) == []
     tokens = packed([1, 2, 1])
     tokens.sync([1, 2, 1, 2])  # grows with the request
-    assert proposer.propose(tokens, 10) == [1, 2]
+    assert proposer.propose(tokens, 10) == [1, 2, 1]  # "1 2" recurs with period 2: the proposal repeats it
     tokens.sync([4, 4])  # a request resent whole starts again
-    assert list(tokens.ids) == [4, 4] and proposer.propose(tokens, 10) == [4]
+    assert list(tokens.ids) == [4, 4] and proposer.propose(tokens, 10) == [4, 4, 4]
+    assert proposer.propose(packed([9, 5, 6, 7, 5, 6]), 10) == [7, 5, 6]  # period 3, from its start
 
 
 def test_accepted_tokens_stop_at_the_first_disagreement() -> None:
@@ -179,3 +180,14 @@ def test_proposals_pause_after_drafts_keep_failing() -> None:
     for _ in range(20):
         state.record_drafts(0)
     assert state.spec_pause == SPEC_MAX_PAUSE
+
+
+def test_the_benchmark_runs_both_engines_side_by_side(checkpoints) -> None:
+    from benchmarks.spec_decode import run, workload_prompts
+
+    prompts = workload_prompts("grounded", 2, 20, 500)
+    assert all(len(p) == 30 and p[20:] == p[:10] for p in prompts)
+    result = run(str(checkpoints["llama"].path), "grounded", batch_size=2, input_len=20, output_len=12,
+                 num_speculative_tokens=3, rounds=1)
+    assert result["same_tokens"] is True and min(result["tok_s"]["spec"] + result["tok_s"]["plain"]) > 0
+    assert result["spec_decode"]["num_draft_tokens"] > 0

@@ -7,6 +7,10 @@ what follows now. No model runs: the proposal is a search over the request's tok
 The search is bytes.rfind over the token ids packed 4 bytes each, in C: the most recent earlier
 occurrence of the longest n-gram (n from max_n down to min_n) whose match starts on a token
 boundary. A request's packed ids grow by its new tokens each step; they are not repacked.
+
+A match close to the end runs into the present: the text then repeats with the period between
+the match and now, and the proposal goes on repeating it (a loop of one token proposes k of it),
+as the tokens it proposes would themselves be looked up.
 """
 from __future__ import annotations
 
@@ -52,7 +56,14 @@ class NgramProposer:
                 if at < 0:
                     break
                 if at % 4 == 0:  # on a token boundary
-                    start = at // 4 + n
-                    return tokens.ids[start:start + count].tolist()
+                    return _continuation(tokens.ids, at // 4 + n, count)
                 end = at + len(pattern) - 1  # a misaligned hit: look before it
         return []
+
+
+def _continuation(ids: array, start: int, count: int) -> list[int]:
+    """``count`` tokens from ``start`` on, past the end taken from the proposal itself."""
+    out: list[int] = ids[start:start + count].tolist()
+    while len(out) < count:
+        out.append(out[start + len(out) - len(ids)])
+    return out

@@ -207,7 +207,11 @@ class ModelRunner:
         for request_id, draft in zip(request_ids, drafts):
             state = self.requests.states[request_id]
             rows.append(state)
-            rows += [dataclasses.replace(state, token_ids=state.token_ids + draft[:j]) for j in range(1, len(draft) + 1)]
+            p = state.sampling_params
+            if p.uses_penalties or p.min_tokens > state.num_output_tokens or (p.seed is not None and not p.greedy):
+                rows += [dataclasses.replace(state, token_ids=state.token_ids + draft[:j]) for j in range(1, len(draft) + 1)]
+            else:  # nothing of its sampling depends on the position: the state itself serves every row
+                rows += [state] * len(draft)
         return rows
 
     def _propose(self, request_ids: list[str]) -> dict[str, list[int]]:

@@ -1,0 +1,72 @@
+"""Speculative decoding (n-gram proposals) against plain decoding: decode tokens/s of each, in one
+process, alternating, greedy, with whether both gave the same tokens. Prints JSON.
+
+    python -m benchmarks.spec_decode --model DIR [--workload grounded|random] [--batch-size 1]
+        [--input-len 128] [--output-len 64] [--num-speculative-tokens 4] [--rounds 3]
+
+Workloads: "random" prompts are random token ids; "grounded" prompts are a random passage followed
+by its first half again, so a model that continues the copy repeats spans of its prompt (as edits
+and quotations do). Both engines load the same checkpoint in one process and take turns, so that
+a process's draw of memory bandwidth on these VMs (benchmarks/layer_loop.py) falls on both alike.
+A round's rate is the batch's generated tokens over the generate's time (prefill included: it is
+the same for both). The speculative engine's acceptance over all its rounds is reported too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+from dabba import LLM, SamplingParams
+from dabba.benchmark.offline import OfflineWorkload, make_prompts, spec_decode_stats
+
+
+def workload_prompts(kind: str, batch_size: int, input_len: int, vocab_size: int) -> list[list[int]]:
+    prompts = make_prompts(OfflineWorkload(batch_size, input_len, 1), vocab_size)
+    if kind == "grounded":
+        return [p + p[: len(p) // 2] for p in prompts]
+    return prompts
+
+
+def run(model: str, workload: str, batch_size: int, input_len: int, output_len: int, num_speculative_tokens: int,
+        rounds: int) -> dict[str, Any]:
+    config = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens, "prompt_lookup_min": 2,
+              "prompt_lookup_max": 4}
+    options = dict(enable_prefix_caching=False, max_num_seqs=max(batch_size, 1))
+    llms = {"spec": LLM(model, speculative_config=config, **options), "plain": LLM(model, **options)}
+    vocab = llms["plain"].llm_engine.arch.vocab_size
+    prompts = [{"prompt_token_ids": p} for p in workload_prompts(workload, batch_size, input_len, vocab)]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    rates: dict[str, list[float]] = {k: [] for k in llms}
+    tokens: dict[str, list[list[int]]] = {}
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            rates[name].append(batch_size * output_len / (time.perf_counter() - start))
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+    medians = {k: statistics.median(v) for k, v in rates.items()}
+    return {"model": model, "workload": workload, "batch_size": batch_size, "input_len": len(prompts[0]["prompt_token_ids"]),
+            "output_len": output_len, "speculative_config": config, "tok_s": rates,
+            "median_spec_over_plain": medians["spec"] / medians["plain"], "same_tokens": tokens["spec"] == tokens["plain"],
+            **spec_decode_stats(llms["spec"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--workload", choices=["grounded", "random"], default="grounded")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    print(json.dumps(run(args.model, args.workload, args.batch_size, args.input_len, args.output_len,
+                         args.num_speculative_tokens, args.rounds), indent=1))
+
+
+if __name__ == "__main__":
+    main()
