@@ -2,8 +2,9 @@
 refusals, and losslessness end to end. Greedy requests, and seeded sampled ones (whose noise
 depends only on (seed, output index)), must give exactly the tokens a plain engine gives: under
 chunked prefill, prefix caching, preemption and mixed batches, with penalties, min_tokens, stop
-tokens, stop strings and max_tokens landing inside an accepted run. run_checked checks the KV
-cache after every step; the engine's counters prove drafts were proposed and accepted."""
+tokens, stop strings and max_tokens landing inside an accepted run; unseeded sampled ones the same
+distribution (a chi-square test on an 8-token model). run_checked checks the KV cache after every
+step; the engine's counters prove drafts were proposed and accepted."""
 from __future__ import annotations
 
 import pytest
@@ -191,3 +192,56 @@ def test_the_benchmark_runs_both_engines_side_by_side(checkpoints) -> None:
                  num_speculative_tokens=3, rounds=1)
     assert result["same_tokens"] is True and min(result["tok_s"]["spec"] + result["tok_s"]["plain"]) > 0
     assert result["spec_decode"]["num_draft_tokens"] > 0
+
+
+def chi_square_p(a: "Counter", b: "Counter") -> float:
+    """Two-sample chi-square test of homogeneity over the categories either sample has: the
+    p-value of the hypothesis that both come from one distribution."""
+    import torch
+
+    cats = sorted(set(a) | set(b))
+    na, nb = sum(a.values()), sum(b.values())
+    stat = 0.0
+    for c in cats:
+        total = a[c] + b[c]
+        for count, n in ((a[c], na), (b[c], nb)):
+            expected = total * n / (na + nb)
+            stat += (count - expected) ** 2 / expected
+    df = len(cats) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_unseeded_sampling_keeps_the_models_distribution(tmp_path) -> None:
+    """A model of 8 tokens, sampled at temperature 1 without seeds (the shared generator, whose
+    draws speculation consumes differently): 1536 samples of 4 tokens with and without n-gram
+    drafts. Each position's tokens, and the pairs of the first two, pass a chi-square test of
+    one distribution; the same test tells temperature 1 from 0.7 (it has the power to fail)."""
+    from collections import Counter
+
+    from tools.tiny_checkpoint import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "tiny-vocab", vocab_size=8, hidden_size=32, intermediate_size=64,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4, 6, 7][: 6 + i % 5] for i in range(12)]
+
+    def samples(temperature: float, speculate: bool, seed: int) -> list[tuple[int, ...]]:
+        # each engine its own seed: samples drawn with the same noise would not be independent
+        llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22, seed=seed,
+                  speculative_config={**NGRAM, "prompt_lookup_min": 1} if speculate else None)
+        params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True, n=128)
+        outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+        if speculate:
+            stats = llm.get_stats()
+            assert stats.spec_num_draft_tokens > 1000 and 0.1 < stats.spec_acceptance_rate < 0.9
+        return [(i, *c.token_ids) for i, o in enumerate(outs) for c in o.outputs]
+
+    def p_values(a: list, b: list) -> list[float]:
+        per_position = [chi_square_p(Counter((s[0], s[j]) for s in a), Counter((s[0], s[j]) for s in b))
+                        for j in range(1, 5)]
+        pairs = chi_square_p(Counter(s[:3] for s in a), Counter(s[:3] for s in b))
+        return per_position + [pairs]
+
+    plain, spec = samples(1.0, False, seed=1), samples(1.0, True, seed=2)
+    assert min(p_values(plain, spec)) > 1e-3
+    assert min(p_values(plain, samples(0.7, False, seed=3))) < 1e-3
