@@ -3,6 +3,7 @@ process, alternating, greedy, with whether both gave the same tokens. Prints JSO
 
     python -m benchmarks.spec_decode --model DIR [--workload grounded|random] [--batch-size 1]
         [--input-len 128] [--output-len 64] [--num-speculative-tokens 4] [--rounds 3]
+        [--gguf DIR/gguf/model-bf16.gguf --llamacpp-python /tmp/peers/llamacpp/bin/python]
 
 Workloads: "random" prompts are random token ids; "grounded" prompts are a random passage followed
 by its first half again, so a model that continues the copy repeats spans of its prompt (as edits
@@ -10,13 +11,22 @@ and quotations do). Both engines load the same checkpoint in one process and tak
 a process's draw of memory bandwidth on these VMs (benchmarks/layer_loop.py) falls on both alike.
 A round's rate is the batch's generated tokens over the generate's time (prefill included: it is
 the same for both). The speculative engine's acceptance over all its rounds is reported too.
+
+With --gguf (the same weights converted, benchmarks/peers/make_shapes.py) and --llamacpp-python,
+llama.cpp runs the same prompts with and without its prompt lookup decoding
+(benchmarks/peers/llamacpp_lookup_runner.py, in its own venv and process, one prompt at a time:
+llama-cpp-python speculates for one sequence), and the report adds dabba's speculative rate over
+llama.cpp's, and whether llama.cpp's greedy tokens are dabba's.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from dabba import LLM, SamplingParams
@@ -48,10 +58,22 @@ def run(model: str, workload: str, batch_size: int, input_len: int, output_len: 
             rates[name].append(batch_size * output_len / (time.perf_counter() - start))
             tokens[name] = [o.outputs[0].token_ids for o in outs]
     medians = {k: statistics.median(v) for k, v in rates.items()}
-    return {"model": model, "workload": workload, "batch_size": batch_size, "input_len": len(prompts[0]["prompt_token_ids"]),
+    return {"prompts": [p["prompt_token_ids"] for p in prompts], "dabba_tokens": tokens["plain"], "model": model, "workload": workload, "batch_size": batch_size, "input_len": len(prompts[0]["prompt_token_ids"]),
             "output_len": output_len, "speculative_config": config, "tok_s": rates,
             "median_spec_over_plain": medians["spec"] / medians["plain"], "same_tokens": tokens["spec"] == tokens["plain"],
             **spec_decode_stats(llms["spec"])}
+
+
+def run_llamacpp(python: str, gguf: str, prompts: list[list[int]], output_len: int, num_speculative_tokens: int,
+                 rounds: int, threads: int) -> dict[str, Any]:
+    runner = Path(__file__).resolve().parent / "peers" / "llamacpp_lookup_runner.py"
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump({"prompts": prompts, "output_len": output_len, "num_pred_tokens": num_speculative_tokens,
+                   "max_ngram_size": 4, "rounds": rounds, "threads": threads}, f)
+        f.flush()
+        out = subprocess.run([python, str(runner), "--gguf", gguf, "--spec", f.name], check=True,
+                             stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -63,9 +85,27 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gguf", help="the same weights as GGUF, for llama.cpp's lookup decoding")
+    parser.add_argument("--llamacpp-python", help="the llama.cpp venv's python (scripts/peers-bench.sh)")
     args = parser.parse_args()
-    print(json.dumps(run(args.model, args.workload, args.batch_size, args.input_len, args.output_len,
-                         args.num_speculative_tokens, args.rounds), indent=1))
+    if bool(args.gguf) != bool(args.llamacpp_python):
+        parser.error("--gguf and --llamacpp-python go together")
+    if args.gguf and args.batch_size != 1:
+        parser.error("llama.cpp's lookup decoding runs one sequence: --batch-size 1 with --gguf")
+    result = run(args.model, args.workload, args.batch_size, args.input_len, args.output_len,
+                 args.num_speculative_tokens, args.rounds)
+    prompts, dabba_tokens = result.pop("prompts"), result.pop("dabba_tokens")
+    if args.gguf:
+        import torch
+
+        peer = run_llamacpp(args.llamacpp_python, args.gguf, prompts, args.output_len, args.num_speculative_tokens,
+                            args.rounds, torch.get_num_threads())
+        result["llamacpp"] = {"tok_s": peer["tok_s"], "median_lookup_over_plain": peer["median_lookup_over_plain"],
+                              "same_tokens_as_its_plain": peer["same_tokens"],
+                              "same_tokens_as_dabba": peer["tokens"] == dabba_tokens}
+        result["dabba_spec_over_llamacpp_lookup"] = (statistics.median(result["tok_s"]["spec"])
+                                                     / statistics.median(peer["tok_s"]["lookup"]))
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -190,6 +190,7 @@ def test_the_benchmark_runs_both_engines_side_by_side(checkpoints) -> None:
     assert all(len(p) == 30 and p[20:] == p[:10] for p in prompts)
     result = run(str(checkpoints["llama"].path), "grounded", batch_size=2, input_len=20, output_len=12,
                  num_speculative_tokens=3, rounds=1)
+    assert [len(p) for p in result.pop("prompts")] == [30, 30] and len(result.pop("dabba_tokens")) == 2
     assert result["same_tokens"] is True and min(result["tok_s"]["spec"] + result["tok_s"]["plain"]) > 0
     assert result["spec_decode"]["num_draft_tokens"] > 0
 

@@ -213,7 +213,7 @@ class Scheduler:
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The draft tokens to verify with a decoding request's next token: as many as the budget,
         max_tokens and max_model_len leave room to accept (admission reserved KV for those)."""
-        if not request.spec_token_ids or num_new != request.num_tokens - request.num_computed_tokens or num_new != 1:
+        if not request.spec_token_ids or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
             return []
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)

@@ -17,6 +17,7 @@ layers in C++ (models/native_layer_loop.py); ``_select_layer_loop`` makes that c
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -174,7 +175,7 @@ class ModelRunner:
         if not inputs.sampling_req_ids:
             return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
-        first_rows = [sum(inputs.num_rows[:i]) for i in range(len(inputs.num_rows))]
+        first_rows = list(itertools.accumulate(inputs.num_rows, initial=0))[:-1]  # each request's first row
         if sched.grammar_bitmask is not None:  # structured outputs (one row each): before every sampler feature
             logits = logits.float()
             row_of = dict(zip(inputs.sampling_req_ids, first_rows))
