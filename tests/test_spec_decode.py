@@ -166,6 +166,15 @@ def test_structured_outputs_requests_do_not_speculate(checkpoints) -> None:
     out = llm.generate(["abababab"], params, use_tqdm=False)[0]
     assert out.outputs[0].text == "ababababab"
     assert llm.get_stats().spec_num_draft_tokens == 0
+    # beside requests that do speculate, in the same steps: the grammar's bitmask row is its own
+    prompts = repetitive_prompts(ckpt, 4)
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22).generate(
+        token_prompts(prompts), free, use_tqdm=False)
+    outs = run_checked(llm, ["abababab"] + token_prompts(prompts), [params] + [free] * len(prompts))
+    assert outs[0].outputs[0].text == "ababababab"
+    assert [o.outputs[0].token_ids for o in outs[1:]] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_stats().spec_num_accepted_tokens > 0
 
 
 def test_proposals_pause_after_drafts_keep_failing() -> None:
