@@ -87,6 +87,65 @@ inline void int8_row(const int16_t* __restrict xq, int64_t ldx, const int8_t* __
   for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(total[m]);
 }
 
+// Weight rows n and n + 1 at once, each as int8_row computes it (the same exact int32 sums, so
+// the same results): every 32 x_q values loaded serve both rows. With one row, each 64 codes cost
+// 2 M loads of x_q, which come from L2 once M rows of 2K bytes outgrow L1. int8_rows takes it
+// past kInt8PairXBytes of x_q. 8 layers of Llama-3.2-1B's down projection (K = 8192), 2-core
+// Zen 5, read GB/s at 3-6 rows: 33.9, 20.2, 22.0, 17.3 one row at a time, 34.1, 28.0, 23.9, 20.8
+// in pairs; Qwen2.5-1.5B's (K = 8960): 25.3, 18.5, 14.8, 12.2 against 31.8, 27.1, 24.9, 20.7.
+// Below that pairs lost (gate_up, K = 2048, at 2-4 rows: 48.5, 46.8, 45.3 against 36.4-36.9).
+// Whole layers, `benchmarks.kernels --hidden 2048 --intermediate 8192 --num-heads 32
+// --num-kv-heads 8 --layers 8 --linear-rows 1,2,3,4,5,6`, INT8 ms at 3, 4 and 5 rows, two runs
+// each, alternating with the one-row kernel: 14.7 / 14.6, 15.1 / 23.2, 17.0 / 20.6 before;
+// 13.0 / 12.2, 13.4 / 21.5, 15.4 / 16.6 after.
+constexpr int64_t kInt8PairXBytes = 40 * 1024;
+template <int M>
+inline void int8_row2(const int16_t* __restrict xq, int64_t ldx, const int8_t* __restrict w, int64_t K,
+                      float (&out0)[M], float (&out1)[M]) {
+  const int8_t* __restrict w1 = w + K;
+  __m512 total0[M], total1[M];
+  for (int m = 0; m < M; ++m) total0[m] = total1[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += kExactChunk) {
+    const int64_t k1 = std::min(K, k0 + kExactChunk);
+    __m512i acc0[M], acc1[M];
+    for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm512_setzero_si512();
+    int64_t k = k0;
+    for (; k + 64 <= k1; k += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + kGemvPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + k) + kGemvPrefetchBytes, _MM_HINT_T0);
+      const __m512i a64 = _mm512_loadu_si512(w + k), b64 = _mm512_loadu_si512(w1 + k);
+      const __m512i alo = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(a64));
+      const __m512i ahi = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(a64, 1));
+      const __m512i blo = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b64));
+      const __m512i bhi = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(b64, 1));
+      for (int m = 0; m < M; ++m) {
+        const __m512i xlo = _mm512_loadu_si512(xq + m * ldx + k), xhi = _mm512_loadu_si512(xq + m * ldx + k + 32);
+        acc0[m] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc0[m], alo, xlo), ahi, xhi);
+        acc1[m] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc1[m], blo, xlo), bhi, xhi);
+      }
+    }
+    for (; k < k1; k += 32) {
+      const int64_t left = std::min<int64_t>(32, k1 - k);
+      const __mmask32 mask = static_cast<__mmask32>((1ull << left) - 1);
+      const __m512i av = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w + k));
+      const __m512i bv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w1 + k));
+      for (int m = 0; m < M; ++m) {
+        const __m512i xv = _mm512_loadu_si512(xq + m * ldx + k);
+        acc0[m] = _mm512_dpwssd_epi32(acc0[m], av, xv);
+        acc1[m] = _mm512_dpwssd_epi32(acc1[m], bv, xv);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      total0[m] = _mm512_add_ps(total0[m], _mm512_cvtepi32_ps(acc0[m]));
+      total1[m] = _mm512_add_ps(total1[m], _mm512_cvtepi32_ps(acc1[m]));
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    out0[m] = _mm512_reduce_add_ps(total0[m]);
+    out1[m] = _mm512_reduce_add_ps(total1[m]);
+  }
+}
+
 #else  // AVX2
 
 // pmaddwd + paddd: the exact int32 sums vpdpwssd gives, on 8 lanes, so each lane sums K / 8
@@ -165,15 +224,29 @@ float quantize_row_int16(const T* x, int64_t K, int16_t* q) {
 template <int M, typename T>
 void int8_rows(const int16_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, const T* scales, const T* bias,
                T* y, int64_t ldy, int64_t N, int64_t K) {
+  const auto store = [&](int64_t n, const float (&acc)[M]) {
+    for (int m = 0; m < M; ++m) {
+      const float v = acc[m] * x_scale[m] * to_float(scales[n]);
+      // _weight_int8pack_mm rounds the product to the activations' dtype, then a bias adds to it
+      y[m * ldy + n] = bias ? from_float<T>(to_float(from_float<T>(v)) + to_float(bias[n])) : from_float<T>(v);
+    }
+  };
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
+    int64_t n = begin;
+#ifndef DABBA_INT8_GEMV_AVX2
+    if (M * ldx * static_cast<int64_t>(sizeof(int16_t)) > kInt8PairXBytes) {
+      for (; n + 2 <= end; n += 2) {
+        float acc0[M], acc1[M];
+        int8_row2<M>(xq, ldx, w + n * K, K, acc0, acc1);
+        store(n, acc0);
+        store(n + 1, acc1);
+      }
+    }
+#endif
+    for (; n < end; ++n) {
       float acc[M];
       int8_row<M>(xq, ldx, w + n * K, K, acc);
-      for (int m = 0; m < M; ++m) {
-        const float v = acc[m] * x_scale[m] * to_float(scales[n]);
-        // _weight_int8pack_mm rounds the product to the activations' dtype, then a bias adds to it
-        y[m * ldy + n] = bias ? from_float<T>(to_float(from_float<T>(v)) + to_float(bias[n])) : from_float<T>(v);
-      }
+      store(n, acc);
     }
   });
 }

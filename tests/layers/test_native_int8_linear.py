@@ -134,3 +134,24 @@ def test_gemm_rejects_bad_shapes() -> None:
     with pytest.raises(RuntimeError, match="even K"):
         torch.ops.dabba_cpu.int8_gemm(torch.empty(9, 64, dtype=torch.bfloat16), torch.randn(9, 31).bfloat16(),
                                       torch.zeros(64, 31, dtype=torch.int8), s, None)
+
+
+# float32 with a bias is left out: there the compiler may fuse the scale's product and the bias
+# add into one FMA in one row count's code and not another's (a last-bit difference either way)
+@pytest.mark.parametrize("dtype, bias", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)])
+def test_wide_rows_take_weight_rows_in_pairs_with_the_same_sums(dtype, bias) -> None:
+    """Past kInt8PairXBytes of int16 activations (6 rows of K = 8192 here) the GEMV multiplies two
+    weight rows per load of x; its sums are exact int32 sums, so each row of its output equals the
+    one-row GEMV's bit for bit (an odd out_features takes the last weight row alone)."""
+    torch.manual_seed(0)
+    rows, out_features, in_features = 6, 33, 8192 + 40  # a masked tail of 40 codes too
+    x = torch.randn(rows, in_features).to(dtype)
+    q = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
+    s = (torch.rand(out_features) * 0.01 + 1e-3).to(dtype)
+    b = torch.randn(out_features).to(dtype) if bias else None
+    whole = torch.empty(rows, out_features, dtype=dtype)
+    torch.ops.dabba_cpu.int8_gemv(whole, x, q, s, b)
+    for r in range(rows):
+        one = torch.empty(1, out_features, dtype=dtype)
+        torch.ops.dabba_cpu.int8_gemv(one, x[r:r + 1], q, s, b)
+        assert torch.equal(whole[r:r + 1], one), r
