@@ -121,15 +121,11 @@ def linear_params_per_token(arch: ArchConfig) -> int:
     """Weights one token's forward multiplies in the decoder layers (a mixture of experts' routed
     layers: the router and top_k experts); the LM head and embedding left out."""
     from dabba.layers.linear import Linear
-    from dabba.models.registry import get_model_class
+    from dabba.models.sizes import idle_expert_parameters, meta_model
 
-    with torch.device("meta"):
-        model = get_model_class(arch.architecture)(arch, 16, None)
+    model = meta_model(arch, torch.bfloat16, None)
     total = sum(m.in_features * sum(m.output_sizes) for m in model.modules() if isinstance(m, Linear))
-    if arch.moe is not None:
-        per_expert = 3 * arch.hidden_size * arch.moe.intermediate_size
-        total -= sum(arch.moe.sparse_layers) * (arch.moe.num_experts - arch.moe.top_k) * per_expert
-    return total
+    return total - idle_expert_parameters(arch)
 
 
 def _attended_keys(first: int, last: int, window: int | None) -> int:

@@ -92,7 +92,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # to tell the worker next step
         self.num_preemptions = 0
         self._failed: list[EngineCoreOutput] = []  # requests ended outside a step's outputs
-        self.spec_counts = [0, 0, 0]  # speculative steps, draft tokens, accepted tokens
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -271,7 +271,9 @@ class Scheduler:
             num_rejected = len(drafts) - (len(token_ids) - 1) if drafts and token_ids else 0
             request.num_computed_tokens += num_tokens - num_rejected
             if drafts:
-                self._count_drafts(len(drafts), len(drafts) - num_rejected)
+                self.spec_num_drafts += 1
+                self.spec_num_draft_tokens += len(drafts)
+                self.spec_num_accepted_tokens += len(drafts) - num_rejected
             if token_ids is None:  # a prefill chunk that has not reached the end of the prompt
                 if prompt_logprobs is not None:
                     outputs.outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=prompt_logprobs,
@@ -301,11 +303,6 @@ class Scheduler:
                 num_cached_tokens=request.num_cached_tokens,
             ))
         return outputs
-
-    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
-        self.spec_counts[0] += 1
-        self.spec_counts[1] += num_drafts
-        self.spec_counts[2] += num_accepted
 
     def _advance_grammar(self, request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:
         """The grammar's end stops the request (whatever min_tokens or ignore_eos say: nothing
@@ -365,7 +362,7 @@ class Scheduler:
             kv_tokens_stored=kv.filled_slots({r.request_id: r.num_computed_tokens for r in self.running}),
             prefix_cache_hit_tokens=kv.prefix_stats.num_hit_tokens,
             prefix_cache_queried_tokens=kv.prefix_stats.num_queried_tokens,
-            spec_num_drafts=self.spec_counts[0],
-            spec_num_draft_tokens=self.spec_counts[1],
-            spec_num_accepted_tokens=self.spec_counts[2],
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
         )

@@ -1,5 +1,6 @@
 """Prometheus metrics of one engine: queue sizes, KV-cache use, prefix-cache hits, preemptions,
-speculative decoding's drafts and acceptance, token counters and latency histograms (time to first token, per output token, end to end)."""
+speculative decoding's drafts and acceptance, token counters and latency histograms (time to
+first token, per output token, end to end)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -43,8 +44,7 @@ class EngineMetrics:
         self.spec_acceptance_rate = gauge("dabba:spec_decode_acceptance_rate", "Accepted draft tokens / proposed ones")
         self.spec_mean_accepted_length = gauge("dabba:spec_decode_mean_accepted_length",
                                                "Tokens a speculative step gives a request: accepted drafts + 1")
-        self._preemptions_seen = 0
-        self._spec_seen = (0, 0, 0)
+        self._seen: dict[str, int] = {}  # the scheduler's running totals, as last counted
 
     def observe_scheduler(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
@@ -53,12 +53,9 @@ class EngineMetrics:
         self.kv_cache_tokens.set(stats.kv_tokens_stored)
         self.kv_cache_slot_utilization.set(stats.kv_slot_utilization)
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
-        self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = stats.num_preemptions
-        spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
-        for counter, now, seen in zip((self.spec_num_drafts, self.spec_num_draft_tokens, self.spec_num_accepted_tokens),
-                                      spec, self._spec_seen):
-            counter.inc(now - seen)
-        self._spec_seen = spec
+        for name in ("num_preemptions", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens"):
+            total = getattr(stats, name)  # a counter advances by what the total grew since last time
+            getattr(self, name).inc(total - self._seen.get(name, 0))
+            self._seen[name] = total
         self.spec_acceptance_rate.set(stats.spec_acceptance_rate)
         self.spec_mean_accepted_length.set(stats.spec_mean_accepted_length)

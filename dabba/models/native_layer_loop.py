@@ -62,6 +62,7 @@ def _ffw_norms(layer: Any) -> list[Any]:
 
 ROPE_TABLES = ("full_attention", "sliding_attention")  # LayerTypeRotary.cos_sin's keys, in add_layer's order
 
+
 def _linears(layer: Any) -> list[Any]:
     """A decoder layer's linears in the order NativeDecoder.add_layer takes them: qkv, o, then a
     dense MLP's gate_up and down (a mixture of experts' go to add_moe)."""
@@ -117,8 +118,9 @@ class NativeLayerLoop:
         tables = [rope[kind] for kind in ROPE_TABLES] if isinstance(rope, dict) else [rope]  # Gemma's per kind
         first = metadata[0]
         caches, scales = self._cache_operands(kv_caches)
-        return self.decoder.forward(x, [cos for cos, _ in tables], [sin for _, sin in tables], caches, scales, [m.block_table for m in metadata],
-                                    [m.slot_mapping for m in metadata], layer_groups or [], first.seq_lens,
+        return self.decoder.forward(x, [cos for cos, _ in tables], [sin for _, sin in tables], caches, scales,
+                                    [m.block_table for m in metadata], [m.slot_mapping for m in metadata],
+                                    layer_groups or [], first.seq_lens,
                                     None if first.decode_only else first.query_start_loc)
 
     def _cache_operands(self, kv_caches: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -12,7 +12,7 @@ from dabba.models.registry import get_model_class
 from dabba.quantization.config import QuantConfig
 
 
-def _meta_model(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None) -> torch.nn.Module:
+def meta_model(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None) -> torch.nn.Module:
     """The model built on the meta device: no memory, no loading."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -28,7 +28,7 @@ def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfi
     """Every parameter at ``dtype`` except each linear's weight, counted as its method packs it.
     ``active``: only what one token's forward multiplies (a mixture of experts' routed layers
     count top_k of their experts)."""
-    model = _meta_model(arch, dtype, quant_config)
+    model = meta_model(arch, dtype, quant_config)
     total, seen = 0, set()  # a tied LM head shares the embedding's tensor
     head = getattr(model, "lm_head", None)
     if isinstance(head, LMHead) and head.shares_packed_rows:  # the embedding reads the head's codes
@@ -57,11 +57,14 @@ def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfi
 def parameter_counts(arch: ArchConfig) -> tuple[int, int]:
     """(every parameter, those one token's forward multiplies): all of them, less in each routed
     layer the experts a token does not take (num_experts - top_k of them)."""
-    with torch.device("meta"):
-        model = get_model_class(arch.architecture)(arch, 16, None)
-    total = sum(p.numel() for p in model.parameters())  # a tied head counted once
+    total = sum(p.numel() for p in meta_model(arch, torch.get_default_dtype(), None).parameters())  # tied head once
+    return total, total - idle_expert_parameters(arch)
+
+
+def idle_expert_parameters(arch: ArchConfig) -> int:
+    """Weights of the experts one token does not take (num_experts - top_k per routed layer); 0
+    for a dense model."""
     if arch.moe is None:
-        return total, total
+        return 0
     per_expert = 3 * arch.hidden_size * arch.moe.intermediate_size  # gate, up, down
-    idle = sum(arch.moe.sparse_layers) * (arch.moe.num_experts - arch.moe.top_k) * per_expert
-    return total, total - idle
+    return sum(arch.moe.sparse_layers) * (arch.moe.num_experts - arch.moe.top_k) * per_expert

@@ -41,7 +41,7 @@ from dabba.spec_decode.ngram import NgramProposer
 from dabba.worker.input_batch import CachedRequestState, ModelInputs, RequestStates
 from dabba.worker.memory import allocate_kv_cache, check_fits, default_kv_cache_memory, keep_freed_host_memory
 from dabba.worker.sampler import Sampler, apply_grammar_bitmask
-from dabba.worker.sampling_metadata import build_sampling_metadata
+from dabba.worker.sampling_metadata import build_sampling_metadata, reads_its_output
 
 logger = logging.getLogger("dabba")
 
@@ -208,8 +208,7 @@ class ModelRunner:
         for request_id, draft in zip(request_ids, drafts):
             state = self.requests.states[request_id]
             rows.append(state)
-            p = state.sampling_params
-            if p.uses_penalties or p.min_tokens > state.num_output_tokens or (p.seed is not None and not p.greedy):
+            if reads_its_output(state):
                 rows += [dataclasses.replace(state, token_ids=state.token_ids + draft[:j]) for j in range(1, len(draft) + 1)]
             else:  # nothing of its sampling depends on the position: the state itself serves every row
                 rows += [state] * len(draft)

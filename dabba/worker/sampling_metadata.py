@@ -12,6 +12,15 @@ def _pairs(rows_and_ids: list[tuple[int, int]], device: torch.device) -> tuple[t
     return torch.tensor(rows, device=device), torch.tensor(ids, device=device)
 
 
+def reads_its_output(state: CachedRequestState) -> bool:
+    """Whether a row's sampling depends on the request's output so far, as build_sampling_metadata
+    reads it: penalties (counts of output tokens), the stop-token ban before min_tokens, and a
+    seeded sample's noise (keyed on the output index). Speculative decoding's draft rows need
+    their own state only then."""
+    p = state.sampling_params
+    return p.uses_penalties or state.num_output_tokens < p.min_tokens or (p.seed is not None and not p.greedy)
+
+
 def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int, device: torch.device) -> SamplingMetadata:
     params = [s.sampling_params for s in states]
     sampling = [not p.greedy for p in params]
