@@ -27,8 +27,9 @@ def wide_moe(tmp_path_factory):
 
 
 # The kernel may clear accessed bits on its own (page aging, multi-gen LRU's walks) between a call
-# and the count, so a count can fall short of what the call read, never above it: the lower bounds
-# below take the largest of three counts.
+# and the count, so a count can fall short of what the call read; and a page's referenced flag is
+# shared with every process mapping it (libtorch's pages, say), so a busy machine can add to a count.
+# The lower bounds below take the largest of five counts, the upper bounds the smallest.
 def test_touched_by_counts_the_pages_a_call_reads() -> None:
     code = """
 import json, torch
@@ -36,13 +37,13 @@ from benchmarks.bytes_touched import disable_huge_pages, touched_by
 disable_huge_pages()
 x = torch.ones(64 * 2**20 // 4)
 quarter = x[: x.numel() // 4]
-print(json.dumps([max(touched_by(lambda: quarter.sum()) for _ in range(3)),
-                  max(touched_by(lambda: x.sum()) for _ in range(3))]))
+print(json.dumps([[touched_by(lambda: quarter.sum()) for _ in range(5)],
+                  [touched_by(lambda: x.sum()) for _ in range(5)]]))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     quarter, whole = json.loads(out.stdout)
-    assert 16 * 2**20 <= quarter < 24 * 2**20  # 16 MiB read, plus the interpreter's own pages
-    assert 64 * 2**20 <= whole < 72 * 2**20
+    assert max(quarter) >= 16 * 2**20 and min(quarter) < 24 * 2**20  # 16 MiB read, plus the interpreter's pages
+    assert max(whole) >= 64 * 2**20 and min(whole) < 72 * 2**20
 
 
 def test_expected_bytes_count_the_experts_a_token_takes(wide_moe) -> None:
