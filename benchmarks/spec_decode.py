@@ -1,13 +1,15 @@
-"""Speculative decoding (n-gram proposals) against plain decoding: decode tokens/s of each, in one
-process, alternating, greedy, with whether both gave the same tokens. Prints JSON.
+"""Speculative decoding (n-gram proposals, or a draft model with --draft) against plain decoding:
+decode tokens/s of each, in one process, alternating, greedy, with whether both gave the same
+tokens. Prints JSON.
 
-    python -m benchmarks.spec_decode --model DIR [--workload grounded|random] [--batch-size 1]
-        [--input-len 128] [--output-len 64] [--num-speculative-tokens 4] [--rounds 3]
+    python -m benchmarks.spec_decode --model DIR [--workload grounded|random|heldout] [--batch-size 1]
+        [--input-len 128] [--output-len 64] [--num-speculative-tokens 4] [--rounds 3] [--draft DIR]
         [--gguf DIR/gguf/model-bf16.gguf --llamacpp-python /tmp/peers/llamacpp/bin/python]
 
 Workloads: "random" prompts are random token ids; "grounded" prompts are a random passage followed
 by its first half again, so a model that continues the copy repeats spans of its prompt (as edits
-and quotations do). Both engines load the same checkpoint in one process and take turns, so that
+and quotations do); "heldout" prompts are passages of the model's heldout.txt (the demo model's
+text it never trained on), which a trained model continues as prose, not as a loop. Both engines load the same checkpoint in one process and take turns, so that
 a process's draw of memory bandwidth on these VMs (benchmarks/layer_loop.py) falls on both alike.
 A round's rate is the batch's generated tokens over the generate's time (prefill included: it is
 the same for both). The speculative engine's acceptance over all its rounds is reported too.
@@ -33,21 +35,28 @@ from dabba import LLM, SamplingParams
 from dabba.benchmark.offline import OfflineWorkload, make_prompts, spec_decode_stats
 
 
-def workload_prompts(kind: str, batch_size: int, input_len: int, vocab_size: int) -> list[list[int]]:
-    prompts = make_prompts(OfflineWorkload(batch_size, input_len, 1), vocab_size)
+def workload_prompts(kind: str, batch_size: int, input_len: int, llm: LLM) -> list[list[int]]:
+    if kind == "heldout":
+        path = Path(llm.llm_engine.config.model_config.model) / "heldout.txt"
+        if not path.is_file():
+            raise SystemExit(f"--workload heldout reads {path}, which is missing (the demo model has one)")
+        ids = llm.get_tokenizer().encode(path.read_text())
+        stride = (len(ids) - input_len) // max(batch_size, 1)
+        return [ids[i * stride:i * stride + input_len] for i in range(batch_size)]
+    prompts = make_prompts(OfflineWorkload(batch_size, input_len, 1), llm.llm_engine.arch.vocab_size)
     if kind == "grounded":
         return [p + p[: len(p) // 2] for p in prompts]
     return prompts
 
 
 def run(model: str, workload: str, batch_size: int, input_len: int, output_len: int, num_speculative_tokens: int,
-        rounds: int) -> dict[str, Any]:
-    config = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens, "prompt_lookup_min": 2,
-              "prompt_lookup_max": 4}
+        rounds: int, draft: str | None = None) -> dict[str, Any]:
+    config = ({"model": draft, "num_speculative_tokens": num_speculative_tokens} if draft else
+              {"method": "ngram", "num_speculative_tokens": num_speculative_tokens, "prompt_lookup_min": 2,
+               "prompt_lookup_max": 4})
     options = dict(enable_prefix_caching=False, max_num_seqs=max(batch_size, 1))
     llms = {"spec": LLM(model, speculative_config=config, **options), "plain": LLM(model, **options)}
-    vocab = llms["plain"].llm_engine.arch.vocab_size
-    prompts = [{"prompt_token_ids": p} for p in workload_prompts(workload, batch_size, input_len, vocab)]
+    prompts = [{"prompt_token_ids": p} for p in workload_prompts(workload, batch_size, input_len, llms["plain"])]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     rates: dict[str, list[float]] = {k: [] for k in llms}
     tokens: dict[str, list[list[int]]] = {}
@@ -79,12 +88,13 @@ def run_llamacpp(python: str, gguf: str, prompts: list[list[int]], output_len: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory")
-    parser.add_argument("--workload", choices=["grounded", "random"], default="grounded")
+    parser.add_argument("--workload", choices=["grounded", "random", "heldout"], default="grounded")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--draft", help="a draft model's directory: speculate with it instead of n-gram lookup")
     parser.add_argument("--gguf", help="the same weights as GGUF, for llama.cpp's lookup decoding")
     parser.add_argument("--llamacpp-python", help="the llama.cpp venv's python (scripts/peers-bench.sh)")
     args = parser.parse_args()
@@ -92,8 +102,10 @@ def main() -> None:
         parser.error("--gguf and --llamacpp-python go together")
     if args.gguf and args.batch_size != 1:
         parser.error("llama.cpp's lookup decoding runs one sequence: --batch-size 1 with --gguf")
+    if args.gguf and args.draft:
+        parser.error("--gguf compares llama.cpp's lookup decoding, not a draft model: drop one")
     result = run(args.model, args.workload, args.batch_size, args.input_len, args.output_len,
-                 args.num_speculative_tokens, args.rounds)
+                 args.num_speculative_tokens, args.rounds, args.draft)
     prompts, dabba_tokens = result.pop("prompts"), result.pop("dabba_tokens")
     if args.gguf:
         import torch

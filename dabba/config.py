@@ -101,7 +101,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -109,12 +109,15 @@ class SpeculativeConfig:
     """Speculative decoding as vLLM spells it: each step a request may carry up to
     ``num_speculative_tokens`` proposed tokens, verified in the same forward as its next token.
     "ngram": the proposal is what followed the most recent earlier occurrence of the request's
-    last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its prompt and output."""
+    last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its prompt and output.
+    "draft_model" (the method when ``model`` is given): a small model with the target's tokenizer
+    proposes, run by the same engine on its own KV cache."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    model: str | None = None  # the draft model: a directory or a Hub repo id
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -126,10 +129,22 @@ class SpeculativeConfig:
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"speculative_config: prompt_lookup_max ({self.prompt_lookup_max}) must be >= "
                              f"prompt_lookup_min ({self.prompt_lookup_min})")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError('speculative_config: method "draft_model" needs "model", the draft model\'s directory '
+                             "or Hub repo id")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError('speculative_config: "model" is for method "draft_model", not "ngram"')
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs beyond its scheduled tokens: a draft model writes its own KV
+        for the tokens it proposes from (n-gram proposals need none)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     @classmethod
     def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
-        """From a dict (``LLM(speculative_config={...})``) or its JSON text (``--speculative-config``)."""
+        """From a dict (``LLM(speculative_config={...})``) or its JSON text (``--speculative-config``).
+        A "model" without a "method" means "draft_model", as in vLLM."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
@@ -140,9 +155,8 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         value = dict(value)
-        if "model" in value:  # vLLM's draft-model form
-            raise ValueError("speculative_config: draft models ('model') are not supported yet; "
-                             'use {"method": "ngram", ...}')
+        if "model" in value and "method" not in value:
+            value["method"] = "draft_model"
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -161,7 +175,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _help("Token budget of one step (prefill chunks + decodes).", 4096)
     speculative_config: SpeculativeConfig | None = _help(
         'Speculative decoding, as JSON (vLLM\'s form): {"method": "ngram", "num_speculative_tokens": k, '
-        '"prompt_lookup_min": a, "prompt_lookup_max": b}. Lossless: outputs are what the model alone gives.',
+        '"prompt_lookup_min": a, "prompt_lookup_max": b}, or a draft model with the same tokenizer: '
+        '{"model": DIR, "num_speculative_tokens": k}. Lossless: outputs are what the model alone gives.',
         None, parse=speculative_config_json)
 
     def __post_init__(self) -> None:

@@ -52,7 +52,8 @@ def test_accepted_tokens_stop_at_the_first_disagreement() -> None:
 @pytest.mark.parametrize("value, message", [
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "eagle"}, "unknown method 'eagle'"),
-    ({"model": "/tmp/draft", "num_speculative_tokens": 3}, r"draft models \('model'\) are not supported yet"),
+    ({"method": "ngram", "model": "/tmp/draft"}, '"model" is for method "draft_model", not "ngram"'),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, 'method "draft_model" needs "model"'),
     ({"num_speculative_token": 3}, r"unknown field\(s\) \['num_speculative_token'\]"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_max .2. must be >= prompt_lookup_min .4."),
     ("{not json", "speculative_config is not valid JSON"),
@@ -193,13 +194,13 @@ def test_proposals_pause_after_drafts_keep_failing() -> None:
 
 
 def test_the_benchmark_runs_both_engines_side_by_side(checkpoints) -> None:
-    from benchmarks.spec_decode import run, workload_prompts
+    from benchmarks.spec_decode import run
 
-    prompts = workload_prompts("grounded", 2, 20, 500)
-    assert all(len(p) == 30 and p[20:] == p[:10] for p in prompts)
     result = run(str(checkpoints["llama"].path), "grounded", batch_size=2, input_len=20, output_len=12,
                  num_speculative_tokens=3, rounds=1)
-    assert [len(p) for p in result.pop("prompts")] == [30, 30] and len(result.pop("dabba_tokens")) == 2
+    prompts = result.pop("prompts")
+    assert all(len(p) == 30 and p[20:] == p[:10] for p in prompts) and len(prompts) == 2
+    assert len(result.pop("dabba_tokens")) == 2
     assert result["same_tokens"] is True and min(result["tok_s"]["spec"] + result["tok_s"]["plain"]) > 0
     assert result["spec_decode"]["num_draft_tokens"] > 0
 

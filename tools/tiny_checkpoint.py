@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import json
+import re
 import sysconfig
 from pathlib import Path
 from typing import Any, Iterator
@@ -113,6 +115,27 @@ def make_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", seed: i
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir
+
+
+def first_layers(src: str | Path, dst: str | Path, num_layers: int) -> Path:
+    """A copy of checkpoint ``src`` (one safetensors file) keeping only its first ``num_layers``
+    decoder layers: a draft model for speculative decoding that agrees with its target often, not
+    always (a random-weight draft of its own would hardly ever agree)."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            (dst / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    layer = re.compile(r"\.layers\.(\d+)\.")
+    tensors = load_file(src / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not ((m := layer.search(k)) and int(m.group(1)) >= num_layers)},
+              dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
 
 
 def main() -> None:

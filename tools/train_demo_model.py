@@ -5,6 +5,12 @@ documentation (Debian's python3.11-doc: the reST sources under html/_sources; PS
     apt-get install python3.11-doc
     python -m tools.train_demo_model --out dabba/assets/demo            # ~27 min on 2 cores
 
+A draft model for speculative decoding must share the demo model's tokenizer: --tokenizer takes it
+from a model directory instead of training one, for example
+
+    python -m tools.train_demo_model --out /tmp/demo-draft --tokenizer dabba/assets/demo \
+        --hidden-size 128 --num-layers 2 --num-heads 2 --num-kv-heads 1 --intermediate-size 384
+
 Reproducible from --seed: the document split, tokenizer, initialisation and batch order all
 derive from it. Documents are split, not lines: every 12th document (sorted by path) is held
 out and never trained on. Hyperparameters are the argparse defaults below; they are also
@@ -112,6 +118,8 @@ def main() -> None:
     p.add_argument("--out", default="dabba/assets/demo")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--tokenizer", default=None,
+                   help="a model directory whose tokenizer to use instead of training one (a draft model's target)")
     p.add_argument("--hidden-size", type=int, default=384)
     p.add_argument("--num-layers", type=int, default=6)
     p.add_argument("--num-heads", type=int, default=6)
@@ -140,7 +148,12 @@ def main() -> None:
     (out / "calibration.txt").write_text("\n\n".join(train_docs)[: args.calibration_chars])
     (out / "DATA_LICENSE.txt").write_text(LICENSE_NOTE)
 
-    tok = train_tokenizer(train_docs, args.vocab_size)
+    if args.tokenizer:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_docs, args.vocab_size)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|end|>",
                                    pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE

@@ -139,14 +139,16 @@ class KVCacheManager:
         return []
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: BlockTables | None = None
+        self, request: Request, num_new_tokens: int, new_computed_blocks: BlockTables | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> tuple[list[KVCacheBlock], ...] | None:
-        """Give the request room for ``num_new_tokens`` more tokens in every group, or None if
-        blocks are short. Returns each group's new blocks.
+        """Give the request room for ``num_new_tokens`` more tokens in every group, and for
+        ``num_lookahead_tokens`` after them in full-attention groups (a draft model's proposals write
+        its KV there, through those tables), or None if blocks are short. Returns each group's new blocks.
 
         ::
 
-            | computed | prefix hit (new_computed_blocks) | new tokens  |
+            | computed | prefix hit (new_computed_blocks) | new tokens  | lookahead |
             0   num_computed_tokens                 num_computed   total
         """
         new_computed = new_computed_blocks or tuple([] for _ in self.groups)
@@ -155,8 +157,9 @@ class KVCacheManager:
         total = num_computed + num_new_tokens
         for g in self.sliding_groups:  # blocks the windows have passed go back to the pool first
             self._free_skipped(g, tables[g], num_computed)
-        num_required = [max(cdiv(total, self.block_size) - len(blocks) - len(hits), 0)
-                        for blocks, hits in zip(tables, new_computed)]
+        ends = [total + (num_lookahead_tokens if group.sliding_window is None else 0) for group in self.groups]
+        num_required = [max(cdiv(end, self.block_size) - len(blocks) - len(hits), 0)
+                        for end, blocks, hits in zip(ends, tables, new_computed)]
         # Hit blocks nobody holds sit in the free queue: touching them removes them from it.
         num_evictable_hits = sum(1 for hits in new_computed for b in hits
                                  if b.ref_cnt == 0 and b is not self.pool.null_block)

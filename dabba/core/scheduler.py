@@ -9,7 +9,8 @@ lowest-priority (newest) running request is preempted by recompute.
 Speculative decoding: a decoding request's draft tokens (Request.spec_token_ids, proposed by the
 worker last step) are scheduled after its next token and verified in the same forward; what the
 sampler rejects is rolled back by not counting it computed (its KV slots are overwritten next
-step; only known tokens are ever hashed into the prefix cache).
+step; only known tokens are ever hashed into the prefix cache). A draft model also gets
+``num_lookahead_tokens`` slots past the step's tokens, where it writes the KV of what it proposes.
 
 Requests under structured_outputs wait (WAITING_FOR_GRAMMAR) until their grammar is compiled,
 letting the requests behind them pass; each step they get a row of the grammar bitmask, and
@@ -150,7 +151,8 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts(request, num_new, budget)
             num_new += len(drafts)
-            new_blocks = kv.allocate_slots(request, num_new)
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
+            new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             while new_blocks is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -158,7 +160,7 @@ class Scheduler:
                 preempted = True
                 if victim is request:
                     break
-                new_blocks = kv.allocate_slots(request, num_new)
+                new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             if new_blocks is None:
                 break
             out.scheduled_cached_reqs.append(CachedRequestData(
@@ -184,7 +186,7 @@ class Scheduler:
                     continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
-            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+            if kv.allocate_slots(request, num_new, hit_blocks, self._lookahead(request, num_hit + num_new)) is None:
                 break
             self.waiting.pop(w)
             if request.num_cached_tokens < 0:
@@ -218,6 +220,16 @@ class Scheduler:
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)
         return request.spec_token_ids[:max(room, 0)]
+
+    def _lookahead(self, request: Request, end: int) -> int:
+        """KV slots past this step's tokens (which end at position ``end``) that the proposer writes
+        (a draft model's own KV for the tokens it proposes from), within what the request can ever
+        hold (admission checked that)."""
+        spec = self.config.speculative_config
+        if spec is None or not spec.num_lookahead_tokens:
+            return 0
+        slots = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len) - 1  # all it ever holds
+        return max(0, min(spec.num_lookahead_tokens, slots - end))
 
     def _grammar_ready(self, request: Request) -> bool | None:
         """Whether its grammar is compiled (it is WAITING then); None if compiling failed, which

@@ -83,10 +83,13 @@ class LLMEngine:
         quant_config = (QuantConfig.from_checkpoint(self.arch.quantization_config) if self.arch.quantization_config
                         else QuantConfig(mc.quantization) if mc.quantization else None)
         cc = config.cache_config
+        spec = config.scheduler_config.speculative_config
+        if spec is not None and spec.model is not None:  # a draft model given as a Hub id is fetched like the target
+            spec = dataclasses.replace(spec, model=str(resolve_model_dir(spec.model, None, mc.download_dir)))
         self.model_runner = ModelRunner(
             str(model_dir), self.arch, resolve_dtype(mc.dtype, self.arch.torch_dtype), resolve_device(mc.device),
             self.max_model_len, mc.seed, mc.attention_backend, quant_config, cc.kv_cache_dtype, mc.native_layer_loop,
-            config.scheduler_config.speculative_config,
+            spec,
         )
         sc = config.scheduler_config
         self.cache_layout = self.model_runner.initialize_kv_cache(cc, sc.max_num_seqs, sc.max_num_batched_tokens)

@@ -7,7 +7,7 @@ LlamaDecoderLayer.forward, so its hidden states are bit-identical to the Python 
 It is a second implementation of the layers: a change to a decoder layer's forward, a forward
 hook or a new family has no effect on it. So it never attaches itself: the model runner
 chooses between it and the Python layers, which stay the reference, in one place
-(ModelRunner._select_layer_loop), and logs which one runs and why.
+(worker/layer_loop.select_layer_loop), and the model runner logs which one runs and why.
 """
 from __future__ import annotations
 

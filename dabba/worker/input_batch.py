@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,6 +29,8 @@ class CachedRequestState:
     packed: PackedTokens = field(default_factory=PackedTokens)  # token_ids as the n-gram proposer searches them
     spec_misses: int = 0  # drafts in a row of which none was accepted
     spec_pause: int = 0  # steps left without proposals (text with nothing to look up costs no drafts)
+    draft_probs: Any = None  # a draft model's q for its pending drafts ([k, vocab] tensor), sampled requests only
+    draft_computed: int | None = None  # tokens whose KV a draft model has written (None: not yet looked up)
 
     @property
     def num_output_tokens(self) -> int:
@@ -51,6 +54,37 @@ class ModelInputs:
     # preceded by its last known token and all but the last of its drafts where it has drafts
     sampling_req_ids: list[str]  # requests that sample this step, in logits_indices order
     num_rows: list[int]  # logits rows of each of them: 1, or 1 + its drafts
+
+
+@dataclass
+class FlatBatch:
+    """Where each request's tokens sit in a flat batch::
+
+        request i's tokens:  query_start_loc[i] .. query_start_loc[i+1]
+        at positions         num_computed[i] .. seq_lens[i] - 1
+    """
+
+    query_start_loc: np.ndarray  # [num_reqs + 1]
+    seq_lens: np.ndarray  # [num_reqs]
+    req_of_token: np.ndarray  # [num_tokens]
+    positions: np.ndarray  # [num_tokens]
+
+    @classmethod
+    def of(cls, num_computed: np.ndarray, num_new: np.ndarray) -> "FlatBatch":
+        query_start_loc = np.zeros(len(num_new) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        req_of_token = np.repeat(np.arange(len(num_new)), num_new)
+        # each token's position: its request's num_computed + its offset within the request's tokens
+        positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req_of_token] + num_computed[req_of_token]
+        return cls(query_start_loc, num_computed + num_new, req_of_token, positions)
+
+    def metadata(self, block_table: np.ndarray, block_size: int, device: torch.device) -> CommonAttentionMetadata:
+        """The batch's attention metadata over one KV-cache group's tables ([num_reqs, blocks])."""
+        positions = self.positions
+        slot_mapping = block_table[self.req_of_token, positions // block_size] * block_size + positions % block_size
+        return CommonAttentionMetadata(query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+                                       block_table=block_table, slot_mapping=torch.from_numpy(slot_mapping).to(device),
+                                       block_size=block_size, device=device)
 
 
 class RequestStates:
@@ -91,31 +125,16 @@ class RequestStates:
         num_sched = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         states = [self.states[r] for r in req_ids]
         num_computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
-        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
-        np.cumsum(num_sched, out=query_start_loc[1:])
-        seq_lens = num_computed + num_sched
-
-        # positions: for each token, its request's num_computed + its offset within the chunk
-        req_of_token = np.repeat(np.arange(len(req_ids)), num_sched)
-        positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req_of_token] + num_computed[req_of_token]
+        batch = FlatBatch.of(num_computed, num_sched)
+        query_start_loc, seq_lens, positions = batch.query_start_loc, batch.seq_lens, batch.positions
 
         drafts = [sched.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
         input_ids = np.empty(len(positions), dtype=np.int64)
         for i, s in enumerate(states):
             known = s.token_ids[num_computed[i]:seq_lens[i]]
             input_ids[query_start_loc[i]:query_start_loc[i + 1]] = known + drafts[i] if drafts[i] else known
-        attn = []
-        for g in range(len(self.block_tables.tables)):
-            block_table = self.block_tables.gather(req_ids, g)
-            slot_mapping = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
-            attn.append(CommonAttentionMetadata(
-                query_start_loc=query_start_loc,
-                seq_lens=seq_lens,
-                block_table=block_table,
-                slot_mapping=torch.from_numpy(slot_mapping).to(device),
-                block_size=block_size,
-                device=device,
-            ))
+        attn = [batch.metadata(self.block_tables.gather(req_ids, g), block_size, device)
+                for g in range(len(self.block_tables.tables))]
 
         # A request samples when this step reaches the end of its known tokens (and drafts).
         samples = [seq_lens[i] == len(s.token_ids) + len(drafts[i]) for i, s in enumerate(states)]

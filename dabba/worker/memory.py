@@ -4,8 +4,11 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from typing import Any
 
 import torch
+
+from dabba.attention.kv_quant import SCALE_DTYPE
 
 CPU_KV_SHARE = 0.3  # of available RAM once the weights are loaded...
 CPU_KV_MAX = 4 * 2**30  # ...but at most this: the cache is zeroed up front, so it is resident
@@ -106,3 +109,15 @@ def allocate_kv_cache(shape: tuple[int, ...], num_layers: int, dtype: torch.dtyp
     advise_huge_pages(buffer)
     buffer.zero_()
     return list(buffer.unbind(0))
+
+
+def kv_cache_tensors(backend: Any, kv_quant: Any, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                     num_tensors: int, dtype: torch.dtype, device: torch.device) -> list[Any]:
+    """``num_tensors`` caches of num_blocks blocks in the backend's layout: each a tensor, or
+    (codes, scales) for an 8-bit cache."""
+    shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    if kv_quant is None:
+        return allocate_kv_cache(shape, num_tensors, dtype, device)
+    codes = allocate_kv_cache(shape, num_tensors, kv_quant.storage_dtype, device)
+    scales = allocate_kv_cache(shape[:-1], num_tensors, SCALE_DTYPE, device)
+    return list(zip(codes, scales))

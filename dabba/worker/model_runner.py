@@ -3,16 +3,19 @@
 prepare inputs -> forward (under forward_context) -> logits of sampling rows -> sample -> verify
 drafts -> propose the next drafts.
 
-Speculative decoding (n-gram proposals, spec_decode/ngram.py): a request's drafts run in the same
-forward as its next token, each position giving a logits row. Row j is sampled as a plain run
-would sample the request's next token had the drafts before it been its output (penalties,
-min_tokens and a seeded request's noise all see them), so accepting drafts while each equals the
-token sampled before it, and then taking the sampled token after the last one accepted, gives
-exactly what decoding one token a step gives: for one-hot proposals this is rejection sampling
-(draft d accepted with probability p(d), else a token drawn from p without d).
+Speculative decoding (n-gram proposals, spec_decode/ngram.py, or a draft model,
+spec_decode/draft_model.py): a request's drafts run in the same forward as its next token, each
+position giving a logits row. Row j is sampled as a plain run would sample the request's next
+token had the drafts before it been its output (penalties, min_tokens and a seeded request's noise
+all see them), so accepting drafts while each equals the token sampled before it, and then taking
+the sampled token after the last one accepted, gives exactly what decoding one token a step gives:
+for one-hot proposals (n-gram, a greedy request's draft-model argmax) this is rejection sampling
+(draft d accepted with probability p(d), else a token drawn from p without d). A draft model's
+sampled proposals come with q, and the sampler's rejection step turns row j into d_j or a draw
+from the residual (worker/sampler.py), which the same comparison then reads.
 
 The forward runs the model's Python layers (the reference) or the native layer loop, the same
-layers in C++ (models/native_layer_loop.py); ``_select_layer_loop`` makes that choice once, here.
+layers in C++ (models/native_layer_loop.py); worker/layer_loop.py makes that choice once per model.
 """
 from __future__ import annotations
 
@@ -25,22 +28,21 @@ from dataclasses import dataclass
 import torch
 
 from dabba import native
-from dabba.attention.backend import forward_context
-from dabba.attention.cpu import CpuBackend
-from dabba.attention.kv_quant import SCALE_DTYPE, kv_bytes_per_token, make_kv_quant
+from dabba.attention.kv_quant import kv_bytes_per_token, make_kv_quant
 from dabba.attention.selector import get_attention_backend
 from dabba.config import CacheConfig, SpeculativeConfig
 from dabba.core.kv_cache_groups import KVCacheGroup, group_layers, group_size, layer_slots
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from dabba.models.config import ArchConfig
 from dabba.models.loader import load_model
-from dabba.models.native_layer_loop import NativeLayerLoop, missing_native_form
 from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QuantConfig
+from dabba.spec_decode.draft_model import DraftModel
 from dabba.spec_decode.ngram import NgramProposer
 from dabba.worker.input_batch import CachedRequestState, ModelInputs, RequestStates
-from dabba.worker.memory import allocate_kv_cache, check_fits, default_kv_cache_memory, keep_freed_host_memory
-from dabba.worker.sampler import Sampler, apply_grammar_bitmask
+from dabba.worker.layer_loop import run_layers, select_layer_loop
+from dabba.worker.memory import check_fits, default_kv_cache_memory, keep_freed_host_memory, kv_cache_tensors
+from dabba.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
 from dabba.worker.sampling_metadata import build_sampling_metadata, reads_its_output
 
 logger = logging.getLogger("dabba")
@@ -54,7 +56,7 @@ class CacheLayout:
 
     num_blocks: int
     block_size: int
-    bytes_per_block: int  # a block of every layer position of a group (kv_cache_groups.group_size)
+    bytes_per_block: int  # a block of every layer position of a group (kv_cache_groups.group_size), and the draft model's
     kv_cache_memory: int  # the budget the blocks were carved from
     groups: tuple[KVCacheGroup, ...]  # layers sharing a block table (core/kv_cache_groups.py)
 
@@ -87,34 +89,23 @@ class ModelRunner:
                     self.weight_bytes / 2**20, str(dtype).removeprefix("torch."),
                     f", {quant_config.method}" if quant_config else "", device, time.perf_counter() - start,
                     type(self.backend).__name__)
-        self.native_loop, self.layer_loop_reason = self._select_layer_loop(native_layer_loop)
+        self.native_loop, self.layer_loop_reason = select_layer_loop(self.model, self.backend, self.kv_quant,
+                                                                     native_layer_loop)
         logger.info("Layers run %s: %s", "in the native loop (csrc/decode_cpu.cpp)" if self.native_loop
                     else "in Python", self.layer_loop_reason)
         self.sampler = Sampler(device, seed)
-        self.proposer = None if speculative_config is None else NgramProposer(
-            speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
-            speculative_config.prompt_lookup_max)
+        spec = speculative_config
+        self.proposer: NgramProposer | DraftModel | None = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec is not None:
+            self.proposer = DraftModel(spec.model, model_dir, arch, dtype, device, max_model_len, quant_config,
+                                       self.backend, self.kv_quant, native_layer_loop, spec.num_speculative_tokens,
+                                       self.sampler.generator)
         self.requests = RequestStates()
         self.kv_caches: list = []  # per layer: a tensor, or (codes, scales) for an 8-bit cache
         self.layer_groups: list[int] | None = None  # per layer: its KV-cache group; None: one group
         self.layout: CacheLayout | None = None
-
-    def _select_layer_loop(self, setting: str) -> tuple[NativeLayerLoop | None, str]:
-        """Which implementation of the layers runs every step (prompts and decodes alike), and why.
-        The native loop reads the CPU backend's cache layout and must compute exactly what the
-        Python layers do; "auto" takes it where both hold, "on" insists, "off" never takes it."""
-        if setting == "off":
-            return None, "native_layer_loop='off'"
-        if not isinstance(self.backend, CpuBackend):
-            why = f"the {type(self.backend).__name__} attention backend (the loop reads the CPU backend's cache)"
-        else:
-            why = missing_native_form(self.model)
-        if why is None:
-            loop = NativeLayerLoop(self.model, self.kv_quant)  # the loop writes and reads 8-bit caches too
-            return loop, f"native_layer_loop={setting!r}, and every layer has a native form"
-        if setting == "on":
-            raise ValueError(f"native_layer_loop='on', but {why}; use 'auto' or 'off'")
-        return None, why
 
     def initialize_kv_cache(self, cache_config: CacheConfig, max_num_seqs: int, max_chunk: int) -> CacheLayout:
         """Carve the budget into blocks of the shared pool. Layers are grouped by attention kind
@@ -126,6 +117,12 @@ class ModelRunner:
         num_tensors = group_size(groups)
         bytes_per_block = bs * kv_bytes_per_token(num_tensors, arch.num_key_value_heads, arch.head_dim,
                                                   self.kv_cache_dtype, self.dtype)
+        draft = self.proposer if isinstance(self.proposer, DraftModel) else None
+        if draft is not None:  # its cache has a block for each of the pool's, read through the full-attention tables
+            if groups[0].sliding_window is not None:
+                raise ValueError("speculative_config: a draft model needs a target with full-attention layers "
+                                 "(its cache follows their block tables); every layer of this one has a sliding window")
+            bytes_per_block += draft.bytes_per_block(bs, self.kv_cache_dtype)
         budget = cache_config.kv_cache_memory
         if budget is None:
             blocks_per_seq = sum(g.blocks_needed(self.max_model_len, bs, max_chunk) for g in groups)
@@ -136,15 +133,12 @@ class ModelRunner:
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes is less than one KV block ({bytes_per_block} bytes)")
-        shape = self.backend.kv_cache_shape(num_blocks, bs, self.arch.num_key_value_heads, self.arch.head_dim)
-        if self.kv_quant is None:
-            tensors = allocate_kv_cache(shape, num_tensors, self.dtype, self.device)
-        else:
-            codes = allocate_kv_cache(shape, num_tensors, self.kv_quant.storage_dtype, self.device)
-            scales = allocate_kv_cache(shape[:-1], num_tensors, SCALE_DTYPE, self.device)
-            tensors = list(zip(codes, scales))
+        tensors = kv_cache_tensors(self.backend, self.kv_quant, num_blocks, bs, arch.num_key_value_heads, arch.head_dim,
+                                   num_tensors, self.dtype, self.device)
         slots = layer_slots(groups)
         self.kv_caches = [tensors[slots[i][1]] for i in range(arch.num_hidden_layers)]
+        if draft is not None:
+            draft.allocate_kv_cache(num_blocks, bs)
         self.layer_groups = None if len(groups) == 1 else [slots[i][0] for i in range(arch.num_hidden_layers)]
         self.layout = CacheLayout(num_blocks, bs, bytes_per_block, budget, groups)
         sliding = [g for g in groups if g.sliding_window is not None]
@@ -165,14 +159,12 @@ class ModelRunner:
         assert self.layout is not None, "initialize_kv_cache() first"
         inputs = self.requests.prepare_inputs(sched, self.layout.block_size, self.device)
         metadata = [self.backend.build_metadata(common) for common in inputs.attn]
-        with forward_context(self.backend, metadata, self.kv_caches, self.layer_groups):
-            if self.native_loop is not None:
-                hidden = self.native_loop(inputs.input_ids, inputs.positions, metadata, self.kv_caches,
-                                          self.layer_groups)
-            else:
-                hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
+        hidden = run_layers(self.model, self.native_loop, self.backend, inputs.input_ids, inputs.positions, metadata,
+                            self.kv_caches, self.layer_groups)  # [num_tokens, hidden]
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden))
         if not inputs.sampling_req_ids:
+            if isinstance(self.proposer, DraftModel):  # nothing to propose from, but its KV keeps up
+                self.proposer.propose(self.requests, sched, [], {})
             return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
         first_rows = list(itertools.accumulate(inputs.num_rows, initial=0))[:-1]  # each request's first row
@@ -182,7 +174,9 @@ class ModelRunner:
             apply_grammar_bitmask(logits, sched.grammar_bitmask, [row_of[r] for r in sched.structured_output_request_ids])
         drafts = [sched.scheduled_spec_decode_tokens.get(r, []) for r in inputs.sampling_req_ids]
         rows = self._row_states(inputs.sampling_req_ids, drafts)
-        sampler_out = self.sampler(logits, build_sampling_metadata(rows, self.arch.vocab_size, self.device))
+        md = build_sampling_metadata(rows, self.arch.vocab_size, self.device)
+        self._add_draft_probs(md, inputs.sampling_req_ids, first_rows, drafts)
+        sampler_out = self.sampler(logits, md)
         sampled = sampler_out.sampled.tolist()
         if sampler_out.logprobs is not None:
             ids, lps, ranks = (sampler_out.logprob_token_ids.tolist(), sampler_out.logprobs.tolist(),
@@ -198,8 +192,24 @@ class ModelRunner:
                                                for r in range(first, first + len(tokens))]
         self.requests.append_sampled(output.sampled_token_ids)
         if self.proposer is not None:
-            output.spec_token_ids = self._propose(inputs.sampling_req_ids)
+            output.spec_token_ids = self._propose(sched, inputs.sampling_req_ids)
         return output
+
+    def _add_draft_probs(self, md: SamplingMetadata, request_ids: list[str], first_rows: list[int],
+                         drafts: list[list[int]]) -> None:
+        """The rows verifying a draft model's sampled proposal, for the sampler's rejection step:
+        each row's draft token and q (greedy rows and n-gram proposals compare tokens instead)."""
+        rows, tokens, probs = [], [], []
+        for request_id, first, draft in zip(request_ids, first_rows, drafts):
+            q = self.requests.states[request_id].draft_probs
+            if draft and q is not None:
+                rows += range(first, first + len(draft))
+                tokens += draft
+                probs.append(q[:len(draft)])
+        if rows:
+            md.draft_rows = torch.tensor(rows, device=self.device)
+            md.draft_token_ids = torch.tensor(tokens, device=self.device)
+            md.draft_probs = torch.cat(probs)
 
     def _row_states(self, request_ids: list[str], drafts: list[list[int]]) -> list[CachedRequestState]:
         """A state per logits row: a request's own, then for the row after each of its drafts the
@@ -214,17 +224,27 @@ class ModelRunner:
                 rows += [state] * len(draft)
         return rows
 
-    def _propose(self, request_ids: list[str]) -> dict[str, list[int]]:
+    def _propose(self, sched: SchedulerOutput, request_ids: list[str]) -> dict[str, list[int]]:
         """Drafts for the next step of each request that sampled (none under structured outputs,
-        whose grammar would have to walk them)."""
-        proposals = {}
+        whose grammar would have to walk them, nor while a request's proposals pause)."""
+        wants = {}
         for request_id in request_ids:
             state = self.requests.states[request_id]
+            state.draft_probs = None
             if state.sampling_params.structured_outputs is not None:
                 continue
             if state.spec_pause > 0:
                 state.spec_pause -= 1
                 continue
+            wants[request_id] = self.proposer.num_tokens
+        if isinstance(self.proposer, DraftModel):  # it also catches up with prompt chunks
+            proposals = self.proposer.propose(self.requests, sched, request_ids, wants)
+            for request_id, proposal in proposals.items():
+                self.requests.states[request_id].draft_probs = proposal.probs
+            return {request_id: proposal.token_ids for request_id, proposal in proposals.items()}
+        proposals = {}
+        for request_id in wants:
+            state = self.requests.states[request_id]
             state.packed.sync(state.token_ids)
             draft = self.proposer.propose(state.packed, self.proposer.num_tokens)
             if draft:

@@ -777,3 +777,33 @@ def test_a_crowded_mix_of_requests_all_finish_and_free_every_block():
     assert scheduler.num_preemptions > 0
     assert scheduler.kv_cache_manager.prefix_stats.num_hit_tokens > 0
     assert_all_blocks_free(scheduler)
+
+
+def test_a_draft_model_gets_lookahead_slots_within_what_admission_reserved():
+    """A draft model writes its KV for the tokens it proposes from past the step's tokens: the
+    scheduler allocates num_speculative_tokens slots more, but never past the prompt + max_tokens - 1
+    slots admission counted (the last token is never fed), so a request that fits alone still does."""
+    kv = KVCacheManager(16, BLOCK_SIZE, True, None, 64)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                             speculative_config={"model": "/draft", "num_speculative_tokens": 3})
+    scheduler, worker = Scheduler(config, kv, 256), FakeWorker()
+    scheduler.add_request(make_request("a", 6, max_tokens=8))  # 13 slots at most: 4 blocks
+    held = []
+    while scheduler.has_unfinished_requests():
+        out, _ = run_step(scheduler, worker)
+        if "a" in out.num_scheduled_tokens:
+            request = scheduler.requests.get("a")
+            held.append(len(worker.block_ids["a"][0]))
+            if request is not None:
+                end = request.num_computed_tokens  # the step's tokens end here
+                assert held[-1] == cdiv(min(end + 3, 13), BLOCK_SIZE)
+    assert held[0] == 3 and max(held) == 4  # 6 prompt tokens + 3 lookahead; never past 13 slots
+    assert kv.pool.num_free_blocks == kv.num_usable_blocks
+
+
+def test_lookahead_slots_are_for_full_attention_tables_only():
+    groups = (KVCacheGroup((0,), None), KVCacheGroup((1,), 8))
+    kv = KVCacheManager(32, BLOCK_SIZE, True, groups, 64)
+    request = make_request("a", 6, max_tokens=20)
+    new = kv.allocate_slots(request, 6, num_lookahead_tokens=5)
+    assert [len(blocks) for blocks in new] == [cdiv(11, BLOCK_SIZE), cdiv(6, BLOCK_SIZE)]
