@@ -3,7 +3,7 @@ decode tokens/s of each, in one process, alternating, greedy, with whether both 
 tokens. Prints JSON.
 
     python -m benchmarks.spec_decode --model DIR [--workload grounded|random|heldout] [--batch-size 1]
-        [--input-len 128] [--output-len 64] [--num-speculative-tokens 4] [--rounds 3] [--draft DIR]
+        [--input-len 128] [--output-len 64] [--num-speculative-tokens 4] [--rounds 3] [--draft DIR] [--fixed-drafts]
         [--gguf DIR/gguf/model-bf16.gguf --llamacpp-python /tmp/peers/llamacpp/bin/python]
 
 Workloads: "random" prompts are random token ids; "grounded" prompts are a random passage followed
@@ -50,10 +50,11 @@ def workload_prompts(kind: str, batch_size: int, input_len: int, llm: LLM) -> li
 
 
 def run(model: str, workload: str, batch_size: int, input_len: int, output_len: int, num_speculative_tokens: int,
-        rounds: int, draft: str | None = None) -> dict[str, Any]:
+        rounds: int, draft: str | None = None, adaptive_drafts: bool = True) -> dict[str, Any]:
     config = ({"model": draft, "num_speculative_tokens": num_speculative_tokens} if draft else
               {"method": "ngram", "num_speculative_tokens": num_speculative_tokens, "prompt_lookup_min": 2,
                "prompt_lookup_max": 4})
+    config["adaptive_drafts"] = adaptive_drafts
     options = dict(enable_prefix_caching=False, max_num_seqs=max(batch_size, 1))
     llms = {"spec": LLM(model, speculative_config=config, **options), "plain": LLM(model, **options)}
     prompts = [{"prompt_token_ids": p} for p in workload_prompts(workload, batch_size, input_len, llms["plain"])]
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--draft", help="a draft model's directory: speculate with it instead of n-gram lookup")
+    parser.add_argument("--fixed-drafts", action="store_true",
+                        help="always num_speculative_tokens drafts (adaptive_drafts false; default: adaptive)")
     parser.add_argument("--gguf", help="the same weights as GGUF, for llama.cpp's lookup decoding")
     parser.add_argument("--llamacpp-python", help="the llama.cpp venv's python (scripts/peers-bench.sh)")
     args = parser.parse_args()
@@ -105,7 +108,7 @@ def main() -> None:
     if args.gguf and args.draft:
         parser.error("--gguf compares llama.cpp's lookup decoding, not a draft model: drop one")
     result = run(args.model, args.workload, args.batch_size, args.input_len, args.output_len,
-                 args.num_speculative_tokens, args.rounds, args.draft)
+                 args.num_speculative_tokens, args.rounds, args.draft, not args.fixed_drafts)
     prompts, dabba_tokens = result.pop("prompts"), result.pop("dabba_tokens")
     if args.gguf:
         import torch

@@ -118,6 +118,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None  # the draft model: a directory or a Hub repo id
+    # Each step, a request proposes only the drafts expected to pay for the time they add, from
+    # measured step times and its acceptance so far (core/spec_budget.py); False: always k, a
+    # schedule that does not depend on timing (a seeded draft-model request then samples the same
+    # text in every run).
+    adaptive_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -126,6 +131,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.adaptive_drafts, bool):
+            raise ValueError(f"speculative_config: adaptive_drafts must be true or false, got {self.adaptive_drafts!r}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"speculative_config: prompt_lookup_max ({self.prompt_lookup_max}) must be >= "
                              f"prompt_lookup_min ({self.prompt_lookup_min})")
@@ -176,7 +183,8 @@ class SchedulerConfig:
     speculative_config: SpeculativeConfig | None = _help(
         'Speculative decoding, as JSON (vLLM\'s form): {"method": "ngram", "num_speculative_tokens": k, '
         '"prompt_lookup_min": a, "prompt_lookup_max": b}, or a draft model with the same tokenizer: '
-        '{"model": DIR, "num_speculative_tokens": k}. Lossless: outputs are what the model alone gives.',
+        '{"model": DIR, "num_speculative_tokens": k}; "adaptive_drafts": false keeps k drafts a step whatever '
+        'they cost. Lossless: outputs are what the model alone gives.',
         None, parse=speculative_config_json)
 
     def __post_init__(self) -> None:

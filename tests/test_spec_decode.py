@@ -15,7 +15,9 @@ from dabba.spec_decode.ngram import NgramProposer, PackedTokens
 from dabba.worker.model_runner import accepted_tokens
 from tests.conftest import run_checked, token_prompts
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Fixed drafts: the tests count drafts, which adaptive drafts (the default) would tie to timing.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive_drafts": False}
 
 
 def packed(ids: list[int]) -> PackedTokens:
@@ -58,6 +60,7 @@ def test_accepted_tokens_stop_at_the_first_disagreement() -> None:
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_max .2. must be >= prompt_lookup_min .4."),
     ("{not json", "speculative_config is not valid JSON"),
     ("[3]", "speculative_config must be a JSON object"),
+    ({"adaptive_drafts": "yes"}, "adaptive_drafts must be true or false"),
 ])
 def test_bad_configs_are_refused(checkpoints, value, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -102,6 +105,20 @@ def test_greedy_tokens_and_logprobs_match_plain_decoding(checkpoints, options) -
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
     assert 1 < stats.spec_mean_accepted_length <= 1 + NGRAM["num_speculative_tokens"]
     assert 0 < stats.spec_acceptance_rate <= 1
+
+
+def test_adaptive_drafts_keep_greedy_outputs(checkpoints) -> None:
+    """The default: each request's drafts per step follow measured step times (whatever they are,
+    the tokens are plain decoding's)."""
+    ckpt = checkpoints["llama"]
+    prompts = repetitive_prompts(ckpt, 12)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22)
+    adaptive = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22,
+                   speculative_config={**NGRAM, "adaptive_drafts": True})
+    outs = [run_checked(llm, token_prompts(prompts), params) for llm in (plain, adaptive)]
+    assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]
+    assert adaptive.llm_engine.scheduler.step_cost.fit() is not None  # it measured steps of several sizes
 
 
 def test_preemption_and_prefix_sharing_keep_outputs(checkpoints) -> None:
@@ -197,7 +214,7 @@ def test_the_benchmark_runs_both_engines_side_by_side(checkpoints) -> None:
     from benchmarks.spec_decode import run
 
     result = run(str(checkpoints["llama"].path), "grounded", batch_size=2, input_len=20, output_len=12,
-                 num_speculative_tokens=3, rounds=1)
+                 num_speculative_tokens=3, rounds=1, adaptive_drafts=False)
     prompts = result.pop("prompts")
     assert all(len(p) == 30 and p[20:] == p[:10] for p in prompts) and len(prompts) == 2
     assert len(result.pop("dabba_tokens")) == 2

@@ -44,6 +44,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens a request's scheduled tokens end with (its last known
     # token comes first, then these); the step verifies them.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The most draft tokens each scheduled request may propose for its next step (adaptive drafts,
+    # core/spec_budget.py); a request missing here may propose num_speculative_tokens.
+    spec_token_budget: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

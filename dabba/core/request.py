@@ -73,6 +73,8 @@ class Request:
     stop_reason: int | None = None  # the stop token id that ended it (stop strings are the engine's)
     block_hashes: list[BlockHash] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens for its next step (never in all_token_ids)
+    spec_accepted: int = 0  # its drafts accepted so far, and steps where one was rejected (core/spec_budget.py)
+    spec_rejected: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -28,6 +28,7 @@ from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
 from dabba.core.request import Request, RequestStatus
+from dabba.core.spec_budget import StepCost, request_acceptance, worth_verifying
 
 logger = logging.getLogger("dabba")
 
@@ -94,6 +95,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._failed: list[EngineCoreOutput] = []  # requests ended outside a step's outputs
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_num_rejections = 0  # verified steps in which a draft was rejected
+        self.step_cost = StepCost()  # the worker's step time against its tokens (adaptive drafts)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -210,7 +213,31 @@ class Scheduler:
 
         self._add_grammar_bitmask(out)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        self._add_spec_token_budget(out)
         return out
+
+    def _add_spec_token_budget(self, out: SchedulerOutput) -> None:
+        """With adaptive drafts, how many tokens each request may propose for its next step: those
+        whose chance of acceptance beats the share of a step one more token costs."""
+        spec = self.config.speculative_config
+        if spec is None or not spec.adaptive_drafts:
+            return
+        threshold = self.step_cost.draft_threshold(len(out.num_scheduled_tokens))
+        engine = self._engine_acceptance()
+        for request_id in out.num_scheduled_tokens:
+            request = self.requests[request_id]
+            acceptance = request_acceptance(request.spec_accepted, request.spec_rejected, engine)
+            out.spec_token_budget[request_id] = worth_verifying(spec.num_speculative_tokens, acceptance, threshold)
+
+    def _engine_acceptance(self) -> float:
+        """Per-draft acceptance over every request so far (1 before any draft: worth a try)."""
+        verified = self.spec_num_accepted_tokens + self.spec_num_rejections
+        return self.spec_num_accepted_tokens / verified if verified else 1.0
+
+    def record_step_time(self, num_tokens: int, seconds: float) -> None:
+        """The worker's time for a step of num_tokens tokens (the engine measures it)."""
+        if num_tokens:
+            self.step_cost.record(num_tokens, seconds)
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The draft tokens to verify with a decoding request's next token: as many as the budget,
@@ -286,6 +313,9 @@ class Scheduler:
                 self.spec_num_drafts += 1
                 self.spec_num_draft_tokens += len(drafts)
                 self.spec_num_accepted_tokens += len(drafts) - num_rejected
+                self.spec_num_rejections += num_rejected > 0
+                request.spec_accepted += len(drafts) - num_rejected
+                request.spec_rejected += num_rejected > 0
             if token_ids is None:  # a prefill chunk that has not reached the end of the prompt
                 if prompt_logprobs is not None:
                     outputs.outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=prompt_logprobs,

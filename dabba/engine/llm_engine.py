@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,9 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and self.scheduler.waiting_for_grammar():
             self.structured_output.wait_for_grammars(GRAMMAR_WAIT_S)  # rather than spin
+        start = time.perf_counter()
         runner_out = self.model_runner.execute_model(sched_out)
+        self.scheduler.record_step_time(sched_out.total_num_scheduled_tokens, time.perf_counter() - start)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         processed = self.output_processor.process_outputs(core_outputs)
         # Stop strings are found in the text, which only the engine holds: the scheduler learns by id.

@@ -236,7 +236,9 @@ class ModelRunner:
             if state.spec_pause > 0:
                 state.spec_pause -= 1
                 continue
-            wants[request_id] = self.proposer.num_tokens
+            allowed = sched.spec_token_budget.get(request_id, self.proposer.num_tokens)
+            if allowed > 0:
+                wants[request_id] = allowed
         if isinstance(self.proposer, DraftModel):  # it also catches up with prompt chunks
             proposals = self.proposer.propose(self.requests, sched, request_ids, wants)
             for request_id, proposal in proposals.items():
@@ -246,7 +248,7 @@ class ModelRunner:
         for request_id in wants:
             state = self.requests.states[request_id]
             state.packed.sync(state.token_ids)
-            draft = self.proposer.propose(state.packed, self.proposer.num_tokens)
+            draft = self.proposer.propose(state.packed, wants[request_id])
             if draft:
                 proposals[request_id] = draft
         return proposals
