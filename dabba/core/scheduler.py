@@ -28,7 +28,8 @@ from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
 from dabba.core.request import Request, RequestStatus
-from dabba.core.spec_budget import StepCost, request_acceptance, worth_verifying
+from dabba.core.spec_budget import (EXPLORE_EVERY, StepCost, engine_acceptance, request_acceptance,
+                                     worth_verifying)
 
 logger = logging.getLogger("dabba")
 
@@ -97,6 +98,7 @@ class Scheduler:
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.spec_num_rejections = 0  # verified steps in which a draft was rejected
         self.step_cost = StepCost()  # the worker's step time against its tokens (adaptive drafts)
+        self.num_steps = 0  # steps scheduled with adaptive drafts (one in EXPLORE_EVERY lets every request try one)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -223,16 +225,14 @@ class Scheduler:
         if spec is None or not spec.adaptive_drafts:
             return
         threshold = self.step_cost.draft_threshold(len(out.num_scheduled_tokens))
-        engine = self._engine_acceptance()
+        engine = engine_acceptance(self.spec_num_accepted_tokens, self.spec_num_rejections)
+        self.num_steps += 1
+        explore = self.num_steps % EXPLORE_EVERY == 0
         for request_id in out.num_scheduled_tokens:
             request = self.requests[request_id]
             acceptance = request_acceptance(request.spec_accepted, request.spec_rejected, engine)
-            out.spec_token_budget[request_id] = worth_verifying(spec.num_speculative_tokens, acceptance, threshold)
-
-    def _engine_acceptance(self) -> float:
-        """Per-draft acceptance over every request so far (1 before any draft: worth a try)."""
-        verified = self.spec_num_accepted_tokens + self.spec_num_rejections
-        return self.spec_num_accepted_tokens / verified if verified else 1.0
+            worth = worth_verifying(spec.num_speculative_tokens, acceptance, threshold)
+            out.spec_token_budget[request_id] = max(worth, explore)
 
     def record_step_time(self, num_tokens: int, seconds: float) -> None:
         """The worker's time for a step of num_tokens tokens (the engine measures it)."""

@@ -9,7 +9,9 @@ accepted too), so it is worth verifying while alpha^j > b R / (a + b R).
 On a memory-bound step (a big model, few requests) b is small against a: every draft is worth it.
 On a compute-bound one (a small model, many requests) only well-accepted drafts are. a and b come
 from the steps themselves, fitted by least squares with older steps weighing less; alpha from the
-request's own drafts, starting from the engine's. Pure bookkeeping, no torch (core/).
+request's own drafts, starting from the engine's. A request whose drafts are not worth it still
+verifies one every EXPLORE_EVERY steps, so that its estimate can recover when its text turns
+predictable. Pure bookkeeping, no torch (core/).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 DECAY = 0.98  # weight of a step in the fit, per step since
 PRIOR_DRAFTS = 4  # a request's acceptance starts as the engine's, worth this many verified drafts
+EXPLORE_EVERY = 16  # steps between the single drafts of a request whose drafts are not worth it
 
 
 @dataclass
@@ -63,6 +66,12 @@ def worth_verifying(num_drafts: int, acceptance: float, threshold: float) -> int
     if acceptance >= 1.0:
         return num_drafts
     return min(num_drafts, math.ceil(math.log(threshold) / math.log(acceptance)) - 1)
+
+
+def engine_acceptance(accepted: int, rejected: int) -> float:
+    """Per-draft acceptance over every request, as if one more draft had been accepted (1 before
+    any draft: worth a try; never 0 after the first rejection)."""
+    return (accepted + 1) / (accepted + rejected + 1)
 
 
 def request_acceptance(accepted: int, rejected: int, engine_acceptance: float) -> float:

@@ -7,7 +7,7 @@ import pytest
 from dabba.config import SchedulerConfig
 from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.scheduler import Scheduler
-from dabba.core.spec_budget import StepCost, request_acceptance, worth_verifying
+from dabba.core.spec_budget import EXPLORE_EVERY, StepCost, engine_acceptance, request_acceptance, worth_verifying
 from tests.core.test_scheduler import BLOCK_SIZE, make_request
 
 
@@ -32,6 +32,7 @@ def test_drafts_worth_verifying() -> None:
     assert worth_verifying(4, 0.2, 0.246) == 0
     assert worth_verifying(4, 1.0, 0.9) == 4
     assert request_acceptance(0, 0, 0.6) == pytest.approx(0.6)  # nothing of its own yet: the engine's
+    assert engine_acceptance(0, 0) == 1.0 and engine_acceptance(0, 1) == 0.5  # one rejection does not end it
     assert request_acceptance(6, 2, 0.5) == pytest.approx((6 + 2) / (8 + 4))
 
 
@@ -49,6 +50,8 @@ def test_the_scheduler_budgets_each_requests_next_drafts() -> None:
         scheduler.record_step_time(n, 0.005 + 0.001 * n)
     out = scheduler.schedule()
     assert out.spec_token_budget == {"good": 4, "bad": 0}
+    budgets = [scheduler.schedule().spec_token_budget["bad"] for _ in range(EXPLORE_EVERY)]
+    assert sorted(budgets) == [0] * (EXPLORE_EVERY - 1) + [1]  # one draft now and then, to learn again
     fixed = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
                             speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                                 "adaptive_drafts": False})
