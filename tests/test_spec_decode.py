@@ -243,32 +243,37 @@ def chi_square_p(a: "Counter", b: "Counter") -> float:
 def test_unseeded_sampling_keeps_the_models_distribution(tmp_path) -> None:
     """A model of 8 tokens, sampled at temperature 1 without seeds (the shared generator, whose
     draws speculation consumes differently): 1536 samples of 4 tokens with and without n-gram
-    drafts. Each position's tokens, and the pairs of the first two, pass a chi-square test of
-    one distribution; the same test tells temperature 1 from 0.7 (it has the power to fail)."""
-    from collections import Counter
-
+    drafts (assert_keeps_the_distribution)."""
     from tools.tiny_checkpoint import make_checkpoint
 
     path = make_checkpoint(tmp_path / "tiny-vocab", vocab_size=8, hidden_size=32, intermediate_size=64,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.3)
+    assert_keeps_the_distribution(path, {**NGRAM, "prompt_lookup_min": 1}, max_acceptance=0.9)
+
+
+def assert_keeps_the_distribution(path, speculative_config: dict, max_acceptance: float) -> None:
+    """1536 samples of 4 tokens of an 8-token model at temperature 1, with and without speculation,
+    each engine its own seed (samples drawn with the same noise would not be independent): each
+    position's tokens and the first pairs pass a chi-square test of one distribution, and the same
+    test tells temperature 1 from 0.7 (it has the power to fail)."""
+    from collections import Counter
+
     prompts = [[3, 4, 5, 3, 4, 5, 3, 4, 6, 7][: 6 + i % 5] for i in range(12)]
 
     def samples(temperature: float, speculate: bool, seed: int) -> list[tuple[int, ...]]:
-        # each engine its own seed: samples drawn with the same noise would not be independent
         llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22, seed=seed,
-                  speculative_config={**NGRAM, "prompt_lookup_min": 1} if speculate else None)
+                  speculative_config=speculative_config if speculate else None)
         params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True, n=128)
         outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
         if speculate:
             stats = llm.get_stats()
-            assert stats.spec_num_draft_tokens > 1000 and 0.1 < stats.spec_acceptance_rate < 0.9
+            assert stats.spec_num_draft_tokens > 1000 and 0.1 < stats.spec_acceptance_rate < max_acceptance
         return [(i, *c.token_ids) for i, o in enumerate(outs) for c in o.outputs]
 
     def p_values(a: list, b: list) -> list[float]:
         per_position = [chi_square_p(Counter((s[0], s[j]) for s in a), Counter((s[0], s[j]) for s in b))
                         for j in range(1, 5)]
-        pairs = chi_square_p(Counter(s[:3] for s in a), Counter(s[:3] for s in b))
-        return per_position + [pairs]
+        return per_position + [chi_square_p(Counter(s[:3] for s in a), Counter(s[:3] for s in b))]
 
     plain, spec = samples(1.0, False, seed=1), samples(1.0, True, seed=2)
     assert min(p_values(plain, spec)) > 1e-3
