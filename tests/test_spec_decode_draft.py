@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from dabba import LLM, SamplingParams
 from tests.conftest import run_checked, token_prompts
@@ -78,6 +79,20 @@ def test_greedy_tokens_and_logprobs_match_plain_decoding(checkpoints, drafts, op
         assert stats.spec_acceptance_rate == 1.0 and stats.spec_mean_accepted_length > 3.5
     else:
         assert 0 < stats.spec_acceptance_rate < 1
+
+
+def test_load_time_quantization_applies_to_the_draft_too(checkpoints, drafts) -> None:
+    ckpt = checkpoints["llama"]
+    prompts = repetitive_prompts(ckpt, 4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22, quantization="int8")
+    with_draft = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22, quantization="int8",
+                     speculative_config=spec(drafts["self"]))
+    outs = [run_checked(llm, token_prompts(prompts), params) for llm in (plain, with_draft)]
+    assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]
+    draft = with_draft.llm_engine.model_runner.proposer.model
+    assert any(b.dtype == torch.int8 for b in draft.buffers())  # its linear layers were rounded too
+    assert with_draft.get_stats().spec_acceptance_rate == 1.0  # the draft is the target, rounded the same way
 
 
 def test_preemption_and_prefix_sharing_keep_the_drafts_cache(checkpoints, drafts) -> None:

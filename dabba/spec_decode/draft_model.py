@@ -34,7 +34,7 @@ from dabba.attention.kv_quant import kv_bytes_per_token
 from dabba.core.outputs import SchedulerOutput
 from dabba.models.config import ArchConfig
 from dabba.models.loader import load_model
-from dabba.quantization.config import QuantConfig
+from dabba.quantization.config import QUANTIZATION_METHODS, QuantConfig
 from dabba.worker.input_batch import CachedRequestState, FlatBatch, RequestStates
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.memory import kv_cache_tensors
@@ -78,7 +78,8 @@ class DraftModel:
         self.backend, self.kv_quant = backend, kv_quant
         self.num_tokens = num_tokens
         self.generator = generator
-        self.model = load_model(model_dir, self.arch, dtype, device, max_position=max_model_len, quant_config=quant_config)
+        self.model = load_model(model_dir, self.arch, dtype, device, max_position=max_model_len,
+                                quant_config=self._quant_config(quant_config))
         self.native_loop, why = select_layer_loop(self.model, backend, kv_quant, native_layer_loop)
         logger.info("Draft model %s (%s, %d layers) proposes %d tokens a step; its layers run %s: %s", model_dir,
                     self.arch.architecture, self.arch.num_hidden_layers, num_tokens,
@@ -88,6 +89,13 @@ class DraftModel:
         # per block of the pool: whether the draft's KV of its tokens is written (hits on it save
         # the draft's work); a block given out anew is not, until the draft has passed its end
         self.valid = np.zeros(0, dtype=bool)
+
+    def _quant_config(self, target: QuantConfig | None) -> QuantConfig | None:
+        """The draft checkpoint's own quantization, else the load-time rounding the target asked for
+        (quantization="int8" or "int4"); never the target checkpoint's GPTQ or AWQ layout."""
+        if self.arch.quantization_config:
+            return QuantConfig.from_checkpoint(self.arch.quantization_config)
+        return target if target is not None and target.method in QUANTIZATION_METHODS else None
 
     def bytes_per_block(self, block_size: int, kv_cache_dtype: str) -> int:
         arch = self.arch
