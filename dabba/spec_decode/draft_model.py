@@ -34,10 +34,11 @@ from dabba.attention.kv_quant import kv_bytes_per_token
 from dabba.core.outputs import SchedulerOutput
 from dabba.models.config import ArchConfig
 from dabba.models.loader import load_model
+from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QUANTIZATION_METHODS, QuantConfig
 from dabba.worker.input_batch import CachedRequestState, FlatBatch, RequestStates
 from dabba.worker.layer_loop import run_layers, select_layer_loop
-from dabba.worker.memory import kv_cache_tensors
+from dabba.worker.memory import check_fits, kv_cache_tensors
 from dabba.worker.sampler import DRAFT_STREAM, SamplingMetadata, argmax_rows, race, seeded_uniform, warp
 from dabba.worker.sampling_metadata import build_sampling_metadata
 
@@ -78,8 +79,10 @@ class DraftModel:
         self.backend, self.kv_quant = backend, kv_quant
         self.num_tokens = num_tokens
         self.generator = generator
-        self.model = load_model(model_dir, self.arch, dtype, device, max_position=max_model_len,
-                                quant_config=self._quant_config(quant_config))
+        quant = self._quant_config(quant_config)
+        check_fits(f"the draft model {model_dir}'s weights", weights_bytes(self.arch, dtype, quant, device.type), device,
+                   "take a smaller draft model, or quantize it")
+        self.model = load_model(model_dir, self.arch, dtype, device, max_position=max_model_len, quant_config=quant)
         self.native_loop, why = select_layer_loop(self.model, backend, kv_quant, native_layer_loop)
         logger.info("Draft model %s (%s, %d layers) proposes %d tokens a step; its layers run %s: %s", model_dir,
                     self.arch.architecture, self.arch.num_hidden_layers, num_tokens,
