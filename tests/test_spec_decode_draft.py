@@ -59,13 +59,13 @@ def generate_both(target, prompts, params, speculative_config, **options) -> tup
     return outs[0], outs[1], with_draft.get_stats()
 
 
-@pytest.mark.parametrize("options", [
-    {},
-    {"max_num_batched_tokens": 24},  # chunked prefill: the draft catches up chunk by chunk
-    {"enable_prefix_caching": False, "native_layer_loop": "off"},
+@pytest.mark.parametrize("draft, options", [
+    ("self", {}),
+    ("self", {"max_num_batched_tokens": 24}),  # chunked prefill: the draft catches up chunk by chunk
+    ("one_layer", {"max_num_batched_tokens": 24}),
+    ("one_layer", {"enable_prefix_caching": False, "native_layer_loop": "off"}),
 ])
-@pytest.mark.parametrize("draft", ["self", "one_layer"])
-def test_greedy_tokens_and_logprobs_match_plain_decoding(checkpoints, drafts, options, draft) -> None:
+def test_greedy_tokens_and_logprobs_match_plain_decoding(checkpoints, drafts, draft, options) -> None:
     ckpt = checkpoints["llama"]
     prompts = [p[:30] for p in ckpt.prompts[:6]] + repetitive_prompts(ckpt, 4)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
