@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
 from dabba.config import SchedulerConfig
@@ -28,8 +27,9 @@ from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
 from dabba.core.request import Request, RequestStatus
-from dabba.core.spec_budget import (EXPLORE_EVERY, StepCost, engine_acceptance, request_acceptance,
+from dabba.core.spec_budget import (EXPLORE_EVERY, StepCost, engine_acceptance, lookahead_slots, request_acceptance,
                                      worth_verifying)
+from dabba.core.stats import SchedulerStats
 
 logger = logging.getLogger("dabba")
 
@@ -45,41 +45,6 @@ class StructuredOutputs(Protocol):
     def accept_token(self, request_id: str, token_id: int) -> bool: ...  # True: the grammar ended
 
     def free(self, request_id: str) -> None: ...
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot of the batch and the KV cache (``LLM.get_stats()``, ``/metrics``)."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float  # blocks in use / blocks
-    prefix_cache_hit_rate: float  # prompt tokens found in the cache / prompt tokens looked up
-    num_preemptions: int
-    kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
-    kv_slots_allocated: int = 0  # token slots of the blocks in use
-    kv_tokens_stored: int = 0  # of those, slots holding a computed token (shared blocks once)
-    prefix_cache_hit_tokens: int = 0
-    prefix_cache_queried_tokens: int = 0
-    spec_num_drafts: int = 0  # speculative steps: a request's drafts verified once
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        """Accepted draft tokens / proposed ones."""
-        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
-
-    @property
-    def spec_mean_accepted_length(self) -> float:
-        """Tokens a speculative step gives a request on average: its accepted drafts and the one after."""
-        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
-
-    @property
-    def kv_slot_utilization(self) -> float:
-        """Real tokens / allocated slots: what paging wastes is only the unfilled tail of blocks."""
-        return self.kv_tokens_stored / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
 
 
 class Scheduler:
@@ -249,14 +214,8 @@ class Scheduler:
         return request.spec_token_ids[:max(room, 0)]
 
     def _lookahead(self, request: Request, end: int) -> int:
-        """KV slots past this step's tokens (which end at position ``end``) that the proposer writes
-        (a draft model's own KV for the tokens it proposes from), within what the request can ever
-        hold (admission checked that)."""
         spec = self.config.speculative_config
-        if spec is None or not spec.num_lookahead_tokens:
-            return 0
-        slots = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len) - 1  # all it ever holds
-        return max(0, min(spec.num_lookahead_tokens, slots - end))
+        return 0 if spec is None else lookahead_slots(spec.num_lookahead_tokens, request, end, self.max_model_len)
 
     def _grammar_ready(self, request: Request) -> bool | None:
         """Whether its grammar is compiled (it is WAITING then); None if compiling failed, which

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dabba.core.request import Request
+
 DECAY = 0.98  # weight of a step in the fit, per step since
 PRIOR_DRAFTS = 4  # a request's acceptance starts as the engine's, worth this many verified drafts
 EXPLORE_EVERY = 16  # steps between the single drafts of a request whose drafts are not worth it
@@ -78,3 +80,11 @@ def request_acceptance(accepted: int, rejected: int, engine_acceptance: float) -
     """Per-draft acceptance of one request: drafts accepted over those verified (a step's drafts
     after its first rejection were never verified), starting from the engine's."""
     return (accepted + PRIOR_DRAFTS * engine_acceptance) / (accepted + rejected + PRIOR_DRAFTS)
+
+
+def lookahead_slots(num_lookahead_tokens: int, request: Request, end: int, max_model_len: int) -> int:
+    """KV slots past a step's tokens (which end at position ``end``) that the proposer writes (a
+    draft model's own KV for the tokens it proposes from), within the prompt + max_tokens - 1 slots
+    admission reserved (the last token is never fed), so a request that fits alone still does."""
+    slots = min(request.num_prompt_tokens + request.max_tokens, max_model_len) - 1
+    return max(0, min(num_lookahead_tokens, slots - end))

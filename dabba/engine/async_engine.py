@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from dabba.core.scheduler import SchedulerStats
+from dabba.core.stats import SchedulerStats
 from dabba.engine.llm_engine import LLMEngine, PromptType
 from dabba.engine.metrics import EngineMetrics
 from dabba.engine.output_processor import IterationStats

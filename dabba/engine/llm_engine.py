@@ -16,7 +16,8 @@ import torch
 from dabba.config import EngineConfig
 from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.request import Request, RequestStatus
-from dabba.core.scheduler import Scheduler, SchedulerStats
+from dabba.core.scheduler import Scheduler
+from dabba.core.stats import SchedulerStats
 from dabba.engine.output_processor import IterationStats, OutputProcessor
 from dabba.engine.tokenizer import Tokenizer
 from dabba.models.config import ArchConfig

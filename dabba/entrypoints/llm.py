@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from dabba.config import EngineConfig
-from dabba.core.scheduler import SchedulerStats
+from dabba.core.stats import SchedulerStats
 from dabba.engine.llm_engine import LLMEngine, PromptType
 from dabba.engine.tokenizer import Tokenizer
 from dabba.outputs import RequestOutput

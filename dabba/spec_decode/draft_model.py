@@ -39,7 +39,7 @@ from dabba.quantization.config import QUANTIZATION_METHODS, QuantConfig
 from dabba.worker.input_batch import CachedRequestState, FlatBatch, RequestStates
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.memory import check_fits, kv_cache_tensors
-from dabba.worker.sampler import DRAFT_STREAM, SamplingMetadata, argmax_rows, race, seeded_uniform, warp
+from dabba.worker.sampler import DRAFT_STREAM, SamplingMetadata, argmax_rows, race, row_noise, warp
 from dabba.worker.sampling_metadata import build_sampling_metadata
 
 logger = logging.getLogger("dabba")
@@ -161,8 +161,8 @@ class DraftModel:
         proposing = [r for r in req_ids if r in budget]
         if not proposing:
             return {}
-        last_rows = np.cumsum(ends_np - starts_np) - 1
-        rows = [int(last_rows[req_ids.index(r)]) for r in proposing]
+        last_rows = np.cumsum(ends_np - starts_np) - 1  # each fed request's newest token
+        rows = [int(last) for r, last in zip(req_ids, last_rows) if r in budget]
         states = [requests.states[r] for r in proposing]
         md = build_sampling_metadata([_plain(s) for s in states], self.arch.vocab_size, self.device)
         tokens: dict[str, list[int]] = {r: [] for r in proposing}
@@ -212,11 +212,8 @@ class DraftModel:
         if md.all_greedy:
             return drawn.tolist(), None
         q = warp(logits.float(), md)
-        noise = torch.empty_like(q).uniform_(generator=self.generator)
-        for k, state in enumerate(states):
-            seed = state.sampling_params.seed
-            if seed is not None:
-                noise[k] = seeded_uniform((q.shape[1],), seed, state.num_output_tokens + j, DRAFT_STREAM, q.device)
+        noise = row_noise(q.shape, self.generator, [s.sampling_params.seed for s in states],
+                          [s.num_output_tokens + j for s in states], DRAFT_STREAM, q.device)
         drawn = torch.where(md.temperature == 0, drawn, race(q, noise))
         return drawn.tolist(), q
 

@@ -33,10 +33,16 @@ def step_seed(seed: int, output_index: int, stream: int = 0) -> int:
 DRAFT_STREAM, VERIFY_STREAM = 1, 2
 
 
-def seeded_uniform(shape: tuple[int, ...], seed: int, output_index: int, stream: int,
-                   device: torch.device) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(step_seed(seed, output_index, stream))
-    return torch.empty(shape, device=device).uniform_(generator=gen)
+def row_noise(shape: tuple[int, ...], generator: torch.Generator, seeds: list[int | None], output_indices: list[int],
+              stream: int, device: torch.device) -> torch.Tensor:
+    """Uniform noise, a row per request: a seeded request's row depends only on (seed, output
+    index, stream), the others' come from the shared generator."""
+    noise = torch.empty(shape, device=device).uniform_(generator=generator)
+    for i, seed in enumerate(seeds):
+        if seed is not None:
+            gen = torch.Generator(device=device).manual_seed(step_seed(seed, output_indices[i], stream))
+            noise[i].uniform_(generator=gen)
+    return noise
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -201,12 +207,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         probs = warp(logits, md)
-        noise = torch.empty_like(probs).uniform_(generator=self.generator)  # one noise row per request
-        for i, seed in enumerate(md.seeds):
-            if seed is not None:
-                gen = torch.Generator(device=logits.device).manual_seed(step_seed(seed, md.output_indices[i]))
-                noise[i].uniform_(generator=gen)
-        sampled = race(probs, noise)
+        sampled = race(probs, row_noise(probs.shape, self.generator, md.seeds, md.output_indices, 0, probs.device))
         if md.draft_rows is not None:
             sampled[md.draft_rows] = self._verify_drafts(probs[md.draft_rows], md)
         return sampled
@@ -214,12 +215,10 @@ class Sampler:
     def _verify_drafts(self, p: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Rejection sampling of the draft rows: each row's draft token, or a draw from the residual."""
         q, d = md.draft_probs, md.draft_token_ids
-        u = torch.empty(len(d), device=p.device).uniform_(generator=self.generator)
-        noise = torch.empty_like(p).uniform_(generator=self.generator)
-        for j, row in enumerate(md.draft_rows.tolist()):
-            if md.seeds[row] is not None:
-                draws = seeded_uniform((1 + p.shape[1],), md.seeds[row], md.output_indices[row], VERIFY_STREAM, p.device)
-                u[j], noise[j] = draws[0], draws[1:]
+        rows = md.draft_rows.tolist()
+        draws = row_noise((len(rows), 1 + p.shape[1]), self.generator, [md.seeds[r] for r in rows],
+                          [md.output_indices[r] for r in rows], VERIFY_STREAM, p.device)
+        u, noise = draws[:, 0], draws[:, 1:]  # the acceptance test's, then the residual draw's
         p_d, q_d = p.gather(1, d[:, None])[:, 0], q.gather(1, d[:, None])[:, 0]
         accept = u * q_d < p_d
         residual = race((p - q).clamp_(min=0), noise)

@@ -21,7 +21,8 @@ from dabba.core.kv_cache_manager import KVCacheManager, cdiv
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput, TokenLogprobs)
 from dabba.core.request import Request, RequestStatus
-from dabba.core.scheduler import Scheduler, SchedulerStats
+from dabba.core.scheduler import Scheduler
+from dabba.core.stats import SchedulerStats
 from dabba.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

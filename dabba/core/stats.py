@@ -1,0 +1,40 @@
+"""What the scheduler reports of the batch, the KV cache and speculative decoding: one snapshot
+(``LLM.get_stats()``, ``/metrics``, ``dabba bench``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the batch and the KV cache (``LLM.get_stats()``, ``/metrics``)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float  # blocks in use / blocks
+    prefix_cache_hit_rate: float  # prompt tokens found in the cache / prompt tokens looked up
+    num_preemptions: int
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_slots_allocated: int = 0  # token slots of the blocks in use
+    kv_tokens_stored: int = 0  # of those, slots holding a computed token (shared blocks once)
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_queried_tokens: int = 0
+    spec_num_drafts: int = 0  # speculative steps: a request's drafts verified once
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed ones."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a speculative step gives a request on average: its accepted drafts and the one after."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+
+    @property
+    def kv_slot_utilization(self) -> float:
+        """Real tokens / allocated slots: what paging wastes is only the unfilled tail of blocks."""
+        return self.kv_tokens_stored / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
