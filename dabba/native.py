@@ -83,6 +83,7 @@ class KernelConstants:
 
     gemv_max_rows: int  # bf16: the most rows the GEMV takes at once; a linear takes it up to gemv_max_rows(K)
     gemm_max_rows: int  # and the GEMM beyond, up to here; F.linear (oneDNN) past it
+    gemm_row_block: int  # the GEMM computes x's rows this many at a time
     int8_gemv_max_rows: int  # INT8 codes: the GEMV up to here
     int4_gemv_max_rows: int  # INT4 codes (PyTorch's packed layout): dabba's GEMV up to here, tinygemm beyond
     int8_gemm_min_rows: int  # INT8's GEMM from here to gemm_max_rows (bf16 activations)
@@ -132,6 +133,15 @@ def amx_usable(in_features: int) -> bool:
     """Whether the GEMM runs on AMX tiles for this many input features here (csrc/gemm_amx_cpu.cpp):
     the CPU has AMX-BF16, the OS granted the tiles, and the features are a multiple of 32."""
     return gemm_available() and torch.ops.dabba_cpu.amx_usable(in_features)
+
+
+def linear_row_blocks(in_features: int) -> tuple[int, int]:
+    """(rows up to which each row costs its own, rows the kernel computes at a time beyond) for a
+    bf16 linear with this many input features here: the GEMV, then the GEMM's blocks; (0, 1)
+    where no blocking is known (the avx2 build's GEMM, or no kernels)."""
+    if not gemm_available():
+        return 0, 1
+    return gemv_max_rows(in_features), kernel_constants().gemm_row_block
 
 
 def gemv_max_rows(in_features: int) -> int:

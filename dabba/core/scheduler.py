@@ -27,8 +27,8 @@ from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
 from dabba.core.request import Request, RequestStatus
-from dabba.core.spec_budget import (EXPLORE_EVERY, StepCost, engine_acceptance, lookahead_slots, request_acceptance,
-                                     worth_verifying)
+from dabba.core.spec_budget import (EXPLORE_EVERY, RowBlocks, StepCost, draft_budgets, engine_acceptance,
+                                     lookahead_slots, request_acceptance)
 from dabba.core.stats import SchedulerStats
 
 logger = logging.getLogger("dabba")
@@ -49,7 +49,7 @@ class StructuredOutputs(Protocol):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 structured_output: StructuredOutputs | None = None) -> None:
+                 structured_output: StructuredOutputs | None = None, row_blocks: RowBlocks = RowBlocks()) -> None:
         self.config = config
         self.structured_output = structured_output
         self.kv_cache_manager = kv_cache_manager
@@ -62,7 +62,8 @@ class Scheduler:
         self._failed: list[EngineCoreOutput] = []  # requests ended outside a step's outputs
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.spec_num_rejections = 0  # verified steps in which a draft was rejected
-        self.step_cost = StepCost()  # the worker's step time against its tokens (adaptive drafts)
+        self.step_cost = StepCost(row_blocks)  # a step's time against its rows and prefill tokens (adaptive drafts)
+        self._last_step_decoded = False  # whether the last step had no prefill tokens (StepCost)
         self.num_steps = 0  # steps scheduled with adaptive drafts (one in EXPLORE_EVERY lets every request try one)
 
     # ---- admission -------------------------------------------------------------------------
@@ -184,25 +185,29 @@ class Scheduler:
         return out
 
     def _add_spec_token_budget(self, out: SchedulerOutput) -> None:
-        """With adaptive drafts, how many tokens each request may propose for its next step: those
-        whose chance of acceptance beats the share of a step one more token costs."""
+        """With adaptive drafts, how many tokens each request may propose for its next step: the
+        count over the batch that makes a step's tokens per second highest (core/spec_budget.py)."""
         spec = self.config.speculative_config
         if spec is None or not spec.adaptive_drafts:
             return
-        threshold = self.step_cost.draft_threshold(len(out.num_scheduled_tokens))
         engine = engine_acceptance(self.spec_num_accepted_tokens, self.spec_num_rejections)
+        acceptance = {rid: request_acceptance(self.requests[rid].spec_accepted, self.requests[rid].spec_rejected,
+                                              engine) for rid in out.num_scheduled_tokens}
+        base_rows = out.total_num_scheduled_tokens - sum(len(d) for d in out.scheduled_spec_decode_tokens.values())
+        out.spec_token_budget = draft_budgets(self.step_cost, base_rows, acceptance, spec.num_speculative_tokens)
         self.num_steps += 1
-        explore = self.num_steps % EXPLORE_EVERY == 0
-        for request_id in out.num_scheduled_tokens:
-            request = self.requests[request_id]
-            acceptance = request_acceptance(request.spec_accepted, request.spec_rejected, engine)
-            worth = worth_verifying(spec.num_speculative_tokens, acceptance, threshold)
-            out.spec_token_budget[request_id] = max(worth, explore)
+        if self.num_steps % EXPLORE_EVERY == 0:  # a draft to learn from, and a size to measure
+            out.spec_token_budget = {rid: max(budget, 1) for rid, budget in out.spec_token_budget.items()}
+        elif self.num_steps % EXPLORE_EVERY == EXPLORE_EVERY // 2 and not self.step_cost.measured(base_rows):
+            out.spec_token_budget = dict.fromkeys(out.spec_token_budget, 0)  # the size without drafts, to measure
 
-    def record_step_time(self, num_tokens: int, seconds: float) -> None:
-        """The worker's time for a step of num_tokens tokens (the engine measures it)."""
-        if num_tokens:
-            self.step_cost.record(num_tokens, seconds)
+    def record_step_time(self, out: SchedulerOutput, seconds: float) -> None:
+        """The time a step took, from schedule() to its outputs (the engine measures it); the draft
+        budget prices decode steps only (core/spec_budget.StepCost)."""
+        decode = all(n == 1 or rid in out.scheduled_spec_decode_tokens for rid, n in out.num_scheduled_tokens.items())
+        if not out.is_empty and decode and self._last_step_decoded:  # not on caches a prefill just swept
+            self.step_cost.record(out.total_num_scheduled_tokens, seconds)
+        self._last_step_decoded = decode
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The draft tokens to verify with a decoding request's next token: as many as the budget,

@@ -98,6 +98,9 @@ void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
 // steps measured in the engine, SmolLM, against F.linear: 22 against 30-38 ms at 64 rows, 41-44
 // against 46-57 at 128, level at 256, 5-12% slower from 512.
 constexpr int kGemmMaxRows = 256;
+// The GEMM packs x 16 rows to a vector (and AMX tiles hold 16 rows): 17 rows cost what 32 do.
+// Adaptive drafts fill the blocks a step already pays for (core/spec_budget.py).
+constexpr int kGemmRowBlock = 16;
 // gemm_amx_cpu.cpp: where the CPU has AMX-BF16, the OS grants the process its tile state and K is
 // a multiple of 32, the GEMM (bf16 and INT8 codes) runs on AMX tiles instead, 3-5x the
 // AVX512-BF16 tiles' rate at 16-256 rows. Its tile loads (16 weight rows at once) also stream the

@@ -13,6 +13,7 @@ c10::Dict<std::string, int64_t> kernel_constants() {
   c10::Dict<std::string, int64_t> constants;
   constants.insert("gemv_max_rows", kGemvMaxRows);
   constants.insert("gemm_max_rows", kGemmMaxRows);
+  constants.insert("gemm_row_block", kGemmRowBlock);
   constants.insert("int8_gemv_max_rows", kInt8GemvMaxRows);
   constants.insert("int4_gemv_max_rows", kInt4GemvMaxRows);
   constants.insert("int8_gemm_min_rows", kInt8GemmMinRows);

@@ -99,7 +99,7 @@ class LLMEngine:
                                                self.cache_layout.groups, sc.max_num_batched_tokens)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.max_model_len,
-                                   self.structured_output)
+                                   self.structured_output, self.model_runner.row_blocks())
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def _eos_token_ids(self) -> frozenset[int]:
@@ -193,16 +193,16 @@ class LLMEngine:
 
     def step_with_stats(self) -> tuple[list[RequestOutput], IterationStats]:
         """step(), plus what the step generated per prompt, for metrics whatever the output kind."""
+        start = time.perf_counter()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and self.scheduler.waiting_for_grammar():
             self.structured_output.wait_for_grammars(GRAMMAR_WAIT_S)  # rather than spin
-        start = time.perf_counter()
         runner_out = self.model_runner.execute_model(sched_out)
-        self.scheduler.record_step_time(sched_out.total_num_scheduled_tokens, time.perf_counter() - start)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         processed = self.output_processor.process_outputs(core_outputs)
         # Stop strings are found in the text, which only the engine holds: the scheduler learns by id.
         self.scheduler.finish_requests(processed.reqs_to_finish, RequestStatus.FINISHED_STOPPED)
+        self.scheduler.record_step_time(sched_out, time.perf_counter() - start)
         return processed.request_outputs, processed.iteration_stats
 
     def get_stats(self) -> SchedulerStats:

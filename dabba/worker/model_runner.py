@@ -33,6 +33,7 @@ from dabba.attention.selector import get_attention_backend
 from dabba.config import CacheConfig, SpeculativeConfig
 from dabba.core.kv_cache_groups import KVCacheGroup, group_layers, group_size, layer_slots
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from dabba.core.spec_budget import RowBlocks
 from dabba.models.config import ArchConfig
 from dabba.models.loader import load_model
 from dabba.models.sizes import weights_bytes
@@ -106,6 +107,13 @@ class ModelRunner:
         self.kv_caches: list = []  # per layer: a tensor, or (codes, scales) for an 8-bit cache
         self.layer_groups: list[int] | None = None  # per layer: its KV-cache group; None: one group
         self.layout: CacheLayout | None = None
+
+    def row_blocks(self) -> RowBlocks:
+        """How this model's linears group a step's rows, for the scheduler's draft budget: the CPU
+        kernels' GEMV and GEMM blocks for bf16 weights, else no blocking."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            return RowBlocks()
+        return RowBlocks(*native.linear_row_blocks(self.arch.hidden_size))
 
     def initialize_kv_cache(self, cache_config: CacheConfig, max_num_seqs: int, max_chunk: int) -> CacheLayout:
         """Carve the budget into blocks of the shared pool. Layers are grouped by attention kind
