@@ -214,10 +214,11 @@ def test_the_benchmark_runs_both_engines_side_by_side(checkpoints) -> None:
     from benchmarks.spec_decode import run
 
     result = run(str(checkpoints["llama"].path), "grounded", batch_size=2, input_len=20, output_len=12,
-                 num_speculative_tokens=3, rounds=1, adaptive_drafts=False)
+                 num_speculative_tokens=3, rounds=1, adaptive_drafts=False, num_prompts=3, spread_lengths=True)
     prompts = result.pop("prompts")
-    assert all(len(p) == 30 and p[20:] == p[:10] for p in prompts) and len(prompts) == 2
-    assert len(result.pop("dabba_tokens")) == 2
+    assert all(len(p) == 30 and p[20:] == p[:10] for p in prompts) and len(prompts) == 3  # 3 prompts, 2 slots
+    lengths = [len(t) for t in result.pop("dabba_tokens")]
+    assert len(set(lengths)) > 1 and all(6 <= n <= 18 for n in lengths)  # each its own length
     assert result["same_tokens"] is True and min(result["tok_s"]["spec"] + result["tok_s"]["plain"]) > 0
     assert result["spec_decode"]["num_draft_tokens"] > 0
 

@@ -74,6 +74,10 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # Speculative decoding: draft tokens proposed for each request's next step
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # and the proposer's time for them, in passes of one draft per request (a draft model's forwards):
+    # adaptive drafts price a pass by it (core/spec_budget.py)
+    draft_passes: int = 0
+    draft_seconds: float = 0.0
 
 
 @dataclass

@@ -201,12 +201,14 @@ class Scheduler:
         elif self.num_steps % EXPLORE_EVERY == EXPLORE_EVERY // 2 and not self.step_cost.measured(base_rows):
             out.spec_token_budget = dict.fromkeys(out.spec_token_budget, 0)  # the size without drafts, to measure
 
-    def record_step_time(self, out: SchedulerOutput, seconds: float) -> None:
-        """The time a step took, from schedule() to its outputs (the engine measures it); the draft
-        budget prices decode steps only (core/spec_budget.StepCost)."""
+    def record_step_time(self, out: SchedulerOutput, runner_out: ModelRunnerOutput, seconds: float) -> None:
+        """The time a step took, from schedule() to its outputs (the engine measures it): the
+        proposer's share prices the next step's drafts, the rest this step's rows (decode steps
+        only: core/spec_budget.StepCost)."""
+        self.step_cost.record_drafting(runner_out.draft_passes, runner_out.draft_seconds)
         decode = all(n == 1 or rid in out.scheduled_spec_decode_tokens for rid, n in out.num_scheduled_tokens.items())
         if not out.is_empty and decode and self._last_step_decoded:  # not on caches a prefill just swept
-            self.step_cost.record(out.total_num_scheduled_tokens, seconds)
+            self.step_cost.record(out.total_num_scheduled_tokens, seconds - runner_out.draft_seconds)
         self._last_step_decoded = decode
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:

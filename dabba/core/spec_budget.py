@@ -8,7 +8,8 @@ do), so the first draft past a block boundary costs a block, and the drafts afte
 nothing. A request's j-th draft yields a token with probability alpha^j (alpha: its per-draft
 acceptance; every draft before it must be accepted too). The step's R decoding requests make R
 tokens plus the drafts' expected ones; draft_budgets takes the drafts with the best odds first and
-stops at the count whose tokens per second are highest.
+stops at the count whose tokens per second are highest. Proposing costs too: a draft model runs one
+forward per draft deep, timed by the worker (ModelRunnerOutput.draft_seconds) and priced per pass.
 
 On a memory-bound step (a big model, few requests) b is small against a: every draft is worth it.
 On a compute-bound one (a small model, many requests) only drafts that fill a block already paid
@@ -59,6 +60,7 @@ class StepCost:
     rows: RowBlocks = field(default_factory=RowBlocks)
     by_size: dict[int, tuple[float, int]] = field(default_factory=dict)  # padded rows -> (recent mean s, step)
     steps: int = 0  # decode steps recorded
+    pass_seconds: float = 0.0  # recent mean time of a proposer's pass (one draft for every request asked)
     w: float = 0.0  # sum of weights
     n: float = 0.0  # weighted sums of padded rows, rows^2, seconds, rows * seconds
     nn: float = 0.0
@@ -72,6 +74,12 @@ class StepCost:
         self.by_size[n] = mean, self.steps
         self.w, self.n, self.nn, self.t, self.nt = (DECAY * self.w + 1, DECAY * self.n + n, DECAY * self.nn + n * n,
                                                     DECAY * self.t + seconds, DECAY * self.nt + n * seconds)
+
+    def record_drafting(self, passes: int, seconds: float) -> None:
+        """A step's proposing: ``passes`` drafts deep (a draft model runs one forward a pass)."""
+        if passes > 0:
+            self.pass_seconds = seconds / passes if not self.pass_seconds else (
+                SIZE_MEAN * seconds / passes + (1 - SIZE_MEAN) * self.pass_seconds)
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b), or None until steps of different padded sizes have been seen."""
@@ -96,21 +104,22 @@ class StepCost:
 def draft_budgets(cost: StepCost, base_rows: int, acceptance: dict[str, float], most: int) -> dict[str, int]:
     """How many drafts (up to ``most``) each request in ``acceptance`` verifies next step, in a step
     of ``base_rows`` rows without them: the count over the batch whose expected tokens per second
-    are highest, the drafts most likely accepted first. Every draft before a fit exists."""
+    are highest, the drafts most likely accepted first. A step's time is its rows' plus the
+    proposer's passes, as deep as the deepest request's drafts. Every draft before a fit exists."""
     fitted = cost.fit()
     if fitted is None or cost.seconds(fitted, base_rows) <= 0.0:
         return dict.fromkeys(acceptance, most)
-    odds = sorted(((alpha ** j, rid) for rid, alpha in acceptance.items() for j in range(1, most + 1)
+    odds = sorted(((alpha ** j, j, rid) for rid, alpha in acceptance.items() for j in range(1, most + 1)
                    if alpha > 0.0), reverse=True)
-    tokens = float(len(acceptance))
+    tokens, depth = float(len(acceptance)), 0
     best_rate, best = tokens / cost.seconds(fitted, base_rows), 0
-    for count, (p, _) in enumerate(odds, 1):
-        tokens += p
-        rate = tokens / cost.seconds(fitted, base_rows + count)
+    for count, (p, j, _) in enumerate(odds, 1):
+        tokens, depth = tokens + p, max(depth, j)
+        rate = tokens / (cost.seconds(fitted, base_rows + count) + depth * cost.pass_seconds)
         if rate > best_rate:
             best_rate, best = rate, count
     budgets = dict.fromkeys(acceptance, 0)
-    for _, rid in odds[:best]:
+    for _, _, rid in odds[:best]:
         budgets[rid] += 1
     return budgets
 

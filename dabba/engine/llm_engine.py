@@ -202,7 +202,7 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(core_outputs)
         # Stop strings are found in the text, which only the engine holds: the scheduler learns by id.
         self.scheduler.finish_requests(processed.reqs_to_finish, RequestStatus.FINISHED_STOPPED)
-        self.scheduler.record_step_time(sched_out, time.perf_counter() - start)
+        self.scheduler.record_step_time(sched_out, runner_out, time.perf_counter() - start)
         return processed.request_outputs, processed.iteration_stats
 
     def get_stats(self) -> SchedulerStats:

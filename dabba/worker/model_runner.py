@@ -200,7 +200,9 @@ class ModelRunner:
                                                for r in range(first, first + len(tokens))]
         self.requests.append_sampled(output.sampled_token_ids)
         if self.proposer is not None:
-            output.spec_token_ids = self._propose(sched, inputs.sampling_req_ids)
+            start = time.perf_counter()
+            output.spec_token_ids, output.draft_passes = self._propose(sched, inputs.sampling_req_ids)
+            output.draft_seconds = time.perf_counter() - start
         return output
 
     def _add_draft_probs(self, md: SamplingMetadata, request_ids: list[str], first_rows: list[int],
@@ -232,9 +234,10 @@ class ModelRunner:
                 rows += [state] * len(draft)
         return rows
 
-    def _propose(self, sched: SchedulerOutput, request_ids: list[str]) -> dict[str, list[int]]:
+    def _propose(self, sched: SchedulerOutput, request_ids: list[str]) -> tuple[dict[str, list[int]], int]:
         """Drafts for the next step of each request that sampled (none under structured outputs,
-        whose grammar would have to walk them, nor while a request's proposals pause)."""
+        whose grammar would have to walk them, nor while a request's proposals pause), and the
+        most any request was allowed (a draft model's passes)."""
         wants = {}
         for request_id in request_ids:
             state = self.requests.states[request_id]
@@ -251,7 +254,8 @@ class ModelRunner:
             proposals = self.proposer.propose(self.requests, sched, request_ids, wants)
             for request_id, proposal in proposals.items():
                 self.requests.states[request_id].draft_probs = proposal.probs
-            return {request_id: proposal.token_ids for request_id, proposal in proposals.items()}
+            return ({request_id: proposal.token_ids for request_id, proposal in proposals.items()},
+                    max(wants.values(), default=0))
         proposals = {}
         for request_id in wants:
             state = self.requests.states[request_id]
@@ -259,7 +263,7 @@ class ModelRunner:
             draft = self.proposer.propose(state.packed, wants[request_id])
             if draft:
                 proposals[request_id] = draft
-        return proposals
+        return proposals, max(wants.values(), default=0)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor) -> dict:
         """For requests asking prompt_logprobs, the logprob of each prompt token this step's chunk

@@ -6,7 +6,7 @@ import pytest
 
 from dabba.config import SchedulerConfig
 from dabba.core.kv_cache_manager import KVCacheManager
-from dabba.core.outputs import SchedulerOutput
+from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput
 from dabba.core.scheduler import Scheduler
 from dabba.core.spec_budget import (EXPLORE_EVERY, STALE_STEPS, RowBlocks, StepCost, draft_budgets, engine_acceptance,
                                      request_acceptance)
@@ -49,6 +49,9 @@ def test_draft_budgets_fill_the_block_a_step_pays_for() -> None:
     # 10 requests: 6 rows of their block are free, and go to the drafts most likely accepted
     free = draft_budgets(cost, 10, {"good": 0.9, "fair": 0.5, **{f"r{i}": 0.01 for i in range(8)}}, 4)
     assert free["good"] == 4 and free["fair"] == 2 and sum(free.values()) == 6
+    assert draft_budgets(cost, 1, {"a": 0.6}, 4) == {"a": 4}  # rows of a block paid for: free
+    cost.record_drafting(passes=2, seconds=0.002)  # a draft model: 1 ms a pass, one pass per draft deep
+    assert draft_budgets(cost, 1, {"a": 0.6}, 4) == {"a": 1}  # 1.6 tokens in 3 ms; 1.96 in 4
 
 
 def test_acceptance_estimates() -> None:
@@ -73,7 +76,7 @@ def test_the_scheduler_budgets_each_requests_next_drafts() -> None:
     scheduler.requests["good"].spec_accepted, scheduler.requests["good"].spec_rejected = 30, 2
     scheduler.requests["bad"].spec_accepted, scheduler.requests["bad"].spec_rejected = 1, 20
     for good, bad in ((1, 1), (5, 1), (1, 5), (3, 2), (1, 1), (5, 5)):  # 5 ms + 1 ms a row: a row costs a 7th
-        scheduler.record_step_time(decode_step({"good": good, "bad": bad}), 0.005 + 0.001 * (good + bad))
+        scheduler.record_step_time(decode_step({"good": good, "bad": bad}), ModelRunnerOutput(), 0.005 + 0.001 * (good + bad))
     out = scheduler.schedule()
     assert out.spec_token_budget == {"good": 4, "bad": 0}
     budgets = [scheduler.schedule().spec_token_budget["bad"] for _ in range(EXPLORE_EVERY)]
