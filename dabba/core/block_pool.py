@@ -7,6 +7,13 @@ from dataclasses import dataclass
 from typing import Hashable
 
 
+# One character per block in block_states() (the dashboard's grid draws them)
+BLOCK_FREE = "."  # holds nothing anyone can reuse
+BLOCK_CACHED = "c"  # free, but holds a cached prefix a later prompt may hit
+BLOCK_USED = "u"  # held by one request
+BLOCK_SHARED = "s"  # held by several (a prefix they share)
+
+
 @dataclass(eq=False)
 class KVCacheBlock:
     block_id: int
@@ -100,6 +107,13 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+
+    def block_states(self) -> str:
+        """Every block but the null block, in id order, as BLOCK_FREE, BLOCK_CACHED, BLOCK_USED or
+        BLOCK_SHARED."""
+        return "".join(BLOCK_FREE if b.ref_cnt == 0 and b.block_hash is None else BLOCK_CACHED if b.ref_cnt == 0
+                       else BLOCK_USED if b.ref_cnt == 1 else BLOCK_SHARED
+                       for b in self.blocks if b is not self.null_block)
 
     def check_integrity(self) -> None:
         num_used = sum(1 for b in self.blocks if b.ref_cnt > 0)

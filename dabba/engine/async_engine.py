@@ -17,6 +17,7 @@ from dabba.core.stats import SchedulerStats
 from dabba.engine.llm_engine import LLMEngine, PromptType
 from dabba.engine.metrics import EngineMetrics
 from dabba.engine.output_processor import IterationStats
+from dabba.engine.stats_feed import HEARTBEAT_S, STREAM_EVERY_S, StatsFeed
 from dabba.outputs import RequestOutput
 from dabba.sampling_params import SamplingParams
 
@@ -79,6 +80,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, model_name: str, start_thread: bool = True) -> None:
         self.engine = engine
         self.metrics = EngineMetrics(model_name)
+        self.feed = StatsFeed()  # the dashboard's snapshots
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
@@ -118,6 +120,34 @@ class AsyncLLMEngine:
         done: asyncio.Future = loop.create_future()
         self._put_command(("stats", loop, done))
         return await done
+
+    async def get_snapshot(self) -> dict:
+        """The dashboard's snapshot of the engine now (engine/stats_feed.py)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._put_command(("snapshot", loop, done))
+        return await done
+
+    async def watch_stats(self) -> AsyncIterator[dict | None]:
+        """Snapshots as the engine steps, at most one per step and per STREAM_EVERY_S, starting
+        with one of now; None after HEARTBEAT_S without one (so that a server notices a client
+        gone while the engine idles)."""
+        self.feed.watchers += 1
+        try:
+            seen = await self.get_snapshot()
+            yield seen
+            quiet = 0.0
+            while True:
+                await asyncio.sleep(STREAM_EVERY_S)
+                latest = self.feed.latest
+                if latest is not seen:
+                    seen, quiet = latest, 0.0
+                    yield latest
+                elif (quiet := quiet + STREAM_EVERY_S) >= HEARTBEAT_S:
+                    quiet = 0.0
+                    yield None
+        finally:
+            self.feed.watchers -= 1
 
     def _put_command(self, command: tuple) -> None:
         self._commands.put(command)
@@ -173,6 +203,11 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     outputs, stats = self.engine.step_with_stats()
                     self._publish(outputs, stats)
+                    self.feed.count(stats)
+                    if self.feed.watchers:
+                        self.feed.publish(self.engine, idle=not self.engine.has_unfinished_requests())
+                elif self.feed.watchers and not self.feed.shows_idle():  # the last requests were aborted
+                    self.feed.publish(self.engine, idle=True)
                 if not self._streams:
                     self._idle.set()
         except BaseException as e:  # the loop is dead: fail every stream rather than hang them
@@ -212,6 +247,10 @@ class AsyncLLMEngine:
             elif command[0] == "stats":
                 _, loop, done = command
                 loop.call_soon_threadsafe(_set_result, done, self.engine.get_stats())
+            elif command[0] == "snapshot":
+                _, loop, done = command
+                idle = not self.engine.has_unfinished_requests()
+                loop.call_soon_threadsafe(_set_result, done, self.feed.publish(self.engine, idle))
             elif command[0] == "abort_all":
                 self._abort_all(command[1])
 
@@ -229,6 +268,9 @@ class AsyncLLMEngine:
             elif command[0] == "stats":
                 _, loop, done = command
                 loop.call_soon_threadsafe(_set_result, done, self.engine.get_stats())
+            elif command[0] == "snapshot":
+                _, loop, done = command
+                loop.call_soon_threadsafe(_set_result, done, self.feed.publish(self.engine, idle=True))
 
     def _publish(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
         """Metrics come from the step's stats, not from the outputs: a DELTA output holds only

@@ -101,6 +101,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.max_model_len,
                                    self.structured_output, self.model_runner.row_blocks())
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.last_step_num_tokens = 0  # tokens the last step ran (the dashboard's tokens per step)
 
     def _eos_token_ids(self) -> frozenset[int]:
         """generation_config's eos ids (config.json's when it has none), plus the tokenizer's eos."""
@@ -198,6 +199,7 @@ class LLMEngine:
         if sched_out.is_empty and self.scheduler.waiting_for_grammar():
             self.structured_output.wait_for_grammars(GRAMMAR_WAIT_S)  # rather than spin
         runner_out = self.model_runner.execute_model(sched_out)
+        self.last_step_num_tokens = sched_out.total_num_scheduled_tokens
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         processed = self.output_processor.process_outputs(core_outputs)
         # Stop strings are found in the text, which only the engine holds: the scheduler learns by id.

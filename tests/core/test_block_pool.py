@@ -225,3 +225,15 @@ def test_check_integrity_catches_a_stale_hash():
     b0.block_hash = H1  # corrupt: the map and the block disagree
     with pytest.raises(AssertionError):
         pool.check_integrity()
+
+
+def test_block_states_draw_free_cached_used_and_shared_blocks():
+    pool = BlockPool(6, with_null_block=True)  # block 0 is the null block: not drawn
+    a, b, c = pool.get_new_blocks(3)  # blocks 1, 2, 3
+    pool.cache_full_block(a, H0)
+    pool.cache_full_block(c, H1)
+    pool.touch([a])  # a second request shares block 1
+    pool.free_blocks([c])  # block 3: free, its prefix still cached
+    assert pool.block_states() == "suc.."
+    pool.free_blocks([a, a, b])
+    assert pool.block_states() == "c.c.."

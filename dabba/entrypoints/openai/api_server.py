@@ -1,4 +1,5 @@
-"""The FastAPI app: routes, API-key check, OpenAI-shaped errors, metrics; and running it.
+"""The FastAPI app: routes, API-key check, OpenAI-shaped errors, metrics, the browser pages
+(entrypoints/web/); and running it.
 
 Handlers only convert between protocol types and engine types (see serving.py); the engine
 loop runs on one thread of its own (AsyncLLMEngine), which serve() makes the main thread.
@@ -29,6 +30,7 @@ from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, Completion
                                                TokenizeRequest)
 from dabba.entrypoints.openai.serving import OpenAIError
 from dabba.entrypoints.openai.serving_chat import OpenAIServingChat
+from dabba.entrypoints.web.routes import add_web_routes
 
 logger = logging.getLogger("dabba")
 
@@ -188,6 +190,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
             raise OpenAIError(400, f"tokens outside [0, {engine.arch.vocab_size}): {bad[:5]}", param="tokens")
         text = await asyncio.to_thread(engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
         return {"prompt": text}
+
+    add_web_routes(app, async_engine, check_api_key)
 
     @app.get("/metrics")
     async def metrics():

@@ -153,10 +153,15 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

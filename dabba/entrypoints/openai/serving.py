@@ -16,7 +16,7 @@ from dabba.config import ServerConfig
 from dabba.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionChoice, CompletionLogprobs,
                                                CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse,
-                                               SamplingFields, UsageInfo, random_id)
+                                               PromptTokensDetails, SamplingFields, UsageInfo, random_id)
 from dabba.outputs import PositionLogprobs, RequestOutput
 from dabba.sampling_params import RequestOutputKind, SamplingParams
 from dabba.structured_output import StructuredOutputsParams
@@ -319,7 +319,8 @@ class OpenAIServing:
         if req.stream_options and req.stream_options.include_usage:
             num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts.values())
             yield CompletionResponse(id=base_id, model=self.served_model_name, choices=[],
-                                     usage=usage_info(num_prompt_tokens, sum(c.num_tokens for c in progress.values()))
+                                     usage=usage_info(num_prompt_tokens, sum(c.num_tokens for c in progress.values()),
+                                                      sum(p.num_cached_tokens for p in prompts.values()))
                                      ).model_dump()
 
 
@@ -351,11 +352,13 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
         raise OpenAIError(400, str(e), param=field) from None
 
 
-def usage_info(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+def usage_info(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                     total_tokens=num_prompt_tokens + num_completion_tokens)
+                     total_tokens=num_prompt_tokens + num_completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
 
 
 def final_usage(outs: list[RequestOutput]) -> UsageInfo:
     """Of cumulative (FINAL_ONLY) outputs: each prompt once, every sample's tokens."""
-    return usage_info(sum(len(o.prompt_token_ids) for o in outs), sum(len(c.token_ids) for o in outs for c in o.outputs))
+    return usage_info(sum(len(o.prompt_token_ids) for o in outs), sum(len(c.token_ids) for o in outs for c in o.outputs),
+                      sum(o.num_cached_tokens for o in outs))

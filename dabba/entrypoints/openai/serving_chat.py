@@ -218,7 +218,8 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs=logprobs, finish_reason=_finish_reason(o.finish_reason, num_calls[o.index] > 0),
                     stop_reason=o.stop_reason))
         if req.stream_options and req.stream_options.include_usage and first is not None:
-            yield chunk(None, usage_info(len(first.prompt_token_ids), sum(c.num_tokens for c in progress.values())))
+            yield chunk(None, usage_info(len(first.prompt_token_ids), sum(c.num_tokens for c in progress.values()),
+                                         first.num_cached_tokens))
 
 
 def _without_none(value: Any) -> Any:

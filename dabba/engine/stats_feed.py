@@ -1,0 +1,80 @@
+"""Live engine snapshots for the dashboard (``GET /engine/stats`` and its server-sent-events stream
+``/engine/stats/stream``): the batch, the last step, token totals, the prefix cache and every KV
+block's state.
+
+Only the engine thread reads the scheduler, so the engine thread builds each snapshot, between
+two steps, and hands it over whole; any number of watchers read the latest one. While anyone
+watches, every step publishes one (its counts are cheap); the block grid, a character per block,
+is redrawn at most every GRID_EVERY_S while steps run, and always when the engine goes idle, so a
+watcher's last snapshot shows the cache as it is left. A watcher takes at most one snapshot per
+step and per STREAM_EVERY_S, whichever is rarer.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from dabba.core.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
+from dabba.engine.llm_engine import LLMEngine
+from dabba.engine.output_processor import IterationStats
+
+GRID_EVERY_S = 0.25
+STREAM_EVERY_S = 0.25
+HEARTBEAT_S = 10.0  # a watcher hears something this often when nothing changes (a gone client shows)
+
+
+@dataclass
+class StatsFeed:
+    watchers: int = 0  # streams reading (written by the event loop, read by the engine thread)
+    seq: int = 0  # the number of the latest snapshot
+    latest: dict[str, Any] | None = None
+    num_steps: int = 0
+    num_prompt_tokens: int = 0  # of requests that got their first token: prefilled and sampled
+    num_generated_tokens: int = 0
+    _grid: str = ""
+    _grid_time: float = float("-inf")
+
+    def count(self, stats: IterationStats) -> None:
+        """Every step, on the engine thread."""
+        self.num_steps += 1
+        for request in stats.requests.values():
+            self.num_prompt_tokens += request.num_prompt_tokens if request.is_first else 0
+            self.num_generated_tokens += request.num_new_tokens
+
+    def shows_idle(self) -> bool:
+        """Whether the latest snapshot has nothing running or waiting (aborts end requests
+        between steps: the engine then publishes once more)."""
+        return self.latest is None or (self.latest["running"] == 0 and self.latest["waiting"] == 0)
+
+    def publish(self, engine: LLMEngine, idle: bool) -> dict[str, Any]:
+        """Take a snapshot (on the engine thread, between steps) and make it the latest."""
+        now = time.monotonic()
+        kv = engine.scheduler.kv_cache_manager
+        if idle or now - self._grid_time >= GRID_EVERY_S:
+            self._grid, self._grid_time = kv.pool.block_states(), now
+        stats = engine.get_stats()
+        blocks = Counter(self._grid)
+        snapshot = {
+            "time": time.time(),
+            "step": self.num_steps,
+            "running": stats.num_running_reqs,
+            "waiting": stats.num_waiting_reqs,
+            "step_tokens": engine.last_step_num_tokens if not idle else 0,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generated_tokens": self.num_generated_tokens,
+            "preemptions": stats.num_preemptions,
+            "prefix_cache": {"hit_rate": stats.prefix_cache_hit_rate, "hit_tokens": stats.prefix_cache_hit_tokens,
+                             "queried_tokens": stats.prefix_cache_queried_tokens},
+            "kv": {"blocks": kv.num_usable_blocks, "block_size": kv.block_size, "usage": stats.kv_cache_usage,
+                   "blocks_in_use": stats.kv_blocks_used,  # now; the grid's counts are as of its drawing
+                   "free": blocks[BLOCK_FREE], "cached": blocks[BLOCK_CACHED], "used": blocks[BLOCK_USED],
+                   "shared": blocks[BLOCK_SHARED], "grid": self._grid},
+            "spec_decode": {"draft_tokens": stats.spec_num_draft_tokens,
+                            "accepted_tokens": stats.spec_num_accepted_tokens,
+                            "acceptance_rate": stats.spec_acceptance_rate},
+        }
+        self.latest = snapshot
+        self.seq += 1
+        return snapshot

@@ -1,0 +1,44 @@
+"""The browser pages of `dabba serve`: the playground at / and the dashboard at /dashboard, plain
+HTML, CSS and JavaScript inside the package (no build step, nothing fetched from the network);
+and the engine snapshots the dashboard draws: GET /engine/stats (one, JSON) and
+/engine/stats/stream (server-sent events, engine/stats_feed.py), behind the API key like /v1.
+The pages themselves hold no data and are open; they ask for the key when the server wants one."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import Depends, FastAPI
+from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+from dabba.engine.async_engine import AsyncLLMEngine
+
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+def add_web_routes(app: FastAPI, engine: AsyncLLMEngine, check_api_key: Callable[..., Any]) -> None:
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return FileResponse(STATIC / "playground.html")
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard():
+        return FileResponse(STATIC / "dashboard.html")
+
+    @app.get("/engine/stats", dependencies=[Depends(check_api_key)])
+    async def engine_stats():
+        """The batch, the last step, token totals, the prefix cache and every KV block's state."""
+        return await engine.get_snapshot()
+
+    # An endless stream: out of the OpenAPI schema, which the reliability suite fuzzes.
+    @app.get("/engine/stats/stream", dependencies=[Depends(check_api_key)], include_in_schema=False)
+    async def engine_stats_stream():
+        async def events():
+            async for snapshot in engine.watch_stats():
+                yield ": idle\n\n" if snapshot is None else f"data: {json.dumps(snapshot)}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
