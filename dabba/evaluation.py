@@ -16,6 +16,7 @@ from dabba.sampling_params import SamplingParams
 class PerplexityResult:
     perplexity: float
     mean_nll: float  # nats per scored token
+    bits_per_byte: float  # the scored tokens' bits over the text's UTF-8 bytes: models with other tokenizers compare
     num_tokens: int  # tokens scored
     num_windows: int
     max_length: int
@@ -57,7 +58,8 @@ def perplexity(llm: LLM, text: str, max_length: int = 256, stride: int = 128) ->
         for i in range(first, len(window)):
             nll -= out.prompt_logprobs[i][window[i]].logprob
             count += 1
-    return PerplexityResult(math.exp(nll / count), nll / count, count, len(windows), max_length, stride)
+    return PerplexityResult(math.exp(nll / count), nll / count, nll / math.log(2) / len(text.encode()), count,
+                            len(windows), max_length, stride)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Screenshots of the playground and the dashboard for the README: `dabba serve` of the demo model
-on a free port, Debian's Chromium through Playwright (scripts/browser.sh installs it), a chat in
+on a free port (tools/reliability's ServerProcess), Debian's Chromium through Playwright (scripts/browser.sh installs it), a chat in
 the playground with a token's alternatives on show, and the dashboard under a load.
 
     python -m tools.web_screenshots [--out docs] [--model dabba/assets/demo]
@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 from playwright.sync_api import sync_playwright
+
+from dabba.config import ServerConfig
+from tools.reliability.server import ServerProcess
 
 QUESTION = "What does a list comprehension do?"
 # A shared opening (its blocks shared by the running requests, then left as cached prefix), then
@@ -25,26 +25,6 @@ PREAMBLE = ("Python is a programming language that lets you work quickly and int
             "effectively. Its standard library covers files, text, numbers, dates and the network. ")
 LOAD = [PREAMBLE + start for start in ("The list type", "A dictionary maps", "Modules are", "The with statement",
                                        "Exceptions are", "A generator", "The os module", "Strings are")] * 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, server: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"dabba serve exited with status {server.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("dabba serve did not become healthy in 300 s")
 
 
 def shoot(url: str, out: Path, chromium: str) -> None:
@@ -87,17 +67,13 @@ def main() -> None:
         raise SystemExit("no chromium on PATH: scripts/browser.sh installs Debian's")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "dabba.entrypoints.cli", "serve", args.model,
-                               "--served-model-name", "demo", "--port", str(port),
-                               "--kv-cache-memory", "40MiB"])  # a grid of a few hundred blocks
+    # a KV cache of a few hundred blocks, for a grid whose cells show
+    server = ServerProcess.start(args.model, ServerConfig(), None,
+                                 ["--served-model-name", "demo", "--kv-cache-memory", "40MiB"])
     try:
-        wait_healthy(url, server)
-        shoot(url, out, chromium)
+        shoot(server.url, out, chromium)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop(60)
     print(f"wrote {out / 'playground.png'} and {out / 'dashboard.png'}")
 
 

@@ -62,7 +62,7 @@ class Scheduler:
         self._failed: list[EngineCoreOutput] = []  # requests ended outside a step's outputs
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.spec_num_rejections = 0  # verified steps in which a draft was rejected
-        self.step_cost = StepCost(row_blocks)  # a step's time against its rows and prefill tokens (adaptive drafts)
+        self.step_cost = StepCost(row_blocks)  # a decode step's time by its rows (adaptive drafts)
         self._last_step_decoded = False  # whether the last step had no prefill tokens (StepCost)
         self.num_steps = 0  # steps scheduled with adaptive drafts (one in EXPLORE_EVERY lets every request try one)
 

@@ -54,8 +54,9 @@ class StepCost:
     b * padded(rows) by exponentially weighted least squares over all sizes. Kernels run more
     rows at a better rate per row, so the line is too flat near a batch's own size, where drafts
     are decided: the measured sizes correct it. A size's mean left unmeasured for STALE_STEPS
-    steps gives way to the line again, so that one unlucky step does not rule a size out for good. Steps with prefill tokens are left out: their
-    attention costs more per token, so they would misprice a decode step's drafts."""
+    steps gives way to the line again, so that one unlucky step does not rule a size out for
+    good. The scheduler records decode steps only, and not the one right after a prefill: a
+    prefill's attention costs more per token, and the step after it runs on swept caches."""
 
     rows: RowBlocks = field(default_factory=RowBlocks)
     by_size: dict[int, tuple[float, int]] = field(default_factory=dict)  # padded rows -> (recent mean s, step)
@@ -94,6 +95,7 @@ class StepCost:
         return self.steps - self.by_size.get(self.rows.padded(num_rows), (0.0, -STALE_STEPS))[1] < STALE_STEPS
 
     def seconds(self, fitted: tuple[float, float], num_rows: int) -> float:
+        """A decode step's expected time at this many rows."""
         if self.measured(num_rows):
             return self.by_size[self.rows.padded(num_rows)][0]
         a, b = fitted

@@ -28,7 +28,6 @@ HEARTBEAT_S = 10.0  # a watcher hears something this often when nothing changes 
 @dataclass
 class StatsFeed:
     watchers: int = 0  # streams reading (written by the event loop, read by the engine thread)
-    seq: int = 0  # the number of the latest snapshot
     latest: dict[str, Any] | None = None
     num_steps: int = 0
     num_prompt_tokens: int = 0  # of requests that got their first token: prefilled and sampled
@@ -75,6 +74,5 @@ class StatsFeed:
                             "accepted_tokens": stats.spec_num_accepted_tokens,
                             "acceptance_rate": stats.spec_acceptance_rate},
         }
-        self.latest = snapshot
-        self.seq += 1
+        self.latest = snapshot  # watchers tell a new one by its identity
         return snapshot

@@ -104,11 +104,11 @@ def test_demo_model_perplexity_int8_within_one_percent(tmp_path, capsys) -> None
     int8 = perplexity(LLM(DEMO_MODEL, quantization="int8"), text, 128, 64)
     int4 = perplexity(LLM(DEMO_MODEL, quantization="int4"), text, 128, 64)
     assert base.num_tokens == int8.num_tokens == int4.num_tokens > 4000
-    assert 5 < base.perplexity < 200
+    assert 5 < base.perplexity < 200 and 0.5 < base.bits_per_byte < 4
     assert abs(int8.perplexity / base.perplexity - 1) < 0.01
     assert int4.perplexity > int8.perplexity * 0.99  # 4 bits lose at least as much as 8
     data = tmp_path / "text.txt"
     data.write_text(text[:4000])
     assert main(["eval", "perplexity", "--data", str(data), "--max-length", "64", "--stride", "32"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["num_tokens"] > 500 and result["perplexity"] > 1
+    assert result["num_tokens"] > 500 and result["perplexity"] > 1 and result["bits_per_byte"] > 0

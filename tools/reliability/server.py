@@ -35,12 +35,12 @@ class ServerProcess:
     log_path: Path
 
     @classmethod
-    def start(cls, model: str, limits: ServerConfig, api_key: str, extra: list[str],
+    def start(cls, model: str, limits: ServerConfig, api_key: str | None, extra: list[str],
               startup_timeout_s: float = 600.0) -> "ServerProcess":
         port = free_port()
         log_path = Path(tempfile.mkstemp(prefix="dabba-reliability-", suffix=".log")[1])
         command = [sys.executable, "-m", "dabba.entrypoints.cli", "serve", model, "--port", str(port),
-                   "--api-key", api_key, "--max-n", str(limits.max_n),
+                   *(["--api-key", api_key] if api_key else []), "--max-n", str(limits.max_n),
                    "--max-stop-sequences", str(limits.max_stop_sequences),
                    "--max-stop-length", str(limits.max_stop_length),
                    "--max-request-body-bytes", str(limits.max_request_body_bytes),

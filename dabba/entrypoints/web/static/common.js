@@ -13,9 +13,22 @@ function authHeaders(extra = {}) {
   return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
 }
 
-// Resolves once the user saved a key in the page's key dialog.
+// The key dialog, added to the page the first time a key is wanted.
+function keyDialog() {
+  let dialog = document.getElementById("api-key-dialog");
+  if (dialog) return dialog;
+  dialog = document.createElement("dialog");
+  dialog.id = "api-key-dialog";
+  dialog.innerHTML = '<form method="dialog"><p id="api-key-message"></p>'
+    + '<input id="api-key" type="password" autocomplete="off" placeholder="API key">'
+    + '<div class="buttons"><button id="api-key-save" type="submit">Save</button></div></form>';
+  document.body.appendChild(dialog);
+  return dialog;
+}
+
+// Resolves once the user saved a key in the key dialog.
 function askForKey(message) {
-  const dialog = document.getElementById("api-key-dialog");
+  const dialog = keyDialog();
   const input = document.getElementById("api-key");
   document.getElementById("api-key-message").textContent = message;
   input.value = apiKey();

@@ -1,20 +1,24 @@
 """Train dabba's bundled demo model on the CPU: a small Llama (RMSNorm, RoPE, SwiGLU, grouped-query
-attention, tied embeddings) and a byte-level BPE tokenizer, on the text of the Python 3.11
-documentation (Debian's python3.11-doc: the reST sources under html/_sources; PSF License).
+attention, tied embeddings) and a byte-level BPE tokenizer, on the prose of documentation that
+Debian packages ship (corpus.py: each source and its licence), then tune it briefly on question
+and answer pairs made from those documents (qa.py, sft.py) so that a chat gets short answers.
 
-    apt-get install python3.11-doc
-    python -m tools.train_demo_model --out dabba/assets/demo            # ~27 min on 2 cores
+    apt-get install $(python -m tools.train_demo_model --packages)
+    python -m tools.train_demo_model --out dabba/assets/demo
 
 A draft model for speculative decoding must share the demo model's tokenizer: --tokenizer takes it
 from a model directory instead of training one, for example
 
     python -m tools.train_demo_model --out /tmp/demo-draft --tokenizer dabba/assets/demo \
-        --hidden-size 128 --num-layers 2 --num-heads 2 --num-kv-heads 1 --intermediate-size 384
+        --hidden-size 128 --num-layers 2 --num-heads 2 --num-kv-heads 1 --intermediate-size 384 --sft-steps 0
 
 Reproducible from --seed: the document split, tokenizer, initialisation and batch order all
-derive from it. Documents are split, not lines: every 12th document (sorted by path) is held
-out and never trained on. Hyperparameters are the argparse defaults below; they are also
-written to training_args.json next to the model, with the loss curve (loss.png) and metrics.
+derive from it. Documents are split, not lines: every 12th document of each source (sorted by
+path) is held out and never trained on, nor are the pairs made from it. --compare-heldout names
+an older held-out text (by default the one the output directory held before) on which the new
+model's perplexity is reported too. Hyperparameters are the argparse defaults below; they are
+written to training_args.json next to the model, with the loss curve (loss.png), the metrics and
+sample chats (samples.json).
 """
 from __future__ import annotations
 
@@ -22,75 +26,18 @@ import argparse
 import json
 import math
 import random
-import re
 import time
 from pathlib import Path
 
-DOCS = Path("/usr/share/doc/python3.11/html/_sources")
+from tools.train_demo_model.corpus import SOURCES, licence_note, load_documents
+from tools.train_demo_model import sft
+from tools.train_demo_model.qa import qa_pairs
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
-LICENSE_NOTE = """Training data: the reStructuredText sources of the Python 3.11 documentation, as shipped
-in Debian's python3.11-doc package (/usr/share/doc/python3.11/html/_sources).
-Copyright (c) 2001-2023 Python Software Foundation; licensed under the PSF License Agreement
-(and the Zero-Clause BSD license for code examples): https://docs.python.org/3/license.html
-The model weights are derived from that text by tools/train_demo_model.py.
-"""
-
-_ROLE = re.compile(r":[a-zA-Z:]+:`~?!?([^`<]*?)(?:\s*<[^>]*>)?`")
-_LINK = re.compile(r"`([^`<]+?)(?:\s*<[^>]*>)?`_+")
-
-
-# Directives whose indented body is not prose.
-_SKIP_BODY = ("code-block", "code", "highlight", "doctest", "testcode", "testoutput", "testsetup", "literalinclude",
-              "productionlist", "toctree", "image", "figure", "index", "csv-table", "list-table", "raw", "only",
-              "sourcecode", "program", "cmdoption", "option", "audit-event", "impl-detail", "include")
-
-
-def clean_rst(text: str) -> str:
-    """Prose out of reST: drop directive lines, section underlines, code and literal blocks and
-    doctest lines (the prose inside directives such as function:: stays); turn roles
-    (:func:`len`) and links into their text."""
-    out, skip_indent = [], None
-    for line in text.splitlines():
-        stripped = line.strip()
-        indent = len(line) - len(line.lstrip())
-        if skip_indent is not None:
-            if stripped and indent <= skip_indent:
-                skip_indent = None
-            else:
-                continue
-        if stripped.startswith(".. "):
-            name = stripped[3:].split("::", 1)[0].strip()
-            if "::" not in stripped or name in _SKIP_BODY or name.startswith("_") or stripped.startswith(".. _"):
-                skip_indent = indent
-            continue
-        if stripped.startswith(":") and re.match(r":[\w -]+:", stripped):  # field lists (:param x:, :noindex:)
-            continue
-        if re.fullmatch(r"[=\-~^\"'`#*+<>._:]{3,}", stripped) or stripped.startswith((">>>", "...", "|", "+-")):
-            continue
-        if stripped.endswith("::"):  # a literal block follows
-            line = line.rstrip()[:-1] if stripped != "::" else ""
-            skip_indent = indent
-        line = _LINK.sub(r"\1", _ROLE.sub(r"\1", line)).replace("``", "").replace("**", "").replace("*", "")
-        out.append(line.strip())
-    text = "\n".join(out)
-    return re.sub(r"\n{3,}", "\n\n", text).strip()
-
-
-def load_documents(seed: int) -> tuple[list[str], list[str]]:
-    files = sorted(DOCS.rglob("*.txt"))
-    if not files:
-        raise SystemExit(f"no documents under {DOCS}: apt-get install python3.11-doc")
-    docs = [(str(f.relative_to(DOCS)), clean_rst(f.read_text(errors="replace"))) for f in files]
-    docs = [(name, text) for name, text in docs if len(text) > 200]
-    held = {name for i, (name, _) in enumerate(docs) if i % 12 == seed % 12}
-    train = [t for n, t in docs if n not in held]
-    test = [t for n, t in docs if n in held]
-    random.Random(seed).shuffle(train)
-    return train, test
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -134,7 +81,16 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--heldout-chars", type=int, default=300_000, help="size of the committed held-out text")
     p.add_argument("--calibration-chars", type=int, default=100_000, help="size of the committed calibration text")
+    p.add_argument("--sft-steps", type=int, default=300, help="instruction-tuning steps after pretraining (0: none)")
+    p.add_argument("--sft-batch-size", type=int, default=32)
+    p.add_argument("--sft-lr", type=float, default=5e-4)
+    p.add_argument("--compare-heldout", default=None,
+                   help="an older held-out text to report perplexity on (default: OUT/heldout.txt before this run)")
+    p.add_argument("--packages", action="store_true", help="print the Debian packages of the corpus and exit")
     args = p.parse_args()
+    if args.packages:
+        print(" ".join(source.package for source in SOURCES))
+        return
 
     import torch
     from tqdm import tqdm
@@ -143,17 +99,20 @@ def main() -> None:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    compare = Path(args.compare_heldout) if args.compare_heldout else out / "heldout.txt"
+    old_heldout = compare.read_text() if compare.is_file() else None
     train_docs, test_docs = load_documents(args.seed)
-    (out / "heldout.txt").write_text("\n\n".join(test_docs)[: args.heldout_chars])
-    (out / "calibration.txt").write_text("\n\n".join(train_docs)[: args.calibration_chars])
-    (out / "DATA_LICENSE.txt").write_text(LICENSE_NOTE)
+    train_texts, test_texts = [d.text for d in train_docs], [d.text for d in test_docs]
+    (out / "heldout.txt").write_text("\n\n".join(test_texts)[: args.heldout_chars])
+    (out / "calibration.txt").write_text("\n\n".join(train_texts)[: args.calibration_chars])
+    (out / "DATA_LICENSE.txt").write_text(licence_note())
 
     if args.tokenizer:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
     else:
-        tok = train_tokenizer(train_docs, args.vocab_size)
+        tok = train_tokenizer(train_texts, args.vocab_size)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|end|>",
                                    pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
@@ -161,9 +120,12 @@ def main() -> None:
     # transformers 5 writes the template to chat_template.jinja; older readers look in tokenizer_config.json
     tok_config = json.loads((out / "tokenizer_config.json").read_text())
     (out / "tokenizer_config.json").write_text(json.dumps({**tok_config, "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
-    train_ids = torch.tensor(encode_documents(tok, train_docs))
-    test_ids = torch.tensor(encode_documents(tok, test_docs))
-    print(f"tokens: train {len(train_ids):,}, held-out {len(test_ids):,}; vocab {tok.get_vocab_size()}")
+    train_ids = torch.tensor(encode_documents(tok, train_texts))
+    test_ids = torch.tensor(encode_documents(tok, test_texts))
+    train_pairs = [p for d in train_docs for p in qa_pairs(d.rst, d.name)]
+    test_pairs = [p for d in test_docs for p in qa_pairs(d.rst, d.name)]
+    print(f"tokens: train {len(train_ids):,}, held-out {len(test_ids):,}; vocab {tok.get_vocab_size()}; "
+          f"question-answer pairs: train {len(train_pairs):,}, held-out {len(test_pairs):,}")
 
     config = LlamaConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
@@ -190,7 +152,7 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(args.seed)
     n_windows = (len(train_ids) - 1) // args.seq_len
-    eval_starts = torch.arange(0, len(test_ids) - args.seq_len - 1, args.seq_len)[:64]
+    pad_id = tok.token_to_id("<|endoftext|>")
 
     def batch(ids: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         idx = starts[:, None] + torch.arange(args.seq_len + 1)[None]
@@ -198,16 +160,33 @@ def main() -> None:
         return chunk[:, :-1], chunk[:, 1:]
 
     @torch.no_grad()
-    def heldout_loss() -> float:
+    def heldout_loss(ids: torch.Tensor = test_ids) -> float:
+        """Mean loss over up to 64 windows of a held-out text."""
         model.eval()
         losses = []
-        for s in eval_starts.split(16):
-            x, y = batch(test_ids, s)
+        for s in torch.arange(0, len(ids) - args.seq_len - 1, args.seq_len)[:64].split(16):
+            x, y = batch(ids, s)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = model(x).logits
             losses.append(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten()).item())
         model.train()
         return sum(losses) / len(losses)
+
+    held_qa = sft.examples(tok, test_pairs[:256], args.seq_len, args.seed)
+
+    @torch.no_grad()
+    def answer_loss() -> float:
+        """Loss on the answers of held-out question-answer pairs, given their questions."""
+        model.eval()
+        losses = []
+        for i in range(0, len(held_qa), 16):
+            x, y = sft.batch(held_qa[i:i + 16], pad_id)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(x).logits
+            losses.append(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
+                                                            ignore_index=sft.IGNORE).item())
+        model.train()
+        return sum(losses) / max(len(losses), 1)
 
     history = {"step": [], "train_loss": [], "eval_step": [], "heldout_loss": []}
     order = torch.randperm(n_windows, generator=gen)
@@ -241,15 +220,79 @@ def main() -> None:
             bar.write(f"step {step + 1}: held-out loss {history['heldout_loss'][-1]:.3f} "
                       f"(perplexity {math.exp(history['heldout_loss'][-1]):.1f})")
 
+    pretrained = {"heldout_perplexity": math.exp(history["heldout_loss"][-1]),
+                  "heldout_answer_perplexity": math.exp(answer_loss()) if held_qa else None}
+    if args.sft_steps:
+        instruction_tune(model, tok, train_pairs, args, history, answer_loss)
     model.to(torch.bfloat16).save_pretrained(out)
     elapsed = time.time() - start
+    final_loss = heldout_loss()
     metrics = {"parameters": num_params, "train_tokens": len(train_ids), "heldout_tokens": len(test_ids),
+               "qa_pairs": len(train_pairs), "heldout_qa_pairs": len(test_pairs),
                "tokens_seen": args.steps * args.batch_size * args.seq_len, "minutes": elapsed / 60,
-               "final_heldout_loss": history["heldout_loss"][-1],
-               "final_heldout_perplexity": math.exp(history["heldout_loss"][-1])}
+               "final_heldout_loss": final_loss, "final_heldout_perplexity": math.exp(final_loss),
+               "final_heldout_answer_perplexity": math.exp(answer_loss()) if held_qa else None,
+               "before_instruction_tuning": pretrained}
+    texts = {"heldout.txt": (out / "heldout.txt").read_text()}
+    if old_heldout is not None:
+        texts[f"compared: {compare}"] = old_heldout
+    metrics["served"], samples = evaluate_served(out, texts)
     (out / "training_args.json").write_text(json.dumps({**vars(args), **metrics}, indent=2))
     plot(history, out / "loss.png")
+    (out / "samples.json").write_text(json.dumps(samples, indent=2) + "\n")
     print(json.dumps(metrics, indent=2))
+
+
+def instruction_tune(model, tok, pairs, args, history: dict, answer_loss) -> None:
+    """Steps over batches of question-answer exchanges, the loss on the answers only, at a lower
+    learning rate decaying to zero."""
+    import torch
+    from tqdm import tqdm
+
+    data = sft.examples(tok, pairs, args.seq_len, args.seed)
+    rng = random.Random(args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    pad_id = tok.token_to_id("<|endoftext|>")
+    bar = tqdm(range(args.sft_steps), desc="instruction tuning", unit="step")
+    for step in bar:
+        x, y = sft.batch(rng.sample(data, min(args.sft_batch_size, len(data))), pad_id)
+        for group in opt.param_groups:
+            group["lr"] = args.sft_lr * 0.5 * (1 + math.cos(math.pi * step / args.sft_steps))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=sft.IGNORE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        history.setdefault("sft_step", []).append(args.steps + step)
+        history.setdefault("sft_loss", []).append(loss.item())
+    history["answer_loss_after_sft"] = answer_loss()
+
+
+SAMPLE_QUESTIONS = ("What is a list comprehension?", "How do I read a file line by line?",
+                    "What does the json module do?", "What is a dictionary?", "How do I catch an exception?")
+EVAL_CHARS = 100_000  # of each held-out text, for the served model's perplexity
+
+
+def evaluate_served(model_dir: Path, texts: dict[str, str]) -> tuple[dict, list[dict]]:
+    """The saved model as dabba serves it: perplexity and bits per byte on each text (bits per
+    byte compare models whose tokenizers differ), and greedy answers to SAMPLE_QUESTIONS."""
+    from dabba import LLM, SamplingParams
+    from dabba.evaluation import perplexity
+
+    llm = LLM(str(model_dir))
+    report = {}
+    for name, text in texts.items():
+        result = perplexity(llm, text[:EVAL_CHARS])
+        report[name] = {"perplexity": result.perplexity, "bits_per_byte": result.bits_per_byte,
+                        "num_tokens": result.num_tokens}
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in SAMPLE_QUESTIONS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=80), use_tqdm=False)
+    return report, [{"question": q, "answer": o.outputs[0].text} for q, o in zip(SAMPLE_QUESTIONS, outs)]
 
 
 def plot(history: dict, path: Path) -> None:
@@ -261,9 +304,11 @@ def plot(history: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(history["step"], history["train_loss"], lw=0.6, alpha=0.6, label="train (per step)")
     ax.plot(history["eval_step"], history["heldout_loss"], "o-", label="held-out")
+    if history.get("sft_step"):
+        ax.plot(history["sft_step"], history["sft_loss"], lw=0.6, alpha=0.6, label="instruction tuning (answers)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("dabba demo model: Python 3.11 docs")
+    ax.set_title("dabba demo model")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
