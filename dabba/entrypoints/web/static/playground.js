@@ -2,7 +2,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const history = [];  // {role, content} of the chat so far, the system prompt apart
+const conversation = [];  // {role, content} of the chat so far, the system prompt apart
 let modelName = null;
 let controller = null;  // the reply in flight, if any
 
@@ -116,7 +116,7 @@ async function send() {
   const text = $("input").value.trim();
   if (!text || controller) return;
   const system = $("system").value.trim();
-  const messages = [...(system ? [{ role: "system", content: system }] : []), ...history, { role: "user", content: text }];
+  const messages = [...(system ? [{ role: "system", content: system }] : []), ...conversation, { role: "user", content: text }];
   let body;
   try {
     body = requestBody(messages);
@@ -124,7 +124,7 @@ async function send() {
     return;
   }
   $("input").value = "";
-  history.push({ role: "user", content: text });
+  conversation.push({ role: "user", content: text });
   addMessage("user", text);
   const div = addMessage("assistant", "");
   const content = div.querySelector(".content");
@@ -178,7 +178,7 @@ async function send() {
     }
   } finally {
     renderStats(div, reply);
-    if (reply.text) history.push({ role: "assistant", content: reply.text });
+    if (reply.text) conversation.push({ role: "assistant", content: reply.text });
     controller = null;
     $("send").hidden = false;
     $("stop").hidden = true;
@@ -196,7 +196,7 @@ $("input").addEventListener("keydown", (event) => {
 });
 $("clear").onclick = () => {
   if (controller) controller.abort();
-  history.length = 0;
+  conversation.length = 0;
   $("messages").innerHTML = "";
 };
 $("messages").addEventListener("mousemove", showTooltip);
