@@ -83,7 +83,9 @@ def main() -> None:
     p.add_argument("--calibration-chars", type=int, default=100_000, help="size of the committed calibration text")
     p.add_argument("--sft-steps", type=int, default=300, help="instruction-tuning steps after pretraining (0: none)")
     p.add_argument("--sft-batch-size", type=int, default=32)
-    p.add_argument("--sft-lr", type=float, default=5e-4)
+    p.add_argument("--sft-lr", type=float, default=2e-4)
+    p.add_argument("--sft-prose-batch", type=int, default=8,
+                   help="corpus windows whose plain loss joins each instruction step's (0: none)")
     p.add_argument("--compare-heldout", default=None,
                    help="an older held-out text to report perplexity on (default: OUT/heldout.txt before this run)")
     p.add_argument("--packages", action="store_true", help="print the Debian packages of the corpus and exit")
@@ -223,7 +225,10 @@ def main() -> None:
     pretrained = {"heldout_perplexity": math.exp(history["heldout_loss"][-1]),
                   "heldout_answer_perplexity": math.exp(answer_loss()) if held_qa else None}
     if args.sft_steps:
-        instruction_tune(model, tok, train_pairs, args, history, answer_loss)
+        def prose_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return batch(train_ids, torch.randint(0, n_windows, (n,), generator=gen) * args.seq_len)
+
+        instruction_tune(model, tok, train_pairs, args, history, answer_loss, prose_batch)
     model.to(torch.bfloat16).save_pretrained(out)
     elapsed = time.time() - start
     final_loss = heldout_loss()
@@ -243,9 +248,12 @@ def main() -> None:
     print(json.dumps(metrics, indent=2))
 
 
-def instruction_tune(model, tok, pairs, args, history: dict, answer_loss) -> None:
+def instruction_tune(model, tok, pairs, args, history: dict, answer_loss, prose_batch) -> None:
     """Steps over batches of question-answer exchanges, the loss on the answers only, at a lower
-    learning rate decaying to zero."""
+    learning rate decaying to zero. Each step also takes the plain language-model loss of
+    --sft-prose-batch windows of the corpus (prose_batch(n) gives them): without it, 250 steps
+    at 5e-4 took the held-out perplexity from 38.9 to 96.7 (vocab 8192) while teaching the answers'
+    form."""
     import torch
     from tqdm import tqdm
 
@@ -261,6 +269,11 @@ def instruction_tune(model, tok, pairs, args, history: dict, answer_loss) -> Non
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(x).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=sft.IGNORE)
+        if args.sft_prose_batch:
+            px, py = prose_batch(args.sft_prose_batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                prose_logits = model(px).logits
+            loss = loss + torch.nn.functional.cross_entropy(prose_logits.float().flatten(0, 1), py.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
