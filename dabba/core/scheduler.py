@@ -204,7 +204,10 @@ class Scheduler:
     def record_step_time(self, out: SchedulerOutput, runner_out: ModelRunnerOutput, seconds: float) -> None:
         """The time a step took, from schedule() to its outputs (the engine measures it): the
         proposer's share prices the next step's drafts, the rest this step's rows (decode steps
-        only: core/spec_budget.StepCost)."""
+        only: core/spec_budget.StepCost). Nothing to do without adaptive drafts."""
+        spec = self.config.speculative_config
+        if spec is None or not spec.adaptive_drafts:
+            return
         self.step_cost.record_drafting(runner_out.draft_passes, runner_out.draft_seconds)
         decode = all(n == 1 or rid in out.scheduled_spec_decode_tokens for rid, n in out.num_scheduled_tokens.items())
         if not out.is_empty and decode and self._last_step_decoded:  # not on caches a prefill just swept

@@ -203,7 +203,6 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     outputs, stats = self.engine.step_with_stats()
                     self._publish(outputs, stats)
-                    self.feed.count(stats)
                     if self.feed.watchers:
                         self.feed.publish(self.engine, idle=not self.engine.has_unfinished_requests())
                 elif self.feed.watchers and not self.feed.shows_idle():  # the last requests were aborted
@@ -276,15 +275,18 @@ class AsyncLLMEngine:
         """Metrics come from the step's stats, not from the outputs: a DELTA output holds only
         this step's tokens, and a FINAL_ONLY request has no output until it finished."""
         now = time.monotonic()
+        self.feed.num_steps += 1
         for request_id, request_stats in stats.requests.items():
             stream = self._streams.get(request_id)
             if stream is None:
                 continue
             if request_stats.is_first:
                 self.metrics.prompt_tokens.inc(request_stats.num_prompt_tokens)
+                self.feed.num_prompt_tokens += request_stats.num_prompt_tokens
                 stream.first_token = now
                 self.metrics.time_to_first_token.observe(now - stream.arrival)
             self.metrics.generation_tokens.inc(request_stats.num_new_tokens)
+            self.feed.num_generated_tokens += request_stats.num_new_tokens
             if request_stats.finished:
                 self.metrics.e2e_request_latency.observe(now - stream.arrival)
                 if request_stats.num_output_tokens > 1 and stream.first_token is not None:

@@ -18,7 +18,6 @@ from typing import Any
 
 from dabba.core.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 from dabba.engine.llm_engine import LLMEngine
-from dabba.engine.output_processor import IterationStats
 
 GRID_EVERY_S = 0.25
 STREAM_EVERY_S = 0.25
@@ -29,18 +28,13 @@ HEARTBEAT_S = 10.0  # a watcher hears something this often when nothing changes 
 class StatsFeed:
     watchers: int = 0  # streams reading (written by the event loop, read by the engine thread)
     latest: dict[str, Any] | None = None
+    # counted by the engine thread as it publishes each step's outputs (AsyncLLMEngine._publish)
     num_steps: int = 0
     num_prompt_tokens: int = 0  # of requests that got their first token: prefilled and sampled
     num_generated_tokens: int = 0
     _grid: str = ""
     _grid_time: float = float("-inf")
 
-    def count(self, stats: IterationStats) -> None:
-        """Every step, on the engine thread."""
-        self.num_steps += 1
-        for request in stats.requests.values():
-            self.num_prompt_tokens += request.num_prompt_tokens if request.is_first else 0
-            self.num_generated_tokens += request.num_new_tokens
 
     def shows_idle(self) -> bool:
         """Whether the latest snapshot has nothing running or waiting (aborts end requests
