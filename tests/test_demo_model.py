@@ -1,5 +1,5 @@
 """The bundled demo model: what the package ships, that transformers reads it the same way,
-and that it writes words of its corpus rather than noise."""
+that it writes words of its corpus rather than noise, and that a chat gets a short answer."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,7 @@ def demo() -> LLM:
 def test_shipped_files() -> None:
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "generation_config.json", "heldout.txt", "calibration.txt", "DATA_LICENSE.txt", "loss.png",
-                 "training_args.json"):
+                 "training_args.json", "samples.json"):
         assert (DEMO / name).is_file(), name
     assert sum(f.stat().st_size for f in DEMO.iterdir()) < 40 * 2**20
     config = json.loads((DEMO / "config.json").read_text())
@@ -62,6 +62,25 @@ def test_it_writes_words_of_its_corpus(demo) -> None:
     assert len(words) >= 30
     known = sum(w.lower() in vocabulary for w in words) / len(words)
     assert known > 0.9, f"only {known:.0%} of the generated words occur in the corpus: {words}"
+
+
+def test_a_chat_gets_a_short_answer_on_its_topic(demo) -> None:
+    """The instruction stage taught it to answer and stop: each sample question's greedy reply
+    ends with <|end|> well before the limit, and most share a word with their question (the
+    previous model ran on to the limit with fragments of documentation)."""
+    from tools.train_demo_model.__main__ import SAMPLE_QUESTIONS
+
+    tok = demo.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in SAMPLE_QUESTIONS]
+    outs = demo.generate(prompts, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    on_topic = 0
+    for question, out in zip(SAMPLE_QUESTIONS, outs):
+        reply = out.outputs[0]
+        assert reply.finish_reason == "stop" and len(reply.token_ids) <= 40, (question, reply.text)
+        topic = set(re.findall(r"[a-z]{4,}", question.lower())) - {"what", "does"}
+        on_topic += bool(topic & set(re.findall(r"[a-z]{4,}", reply.text.lower())))
+    assert on_topic >= 4, [o.outputs[0].text for o in outs]
 
 
 def test_it_is_the_default_model() -> None:

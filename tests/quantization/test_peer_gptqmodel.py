@@ -27,6 +27,7 @@ PEER_SCRIPT = Path(__file__).with_name("peer_gptqmodel.py")
 TOLERANCE = 1e-3  # float32 log-probs; measured differences are ~1e-5
 TOP_K = 5  # besides each prompt token's own log-prob, the top 5 at every position are compared
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "calibration.txt")
+DEMO_VOCAB = json.loads((Path(DEMO_MODEL) / "config.json").read_text())["vocab_size"]  # the models take its tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def source(tmp_path_factory) -> Path:
     from transformers import LlamaConfig
 
     path = tmp_path_factory.mktemp("peer") / "source"
-    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=DEMO_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          bos_token_id=0, eos_token_id=4, pad_token_id=0, tie_word_embeddings=True,
                          initializer_range=0.1)  # a wide init: log-probs far from uniform
@@ -80,7 +81,7 @@ def moe_source(tmp_path_factory) -> Path:
     from transformers import Qwen3MoeConfig
 
     path = tmp_path_factory.mktemp("peer") / "moe-source"
-    config = Qwen3MoeConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+    config = Qwen3MoeConfig(vocab_size=DEMO_VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
                             bos_token_id=0, eos_token_id=4, pad_token_id=0, tie_word_embeddings=True,
@@ -97,7 +98,7 @@ def prompts() -> list[list[int]]:
     text = (Path(DEMO_MODEL) / "heldout.txt").read_text()
     ids = tok.encode(text[:20_000], add_special_tokens=False).ids
     g = torch.Generator().manual_seed(0)
-    return [ids[:48], ids[1000:1100], [0] + ids[3000:3030], torch.randint(5, 4096, (40,), generator=g).tolist()]
+    return [ids[:48], ids[1000:1100], [0] + ids[3000:3030], torch.randint(5, DEMO_VOCAB, (40,), generator=g).tolist()]
 
 
 def dabba_logprobs(ckpt: Path, prompts: list[list[int]]) -> list[list[dict[int, float]]]:

@@ -13,7 +13,9 @@ from a model directory instead of training one, for example
         --hidden-size 128 --num-layers 2 --num-heads 2 --num-kv-heads 1 --intermediate-size 384 --sft-steps 0
 
 Reproducible from --seed: the document split, tokenizer, initialisation and batch order all
-derive from it. Documents are split, not lines: every 12th document of each source (sorted by
+derive from it. --keep-pretrained DIR saves the pretrained model (float32) with its loss history
+and generator state; --init-from DIR then redoes only the instruction stage, giving what the
+whole run gives. Documents are split, not lines: every 12th document of each source (sorted by
 path) is held out and never trained on, nor are the pairs made from it. --compare-heldout names
 an older held-out text (by default the one the output directory held before) on which the new
 model's perplexity is reported too. Hyperparameters are the argparse defaults below; they are
@@ -33,6 +35,10 @@ from tools.train_demo_model.corpus import SOURCES, licence_note, load_documents
 from tools.train_demo_model import sft
 from tools.train_demo_model.qa import qa_pairs
 
+# what --init-from takes from the run that pretrained the model
+PRETRAINING_ARGS = ("seed", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                    "intermediate_size", "seq_len", "batch_size", "steps", "lr", "warmup", "weight_decay",
+                    "eval_every")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
@@ -64,7 +70,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="dabba/assets/demo")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--tokenizer", default=None,
                    help="a model directory whose tokenizer to use instead of training one (a draft model's target)")
     p.add_argument("--hidden-size", type=int, default=384)
@@ -74,11 +80,11 @@ def main() -> None:
     p.add_argument("--intermediate-size", type=int, default=1024)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=1600)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--heldout-chars", type=int, default=300_000, help="size of the committed held-out text")
     p.add_argument("--calibration-chars", type=int, default=100_000, help="size of the committed calibration text")
     p.add_argument("--sft-steps", type=int, default=300, help="instruction-tuning steps after pretraining (0: none)")
@@ -88,6 +94,11 @@ def main() -> None:
                    help="corpus windows whose plain loss joins each instruction step's (0: none)")
     p.add_argument("--compare-heldout", default=None,
                    help="an older held-out text to report perplexity on (default: OUT/heldout.txt before this run)")
+    p.add_argument("--keep-pretrained", default=None,
+                   help="also save the model as pretraining left it (float32) to this directory, with its "
+                        "loss history, so that --init-from can redo the instruction stage alone")
+    p.add_argument("--init-from", default=None,
+                   help="a --keep-pretrained directory: skip pretraining, start from its model and tokenizer")
     p.add_argument("--packages", action="store_true", help="print the Debian packages of the corpus and exit")
     args = p.parse_args()
     if args.packages:
@@ -98,6 +109,12 @@ def main() -> None:
     from tqdm import tqdm
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    pretraining = None
+    if args.init_from:
+        pretraining = json.loads((Path(args.init_from) / "pretraining.json").read_text())
+        for key in PRETRAINING_ARGS:
+            setattr(args, key, pretraining["args"][key])
+        args.tokenizer = args.init_from
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -137,20 +154,10 @@ def main() -> None:
         pad_token_id=tok.token_to_id("<|endoftext|>"), initializer_range=0.02,
     )
     config.architectures = ["LlamaForCausalLM"]
-    model = LlamaForCausalLM(config)
+    model = (LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32) if args.init_from
+             else LlamaForCausalLM(config))
     num_params = sum(p.numel() for p in model.parameters())
     print(f"parameters: {num_params / 1e6:.2f} M")
-
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-
-    def lr_at(step: int) -> float:
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     gen = torch.Generator().manual_seed(args.seed)
     n_windows = (len(train_ids) - 1) // args.seq_len
@@ -190,10 +197,69 @@ def main() -> None:
         model.train()
         return sum(losses) / max(len(losses), 1)
 
+    start = time.time()
+    if pretraining is None:
+        history = pretrain(model, args, train_ids, batch, heldout_loss, gen, n_windows)
+        pretrain_minutes = (time.time() - start) / 60
+    else:
+        history, pretrain_minutes = pretraining["history"], pretraining["minutes"]
+        # the instruction stage draws its corpus windows from where pretraining left the generator
+        gen.set_state(torch.tensor(pretraining["generator"], dtype=torch.uint8))
+    start = time.time()
+    if args.keep_pretrained:
+        keep = Path(args.keep_pretrained)
+        model.save_pretrained(keep)
+        fast.save_pretrained(keep)
+        (keep / "pretraining.json").write_text(json.dumps(
+            {"args": {k: getattr(args, k) for k in PRETRAINING_ARGS}, "minutes": pretrain_minutes,
+             "generator": gen.get_state().tolist(), "history": history}))
+    pretrained = {"heldout_perplexity": math.exp(history["heldout_loss"][-1]),
+                  "heldout_answer_perplexity": math.exp(answer_loss()) if held_qa else None}
+    if args.sft_steps:
+        def prose_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return batch(train_ids, torch.randint(0, n_windows, (n,), generator=gen) * args.seq_len)
+
+        instruction_tune(model, tok, train_pairs, args, history, answer_loss, prose_batch)
+    model.to(torch.bfloat16).save_pretrained(out)
+    elapsed = time.time() - start
+    final_loss = heldout_loss()
+    metrics = {"parameters": num_params, "train_tokens": len(train_ids), "heldout_tokens": len(test_ids),
+               "qa_pairs": len(train_pairs), "heldout_qa_pairs": len(test_pairs),
+               "tokens_seen": args.steps * args.batch_size * args.seq_len, "minutes": pretrain_minutes + elapsed / 60,
+               "final_heldout_loss": final_loss, "final_heldout_perplexity": math.exp(final_loss),
+               "final_heldout_answer_perplexity": math.exp(answer_loss()) if held_qa else None,
+               "before_instruction_tuning": pretrained}
+    texts = {"heldout.txt": (out / "heldout.txt").read_text()}
+    if old_heldout is not None:
+        texts[f"compared: {compare}"] = old_heldout
+    metrics["served"], samples = evaluate_served(out, texts)
+    (out / "training_args.json").write_text(json.dumps({**vars(args), **metrics}, indent=2))
+    plot(history, out / "loss.png")
+    (out / "samples.json").write_text(json.dumps(samples, indent=2) + "\n")
+    print(json.dumps(metrics, indent=2))
+
+
+def pretrain(model, args, train_ids, batch, heldout_loss, gen, n_windows: int) -> dict:
+    """The language-model stage: AdamW with warmup and a cosine to a tenth, over windows of the
+    corpus in a seeded order; returns the loss history."""
+    import torch
+    from tqdm import tqdm
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    start = time.time()
     history = {"step": [], "train_loss": [], "eval_step": [], "heldout_loss": []}
     order = torch.randperm(n_windows, generator=gen)
     pos = 0
-    start = time.time()
     bar = tqdm(range(args.steps), desc="training", unit="step")
     smooth = None
     for step in bar:
@@ -221,31 +287,7 @@ def main() -> None:
             history["heldout_loss"].append(heldout_loss())
             bar.write(f"step {step + 1}: held-out loss {history['heldout_loss'][-1]:.3f} "
                       f"(perplexity {math.exp(history['heldout_loss'][-1]):.1f})")
-
-    pretrained = {"heldout_perplexity": math.exp(history["heldout_loss"][-1]),
-                  "heldout_answer_perplexity": math.exp(answer_loss()) if held_qa else None}
-    if args.sft_steps:
-        def prose_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return batch(train_ids, torch.randint(0, n_windows, (n,), generator=gen) * args.seq_len)
-
-        instruction_tune(model, tok, train_pairs, args, history, answer_loss, prose_batch)
-    model.to(torch.bfloat16).save_pretrained(out)
-    elapsed = time.time() - start
-    final_loss = heldout_loss()
-    metrics = {"parameters": num_params, "train_tokens": len(train_ids), "heldout_tokens": len(test_ids),
-               "qa_pairs": len(train_pairs), "heldout_qa_pairs": len(test_pairs),
-               "tokens_seen": args.steps * args.batch_size * args.seq_len, "minutes": elapsed / 60,
-               "final_heldout_loss": final_loss, "final_heldout_perplexity": math.exp(final_loss),
-               "final_heldout_answer_perplexity": math.exp(answer_loss()) if held_qa else None,
-               "before_instruction_tuning": pretrained}
-    texts = {"heldout.txt": (out / "heldout.txt").read_text()}
-    if old_heldout is not None:
-        texts[f"compared: {compare}"] = old_heldout
-    metrics["served"], samples = evaluate_served(out, texts)
-    (out / "training_args.json").write_text(json.dumps({**vars(args), **metrics}, indent=2))
-    plot(history, out / "loss.png")
-    (out / "samples.json").write_text(json.dumps(samples, indent=2) + "\n")
-    print(json.dumps(metrics, indent=2))
+    return history
 
 
 def instruction_tune(model, tok, pairs, args, history: dict, answer_loss, prose_batch) -> None:
@@ -268,19 +310,22 @@ def instruction_tune(model, tok, pairs, args, history: dict, answer_loss, prose_
             group["lr"] = args.sft_lr * 0.5 * (1 + math.cos(math.pi * step / args.sft_steps))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(x).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=sft.IGNORE)
+        answers = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=sft.IGNORE)
+        loss = answers
         if args.sft_prose_batch:
             px, py = prose_batch(args.sft_prose_batch)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 prose_logits = model(px).logits
-            loss = loss + torch.nn.functional.cross_entropy(prose_logits.float().flatten(0, 1), py.flatten())
+            prose = torch.nn.functional.cross_entropy(prose_logits.float().flatten(0, 1), py.flatten())
+            loss = loss + prose
+            history.setdefault("sft_prose_loss", []).append(prose.item())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
         history.setdefault("sft_step", []).append(args.steps + step)
-        history.setdefault("sft_loss", []).append(loss.item())
+        history.setdefault("sft_loss", []).append(answers.item())
     history["answer_loss_after_sft"] = answer_loss()
 
 
@@ -318,7 +363,10 @@ def plot(history: dict, path: Path) -> None:
     ax.plot(history["step"], history["train_loss"], lw=0.6, alpha=0.6, label="train (per step)")
     ax.plot(history["eval_step"], history["heldout_loss"], "o-", label="held-out")
     if history.get("sft_step"):
-        ax.plot(history["sft_step"], history["sft_loss"], lw=0.6, alpha=0.6, label="instruction tuning (answers)")
+        ax.plot(history["sft_step"], history["sft_loss"], lw=0.6, alpha=0.6, label="instruction tuning: answers")
+    if history.get("sft_prose_loss"):
+        ax.plot(history["sft_step"], history["sft_prose_loss"], lw=0.6, alpha=0.6,
+                label="instruction tuning: corpus windows")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("dabba demo model")
