@@ -195,13 +195,37 @@ class SchedulerConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = _help(
+        "Ranks that split every layer (Megatron's tensor parallelism): attention heads, MLP channels and the "
+        "vocabulary, summed over the ranks with torch.distributed (gloo on CPU, NCCL on CUDA). Each rank is a process "
+        "with its share of the cores (or its own GPU) and a KV cache for its heads.", 1)
+    distributed_executor_backend: str = _help(
+        '"mp": the ranks are local processes; "ray": Ray actors, one placement-group bundle per rank, on the Ray '
+        "cluster this process joins (ray.init(address=\"auto\"), else a local one).", "mp")
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    PARTS: ClassVar[dict[str, type]] = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig}
+    PARTS: ClassVar[dict[str, type]] = {"model_config": ModelConfig, "cache_config": CacheConfig,
+                                        "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig}
 
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

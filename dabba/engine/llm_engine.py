@@ -20,6 +20,8 @@ from dabba.core.scheduler import Scheduler
 from dabba.core.stats import SchedulerStats
 from dabba.engine.output_processor import IterationStats, OutputProcessor
 from dabba.engine.tokenizer import Tokenizer
+from dabba.executor.selector import make_executor
+from dabba.executor.uniproc import UniProcExecutor
 from dabba.models.config import ArchConfig
 from dabba.models.files import read_json_object
 from dabba.models.hub import TOKENIZER_FILES, resolve_model_dir
@@ -27,7 +29,7 @@ from dabba.outputs import RequestOutput
 from dabba.quantization.config import QuantConfig
 from dabba.sampling_params import SamplingParams
 from dabba.structured_output.manager import StructuredOutputManager
-from dabba.worker.model_runner import ModelRunner
+from dabba.worker.model_runner import ModelRunner, RunnerArgs
 
 logger = logging.getLogger("dabba")
 
@@ -88,20 +90,31 @@ class LLMEngine:
         spec = config.scheduler_config.speculative_config
         if spec is not None and spec.model is not None:  # a draft model given as a Hub id is fetched like the target
             spec = dataclasses.replace(spec, model=str(resolve_model_dir(spec.model, None, mc.download_dir)))
-        self.model_runner = ModelRunner(
+        self.executor = make_executor(RunnerArgs(
             str(model_dir), self.arch, resolve_dtype(mc.dtype, self.arch.torch_dtype), resolve_device(mc.device),
             self.max_model_len, mc.seed, mc.attention_backend, quant_config, cc.kv_cache_dtype, mc.native_layer_loop,
             spec,
-        )
+        ), config.parallel_config)
         sc = config.scheduler_config
-        self.cache_layout = self.model_runner.initialize_kv_cache(cc, sc.max_num_seqs, sc.max_num_batched_tokens)
+        self.cache_layout = self.executor.initialize_kv_cache(cc, sc.max_num_seqs, sc.max_num_batched_tokens)
         self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                                self.cache_layout.groups, sc.max_num_batched_tokens)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.max_model_len,
-                                   self.structured_output, self.model_runner.row_blocks())
+                                   self.structured_output, self.executor.row_blocks())
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step_num_tokens = 0  # tokens the last step ran (the dashboard's tokens per step)
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The in-process ModelRunner (tensor_parallel_size 1: its model, cache and layer loop)."""
+        if not isinstance(self.executor, UniProcExecutor):
+            raise AttributeError(f"the model runs in {self.executor.tp_size} worker processes, not in this one")
+        return self.executor.runner
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any (they also stop when the engine is collected)."""
+        self.executor.shutdown()
 
     def _eos_token_ids(self) -> frozenset[int]:
         """generation_config's eos ids (config.json's when it has none), plus the tokenizer's eos."""
@@ -198,7 +211,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and self.scheduler.waiting_for_grammar():
             self.structured_output.wait_for_grammars(GRAMMAR_WAIT_S)  # rather than spin
-        runner_out = self.model_runner.execute_model(sched_out)
+        runner_out = self.executor.execute_model(sched_out)
         self.last_step_num_tokens = sched_out.total_num_scheduled_tokens
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         processed = self.output_processor.process_outputs(core_outputs)

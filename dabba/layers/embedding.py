@@ -1,13 +1,45 @@
-"""Token embedding and the LM head (which may share the embedding's weight)."""
+"""Token embedding and the LM head (which may share the embedding's weight).
+
+Under tensor parallelism both are vocabulary-parallel: rank r holds rows r * n .. (r + 1) * n of
+the vocabulary (n = ceil(vocab / size), the last rank's tail zero-padded). The embedding looks up
+the ids in its range, zeros the others and sums over the group; the LM head computes its part of
+the logits, and the group gathers them in rank order.
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dabba import native
+from dabba.distributed.tensor_parallel import TensorParallel, current_tensor_parallel
 from dabba.quantization.base import LinearMethod
 from dabba.quantization.rtn import Int8RTNMethod
+
+
+class VocabShard:
+    """This rank's rows of a vocabulary-parallel table: ``start`` .. ``start + num_rows`` (padded),
+    of which ``num_valid`` hold a token."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.tp: TensorParallel = current_tensor_parallel()
+        self.vocab_size = vocab_size
+        self.num_rows = math.ceil(vocab_size / self.tp.size)
+        self.start = self.tp.rank * self.num_rows
+        self.num_valid = max(0, min(self.num_rows, vocab_size - self.start))
+
+    def make_weight(self, hidden_size: int) -> nn.Parameter:
+        weight = nn.Parameter(torch.empty(self.num_rows, hidden_size), requires_grad=False)
+        weight.weight_loader = self.load_rows
+        return weight
+
+    def load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"checkpoint tensor {tuple(loaded.shape)} != expected {(self.vocab_size, param.shape[1])}")
+        param.data[:self.num_valid].copy_(loaded[self.start:self.start + self.num_valid])
+        param.data[self.num_valid:].zero_()
 
 
 class VocabEmbedding(nn.Module):
@@ -19,7 +51,8 @@ class VocabEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.shard = VocabShard(vocab_size)
+        self.weight = self.shard.make_weight(hidden_size)
         self.scale = scale
         self.int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes, scales): see use_int8_rows
 
@@ -32,14 +65,23 @@ class VocabEmbedding(nn.Module):
         self.weight = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.int8_rows is not None:
-            codes, scales = self.int8_rows
-            x = F.embedding(input_ids, codes).to(scales.dtype) * scales[input_ids, None]
+        shard = self.shard
+        if shard.tp.size > 1:
+            local = input_ids - shard.start
+            outside = (local < 0) | (local >= shard.num_valid)
+            x = self._rows(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)
+            x = shard.tp.all_reduce(x)  # each token's row from the rank that holds it
         else:
-            x = F.embedding(input_ids, self.weight)  # [num_tokens, hidden]
+            x = self._rows(input_ids)  # [num_tokens, hidden]
         if self.scale is None:
             return x
         return x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(x.dtype)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.int8_rows is not None:
+            codes, scales = self.int8_rows
+            return F.embedding(ids, codes).to(scales.dtype) * scales[ids, None]
+        return F.embedding(ids, self.weight)
 
 
 class LMHead(nn.Module):
@@ -49,8 +91,9 @@ class LMHead(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, quant_method: LinearMethod | None = None) -> None:
         super().__init__()
-        self.out_features, self.in_features = vocab_size, hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.shard = VocabShard(vocab_size)
+        self.out_features, self.in_features = self.shard.num_rows, hidden_size  # this rank's rows
+        self.weight = self.shard.make_weight(hidden_size)
         self.quant_method = quant_method
         self._tied: list[VocabEmbedding] = []  # a list, not a submodule: the embedding stays the model's
 
@@ -71,5 +114,9 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # [num_rows, hidden] -> [num_rows, vocab]; only the rows that sample reach here.
         if self.quant_method is not None:
-            return self.quant_method.apply(self, hidden, None)
-        return native.linear(hidden, self.weight)
+            logits = self.quant_method.apply(self, hidden, None)
+        else:
+            logits = native.linear(hidden, self.weight)
+        if self.shard.tp.size == 1:
+            return logits
+        return self.shard.tp.all_gather(logits)[:, :self.shard.vocab_size]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dabba.distributed.tensor_parallel import current_tensor_parallel
 from dabba.layers.linear import Linear
 from dabba.models.config import MoEConfig
 from dabba.quantization.config import QuantConfig
@@ -45,8 +46,10 @@ class Expert(nn.Module):
         super().__init__()
         self.activation = activation
         self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], shard_ids=(0, 1),
-                                   prefix=f"{prefix}.gate_up_proj", quant_config=quant_config)
-        self.down_proj = Linear(intermediate_size, [hidden_size], prefix=f"{prefix}.down_proj", quant_config=quant_config)
+                                   prefix=f"{prefix}.gate_up_proj", quant_config=quant_config, parallel="column")
+        # FusedMoE sums the ranks' partial results once, over all experts
+        self.down_proj = Linear(intermediate_size, [hidden_size], prefix=f"{prefix}.down_proj", quant_config=quant_config,
+                                parallel="row", reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x, act_and_mul=self.activation))
@@ -81,6 +84,7 @@ class FusedMoE(nn.Module):
                  quant_config: QuantConfig | None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = current_tensor_parallel()  # every rank routes every token, and holds its part of every expert
         self.gate = Linear(hidden_size, [cfg.num_experts], prefix=f"{prefix}.gate")
         self.experts = nn.ModuleList(
             Expert(hidden_size, cfg.intermediate_size, activation, f"{prefix}.experts.{e}", quant_config)
@@ -88,4 +92,4 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = route(self.gate(x), self.cfg)
-        return moe_forward(x, weights, chosen, self.experts)
+        return self.tp.all_reduce(moe_forward(x, weights, chosen, self.experts))

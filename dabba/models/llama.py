@@ -2,6 +2,8 @@
 rotary, longrope: all in ArchConfig and the loader) share this code; Qwen3 and Gemma subclass it.
 
 Weights arrive under the Hugging Face names; q/k/v and gate/up are merged into one GEMM each.
+Under tensor parallelism q/k/v and gate/up are column-parallel (each rank its heads and its part
+of the intermediate channels), o_proj and down_proj row-parallel (summed over the ranks).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Callable, Hashable, Iterable
 import torch
 from torch import nn
 
+from dabba.distributed.tensor_parallel import KVHeadShard, current_tensor_parallel
 from dabba.layers.attention import Attention
 from dabba.layers.embedding import LMHead, VocabEmbedding
 from dabba.layers.layernorm import RMSNorm
@@ -36,8 +39,9 @@ class LlamaMLP(nn.Module):
         self.activation = cfg.mlp_activation
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], shard_ids=(0, 1), prefix=f"{prefix}.gate_up_proj",
-                                   quant_config=quant_config)
-        self.down_proj = Linear(inter, [cfg.hidden_size], prefix=f"{prefix}.down_proj", quant_config=quant_config)
+                                   quant_config=quant_config, parallel="column")
+        self.down_proj = Linear(inter, [cfg.hidden_size], prefix=f"{prefix}.down_proj", quant_config=quant_config,
+                                parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x, act_and_mul=self.activation))
@@ -46,17 +50,21 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_idx: int, prefix: str, quant_config: QuantConfig | None) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        tp = current_tensor_parallel()
+        self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")  # this rank's
+        kv = KVHeadShard.of(tp.rank, tp.size, cfg.num_key_value_heads)
+        self.num_kv_heads = kv.num_local
+        self.head_dim = d = cfg.head_dim
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        full_q, full_kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
         self.qkv_proj = Linear(
-            cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias,
-            shard_ids=("q", "k", "v"), prefix=f"{prefix}.qkv_proj", quant_config=quant_config,
+            cfg.hidden_size, [full_q, full_kv, full_kv], bias=cfg.qkv_bias, shard_ids=("q", "k", "v"),
+            prefix=f"{prefix}.qkv_proj", quant_config=quant_config, parallel="column",
+            output_slices=[(tp.rank * self.q_size, self.q_size)] + [(kv.first * d, self.kv_size)] * 2,
         )
-        self.o_proj = Linear(self.q_size, [cfg.hidden_size], bias=cfg.o_bias, prefix=f"{prefix}.o_proj",
-                             quant_config=quant_config)
+        self.o_proj = Linear(full_q, [cfg.hidden_size], bias=cfg.o_bias, prefix=f"{prefix}.o_proj",
+                             quant_config=quant_config, parallel="row")
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx,
                               cfg.layer_sliding_window(layer_idx), cfg.attn_scale, cfg.attn_logit_softcapping)
 

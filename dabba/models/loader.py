@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from dabba.distributed.tensor_parallel import SINGLE, TensorParallel, building_for
 from dabba.layers.embedding import LMHead
 from dabba.layers.rotary import describe_longrope
 from dabba.models.config import ArchConfig
@@ -167,7 +168,8 @@ def release_freed_heap() -> None:
 
 
 def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_position: int,
-               quant_config: QuantConfig | None = None) -> nn.Module:
+               quant_config: QuantConfig | None = None, tp: TensorParallel = SINGLE) -> nn.Module:
+    """The model, or under tensor parallelism rank ``tp.rank``'s shard of it, loaded."""
     model_dir = Path(model_dir)
     files = find_weight_files(model_dir)
     model_cls = get_model_class(arch.architecture)
@@ -176,7 +178,7 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), building_for(tp):
             model = model_cls(arch, max_position, quant_config)
     finally:
         torch.set_default_dtype(previous)

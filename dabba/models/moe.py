@@ -16,6 +16,7 @@ from typing import Callable, Hashable, Iterable, Iterator
 import torch
 from torch import nn
 
+from dabba.distributed.tensor_parallel import current_tensor_parallel
 from dabba.layers.layernorm import RMSNorm
 from dabba.layers.moe import FusedMoE
 from dabba.models.config import ArchConfig
@@ -47,15 +48,28 @@ def unstack_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tup
 
 
 class OlmoeAttention(LlamaAttention):
-    """RMSNorm over all of q's heads at once, and over all of k's, before RoPE."""
+    """RMSNorm over all of q's heads at once, and over all of k's, before RoPE. Under tensor
+    parallelism a rank gathers every rank's heads, normalises them all and keeps its own (so
+    the KV heads must divide among the ranks, not be replicated)."""
 
     def __init__(self, cfg: ArchConfig, layer_idx: int, prefix: str, quant_config: QuantConfig | None) -> None:
         super().__init__(cfg, layer_idx, prefix, quant_config)
-        self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps)
+        self.tp = current_tensor_parallel()
+        if self.tp.size > cfg.num_key_value_heads:
+            raise ValueError(f"OLMoE's k norm spans every KV head: tensor_parallel_size={self.tp.size} must divide its "
+                             f"{cfg.num_key_value_heads} KV heads")
+        self.q_norm = RMSNorm(self.q_size * self.tp.size, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.kv_size * self.tp.size, cfg.rms_norm_eps)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q.reshape(q.shape[0], -1)).view_as(q), self.k_norm(k.reshape(k.shape[0], -1)).view_as(k)
+        return self._norm(self.q_norm, q), self._norm(self.k_norm, k)
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(x.shape[0], -1)  # [num_tokens, this rank's heads * head_dim]
+        if self.tp.size == 1:
+            return norm(flat).view_as(x)
+        width = flat.shape[1]
+        return norm(self.tp.all_gather(flat))[:, self.tp.rank * width:(self.tp.rank + 1) * width].reshape(x.shape)
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dabba.distributed.tensor_parallel import TensorParallel, building_for
 from dabba.layers.embedding import LMHead
 from dabba.layers.linear import Linear
 from dabba.layers.moe import Expert
@@ -12,23 +13,25 @@ from dabba.models.registry import get_model_class
 from dabba.quantization.config import QuantConfig
 
 
-def meta_model(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None) -> torch.nn.Module:
-    """The model built on the meta device: no memory, no loading."""
+def meta_model(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None,
+               tp_size: int = 1) -> torch.nn.Module:
+    """The model (rank 0's shard of it under tensor parallelism) built on the meta device: no
+    memory, no loading."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), building_for(TensorParallel(0, tp_size)):
             return get_model_class(arch.architecture)(arch, 16, quant_config)
     finally:
         torch.set_default_dtype(previous)
 
 
 def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None,
-                  device_type: str = "cpu", active: bool = False) -> int:
+                  device_type: str = "cpu", active: bool = False, tp_size: int = 1) -> int:
     """Every parameter at ``dtype`` except each linear's weight, counted as its method packs it.
     ``active``: only what one token's forward multiplies (a mixture of experts' routed layers
-    count top_k of their experts)."""
-    model = meta_model(arch, dtype, quant_config)
+    count top_k of their experts). ``tp_size``: what one rank of that many holds."""
+    model = meta_model(arch, dtype, quant_config, tp_size)
     total, seen = 0, set()  # a tied LM head shares the embedding's tensor
     head = getattr(model, "lm_head", None)
     if isinstance(head, LMHead) and head.shares_packed_rows:  # the embedding reads the head's codes

@@ -18,7 +18,11 @@ from dabba.layers.activation import act_and_mul
 class LinearMethod:
     def create_weights(self, layer: nn.Module) -> None:
         """The tensors the checkpoint provides: a full-precision weight unless a format says otherwise."""
-        layer.add_param("weight", torch.empty(layer.out_features, layer.in_features))
+        layer.add_param("weight", torch.empty(layer.out_features, layer.in_features), input_dim=1)
+
+    def whole_tensor_loaded(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """A row-parallel layer's checkpoint tensor, before the rank keeps its channels: for a
+        method whose groups span the whole row (per-channel INT8)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass

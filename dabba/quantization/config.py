@@ -63,7 +63,7 @@ class QuantConfig:
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethod:
         if self.method in ("gptq", "awq"):
-            group_size = self.group_size if self.group_size > 0 else layer.in_features
+            group_size = self.group_size if self.group_size > 0 else layer.full_in_features
             if self.method == "gptq":
                 return GPTQLinearMethod(self.bits, group_size, self.desc_act)
             return AWQLinearMethod(group_size)
@@ -72,7 +72,7 @@ class QuantConfig:
             return Int8RTNMethod()
         # Groups must tile the layer's input width (SmolLM's 576 is not a multiple of 128):
         # fall back to smaller groups, or leave the layer unquantized.
-        for group_size in (self.group_size, 64, 32):
-            if layer.in_features % group_size == 0 and group_size <= self.group_size:
+        for group_size in (self.group_size, 64, 32):  # of the whole layer's width, the same at every tensor-parallel size
+            if layer.full_in_features % group_size == 0 and group_size <= self.group_size:
                 return Int4RTNMethod(group_size)
         return UnquantizedLinearMethod()

@@ -28,17 +28,22 @@ class GPTQLinearMethod(LinearMethod):
         if k % self.group_size or k % per_word or out % per_word:
             raise ValueError(f"{layer.prefix}: GPTQ needs in ({k}) divisible by group_size ({self.group_size}) and "
                              f"by {per_word}, and out ({out}) divisible by {per_word}")
-        groups = k // self.group_size
-        layer.add_param("qweight", torch.empty(k // per_word, out, dtype=torch.int32), output_dim=1)
+        if self.desc_act and getattr(layer, "parallel", None) == "row":
+            raise ValueError(f"{layer.prefix}: an act-order GPTQ checkpoint (desc_act) cannot split a layer's input "
+                             "channels across tensor-parallel ranks: its groups are not contiguous")
+        groups, g = k // self.group_size, self.group_size
+        layer.add_param("qweight", torch.empty(k // per_word, out, dtype=torch.int32), output_dim=1,
+                        input_dim=0, input_pack=per_word)
         layer.add_param("qzeros", torch.empty(groups, out // per_word, dtype=torch.int32), output_dim=1,
-                        output_pack=per_word)
-        layer.add_param("scales", torch.empty(groups, out), output_dim=1)
-        layer.add_param("g_idx", torch.empty(k, dtype=torch.int32), output_dim=None)
+                        output_pack=per_word, input_dim=0, input_pack=g)
+        layer.add_param("scales", torch.empty(groups, out), output_dim=1, input_dim=0, input_pack=g)
+        layer.add_param("g_idx", torch.empty(k, dtype=torch.int32), output_dim=None, input_dim=0)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         tensors = {name: getattr(layer, name).data for name in ("qweight", "qzeros", "scales", "g_idx")}
         dtype = tensors["scales"].dtype
         codes, zeros, scales, g_idx = gptq_unpack(tensors, self.bits)  # [out, in], [out, groups] x2, [in]
+        g_idx = g_idx - getattr(layer, "input_offset", 0) // self.group_size  # a row-parallel rank's groups from 0
         for name in tensors:
             delattr(layer, name)
         contiguous = torch.equal(g_idx.long(), torch.arange(layer.in_features) // self.group_size)
@@ -77,10 +82,12 @@ class AWQLinearMethod(LinearMethod):
         if k % self.group_size or out % 8:
             raise ValueError(f"{layer.prefix}: AWQ needs in ({k}) divisible by group_size ({self.group_size}) "
                              f"and out ({out}) divisible by 8")
-        groups = k // self.group_size
-        layer.add_param("qweight", torch.empty(k, out // 8, dtype=torch.int32), output_dim=1, output_pack=8)
-        layer.add_param("qzeros", torch.empty(groups, out // 8, dtype=torch.int32), output_dim=1, output_pack=8)
-        layer.add_param("scales", torch.empty(groups, out), output_dim=1)
+        groups, g = k // self.group_size, self.group_size
+        layer.add_param("qweight", torch.empty(k, out // 8, dtype=torch.int32), output_dim=1, output_pack=8,
+                        input_dim=0)
+        layer.add_param("qzeros", torch.empty(groups, out // 8, dtype=torch.int32), output_dim=1, output_pack=8,
+                        input_dim=0, input_pack=g)
+        layer.add_param("scales", torch.empty(groups, out), output_dim=1, input_dim=0, input_pack=g)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         tensors = {name: getattr(layer, name).data for name in ("qweight", "qzeros", "scales")}

@@ -37,14 +37,17 @@ class QuantizedWeight:
         return w.view(out, k)
 
 
-def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> QuantizedWeight:
-    """w: [out, in] -> codes per group of ``group_size`` input channels (group_size = in: per channel)."""
+def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool,
+             r_max: torch.Tensor | None = None) -> QuantizedWeight:
+    """w: [out, in] -> codes per group of ``group_size`` input channels (group_size = in: per channel).
+    ``r_max`` [out, in / group_size]: symmetric groups' range where w is part of a wider row (a
+    row-parallel rank's channels, scaled as the whole row is)."""
     out, k = w.shape
     if k % group_size:
         raise ValueError(f"in_features ({k}) must be a multiple of group_size ({group_size})")
     wg = w.float().view(out, k // group_size, group_size)
     if symmetric:
-        r_max = wg.abs().amax(-1)
+        r_max = wg.abs().amax(-1) if r_max is None else r_max
         scale = (2 * r_max / (2**bits - 1)).clamp(min=1e-10)
         zero = torch.zeros_like(scale, dtype=torch.int32)
         q = torch.clamp(torch.round(wg / scale[..., None]), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
@@ -60,7 +63,7 @@ QUANTIZE_BLOCK_ELEMENTS = 2**22  # weight elements quantize_rows hands quantize 
 
 
 def quantize_rows(w: torch.Tensor, bits: int, group_size: int, symmetric: bool,
-                  codes_dtype: torch.dtype) -> QuantizedWeight:
+                  codes_dtype: torch.dtype, r_max: torch.Tensor | None = None) -> QuantizedWeight:
     """quantize() a block of rows at a time, storing the codes as ``codes_dtype``. quantize makes
     several float32 temporaries of the weight's size at once: over a 150k-row LM head that was
     gigabytes, more than the whole bf16 model's load. Rows are independent: the same codes."""
@@ -70,7 +73,8 @@ def quantize_rows(w: torch.Tensor, bits: int, group_size: int, symmetric: bool,
     scale = torch.empty(out, k // group_size, dtype=torch.float32, device=w.device)
     zero = torch.empty(out, k // group_size, dtype=torch.int32, device=w.device)
     for start in range(0, out, rows):
-        part = quantize(w[start:start + rows], bits, group_size, symmetric)
+        part = quantize(w[start:start + rows], bits, group_size, symmetric,
+                        None if r_max is None else r_max[start:start + rows])
         q[start:start + rows], scale[start:start + rows], zero[start:start + rows] = part.q, part.scale, part.zero
     return QuantizedWeight(q, scale, zero, group_size)
 
@@ -81,11 +85,18 @@ def _drop_weight(layer: nn.Module) -> None:
 
 
 class Int8RTNMethod(LinearMethod):
-    """Symmetric INT8, one scale per output channel."""
+    """Symmetric INT8, one scale per output channel: of the whole row, also where a row-parallel
+    rank holds only part of it (whole_tensor_loaded), so every tensor-parallel size computes
+    with the same codes."""
+
+    def whole_tensor_loaded(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param is layer.weight:
+            layer.row_absmax = loaded.to(param.dtype).float().abs().amax(dim=1, keepdim=True)  # [out, 1]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.data
-        qw = quantize_rows(w, 8, w.shape[1], symmetric=True, codes_dtype=torch.int8)
+        qw = quantize_rows(w, 8, w.shape[1], symmetric=True, codes_dtype=torch.int8,
+                           r_max=getattr(layer, "row_absmax", None))
         _drop_weight(layer)
         layer.register_buffer("qweight", qw.q, persistent=False)  # [out, in]
         layer.register_buffer("scales", qw.scale[:, 0].to(w.dtype), persistent=False)  # [out]

@@ -14,13 +14,15 @@ from dabba.models.native_layer_loop import NativeLayerLoop, missing_native_form
 
 
 def select_layer_loop(model: torch.nn.Module, backend: AttentionBackend, kv_quant: KVQuant | None,
-                      setting: str) -> tuple[NativeLayerLoop | None, str]:
+                      setting: str, tp_size: int = 1) -> tuple[NativeLayerLoop | None, str]:
     """The native loop or None (the Python layers), and why. The native loop reads the CPU
     backend's cache layout and must compute exactly what the Python layers do; "auto" takes it
     where both hold, "on" insists, "off" never takes it."""
     if setting == "off":
         return None, "native_layer_loop='off'"
-    if not isinstance(backend, CpuBackend):
+    if tp_size > 1:
+        why = f"tensor_parallel_size={tp_size} (the loop has no collectives between its layers)"
+    elif not isinstance(backend, CpuBackend):
         why = f"the {type(backend).__name__} attention backend (the loop reads the CPU backend's cache)"
     else:
         why = missing_native_form(model)

@@ -34,6 +34,7 @@ from dabba.config import CacheConfig, SpeculativeConfig
 from dabba.core.kv_cache_groups import KVCacheGroup, group_layers, group_size, layer_slots
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from dabba.core.spec_budget import RowBlocks
+from dabba.distributed.tensor_parallel import SINGLE, KVHeadShard, TensorParallel
 from dabba.models.config import ArchConfig
 from dabba.models.loader import load_model
 from dabba.models.sizes import weights_bytes
@@ -62,44 +63,73 @@ class CacheLayout:
     groups: tuple[KVCacheGroup, ...]  # layers sharing a block table (core/kv_cache_groups.py)
 
 
+@dataclass(frozen=True)
+class RunnerArgs:
+    """What builds a ModelRunner: the same on every tensor-parallel rank, and picklable, so that a
+    worker process or a Ray actor builds its own."""
+
+    model_dir: str
+    arch: ArchConfig
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    seed: int
+    attention_backend: str = "auto"
+    quant_config: QuantConfig | None = None
+    kv_cache_dtype: str = "auto"
+    native_layer_loop: str = "auto"
+    speculative_config: SpeculativeConfig | None = None
+
+
 class ModelRunner:
-    def __init__(self, model_dir: str, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
-                 max_model_len: int, seed: int, attention_backend: str = "auto",
-                 quant_config: QuantConfig | None = None, kv_cache_dtype: str = "auto",
-                 native_layer_loop: str = "auto", speculative_config: SpeculativeConfig | None = None) -> None:
+    """One rank's model, KV cache, batch state and sampler. Under tensor parallelism every rank
+    runs the same steps on its shard; the collectives inside the layers keep them in step, and
+    every rank samples the same tokens from the same gathered logits and seeds."""
+
+    def __init__(self, args: RunnerArgs, tp: TensorParallel = SINGLE) -> None:
+        arch, dtype, device, quant_config = args.arch, args.dtype, args.device, args.quant_config
+        model_dir, max_model_len, native_layer_loop = args.model_dir, args.max_model_len, args.native_layer_loop
         self.arch = arch
         self.dtype = dtype
         self.device = device
         self.max_model_len = max_model_len
+        self.tp = tp
+        self.num_kv_heads = KVHeadShard.of(tp.rank, tp.size, arch.num_key_value_heads).num_local  # this rank's
         if device.type == "cpu":
             keep_freed_host_memory()
             native.load_cpu_ops()  # now, so that no request waits for a first build or load (it logs the variant)
         check_fits(f"the weights of {model_dir} ({str(dtype).removeprefix('torch.')}"
-                   f"{', ' + quant_config.method if quant_config else ''})",
-                   weights_bytes(arch, dtype, quant_config, device.type), device,
+                   f"{', ' + quant_config.method if quant_config else ''}"
+                   f"{f', a rank of {tp.size}' if tp.size > 1 else ''})",
+                   weights_bytes(arch, dtype, quant_config, device.type, tp_size=tp.size), device,
                    "quantize them (quantization int8 or int4) or take a smaller model; `dabba plan` shows what fits")
         start = time.perf_counter()
-        self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len, quant_config=quant_config)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.kv_quant = make_kv_quant(kv_cache_dtype, dtype)
-        self.backend = get_attention_backend(attention_backend, device, self.kv_quant)
+        self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len, quant_config=quant_config,
+                                tp=tp)
+        self.kv_cache_dtype = args.kv_cache_dtype
+        self.kv_quant = make_kv_quant(args.kv_cache_dtype, dtype)
+        self.backend = get_attention_backend(args.attention_backend, device, self.kv_quant)
         # parameters plus quantized weight buffers; RoPE tables are not weights
         tensors = [*self.model.parameters(), *(b for n, b in self.model.named_buffers() if "rotary" not in n)]
         self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        logger.info("Loaded %s (%.1f MiB of weights, %s%s) on %s in %.1f s; attention backend %s", arch.architecture,
+        logger.info("Loaded %s (%.1f MiB of weights, %s%s%s) on %s in %.1f s; attention backend %s", arch.architecture,
                     self.weight_bytes / 2**20, str(dtype).removeprefix("torch."),
-                    f", {quant_config.method}" if quant_config else "", device, time.perf_counter() - start,
-                    type(self.backend).__name__)
+                    f", {quant_config.method}" if quant_config else "",
+                    f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
+                    device, time.perf_counter() - start, type(self.backend).__name__)
         self.native_loop, self.layer_loop_reason = select_layer_loop(self.model, self.backend, self.kv_quant,
-                                                                     native_layer_loop)
+                                                                     native_layer_loop, tp.size)
         logger.info("Layers run %s: %s", "in the native loop (csrc/decode_cpu.cpp)" if self.native_loop
                     else "in Python", self.layer_loop_reason)
-        self.sampler = Sampler(device, seed)
-        spec = speculative_config
+        self.sampler = Sampler(device, args.seed)
+        spec = args.speculative_config
         self.proposer: NgramProposer | DraftModel | None = None
         if spec is not None and spec.method == "ngram":
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif spec is not None:
+            if tp.size > 1:
+                raise ValueError("speculative_config: a draft model does not run under tensor parallelism yet; "
+                                 'use {"method": "ngram"} or tensor_parallel_size=1')
             self.proposer = DraftModel(spec.model, model_dir, arch, dtype, device, max_model_len, quant_config,
                                        self.backend, self.kv_quant, native_layer_loop, spec.num_speculative_tokens,
                                        self.sampler.generator)
@@ -123,7 +153,7 @@ class ModelRunner:
         arch = self.arch
         groups = tuple(group_layers([arch.layer_sliding_window(i) for i in range(arch.num_hidden_layers)]))
         num_tensors = group_size(groups)
-        bytes_per_block = bs * kv_bytes_per_token(num_tensors, arch.num_key_value_heads, arch.head_dim,
+        bytes_per_block = bs * kv_bytes_per_token(num_tensors, self.num_kv_heads, arch.head_dim,
                                                   self.kv_cache_dtype, self.dtype)
         draft = self.proposer if isinstance(self.proposer, DraftModel) else None
         if draft is not None:  # its cache has a block for each of the pool's, read through the full-attention tables
@@ -141,7 +171,7 @@ class ModelRunner:
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes is less than one KV block ({bytes_per_block} bytes)")
-        tensors = kv_cache_tensors(self.backend, self.kv_quant, num_blocks, bs, arch.num_key_value_heads, arch.head_dim,
+        tensors = kv_cache_tensors(self.backend, self.kv_quant, num_blocks, bs, self.num_kv_heads, arch.head_dim,
                                    num_tensors, self.dtype, self.device)
         slots = layer_slots(groups)
         self.kv_caches = [tensors[slots[i][1]] for i in range(arch.num_hidden_layers)]

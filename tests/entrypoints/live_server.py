@@ -22,10 +22,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def live_server(path: str, model_name: str, api_key: str | None, tool_call_parser: str | None = None,
-                config: ServerConfig | None = None, app_state: dict | None = None) -> Iterator[tuple[str, LLMEngine]]:
+                config: ServerConfig | None = None, app_state: dict | None = None,
+                **engine_options) -> Iterator[tuple[str, LLMEngine]]:
     """Yields (base URL, engine); stops the server on exit. ``app_state``, if given, receives the
-    app's state (its AsyncLLMEngine as "engine")."""
-    engine = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", max_num_batched_tokens=256))
+    app's state (its AsyncLLMEngine as "engine"); ``engine_options`` add to the engine's."""
+    engine = LLMEngine(EngineConfig.from_kwargs(**{"model": path, "dtype": "float32", "max_num_batched_tokens": 256,
+                                                   **engine_options}))
     app = build_app(engine, model_name, api_key=api_key, tool_call_parser=tool_call_parser, config=config)
     if app_state is not None:
         app_state["engine"] = app.state.engine

@@ -1,0 +1,1 @@
+"""Tensor-parallel groups and their collectives (torch.distributed underneath)."""
