@@ -1,6 +1,6 @@
 """All-reduce and all-gather through shared memory, for ranks on one host.
 
-gloo takes about 1.6 ms to all-reduce one token's hidden state between two local processes (its
+gloo takes about 2 ms to all-reduce one token's hidden state between two local processes (its
 TCP transport and its own threads); a decode step all-reduces twice a layer, so that alone would
 cost more than the step's compute (benchmarks/tp_comm.py). Here each rank copies its tensor into
 its slot of one shared segment, publishes a sequence number, waits until every rank has published

@@ -37,20 +37,18 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (the same shape on each)."""
-        if self.size == 1:
-            return x
-        if self.communicator is None:
-            raise RuntimeError("this model was built without a communicator (to be measured), not to run")
-        return self.communicator.all_reduce(x)
+        return self._collective("all_reduce", x)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` concatenated along the last dimension, in rank order."""
+        return self._collective("all_gather", x)
+
+    def _collective(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
         if self.communicator is None:
             raise RuntimeError("this model was built without a communicator (to be measured), not to run")
-        return self.communicator.all_gather(x)
-
+        return getattr(self.communicator, name)(x)
 
 SINGLE = TensorParallel()
 
