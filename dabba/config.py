@@ -207,11 +207,16 @@ class ParallelConfig:
     distributed_executor_backend: str = _help(
         '"mp": the ranks are local processes; "ray": Ray actors, one placement-group bundle per rank, on the Ray '
         "cluster this process joins (ray.init(address=\"auto\"), else a local one).", "mp")
+    data_parallel_size: int = _help(
+        "Engine replicas behind one server (`dabba serve`), each with its own KV cache, scheduler and worker "
+        "processes on its own share of the cores: a request goes to the replica that caches the longest prefix of "
+        "it, else to the least loaded one.", 1)
 
     def __post_init__(self) -> None:
-        size = self.tensor_parallel_size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            size = getattr(self, name)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")

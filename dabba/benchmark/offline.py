@@ -25,17 +25,21 @@ class OfflineWorkload:
     dataset_path: str | None = None
     seed: int = 0
     prefix_len: int = 0  # random dataset: a prefix every prompt shares, before its own input_len ids
+    num_prefixes: int = 1  # random dataset: prompt i takes prefix i % num_prefixes (vllm bench's prefix_repetition)
 
 
 def make_prompts(w: OfflineWorkload, vocab_size: int, tokenizer=None) -> list[list[int]]:
-    """Token-id prompts: random ids in [FIRST_TOKEN_ID, vocab), ``prefix_len`` shared ones then
-    ``input_len`` of each prompt's own (vllm bench's --random-prefix-len); or consecutive windows
-    of ``input_len`` tokens of the file."""
+    """Token-id prompts: random ids in [FIRST_TOKEN_ID, vocab), ``prefix_len`` shared ones (one of
+    ``num_prefixes`` prefixes, in turn) then ``input_len`` of each prompt's own (vllm bench's
+    --random-prefix-len); or consecutive windows of ``input_len`` tokens of the file."""
+    if w.num_prefixes < 1:
+        raise ValueError(f"num_prefixes must be >= 1, got {w.num_prefixes}")
     if w.dataset == "random":
         rng = random.Random(w.seed)
-        prefix = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(w.prefix_len)]
-        return [prefix + [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(w.input_len)]
-                for _ in range(w.num_prompts)]
+        prefixes = [[rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(w.prefix_len)]
+                    for _ in range(w.num_prefixes)]
+        return [prefixes[i % w.num_prefixes] + [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(w.input_len)]
+                for i in range(w.num_prompts)]
     if w.prefix_len:
         raise ValueError("prefix_len applies to the random dataset only")
     if w.dataset != "file" or not w.dataset_path:

@@ -46,6 +46,8 @@ class ServeBenchConfig:
     dataset_path: str | None = None
     input_len: int = 128
     output_len: int = 128
+    prefix_len: int = 0  # random dataset: shared tokens before each prompt's own input_len
+    num_prefixes: int = 1  # random dataset: prompt i shares prefix i % num_prefixes
     vocab_size: int | None = None
     tokenizer: str | None = None  # directory with tokenizer.json, or the file; used for vocab_size
     request_rate: float = math.inf  # requests/s, Poisson arrivals; inf: all at once
@@ -119,7 +121,8 @@ def build_prompts(cfg: ServeBenchConfig) -> list[list[int] | str]:
         if vocab <= FIRST_TOKEN_ID:
             raise ValueError(f"vocab_size must be > {FIRST_TOKEN_ID}, got {vocab}")
         # the offline benchmarks' generator: the same seed sends the same prompts online and offline
-        return make_prompts(OfflineWorkload(cfg.num_prompts, cfg.input_len, cfg.output_len, seed=cfg.seed), vocab)
+        return make_prompts(OfflineWorkload(cfg.num_prompts, cfg.input_len, cfg.output_len, seed=cfg.seed,
+                                            prefix_len=cfg.prefix_len, num_prefixes=cfg.num_prefixes), vocab)
     if cfg.dataset == "file":
         if not cfg.dataset_path:
             raise ValueError("dataset 'file' needs dataset_path")
@@ -340,6 +343,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128,
                         help="prompt tokens (random) or ~tokens at 4 characters each (file)")
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens per request (ignore_eos)")
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="random: shared prefix tokens before each prompt's own --input-len")
+    parser.add_argument("--num-prefixes", type=int, default=1,
+                        help="random: distinct shared prefixes; prompt i takes prefix i mod this")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="random ids are drawn from [3, vocab-size); default: --tokenizer's size, else "
                              f"{DEFAULT_VOCAB_SIZE}")
@@ -361,6 +368,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     return ServeBenchConfig(
         base_url=args.base_url, model=args.model, api_key=args.api_key, num_prompts=args.num_prompts,
         dataset=args.dataset, dataset_path=args.dataset_path, input_len=args.input_len, output_len=args.output_len,
+        prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
         vocab_size=args.vocab_size, tokenizer=args.tokenizer, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
         slo_e2e_ms=args.slo_e2e_ms, seed=args.seed,

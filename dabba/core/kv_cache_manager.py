@@ -111,6 +111,19 @@ class KVCacheManager:
                 return hits, num_hit * self.block_size
             num_hit = shortest
 
+    def cached_prefix_blocks(self, block_hashes: list) -> int:
+        """How many leading blocks of a prompt (its chained hashes) the cache holds, as the
+        first full-attention group sees them: a data-parallel router's estimate. Only reads one
+        dict, so another thread may ask while the engine's steps change it; nothing is reserved."""
+        if not self.enable_caching:
+            return 0
+        g = next((i for i, group in enumerate(self.groups) if group.sliding_window is None), 0)
+        cached = self.pool.cached
+        for n, block_hash in enumerate(block_hashes):
+            if (g, block_hash) not in cached:
+                return n
+        return len(block_hashes)
+
     def _longest_hit(self, g: int, hashes: list, max_blocks: int) -> list[KVCacheBlock]:
         """Group g's longest hit of at most ``max_blocks`` blocks (the null block where unneeded)."""
         group = self.groups[g]

@@ -44,6 +44,15 @@ def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
     return h.digest()[:16]
 
 
+def chain_block_hashes(token_ids: list[int], block_size: int) -> list[BlockHash]:
+    """The chained hashes of every full block of ``token_ids``: what a request's blocks are
+    cached under (a data-parallel router asks each replica's cache for them)."""
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start:start + block_size]))
+    return hashes
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence in flight.

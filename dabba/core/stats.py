@@ -2,6 +2,7 @@
 (``LLM.get_stats()``, ``/metrics``, ``dabba bench``)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -23,6 +24,17 @@ class SchedulerStats:
     spec_num_drafts: int = 0  # speculative steps: a request's drafts verified once
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+
+    @classmethod
+    def combine(cls, parts: list["SchedulerStats"]) -> "SchedulerStats":
+        """Data-parallel replicas' stats as one engine's: counts add up, and the ratios are
+        taken again from the sums (a replica with more blocks weighs more)."""
+        sums = {f.name: sum(getattr(p, f.name) for p in parts) for f in dataclasses.fields(cls)
+                if f.type == "int"}
+        return cls(**sums,
+                   kv_cache_usage=sums["kv_blocks_used"] / sums["kv_blocks_total"] if sums["kv_blocks_total"] else 0.0,
+                   prefix_cache_hit_rate=(sums["prefix_cache_hit_tokens"] / sums["prefix_cache_queried_tokens"]
+                                          if sums["prefix_cache_queried_tokens"] else 0.0))
 
     @property
     def spec_acceptance_rate(self) -> float:

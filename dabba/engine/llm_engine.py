@@ -69,7 +69,13 @@ def load_generation_config(model_dir: Path) -> dict[str, Any]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, replica: int | None = None) -> None:
+        """``replica``: which of ``data_parallel_size`` replicas this engine is (its cores); the
+        replicas serve together behind `dabba serve` (engine/data_parallel.py)."""
+        replicas = config.parallel_config.data_parallel_size
+        if replica is None and replicas > 1:
+            raise ValueError(f"data_parallel_size={replicas}: replicas serve together behind `dabba serve "
+                             f"--data-parallel-size {replicas}`; one engine here runs one model (data_parallel_size=1)")
         self.config = config
         mc = config.model_config
         model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir)
@@ -94,7 +100,7 @@ class LLMEngine:
             str(model_dir), self.arch, resolve_dtype(mc.dtype, self.arch.torch_dtype), resolve_device(mc.device),
             self.max_model_len, mc.seed, mc.attention_backend, quant_config, cc.kv_cache_dtype, mc.native_layer_loop,
             spec,
-        ), config.parallel_config)
+        ), config.parallel_config, replica or 0)
         sc = config.scheduler_config
         self.cache_layout = self.executor.initialize_kv_cache(cc, sc.max_num_seqs, sc.max_num_batched_tokens)
         self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching,

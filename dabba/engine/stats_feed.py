@@ -11,10 +11,11 @@ step and per STREAM_EVERY_S, whichever is rarer.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from dabba.core.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 from dabba.engine.llm_engine import LLMEngine
@@ -70,3 +71,57 @@ class StatsFeed:
         }
         self.latest = snapshot  # watchers tell a new one by its identity
         return snapshot
+
+
+async def watch(feeds: list[StatsFeed], snapshots_now: Callable[[], Awaitable[list[dict]]],
+                combine: Callable[[list[dict]], dict]) -> AsyncIterator[dict | None]:
+    """Snapshots of one engine's feed (or of data-parallel replicas' feeds, combined) as they
+    step: one of now first, then one whenever a feed has a new one, at most per STREAM_EVERY_S;
+    None after HEARTBEAT_S without one (so that a server notices a client gone while idle)."""
+    for feed in feeds:
+        feed.watchers += 1
+    try:
+        seen = await snapshots_now()  # each feed's latest, taken now
+        yield combine(seen)
+        quiet = 0.0
+        while True:
+            await asyncio.sleep(STREAM_EVERY_S)
+            latest = [feed.latest for feed in feeds]
+            if any(a is not b for a, b in zip(latest, seen)):
+                seen, quiet = latest, 0.0
+                yield combine(latest)
+            elif (quiet := quiet + STREAM_EVERY_S) >= HEARTBEAT_S:
+                quiet = 0.0
+                yield None
+    finally:
+        for feed in feeds:
+            feed.watchers -= 1
+
+
+def combine_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """Data-parallel replicas' snapshots as one engine's: counts add up, ratios are taken again
+    from the sums, and the block grid is the replicas' grids one after the other."""
+    def total(*path: str) -> Any:
+        values = []
+        for snapshot in snapshots:
+            for key in path:
+                snapshot = snapshot[key]
+            values.append(snapshot)
+        return sum(values)
+
+    kv_keys = ("blocks", "blocks_in_use", "free", "cached", "used", "shared")
+    hit, queried = total("prefix_cache", "hit_tokens"), total("prefix_cache", "queried_tokens")
+    drafted, accepted = total("spec_decode", "draft_tokens"), total("spec_decode", "accepted_tokens")
+    return {
+        "time": max(s["time"] for s in snapshots),
+        **{key: total(key) for key in ("step", "running", "waiting", "step_tokens", "prompt_tokens",
+                                       "generated_tokens", "preemptions")},
+        "prefix_cache": {"hit_rate": hit / queried if queried else 0.0, "hit_tokens": hit, "queried_tokens": queried},
+        "kv": {**{key: total("kv", key) for key in kv_keys}, "block_size": snapshots[0]["kv"]["block_size"],
+               "usage": total("kv", "blocks_in_use") / max(total("kv", "blocks"), 1),
+               "grid": "".join(s["kv"]["grid"] for s in snapshots)},
+        "spec_decode": {"draft_tokens": drafted, "accepted_tokens": accepted,
+                        "acceptance_rate": accepted / drafted if drafted else 0.0},
+        "replicas": [{"running": s["running"], "waiting": s["waiting"], "kv_usage": s["kv"]["usage"]}
+                     for s in snapshots],
+    }

@@ -109,13 +109,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from dabba.engine.data_parallel import build_replicas
     from dabba.engine.llm_engine import LLMEngine
     from dabba.entrypoints.openai.api_server import serve
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     server_config = ServerConfig(**config_kwargs(args, SERVER_PARTS))  # a bad bound fails before the model loads
-    engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
+    config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
+    engine = LLMEngine(config) if config.parallel_config.data_parallel_size == 1 else build_replicas(config)
     name = args.served_model_name or ("demo" if args.model == DEMO_MODEL else args.model)
     return serve(engine, name, args.host, args.port, args.api_key,
                  args.tool_call_parser if args.enable_auto_tool_choice else None, server_config)

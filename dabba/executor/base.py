@@ -53,12 +53,17 @@ class RemoteExecutor(Executor):
         """Worker.``method``(*args) on every rank; the answers in rank order."""
 
 
-def split_cores(size: int) -> list[tuple[int, ...]]:
-    """Each of ``size`` local ranks its own equal share of this process's cores (the rest, if
-    they do not divide, stay idle rather than be shared)."""
+def split_cores(size: int, replica: int = 0, replicas: int = 1) -> list[tuple[int, ...]]:
+    """The cores of replica ``replica``'s ``size`` local ranks: this process's cores split in equal
+    shares among every rank of the ``replicas`` replicas (the rest, if they do not divide, stay
+    idle rather than be shared)."""
     cores = sorted(os.sched_getaffinity(0))
-    if size > len(cores):
-        raise ValueError(f"tensor_parallel_size={size} is more than the {len(cores)} cores this process may use: "
+    ranks = size * replicas
+    if ranks > len(cores):
+        what = (f"tensor_parallel_size={size}" if replicas == 1 else
+                f"data_parallel_size={replicas} x tensor_parallel_size={size} = {ranks} ranks")
+        raise ValueError(f"{what} is more than the {len(cores)} cores this process may use: "
                          "each rank needs a core of its own")
-    per_rank = len(cores) // size
-    return [tuple(cores[r * per_rank:(r + 1) * per_rank]) for r in range(size)]
+    per_rank = len(cores) // ranks
+    first = replica * size
+    return [tuple(cores[r * per_rank:(r + 1) * per_rank]) for r in range(first, first + size)]

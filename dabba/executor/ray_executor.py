@@ -37,8 +37,11 @@ class RayRank:
     def remove_segment(self, path: str) -> None:
         os.unlink(path)
 
-    def start(self, args: RunnerArgs, place: RankPlace, local_rank: int, local_size: int) -> None:
-        cores = split_cores(local_size)[local_rank] if args.device.type == "cpu" else None
+    def start(self, args: RunnerArgs, place: RankPlace, local_rank: int, local_size: int, replica: int,
+              replicas: int) -> None:
+        """Pinned to its share of the host's cores, as if every replica placed its ranks on this
+        host the way this one did (so the replicas' ranks on one host never share a core)."""
+        cores = split_cores(local_size, replica, replicas)[local_rank] if args.device.type == "cpu" else None
         self.worker = Worker(args, dataclasses.replace(place, cores=cores, local_rank=local_rank))
 
     def call(self, method: str, *args: Any) -> Any:
@@ -46,7 +49,7 @@ class RayRank:
 
 
 class RayExecutor(RemoteExecutor):
-    def __init__(self, args: RunnerArgs, size: int) -> None:
+    def __init__(self, args: RunnerArgs, size: int, replica: int = 0, replicas: int = 1) -> None:
         try:
             import ray
             from ray.util.placement_group import placement_group, remove_placement_group
@@ -58,7 +61,7 @@ class RayExecutor(RemoteExecutor):
             ray.init(log_to_driver=True)
         self._remove_group = remove_placement_group
         gpu = args.device.type == "cuda"
-        cpus = max(1, int(ray.cluster_resources().get("CPU", size)) // size) if not gpu else 1
+        cpus = max(1, int(ray.cluster_resources().get("CPU", size)) // (size * replicas)) if not gpu else 1
         bundle = {"CPU": cpus, **({"GPU": 1} if gpu else {})}
         self.actors: list = []
         self.broken: BaseException | None = None
@@ -76,10 +79,11 @@ class RayExecutor(RemoteExecutor):
             nodes = self._wait([a.node.remote() for a in self.actors])
             init_method = f"tcp://{nodes[0][1]}:{self._wait([self.actors[0].free_port.remote()])[0]}"
             hosts = [node for node, _ in nodes]
-            if len(set(hosts)) == 1 and args.device.type == "cpu":  # one host: shared memory, as multiproc.py
+            if len(set(hosts)) == 1 and args.device.type == "cpu" and size > 1:  # one host: shared memory, as multiproc.py
                 self.shm_path = self._wait([self.actors[0].create_segment.remote(size)])[0]
             self._wait([actor.start.remote(args, RankPlace(rank, size, init_method, shm_path=self.shm_path),
-                                           hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]))
+                                           hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]), replica,
+                                           replicas)
                         for rank, actor in enumerate(self.actors)])
         except BaseException:
             self.shutdown()

@@ -20,9 +20,9 @@ def threaded(monkeypatch):
     """LLM(tensor_parallel_size=N) runs its ranks as threads of this process."""
     executors = []
 
-    def make(args, parallel):
+    def make(args, parallel, replica=0):
         if parallel.tensor_parallel_size == 1:
-            return original(args, parallel)
+            return original(args, parallel, replica)
         executors.append(ThreadExecutor(args, parallel.tensor_parallel_size))
         return executors[-1]
 

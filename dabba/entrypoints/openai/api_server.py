@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import dabba
 from dabba.config import ServerConfig
 from dabba.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from dabba.engine.data_parallel import DataParallelEngine
 from dabba.engine.llm_engine import LLMEngine
 from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                TokenizeRequest)
@@ -72,14 +73,19 @@ class RequestBodyLimit:
         await self.app(scope, limited, send)
 
 
-def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
+def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str, api_key: str | None = None,
               engine_thread: bool = True, tool_call_parser: str | None = None,
               config: ServerConfig | None = None) -> FastAPI:
     """The app; its engine loop runs in a thread of its own, or (``engine_thread=False``) wherever
-    the caller runs ``app.state.engine.run_loop()``. ``tool_call_parser``: how tool_choice "auto"
-    reads the model's calls (None: no auto tool choice); ``config``: the bounds on requests."""
+    the caller runs ``app.state.engine.run_loop()``. A list of engines: data-parallel replicas,
+    each request routed to one (engine/data_parallel.py). ``tool_call_parser``: how tool_choice
+    "auto" reads the model's calls (None: no auto tool choice); ``config``: the bounds on requests."""
     config = config or ServerConfig()
-    async_engine = AsyncLLMEngine(engine, served_model_name, start_thread=engine_thread)
+    engines = engine if isinstance(engine, list) else [engine]
+    engine = engines[0]  # the tokenizer and the model's facts
+    async_engine: AsyncLLMEngine | DataParallelEngine = (
+        AsyncLLMEngine(engine, served_model_name, start_thread=engine_thread) if len(engines) == 1 else
+        DataParallelEngine(engines, served_model_name, start_thread=engine_thread))
     serving = OpenAIServingChat(async_engine, served_model_name, tool_call_parser, config)
 
     @contextlib.asynccontextmanager
@@ -195,7 +201,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     @app.get("/metrics")
     async def metrics():
-        async_engine.metrics.observe_scheduler(await async_engine.get_stats())  # computed when scraped
+        await async_engine.update_metrics()  # the scheduler's gauges, computed when scraped
         return Response(generate_latest(async_engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -207,7 +213,7 @@ EXIT_ENGINE_FAILED = 1
 EXIT_DRAIN_TIMED_OUT = 3
 
 
-def serve(engine: LLMEngine, served_model_name: str, host: str, port: int, api_key: str | None,
+def serve(engine: LLMEngine | list[LLMEngine], served_model_name: str, host: str, port: int, api_key: str | None,
           tool_call_parser: str | None = None, config: ServerConfig | None = None) -> int:
     """Run until SIGINT/SIGTERM, then drain: new requests are refused (503), those in flight get
     ``config.shutdown_timeout`` seconds to finish, and any still running end with an error (an
@@ -217,7 +223,7 @@ def serve(engine: LLMEngine, served_model_name: str, host: str, port: int, api_k
     config = config or ServerConfig()
     app = build_app(engine, served_model_name, api_key, engine_thread=False, tool_call_parser=tool_call_parser,
                     config=config)
-    async_engine: AsyncLLMEngine = app.state.engine
+    async_engine: AsyncLLMEngine | DataParallelEngine = app.state.engine
     # uvicorn's own graceful timeout outlasts the drain: by then every response has its ending
     log_level = logging.getLevelName(logger.getEffectiveLevel()).lower()  # dabba's (--log-level)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
