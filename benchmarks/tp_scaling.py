@@ -6,8 +6,8 @@ one process, alternating rounds. Prints JSON: each round's figures and the ratio
     python -m benchmarks.tp_scaling --model DIR [--tp 2] [--rounds 3] [--workloads W1,W2] [--dtype bfloat16]
 
 On a machine with as many cores as ranks, tp=N cannot beat tp=1: the same cores read the same
-weights, and the ranks add the collectives (benchmarks/tp_comm.py) and lose the native layer loop
-(it has no collectives yet). The ratio is what splitting a model costs where it must be split.
+weights, and the ranks add the collectives (benchmarks/tp_comm.py; the native layer loop sums over
+the ranks through shared memory). The ratio is what splitting a model costs where it must be split.
 """
 from __future__ import annotations
 

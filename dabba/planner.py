@@ -3,8 +3,10 @@ combination of weight quantization and KV-cache dtype, without loading a weight.
 
     KV bytes = 2 (K and V) * B (sequences) * S (tokens each) * L * n_kv_heads * head_dim * p
 
-plus, for 8-bit caches, a 4-byte scale per token, layer, K/V and KV head. The figures are the
-engine's own arithmetic (kv_bytes_per_token, each linear method's packed_bytes, the same block
+plus, for 8-bit caches, a 4-byte scale per token, layer, K/V and KV head. Under tensor parallelism
+every figure is one rank's: its shard of the weights, its KV heads (each rank caches every
+sequence for its heads), and the memory given is each rank's. The figures are the engine's own
+arithmetic (kv_bytes_per_token, each linear method's packed_bytes, the same block
 rounding), so they equal what the engine allocates; tests hold them to it.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from dabba.attention.kv_quant import KV_CACHE_DTYPES, kv_bytes_per_token
 from dabba.config import SchedulerConfig
 from dabba.core.kv_cache_groups import group_layers, group_size
+from dabba.distributed.tensor_parallel import KVHeadShard, check_split
 from dabba.engine.llm_engine import resolve_dtype, resolve_max_model_len
 from dabba.models.config import ArchConfig
 from dabba.models.hub import CONFIG_FILES, resolve_model_dir
@@ -56,6 +59,7 @@ class MemoryPlan:
     parameters: int = 0
     active_parameters: int = 0  # what one token's forward multiplies: fewer than all in a mixture of experts
     experts: str | None = None  # a mixture of experts: "top_k of num_experts experts in N of L layers"
+    tensor_parallel_size: int = 1  # above 1: the weights, KV heads and memory are one rank's
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,7 +68,9 @@ class MemoryPlan:
         mib = 2**20
         lines = [
             f"{self.model}: L={self.num_layers} layers, n_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"dtype {self.dtype} (p={self.p})",
+            f"dtype {self.dtype} (p={self.p})"
+            + (f"; one rank of tensor_parallel_size={self.tensor_parallel_size} (its weights, its KV heads, "
+               "its memory)" if self.tensor_parallel_size > 1 else ""),
             f"parameters: {self.parameters / 1e6:.1f}M"
             + (f", {self.active_parameters / 1e6:.1f}M active per token ({self.experts})" if self.experts else ""),
             f"KV bytes = {self.formula}",
@@ -87,12 +93,13 @@ def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_l
          quantization: str | None = None, kv_cache_dtype: str | None = None, dtype: str = "auto",
          block_size: int = 16, device_type: str = "cpu", total_memory: int | None = None,
          revision: str | None = None, download_dir: str | None = None,
-         max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens) -> MemoryPlan:
+         max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+         tensor_parallel_size: int = 1) -> MemoryPlan:
     """Every combination, or only the given ``quantization`` ("none" for unquantized weights) /
     ``kv_cache_dtype``. With
     ``total_memory`` the KV cache gets what each row's weights leave of it (as on a GPU of that
-    size), so smaller weights mean more sequences. A Hub repo id ``model`` costs only its
-    config.json: nothing here reads weights."""
+    size), so smaller weights mean more sequences. ``tensor_parallel_size``: one rank's figures. A
+    Hub repo id ``model`` costs only its config.json: nothing here reads weights."""
     if (kv_cache_memory is None) == (total_memory is None):
         raise ValueError("give exactly one of kv_cache_memory and total_memory")
     arch = ArchConfig.from_hf(resolve_model_dir(str(model), revision, download_dir, CONFIG_FILES))
@@ -110,10 +117,15 @@ def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_l
         weight_options = [(q or "none", QuantConfig(q) if q else None) for q in chosen]
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    L, H, d, p = arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, torch_dtype.itemsize
+    tp = tensor_parallel_size
+    if tp > 1:
+        check_split(tp, arch.num_attention_heads, arch.num_key_value_heads)
+    L, d, p = arch.num_hidden_layers, arch.head_dim, torch_dtype.itemsize
+    H = KVHeadShard.of(0, tp, arch.num_key_value_heads).num_local  # every rank holds as many
     result = MemoryPlan(str(model), L, H, d, str(torch_dtype).removeprefix("torch."), p,
                         f"2 · B · S · L · n_kv_heads · head_dim · p = 2 · B · S · {L} · {H} · {d} · {p} "
-                        f"= {2 * L * H * d * p} · B · S bytes", kv_cache_memory, total_memory, max_len, block_size)
+                        f"= {2 * L * H * d * p} · B · S bytes", kv_cache_memory, total_memory, max_len, block_size,
+                        tensor_parallel_size=tp)
     result.parameters, result.active_parameters = parameter_counts(arch)
     if arch.moe is not None:
         result.experts = (f"{arch.moe.top_k} of {arch.moe.num_experts} experts in {sum(arch.moe.sparse_layers)} "
@@ -130,7 +142,7 @@ def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_l
                                   f"slide (window {', '.join(map(str, windows))}) and hold at most window + "
                                   f"max_num_batched_tokens={max_num_batched_tokens} tokens")
     for name, qc in weight_options:
-        w_bytes = weights_bytes(arch, torch_dtype, qc, device_type)
+        w_bytes = weights_bytes(arch, torch_dtype, qc, device_type, tp_size=tp)
         for kv in [kv_cache_dtype] if kv_cache_dtype else KV_CACHE_DTYPES:
             per_token = kv_bytes_per_token(L, H, d, kv, torch_dtype)
             per_block = kv_bytes_per_token(group_size(groups), H, d, kv, torch_dtype) * block_size

@@ -93,6 +93,22 @@ def test_plan_equals_what_the_engine_allocates(quantization, kv_cache_dtype) -> 
     assert allocated == row.num_blocks * row.kv_bytes_per_block
 
 
+def test_plan_of_a_tensor_parallel_rank_equals_what_the_engine_allocates() -> None:
+    budget = 24 * 2**20 + 777  # each rank's
+    whole, = plan(DEMO_MODEL, budget, quantization="none", kv_cache_dtype="auto").rows
+    rank, = plan(DEMO_MODEL, budget, quantization="none", kv_cache_dtype="auto", tensor_parallel_size=2).rows
+    assert rank.kv_bytes_per_block * 2 == whole.kv_bytes_per_block  # one of the demo's 2 KV heads
+    assert whole.weights_bytes / 2 < rank.weights_bytes < whole.weights_bytes  # norms are whole on every rank
+    engine = LLM(DEMO_MODEL, kv_cache_memory=budget, tensor_parallel_size=2).llm_engine
+    try:
+        assert (rank.num_blocks, rank.kv_bytes_per_block) == (engine.cache_layout.num_blocks,
+                                                             engine.cache_layout.bytes_per_block)
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="does not divide the model's 6 attention heads"):
+        plan(DEMO_MODEL, budget, tensor_parallel_size=4)
+
+
 def test_plan_of_prequantized_checkpoints(checkpoints, tmp_path) -> None:
     ckpt = checkpoints["qwen2"]  # q/k/v biases
     calib = tmp_path / "calib.txt"

@@ -20,10 +20,12 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "native_layers.h"
+#include "shm_group.h"
 
 namespace dabba {
 
@@ -122,6 +124,15 @@ class NativeDecoder : public torch::CustomClassHolder {
     mlp_pending_ = false;
   }
 
+  // A tensor-parallel rank's loop: its layers hold this rank's shards (heads, MLP channels,
+  // experts' channels), and the loop sums the row-parallel outputs (o, down, a mixture of experts)
+  // over the ranks, and gathers the heads that a whole-width q/k norm (OLMoE) needs, through the
+  // shared-memory segment of dabba/distributed/shm_communicator.py (its layout and timing values).
+  void set_group(const std::string& path, int64_t rank, int64_t size, int64_t slot_bytes, int64_t flag_stride,
+                 int64_t spin_before_yield, double timeout_s) {
+    group_ = std::make_shared<ShmGroup>(path, rank, size, slot_bytes, flag_stride, spin_before_yield, timeout_s);
+  }
+
   // x: the step's embedded tokens [num_tokens, hidden]; cos/sin: RoPE tables [num_tokens,
   // rotary_dim], one per kind a layer's rope_table names (Gemma 3's sliding layers have their own
   // base); per layer
@@ -164,8 +175,8 @@ class NativeDecoder : public torch::CustomClassHolder {
       at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
       at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
       if (layer.q_norm.defined()) {  // as Qwen3Attention / OlmoeAttention.norm_qk, through RMSNorm's native path
-        q = norm_rows(q, layer.q_norm, layer.qk_norm_whole ? q_size : head_dim_);
-        k = norm_rows(k, layer.k_norm, layer.qk_norm_whole ? kv_size : head_dim_);
+        q = layer.qk_norm_whole ? norm_whole(q, layer.q_norm) : norm_rows(q, layer.q_norm, head_dim_);
+        k = layer.qk_norm_whole ? norm_whole(k, layer.k_norm) : norm_rows(k, layer.k_norm, head_dim_);
       }
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
       // the first rotary_dim dims of each head (all of it, or a partial rotary_dim), as apply_rotary
@@ -191,7 +202,7 @@ class NativeDecoder : public torch::CustomClassHolder {
       else
         paged_decode_attention(attn, q.contiguous(), key_cache, value_cache, block_table, seq_lens, scale_,
                                layer.sliding_window, softcap_, key_scales, value_scales);
-      x = layer.o(attn.view({n, q_size}));
+      x = row_parallel(layer.o, attn.view({n, q_size}));
       if (layer.pre_ffw_norm.defined()) {  // Gemma: norm(attention) + residual -> norm -> MLP -> norm
         x = norm_rows(x, layer.post_norm, x.size(1));
         norm_.fused_add(x, residual, layer.pre_ffw_norm, eps_);
@@ -216,8 +227,25 @@ class NativeDecoder : public torch::CustomClassHolder {
     return out.view(t.sizes());
   }
 
+  // A whole-width q or k norm over every rank's heads of a token: this rank's [n, heads, head_dim]
+  // gathered, normed, and its own heads taken back (OlmoeAttention._norm).
+  at::Tensor norm_whole(const at::Tensor& t, const at::Tensor& weight) const {
+    if (!group_) return norm_rows(t, weight, t.size(1) * t.size(2));
+    const int64_t width = t.size(1) * t.size(2);
+    const at::Tensor all = group_->all_gather(t.reshape({t.size(0), width}));
+    return norm_rows(all, weight, all.size(1)).narrow(1, group_->rank() * width, width).reshape(t.sizes());
+  }
+
+  // A row-parallel linear (o, down): this rank's partial sums, summed over the ranks, then the bias.
+  at::Tensor row_parallel(const NativeLinear& linear, const at::Tensor& x) const {
+    if (!group_) return linear(x);
+    const at::Tensor y = group_->all_reduce(linear(x, /*with_bias=*/false));
+    return linear.bias.has_value() ? y + *linear.bias : y;
+  }
+
   at::Tensor mlp(const NativeLayer& layer, const at::Tensor& x) const {
-    return layer.moe.has_value() ? (*layer.moe)(x) : layer.down(layer.gate_up.act_and_mul(x, activation_));
+    if (layer.moe.has_value()) return group_ ? group_->all_reduce((*layer.moe)(x)) : (*layer.moe)(x);
+    return row_parallel(layer.down, layer.gate_up.act_and_mul(x, activation_));
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
@@ -227,6 +255,7 @@ class NativeDecoder : public torch::CustomClassHolder {
   Activation activation_;
   std::vector<NativeLayer> layers_;
   bool mlp_pending_ = false;  // the last layer awaits add_moe
+  std::shared_ptr<ShmGroup> group_;  // a tensor-parallel rank's group (set_group); none: the whole model
 };
 
 }  // namespace dabba
@@ -237,5 +266,6 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
                        double>())
       .def("add_layer", &dabba::NativeDecoder::add_layer)
       .def("add_moe", &dabba::NativeDecoder::add_moe)
+      .def("set_group", &dabba::NativeDecoder::set_group)
       .def("forward", &dabba::NativeDecoder::forward);
 }

@@ -54,11 +54,15 @@ struct NativeLinear {
     return act;
   }
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (kind == LinearKind::kDense) return dense_linear(x, weight, bias);  // as dabba.native.linear
-    if (kind == LinearKind::kInt8) return int8_linear(x, weight, scales, bias);  // as dabba.native.int8_linear
-    return int4_linear(x, weight, group_size, scales, bias);  // as dabba.quantization.kernels.int4_matmul_cpu
+  // with_bias false: the partial sums of a row-parallel shard, whose bias is added after the
+  // all-reduce (as Linear.forward does under tensor parallelism).
+  at::Tensor operator()(const at::Tensor& x, bool with_bias = true) const {
+    const c10::optional<at::Tensor> b = with_bias ? bias : c10::nullopt;
+    if (kind == LinearKind::kDense) return dense_linear(x, weight, b);  // as dabba.native.linear
+    if (kind == LinearKind::kInt8) return int8_linear(x, weight, scales, b);  // as dabba.native.int8_linear
+    return int4_linear(x, weight, group_size, scales, b);  // as dabba.quantization.kernels.int4_matmul_cpu
   }
+
 };
 
 // A mixture-of-experts MLP as dabba.layers.moe.FusedMoE computes it: the router's logits, softmax

@@ -12,7 +12,9 @@ it and removes it. Layout (``segment_size(size, slot_bytes)`` bytes)::
 
     | flags: size x FLAG_STRIDE bytes | buffer 0: size slots of slot_bytes | buffer 1: the same |
 
-Rank r's flag is the number of its last collective. Collective n uses buffer n % 2: a rank writes
+Rank r's flag is the number of its last collective, and the number of its next one is read from
+there: the native layer loop's collectives (csrc/shm_group.h, the same protocol in C++) take turns
+with these on one segment without a counter to share. Collective n uses buffer n % 2: a rank writes
 buffer n % 2 again only at n + 2, after every rank published n + 1, which each did only once it had
 read collective n. Tensors larger than a slot go through in slot-sized pieces, one collective each.
 The flags are 8-byte aligned int64 stores and loads, ordered as x86 orders stores (TSO).
@@ -49,34 +51,37 @@ class ShmCommunicator:
     """Rank ``rank`` of ``size`` on the segment at ``path`` (create_segment)."""
 
     def __init__(self, path: str, rank: int, size: int, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
-        self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
+        self.path, self.rank, self.size, self.slot_bytes = path, rank, size, slot_bytes
         segment = torch.from_file(path, shared=True, size=segment_size(size, slot_bytes), dtype=torch.uint8)
         self.flags = segment[:size * FLAG_STRIDE].numpy().view(np.int64)[::FLAG_STRIDE // 8]  # [size]
         base = size * FLAG_STRIDE
         self.slots = [[segment[base + (b * size + r) * slot_bytes:base + (b * size + r + 1) * slot_bytes]
                        for r in range(size)] for b in range(2)]
-        self.count = 0
 
-    def _publish_and_wait(self) -> None:
+    def native_group_args(self) -> tuple:
+        """NativeDecoder.set_group's arguments: this segment, this rank, and the protocol's values."""
+        return self.path, self.rank, self.size, self.slot_bytes, FLAG_STRIDE, SPIN_BEFORE_SLEEP, TIMEOUT_S
+
+    def _publish_and_wait(self, count: int) -> None:
         """Collective ``count``: say this rank's slot is written, then wait for every rank's."""
-        self.flags[self.rank] = self.count
+        self.flags[self.rank] = count
         spins, deadline = 0, None
-        while int(self.flags.min()) < self.count:
+        while int(self.flags.min()) < count:
             spins += 1
             if spins > SPIN_BEFORE_SLEEP:  # a long wait (the other rank is prefilling, or its core is shared)
                 os.sched_yield()
                 deadline = deadline or time.monotonic() + TIMEOUT_S
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"tensor-parallel rank {self.rank}: the other ranks did not reach collective "
-                                       f"{self.count} within {TIMEOUT_S:.0f} s")
+                                       f"{count} within {TIMEOUT_S:.0f} s")
 
     def _exchange(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``flat`` (bytes, at most a slot), in rank order, as views of the segment
         valid until this rank's next collective."""
-        self.count += 1
-        slots = self.slots[self.count % 2]
+        count = int(self.flags[self.rank]) + 1
+        slots = self.slots[count % 2]
         slots[self.rank][:flat.numel()].copy_(flat)
-        self._publish_and_wait()
+        self._publish_and_wait(count)
         return [slot[:flat.numel()] for slot in slots]
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

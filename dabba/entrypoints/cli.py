@@ -187,7 +187,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kv_memory = None if args.memory is not None and args.kv_cache_memory is None else (args.kv_cache_memory or 4 * 2**30)
     result = plan(args.model, kv_memory, args.max_model_len, args.quantization, args.kv_cache_dtype, args.dtype,
                   args.block_size, total_memory=args.memory, revision=args.revision, download_dir=args.download_dir,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
     return 0
 
@@ -333,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-num-batched-tokens", type=int, default=4096,
                     help="the engine's token budget per step: a sliding-window layer holds its window plus this "
                          "(default: 4096)")
+    pl.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="plan one rank of this many: its shard of the weights, its KV heads, its memory (default: 1)")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.add_argument("--revision", default=None, help="the Hub revision of a model given as a repo id (default: main)")
     pl.add_argument("--download-dir", default=None,

@@ -18,6 +18,7 @@ import torch
 from dabba import native
 from dabba.attention.cpu import CpuMetadata
 from dabba.attention.kv_quant import KVQuant
+from dabba.distributed.tensor_parallel import SINGLE, TensorParallel
 from dabba.layers.moe import FusedMoE
 
 
@@ -82,7 +83,7 @@ class NativeLayerLoop:
     (per layer a pair (codes, scales), as CpuBackend's). Build it only where
     ``missing_native_form`` is None."""
 
-    def __init__(self, model: Any, kv_quant: KVQuant | None = None) -> None:
+    def __init__(self, model: Any, kv_quant: KVQuant | None = None, tp: TensorParallel = SINGLE) -> None:
         self.model = model.model  # the LlamaModel: its embedding and rotary tables stay in Python
         self.kv_quant = kv_quant
         cfg = model.config
@@ -92,6 +93,8 @@ class NativeLayerLoop:
             first.num_heads, first.num_kv_heads, first.head_dim, self.model.norm.eps, first.attn.scale,
             self.model.norm.weight, 0.0 if kv_quant is None else kv_quant.q_max, self.model.norm.native_norm,
             cfg.mlp_activation, first.attn.softcap or 0.0)
+        if tp.size > 1:  # a rank's shards: the loop sums them over the group's shared memory
+            self.decoder.set_group(*tp.communicator.native_group_args())
         empty = torch.empty(0)
         for layer in self.model.layers:
             linears = _linears(layer)

@@ -10,25 +10,30 @@ import torch
 from dabba.attention.backend import AttentionBackend, forward_context
 from dabba.attention.cpu import CpuBackend
 from dabba.attention.kv_quant import KVQuant
+from dabba.distributed.shm_communicator import ShmCommunicator
+from dabba.distributed.tensor_parallel import SINGLE, TensorParallel
 from dabba.models.native_layer_loop import NativeLayerLoop, missing_native_form
 
 
 def select_layer_loop(model: torch.nn.Module, backend: AttentionBackend, kv_quant: KVQuant | None,
-                      setting: str, tp_size: int = 1) -> tuple[NativeLayerLoop | None, str]:
+                      setting: str, tp: TensorParallel = SINGLE) -> tuple[NativeLayerLoop | None, str]:
     """The native loop or None (the Python layers), and why. The native loop reads the CPU
     backend's cache layout and must compute exactly what the Python layers do; "auto" takes it
-    where both hold, "on" insists, "off" never takes it."""
+    where both hold, "on" insists, "off" never takes it. A tensor-parallel rank's loop sums over
+    its group through the group's shared-memory segment, so it runs where the ranks share a host."""
     if setting == "off":
         return None, "native_layer_loop='off'"
-    if tp_size > 1:
-        why = f"tensor_parallel_size={tp_size} (the loop has no collectives between its layers)"
+    if tp.size > 1 and not isinstance(tp.communicator, ShmCommunicator):
+        why = (f"tensor_parallel_size={tp.size} over torch.distributed (the loop's collectives go through the "
+               "shared memory of ranks on one host)")
     elif not isinstance(backend, CpuBackend):
         why = f"the {type(backend).__name__} attention backend (the loop reads the CPU backend's cache)"
     else:
         why = missing_native_form(model)
     if why is None:
-        loop = NativeLayerLoop(model, kv_quant)  # the loop writes and reads 8-bit caches too
-        return loop, f"native_layer_loop={setting!r}, and every layer has a native form"
+        loop = NativeLayerLoop(model, kv_quant, tp)  # the loop writes and reads 8-bit caches too
+        ranks = f", summing over {tp.size} ranks through shared memory" if tp.size > 1 else ""
+        return loop, f"native_layer_loop={setting!r}, and every layer has a native form{ranks}"
     if setting == "on":
         raise ValueError(f"native_layer_loop='on', but {why}; use 'auto' or 'off'")
     return None, why

@@ -118,7 +118,7 @@ class ModelRunner:
                     f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
                     device, time.perf_counter() - start, type(self.backend).__name__)
         self.native_loop, self.layer_loop_reason = select_layer_loop(self.model, self.backend, self.kv_quant,
-                                                                     native_layer_loop, tp.size)
+                                                                     native_layer_loop, tp)
         logger.info("Layers run %s: %s", "in the native loop (csrc/decode_cpu.cpp)" if self.native_loop
                     else "in Python", self.layer_loop_reason)
         self.sampler = Sampler(device, args.seed)
@@ -126,10 +126,7 @@ class ModelRunner:
         self.proposer: NgramProposer | DraftModel | None = None
         if spec is not None and spec.method == "ngram":
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        elif spec is not None:
-            if tp.size > 1:
-                raise ValueError("speculative_config: a draft model does not run under tensor parallelism yet; "
-                                 'use {"method": "ngram"} or tensor_parallel_size=1')
+        elif spec is not None:  # under tensor parallelism, each rank runs the whole draft: the same drafts on each
             self.proposer = DraftModel(spec.model, model_dir, arch, dtype, device, max_model_len, quant_config,
                                        self.backend, self.kv_quant, native_layer_loop, spec.num_speculative_tokens,
                                        self.sampler.generator)

@@ -44,6 +44,41 @@ def test_prefix_caching_chunked_prefill_and_preemption_match_one_rank(checkpoint
         split.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "olmoe"])  # dense, q/k/v bias, Gemma's norms, experts
+def test_the_native_layer_loop_sums_over_the_ranks_as_the_python_layers_do(family, checkpoints) -> None:
+    ckpt = checkpoints[family]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = token_prompts([ckpt.prompts[i] for i in (0, 3, 8, 10)])  # a decode batch and prompt chunks
+    results = {}
+    for loop in ("off", "on"):
+        llm = LLM(str(ckpt.path), dtype="float32", max_num_batched_tokens=128, tensor_parallel_size=2,
+                  native_layer_loop=loop)
+        try:
+            results[loop] = [(o.outputs[0].token_ids, [{t: p.logprob for t, p in d.items()} for d in o.outputs[0].logprobs])
+                             for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.llm_engine.shutdown()
+    assert results["on"] == results["off"]  # the same bits: the same kernels, sums in rank order
+
+
+def test_a_draft_model_runs_whole_on_every_rank(checkpoints) -> None:
+    ckpt = checkpoints["llama"]
+    # the target as its own draft: every draft is accepted; fixed drafts: their counts do not depend on timing
+    spec = {"model": str(ckpt.path), "num_speculative_tokens": 3, "adaptive_drafts": False}
+    prompts = [p[:30] for p in ckpt.prompts[:4]]
+    results = {}
+    for size in (1, 2):
+        llm = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22, speculative_config=spec,
+                  tensor_parallel_size=size)
+        try:
+            stats = (generate(llm, prompts), llm.get_stats())
+            results[size] = (stats[0], stats[1].spec_num_draft_tokens, stats[1].spec_num_accepted_tokens)
+        finally:
+            llm.llm_engine.shutdown()
+    assert results[2] == results[1] and results[1][2] > 0  # the same tokens, drafts and acceptances
+    assert results[1][0] == generate(LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22), prompts)
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_layers_shard_along_their_groups(quantization, checkpoints, tmp_path) -> None:
     # int4's groups of 128 need 128 input channels a rank: o_proj's 256, down_proj's 512
