@@ -7,12 +7,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
 from typing import Any
 
 from dabba.distributed.shm_communicator import create_segment
 from dabba.executor.base import RemoteExecutor, WorkerDiedError, split_cores
 from dabba.executor.worker import RankPlace, Worker
 from dabba.worker.model_runner import RunnerArgs
+
+_JOINING = threading.Lock()  # data-parallel replicas start side by side: one of them joins the cluster
 
 
 class RayRank:
@@ -57,8 +60,9 @@ class RayExecutor(RemoteExecutor):
         except ImportError:
             raise ValueError('distributed_executor_backend="ray" needs Ray: pip install ray') from None
         self.tp_size = size
-        if not ray.is_initialized():
-            ray.init(log_to_driver=True)
+        with _JOINING:
+            if not ray.is_initialized():
+                ray.init(log_to_driver=True)
         self._remove_group = remove_placement_group
         gpu = args.device.type == "cuda"
         cpus = max(1, int(ray.cluster_resources().get("CPU", size)) // (size * replicas)) if not gpu else 1

@@ -161,3 +161,17 @@ def test_the_dashboard_moves_with_a_load_and_returns_to_zero(server, browser, tm
     page.screenshot(path=str(tmp_path / "dashboard.png"))
     assert [e for e in errors if KEY_REFUSED not in e] == []
     assert (tmp_path / "dashboard-load.png").stat().st_size > 20_000
+
+
+def test_the_dashboard_shows_each_data_parallel_replica(browser) -> None:
+    with live_server(str(DEMO), "demo", API_KEY, data_parallel_size=2) as (url, engines):
+        body = {"model": "demo", "prompt": "hello", "max_tokens": 3, "ignore_eos": True}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+        page, errors = open_page(browser, url + "/dashboard")
+        give_key(page)
+        page.wait_for_function("document.getElementById('generated').textContent === '3'")  # the replicas' sum
+        assert page.inner_text("#running-sub") == "replicas: 0 · 0"
+        assert page.inner_text("#kv-blocks") == "replicas: 0.0% · 0.0%"
+        blocks = sum(e.kv_cache_manager.num_usable_blocks for e in engines)
+        assert page.inner_text("#kv-total") == str(blocks)  # both replicas' grids, one after the other
+        assert [e for e in errors if KEY_REFUSED not in e] == []

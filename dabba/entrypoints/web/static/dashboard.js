@@ -38,6 +38,10 @@ function onSnapshot(snapshot) {
   addPoint(lastAt, snapshot);
   $("running").textContent = snapshot.running;
   $("waiting").textContent = snapshot.waiting;
+  // data-parallel replicas: the cards sum them; each one's share under the sums
+  const replicas = snapshot.replicas;
+  $("running-sub").textContent = replicas
+    ? `replicas: ${replicas.map((r) => r.running).join(" · ")}` : "requests in the batch";
   $("step-tokens").textContent = snapshot.step_tokens;
   $("step").textContent = `step ${snapshot.step}`;
   const prefix = snapshot.prefix_cache;
@@ -45,7 +49,9 @@ function onSnapshot(snapshot) {
   $("prefix-tokens").textContent = `${prefix.hit_tokens} of ${prefix.queried_tokens} prompt tokens`;
   const kv = snapshot.kv;
   $("kv-usage").textContent = `${formatNumber(100 * kv.usage, 1)}%`;
-  $("kv-blocks").textContent = `${kv.blocks_in_use} of ${kv.blocks} blocks in use`;
+  $("kv-blocks").textContent = replicas
+    ? `replicas: ${replicas.map((r) => `${formatNumber(100 * r.kv_usage, 1)}%`).join(" · ")}`
+    : `${kv.blocks_in_use} of ${kv.blocks} blocks in use`;
   $("generated").textContent = snapshot.generated_tokens;
   $("prompted").textContent = `tokens in all; ${snapshot.prompt_tokens} prompt tokens`;
   $("preemptions").textContent = snapshot.preemptions;
