@@ -175,3 +175,4 @@ def test_the_dashboard_shows_each_data_parallel_replica(browser) -> None:
         blocks = sum(e.kv_cache_manager.num_usable_blocks for e in engines)
         assert page.inner_text("#kv-total") == str(blocks)  # both replicas' grids, one after the other
         assert [e for e in errors if KEY_REFUSED not in e] == []
+        page.context.close()  # its stats stream would hold the server's shutdown up to its 30 s bound
