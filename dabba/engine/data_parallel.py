@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+from collections import Counter
 from typing import AsyncIterator
 
 from dabba.config import EngineConfig
@@ -44,11 +45,11 @@ def choose_replica(hits: list[int], loads: list[int], start: int = 0) -> int:
     return min((i for i in candidates if loads[i] == low), key=lambda i: (i - start) % len(loads))
 
 
-def common_prefix(a: list[BlockHash], b: list[BlockHash]) -> int:
+def leading_in(hashes: list[BlockHash], present: Counter) -> int:
+    """How many leading blocks of a prompt are among ``present``'s (chained hashes: a block's hash
+    there means its whole prefix is there too)."""
     n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
+    while n < len(hashes) and present[hashes[n]]:
         n += 1
     return n
 
@@ -62,6 +63,7 @@ class PrefixRouter:
         self.replicas = replicas
         self.block_size = block_size
         self._prompts: list[dict[str, list[BlockHash]]] = [{} for _ in replicas]  # in flight, per replica
+        self._blocks: list[Counter] = [Counter() for _ in replicas]  # those prompts' block hashes, counted
         self._adding: dict[str, int] = {}  # routed, not yet accepted: request id -> replica
         self._turn = 0
         self.routed = [0] * len(replicas)  # requests sent to each replica
@@ -72,15 +74,16 @@ class PrefixRouter:
         for i, replica in enumerate(self.replicas):
             prompts = self._prompts[i]
             for gone in [r for r in prompts if not replica.has_request(r) and self._adding.get(r) != i]:
-                del prompts[gone]
+                self._forget(i, gone)
             adding = sum(1 for r in self._adding.values() if r == i)
             loads.append(replica.num_in_flight + adding)
             cached = replica.engine.kv_cache_manager.cached_prefix_blocks(hashes) if hashes else 0
-            hits.append(max([cached, *(common_prefix(hashes, p) for p in prompts.values())]))
+            hits.append(max(cached, leading_in(hashes, self._blocks[i])))
         choice = choose_replica(hits, loads, self._turn)
         self._turn = (choice + 1) % len(self.replicas)
         self._adding[request_id] = choice
         self._prompts[choice][request_id] = hashes
+        self._blocks[choice].update(hashes)
         self.routed[choice] += 1
         logger.debug("request %s -> replica %d (cached blocks %s, in flight %s)", request_id, choice, hits, loads)
         return choice
@@ -89,7 +92,14 @@ class PrefixRouter:
         """The replica took the request (it is in flight there until it ends), or refused it."""
         replica = self._adding.pop(request_id)
         if not ok:
-            self._prompts[replica].pop(request_id, None)
+            self._forget(replica, request_id)
+
+    def _forget(self, replica: int, request_id: str) -> None:
+        blocks = self._blocks[replica]
+        for block_hash in self._prompts[replica].pop(request_id):
+            blocks[block_hash] -= 1
+            if not blocks[block_hash]:
+                del blocks[block_hash]
 
     def _hashes(self, token_ids: list[int] | None) -> list[BlockHash]:
         """The prompt's blocks that a replica could serve from its cache (never the last token)."""
