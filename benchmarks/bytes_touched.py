@@ -89,14 +89,14 @@ def measure(model_dir: str, quantization: str | None, batch: int, steps: int, pr
         ids = [(7 + 13 * i + 31 * j) % (vocab - 3) + 3 for j in range(prompt_len)]
         engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
     while engine.get_stats().num_waiting_reqs or any(  # until every prompt is in and one token out
-            len(r.output_token_ids) == 0 for r in engine.scheduler.running):
+            len(r.output_token_ids) == 0 for r in engine.engine_core.scheduler.running):
         engine.step()
     engine.step()  # one decode step first: anything lazily allocated on the first is in place
     touched = [touched_by(engine.step) for _ in range(steps)]
     expected = expected_bytes(model_dir, quantization)
     median = statistics.median(touched)
     return {"model": model_dir, "quantization": quantization or "bf16", "batch": batch, "steps": steps,
-            "layer_loop": "native" if engine.model_runner.native_loop is not None else "python",
+            "layer_loop": "native" if engine.engine_core.model_runner.native_loop is not None else "python",
             "touched_mib_per_step": [round(t / 2**20, 1) for t in touched], "touched_mib_median": median / 2**20,
             "active_weights_mib": expected["active_weights"] / 2**20,
             "all_weights_mib": expected["all_weights"] / 2**20,

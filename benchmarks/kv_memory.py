@@ -66,7 +66,7 @@ def run_paged(model: str, trace: Trace, kv_cache_memory: int, max_model_len: int
         steps.append({"running": s.num_running_reqs, "slots_allocated": s.kv_slots_allocated,
                       "tokens_stored": s.kv_tokens_stored, "prefix_hit_tokens": s.prefix_cache_hit_tokens})
     s = llm.get_stats()
-    total_slots = s.kv_blocks_total * engine.cache_layout.block_size
+    total_slots = s.kv_blocks_total * engine.engine_core.cache_layout.block_size
     return {"total_slots": total_slots, "num_blocks": s.kv_blocks_total, "steps": steps,
             "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "num_preemptions": s.num_preemptions}
 

@@ -35,7 +35,8 @@ def decode_rate(llm: LLM, prompts: list[dict], output_len: int) -> tuple[float, 
     ids = [f"layer-loop-{next(_ids)}" for _ in prompts]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
-    while engine.get_stats().num_waiting_reqs or any(not r.output_token_ids for r in engine.scheduler.running):
+    scheduler = engine.engine_core.scheduler
+    while engine.get_stats().num_waiting_reqs or any(not r.output_token_ids for r in scheduler.running):
         engine.step()
     finished: dict[str, list[int]] = {}
     start = time.perf_counter()
@@ -52,7 +53,7 @@ def run(model: str, batch_size: int, input_len: int, output_len: int, rounds: in
     llms = {setting: LLM(model, native_layer_loop=setting, quantization=quantization, enable_prefix_caching=False,
                          max_num_seqs=max(batch_size, 1))
             for setting in ("on", "off")}
-    vocab = llms["on"].llm_engine.model_runner.arch.vocab_size
+    vocab = llms["on"].llm_engine.model_info.vocab_size
     prompts = [{"prompt_token_ids": p} for p in make_prompts(OfflineWorkload(batch_size, input_len, output_len), vocab)]
     rates: dict[str, list[float]] = {s: [] for s in llms}
     tokens: dict[str, list[list[int]]] = {}

@@ -28,7 +28,7 @@ def load_memory(llm: Any, peak: PeakMemory, before: dict[str, float]) -> dict[st
     """The load's peaks, and what the loaded engine holds beyond its weights and KV cache: the
     runtime before loading (Python, torch and dabba imported), RoPE tables, and the rest
     (tokenizer, native kernels, engine state, freed memory malloc keeps)."""
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.engine_core.model_runner
     kv_bytes = sum(t.nbytes for c in runner.kv_caches for t in (c if isinstance(c, tuple) else (c,)))
     rope_bytes = sum(b.nbytes for n, b in runner.model.named_buffers() if "rotary" in n)
     after = memory_mib()

@@ -88,7 +88,7 @@ def run_dabba(args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
     elapsed, outs = warm_and_time(llm, prompts, args["output_len"])
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"elapsed_s": elapsed, "num_output_tokens": num_out, "peak_rss_mib": peak_rss_mib(),
-            "num_preemptions": llm.llm_engine.scheduler.num_preemptions}
+            "num_preemptions": llm.llm_engine.engine_core.scheduler.num_preemptions}
 
 
 def run_transformers(args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:

@@ -36,8 +36,9 @@ def perplexity(llm: LLM, text: str, max_length: int = 256, stride: int = 128) ->
     """
     if not 0 < stride <= max_length:
         raise ValueError(f"stride must be in (0, max_length={max_length}], got {stride}")
-    if max_length + 1 > llm.llm_engine.max_model_len:
-        raise ValueError(f"max_length must be < max_model_len ({llm.llm_engine.max_model_len}), got {max_length}")
+    max_model_len = llm.llm_engine.model_info.max_model_len
+    if max_length + 1 > max_model_len:
+        raise ValueError(f"max_length must be < max_model_len ({max_model_len}), got {max_length}")
     ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
     if len(ids) < 2:
         raise ValueError("the text must hold at least 2 tokens")

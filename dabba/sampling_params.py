@@ -6,6 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from dabba.errors import InvalidRequest
 from dabba.structured_output.params import StructuredOutputsParams
 
 
@@ -19,7 +20,7 @@ class RequestOutputKind(enum.IntEnum):
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise InvalidRequest(name, f"{name} must be {allowed}, got {value!r}")
 
 
 def _is_int(x: object) -> bool:
@@ -39,8 +40,8 @@ SEED_RANGE = (-(2**63), 2**64)  # what a 64-bit generator seed can hold, signed 
 
 @dataclass
 class SamplingParams:
-    """Per-request generation settings; an invalid value raises ValueError naming the field and
-    its allowed range.
+    """Per-request generation settings; an invalid value raises InvalidRequest (a ValueError)
+    naming the field and its allowed range.
 
     Processing order each step (as in vLLM): logprobs are taken from the model's raw logits;
     then logit_bias, the min_tokens ban on stop tokens, repetition/frequency/presence

@@ -144,13 +144,13 @@ def run_checked(llm: LLM, prompts: list, params: SamplingParams | list[SamplingP
     while engine.has_unfinished_requests():
         for out in engine.step():
             results[out.request_id] = out
-        engine.kv_cache_manager.check_integrity()
-    kv = engine.kv_cache_manager
+        engine.engine_core.kv_cache_manager.check_integrity()
+    kv = engine.engine_core.kv_cache_manager
     assert kv.pool.num_free_blocks == kv.num_usable_blocks, "blocks leaked"
-    assert not engine.kv_cache_manager.req_to_blocks
+    assert not engine.engine_core.kv_cache_manager.req_to_blocks
     assert not engine.output_processor.parents and not engine.output_processor.sample_of, "outputs state leaked"
     # the worker forgets finished requests at the next step; none but these (or their n samples)
-    assert {r.split("#")[0] for r in engine.model_runner.requests.states} <= set(ids)
+    assert {r.split("#")[0] for r in engine.engine_core.model_runner.requests.states} <= set(ids)
     return [results[r] for r in ids]
 
 

@@ -285,7 +285,7 @@ def test_load_time_quantization_generates(checkpoints, name, quantization) -> No
     prompts = token_prompts(ckpt.prompts[4:7])
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
     llm = LLM(str(ckpt.path), dtype="float32", quantization=quantization, kv_cache_memory=2**22)
-    layer = llm.llm_engine.model_runner.model.model.layers[0]
+    layer = llm.llm_engine.engine_core.model_runner.model.model.layers[0]
     method = {"int8": "Int8RTNMethod", "int4": "Int4RTNMethod"}[quantization]
     assert {type(m.quant_method).__name__ for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)} == {method}
@@ -314,7 +314,8 @@ def test_gptq_and_awq_checkpoints_load_and_generate(checkpoints, tmp_path, name,
         write_awq_pair(ckpt.path, tmp_path / "q", tmp_path / "dequant", 32)
     quantized = LLM(str(tmp_path / "q"), dtype="float32", kv_cache_memory=2**22)
     plain = LLM(str(tmp_path / "dequant"), dtype="float32", kv_cache_memory=2**22)
-    method = type(quantized.llm_engine.model_runner.model.model.layers[0].mlp.gate_up_proj.quant_method).__name__
+    layers = quantized.llm_engine.engine_core.model_runner.model.model.layers
+    method = type(layers[0].mlp.gate_up_proj.quant_method).__name__
     assert method == {"gptq": "GPTQLinearMethod", "awq": "AWQLinearMethod"}[fmt]
     assert_same_prompt_logprobs(quantized, plain, ckpt.prompts[5:8])
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -368,13 +369,13 @@ def test_plan_counts_the_checkpoint(checkpoints, name) -> None:
     row, = plan(path, 2**22, quantization="none", kv_cache_dtype="auto", dtype="float32").rows
     on_disk = sum(t.numel() * t.element_size() for t in load_file(path / "model.safetensors").values())
     engine = LLM(str(path), dtype="float32", kv_cache_memory=2**22).llm_engine
-    assert row.weights_bytes == on_disk == engine.model_runner.weight_bytes
+    assert row.weights_bytes == on_disk == engine.engine_core.model_runner.weight_bytes
     assert ("lm_head.weight" in load_file(path / "model.safetensors")) == (not arch.tie_word_embeddings)
     assert row.kv_bytes_per_token == 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * 4
     # the KV cache as the engine carves it: KV-cache groups, a block of one group's layers
-    assert (row.num_blocks, row.kv_bytes_per_block) == (engine.cache_layout.num_blocks,
-                                                        engine.cache_layout.bytes_per_block)
-    allocated = sum(t.nbytes for t in {id(c): c for c in engine.model_runner.kv_caches}.values())
+    assert (row.num_blocks, row.kv_bytes_per_block) == (engine.engine_core.cache_layout.num_blocks,
+                                                        engine.engine_core.cache_layout.bytes_per_block)
+    allocated = sum(t.nbytes for t in {id(c): c for c in engine.engine_core.model_runner.kv_caches}.values())
     assert allocated == row.num_blocks * row.kv_bytes_per_block
 
 

@@ -224,9 +224,10 @@ def test_import_graph_sees_function_level_and_from_imports():
     graph = import_graph()
     # `from dabba import native` inside dabba.layers.* is the module dabba.native, not the package
     assert any("dabba.native" in edges for edges in graph.values())
-    # the core package imports only within core plus config and sampling_params
+    # the core package imports only within core plus config, sampling_params and errors
     for module in CORE_MODULES:
-        assert set(graph[module]) <= set(CORE_MODULES) | {"dabba.config", "dabba.sampling_params"}, graph[module]
+        assert set(graph[module]) <= set(CORE_MODULES) | {"dabba.config", "dabba.sampling_params", "dabba.errors"}, \
+            graph[module]
 
 
 def test_no_import_cycles_among_dabba_modules():

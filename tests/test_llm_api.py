@@ -62,7 +62,7 @@ def test_eos_from_generation_config(llama, tmp_path) -> None:
     gen["eos_token_id"] = [1, eos]
     (path / "generation_config.json").write_text(json.dumps(gen))
     llm = LLM(str(path), dtype="float32")
-    assert eos in llm.llm_engine.eos_token_ids and 1 in llm.llm_engine.eos_token_ids
+    assert eos in llm.llm_engine.model_info.eos_token_ids and 1 in llm.llm_engine.model_info.eos_token_ids
     prompt = {"prompt_token_ids": llama.prompts[7]}
     out = llm.generate(prompt, greedy(64), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ref[: k + 1]
@@ -84,7 +84,7 @@ def test_requests_join_while_others_run(llm, llama) -> None:
                 engine.add_request(f"a{i}", {"prompt_token_ids": llama.prompts[i]}, params)
         for out in engine.step():
             results[out.request_id] = out
-        engine.kv_cache_manager.check_integrity()
+        engine.engine_core.kv_cache_manager.check_integrity()
         steps += 1
     for i, ref in enumerate(llama.reference):
         assert results[f"a{i}"].outputs[0].token_ids == ref
@@ -107,7 +107,7 @@ def test_seeded_sampling_is_independent_of_the_batch(llama) -> None:
     outs = run_checked(small, token_prompts(llama.prompts[6:] + [p]),
                        [SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)] * 6
                        + [SamplingParams(max_tokens=32, temperature=1.0, seed=7)])
-    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
     assert outs[-1].outputs[0].token_ids == alone[0].outputs[0].token_ids
 
 
@@ -138,7 +138,8 @@ def test_a_bad_prompt_in_a_batch_leaves_nothing_behind(llm, llama) -> None:
     with pytest.raises(ValueError, match="outside"):
         llm.generate(prompts, greedy(8), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
-    assert llm.llm_engine.kv_cache_manager.pool.num_free_blocks == llm.llm_engine.kv_cache_manager.num_usable_blocks
+    kv = llm.llm_engine.engine_core.kv_cache_manager
+    assert kv.pool.num_free_blocks == kv.num_usable_blocks
 
 
 def test_max_tokens_none_runs_to_max_model_len(llama) -> None:

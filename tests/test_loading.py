@@ -89,7 +89,7 @@ def test_missing_and_unexpected_tensors(checkpoints, tmp_path) -> None:
 def test_dtype(checkpoints, dtype, expected) -> None:
     ckpt: Checkpoint = checkpoints["qwen3"]
     llm = LLM(str(ckpt.path), dtype=dtype)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.engine_core.model_runner
     assert runner.model.lm_head.weight.dtype == expected
     assert runner.kv_caches[0].dtype == expected
     out = llm.generate({"prompt_token_ids": ckpt.prompts[5]}, _greedy(16), use_tqdm=False)[0]

@@ -76,7 +76,7 @@ def test_prompt_logprobs_survive_preemption(checkpoints) -> None:
     llm = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=30 * _bytes_per_block(ckpt.path))
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, prompt_logprobs=0)
     outs = run_checked(llm, token_prompts(prompts), params)
-    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outs):
         ref = hf_log_softmax(ckpt.path, prompt)
         got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])

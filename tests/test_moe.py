@@ -164,7 +164,7 @@ def test_load_time_quantization_quantizes_every_expert(checkpoints, method) -> N
 
     ckpt = checkpoints["mixtral"]
     llm = LLM(str(ckpt.path), dtype="bfloat16", quantization=method)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.engine_core.model_runner
     for layer in runner.model.model.layers:
         assert isinstance(layer.mlp.gate.quant_method, UnquantizedLinearMethod)
         for expert in layer.mlp.experts:

@@ -27,7 +27,7 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
 def count_python_layer_calls(llm: LLM) -> list[int]:
     """A forward hook on the first decoder layer: it fires once per step the Python layers run."""
     calls = [0]
-    layer = llm.llm_engine.model_runner.model.model.layers[0]
+    layer = llm.llm_engine.engine_core.model_runner.model.model.layers[0]
     layer.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
@@ -67,7 +67,7 @@ def test_native_loop_is_bit_identical_to_the_python_layers(checkpoints, family, 
 
 def test_auto_takes_the_native_loop_where_it_applies_and_says_why(checkpoints, dabba_log) -> None:
     llama = LLM(str(checkpoints["llama"].path), kv_cache_memory=2**22)
-    runner = llama.llm_engine.model_runner
+    runner = llama.llm_engine.engine_core.model_runner
     assert runner.native_loop is not None
     assert runner.layer_loop_reason == "native_layer_loop='auto', and every layer has a native form"
     assert any(r.getMessage() == f"Layers run in the native loop (csrc/decode_cpu.cpp): {runner.layer_loop_reason}"
@@ -87,7 +87,7 @@ def test_auto_takes_the_native_loop_where_it_applies_and_says_why(checkpoints, d
 def test_without_a_native_form_every_step_runs_the_python_layers(checkpoints, dabba_log, family, options,
                                                                  reason) -> None:
     llm = LLM(str(checkpoints[family].path), kv_cache_memory=2**22, **options)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.engine_core.model_runner
     assert runner.native_loop is None and runner.layer_loop_reason == reason
     assert any(r.levelno == logging.INFO and r.getMessage() == f"Layers run in Python: {reason}" for r in dabba_log)
     calls = count_python_layer_calls(llm)

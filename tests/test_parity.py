@@ -22,7 +22,7 @@ def test_greedy_matches_transformers(checkpoint: Checkpoint, backend: str) -> No
     outputs = run_checked(llm, token_prompts(checkpoint.prompts), GREEDY)
     assert_matches_reference(outputs, checkpoint)
     # the two prompts sharing a 150-token prefix with another hit the prefix cache
-    assert llm.llm_engine.kv_cache_manager.prefix_stats.num_hit_tokens >= 2 * 144
+    assert llm.llm_engine.engine_core.kv_cache_manager.prefix_stats.num_hit_tokens >= 2 * 144
 
 
 def test_greedy_in_plain_pytorch(checkpoint: Checkpoint, monkeypatch) -> None:
@@ -31,7 +31,7 @@ def test_greedy_in_plain_pytorch(checkpoint: Checkpoint, monkeypatch) -> None:
 
     monkeypatch.setattr(native, "load_cpu_ops", lambda: False)
     llm = LLM(str(checkpoint.path), dtype="float32")
-    assert type(llm.llm_engine.model_runner.backend).__name__ == "TorchRefBackend"
+    assert type(llm.llm_engine.engine_core.model_runner.backend).__name__ == "TorchRefBackend"
     calls = []
     monkeypatch.setattr(torch.ops, "dabba_cpu", _Recorder(calls), raising=False)
     assert_matches_reference(run_checked(llm, token_prompts(checkpoint.prompts), GREEDY), checkpoint)
@@ -51,7 +51,7 @@ def test_greedy_without_prefix_caching(checkpoint: Checkpoint) -> None:
     llm = LLM(str(checkpoint.path), dtype="float32", enable_prefix_caching=False)
     outputs = run_checked(llm, token_prompts(checkpoint.prompts), GREEDY)
     assert_matches_reference(outputs, checkpoint)
-    assert llm.llm_engine.kv_cache_manager.prefix_stats.num_hit_tokens == 0
+    assert llm.llm_engine.engine_core.kv_cache_manager.prefix_stats.num_hit_tokens == 0
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -59,14 +59,14 @@ def test_greedy_with_chunked_prefill(checkpoint: Checkpoint, prefix_caching: boo
     llm = LLM(str(checkpoint.path), dtype="float32", max_num_batched_tokens=40, enable_prefix_caching=prefix_caching)
     engine = llm.llm_engine
     chunked = []
-    original = engine.model_runner.execute_model
+    original = engine.engine_core.model_runner.execute_model
 
     def spy(sched):
         chunked.extend(n for r, n in sched.num_scheduled_tokens.items() if 1 < n < len(checkpoint.prompts[int(r[1:])]))
         assert sched.total_num_scheduled_tokens <= 40
         return original(sched)
 
-    engine.model_runner.execute_model = spy
+    engine.engine_core.model_runner.execute_model = spy
     outputs = run_checked(llm, token_prompts(checkpoint.prompts), GREEDY)
     assert_matches_reference(outputs, checkpoint)
     assert chunked, "no prompt was split into chunks"
@@ -87,11 +87,11 @@ def test_greedy_under_preemption(checkpoint: Checkpoint, prefix_caching: bool) -
     # same memory then holds more blocks of fewer layers each.)
     llm = LLM(str(checkpoint.path), dtype="float32", kv_cache_memory=30 * _bytes_per_block(checkpoint.path),
               enable_prefix_caching=prefix_caching)
-    layout = llm.llm_engine.model_runner.layout
+    layout = llm.llm_engine.engine_core.model_runner.layout
     assert layout.num_blocks * layout.bytes_per_block == 30 * _bytes_per_block(checkpoint.path)
     outputs = run_checked(llm, token_prompts(checkpoint.prompts), GREEDY)
     assert_matches_reference(outputs, checkpoint)
-    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
 
 
 def test_the_mistral_reference_attends_within_its_sliding_window(checkpoints) -> None:
@@ -106,7 +106,8 @@ def test_the_mistral_reference_attends_within_its_sliding_window(checkpoints) ->
     ckpt = checkpoints["mistral"]
     arch = ArchConfig.from_hf(ckpt.path)
     assert arch.sliding_window == 40 and max(map(len, ckpt.prompts)) > 40
-    assert LLM(str(ckpt.path), kv_cache_memory=2**22).llm_engine.max_model_len == arch.max_position_embeddings
+    model_info = LLM(str(ckpt.path), kv_cache_memory=2**22).llm_engine.model_info
+    assert model_info.max_model_len == arch.max_position_embeddings
     full = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32, sliding_window=None).eval()
     assert full.config.sliding_window is None
     assert hf_greedy(full, ckpt.prompts[9:10], NUM_NEW_TOKENS) != ckpt.reference[9:10]

@@ -95,7 +95,7 @@ def test_unsupported_rope_is_refused(checkpoints, tmp_path, rope, message) -> No
 def test_the_long_or_short_choice_is_logged(checkpoints, dabba_log) -> None:
     path = str(checkpoints["phi3"].path)
     # max_position_embeddings; the sliding window (448) no longer caps it: attention slides
-    assert LLM(path, kv_cache_memory=2**22).llm_engine.max_model_len == 512
+    assert LLM(path, kv_cache_memory=2**22).llm_engine.model_info.max_model_len == 512
     short = LLM(path, kv_cache_memory=2**22, max_model_len=64)
     messages = [r.getMessage() for r in dabba_log if r.levelno == logging.INFO and "longrope" in r.getMessage()]
     assert messages == [
@@ -104,7 +104,7 @@ def test_the_long_or_short_choice_is_logged(checkpoints, dabba_log) -> None:
         "longrope: the short factors (max_model_len 64 <= original_max_position_embeddings 64), as transformers "
         "for sequences this short",
     ]  # (the checkpoint's short and long factors are equal: test_rope_tables_equal_transformers tells them apart)
-    assert short.llm_engine.max_model_len == 64
+    assert short.llm_engine.model_info.max_model_len == 64
 
 
 def split_checkpoint(src, dst):
@@ -133,11 +133,11 @@ def test_fused_tensors_load_as_their_shards_would(checkpoints, tmp_path, quantiz
     split = split_checkpoint(ckpt.path, tmp_path / "split")
     kwargs = dict(dtype="float32", quantization=quantization, kv_cache_memory=2**22)
     fused_llm, split_llm = LLM(str(ckpt.path), **kwargs), LLM(str(split), **kwargs)
-    fused_state = fused_llm.llm_engine.model_runner.model.state_dict()
-    split_state = split_llm.llm_engine.model_runner.model.state_dict()
+    fused_state = fused_llm.llm_engine.engine_core.model_runner.model.state_dict()
+    split_state = split_llm.llm_engine.engine_core.model_runner.model.state_dict()
     assert fused_state.keys() == split_state.keys()
     assert all(torch.equal(fused_state[k], split_state[k]) for k in fused_state)
-    qkv = fused_llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
+    qkv = fused_llm.llm_engine.engine_core.model_runner.model.model.layers[0].self_attn.qkv_proj
     assert type(qkv.quant_method).__name__ == {None: "UnquantizedLinearMethod", "int8": "Int8RTNMethod",
                                                 "int4": "Int4RTNMethod"}[quantization]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -185,5 +185,5 @@ def test_plan_counts_the_checkpoint(checkpoints) -> None:
     row, = plan(path, 2**22, quantization="none", kv_cache_dtype="auto", dtype="float32").rows
     on_disk = sum(t.numel() * t.element_size() for t in load_file(path / "model.safetensors").values())
     engine = LLM(str(path), dtype="float32", kv_cache_memory=2**22).llm_engine
-    assert row.weights_bytes == on_disk == engine.model_runner.weight_bytes
+    assert row.weights_bytes == on_disk == engine.engine_core.model_runner.weight_bytes
     assert row.kv_bytes_per_token == 2 * 2 * 1 * 32 * 4  # K and V, 2 layers, 1 KV head of 32, float32

@@ -86,10 +86,11 @@ def test_plan_equals_what_the_engine_allocates(quantization, kv_cache_dtype) -> 
     budget = 48 * 2**20 + 12345
     row, = plan(DEMO_MODEL, budget, quantization=quantization or "none", kv_cache_dtype=kv_cache_dtype).rows
     engine = LLM(DEMO_MODEL, quantization=quantization, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=budget).llm_engine
-    assert row.weights_bytes == engine.model_runner.weight_bytes
-    assert row.num_blocks == engine.cache_layout.num_blocks
-    assert row.kv_bytes_per_block == engine.cache_layout.bytes_per_block
-    allocated = sum(sum(t.nbytes for t in (c if isinstance(c, tuple) else (c,))) for c in engine.model_runner.kv_caches)
+    assert row.weights_bytes == engine.engine_core.model_runner.weight_bytes
+    assert row.num_blocks == engine.engine_core.cache_layout.num_blocks
+    assert row.kv_bytes_per_block == engine.engine_core.cache_layout.bytes_per_block
+    kv_caches = engine.engine_core.model_runner.kv_caches
+    allocated = sum(sum(t.nbytes for t in (c if isinstance(c, tuple) else (c,))) for c in kv_caches)
     assert allocated == row.num_blocks * row.kv_bytes_per_block
 
 
@@ -101,8 +102,8 @@ def test_plan_of_a_tensor_parallel_rank_equals_what_the_engine_allocates() -> No
     assert whole.weights_bytes / 2 < rank.weights_bytes < whole.weights_bytes  # norms are whole on every rank
     engine = LLM(DEMO_MODEL, kv_cache_memory=budget, tensor_parallel_size=2).llm_engine
     try:
-        assert (rank.num_blocks, rank.kv_bytes_per_block) == (engine.cache_layout.num_blocks,
-                                                             engine.cache_layout.bytes_per_block)
+        assert (rank.num_blocks, rank.kv_bytes_per_block) == (engine.engine_core.cache_layout.num_blocks,
+                                                             engine.engine_core.cache_layout.bytes_per_block)
     finally:
         engine.shutdown()
     with pytest.raises(ValueError, match="does not divide the model's 6 attention heads"):
@@ -119,7 +120,8 @@ def test_plan_of_prequantized_checkpoints(checkpoints, tmp_path) -> None:
                      str(calib), "--num-samples", "4", "--seq-len", "64", *flags]) == 0
         row, = plan(out, 2**20, kv_cache_dtype="auto", dtype="float32").rows
         assert row.quantization == method
-        assert row.weights_bytes == LLM(str(out), dtype="float32", kv_cache_memory=2**20).llm_engine.model_runner.weight_bytes
+        runner = LLM(str(out), dtype="float32", kv_cache_memory=2**20).llm_engine.engine_core.model_runner
+        assert row.weights_bytes == runner.weight_bytes
 
 
 def test_plan_cli(capsys) -> None:

@@ -182,9 +182,9 @@ def test_n_samples_share_the_prompt_blocks(checkpoints) -> None:
     engine = llm.llm_engine
     engine.add_request("p", {"prompt_token_ids": prompt}, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12))
     engine.step()
-    tables = [engine.kv_cache_manager.get_block_ids(f"p#{i}")[0] for i in range(4)]
+    tables = [engine.engine_core.kv_cache_manager.get_block_ids(f"p#{i}")[0] for i in range(4)]
     assert len({tuple(t[:3]) for t in tables}) == 1, tables  # the first 3 full blocks are one copy
-    assert all(engine.kv_cache_manager.pool.blocks[b].ref_cnt == 4 for b in tables[0][:3])
+    assert all(engine.engine_core.kv_cache_manager.pool.blocks[b].ref_cnt == 4 for b in tables[0][:3])
     assert len({t[3] for t in tables}) == 4  # the block holding the last prompt token is each sample's own
     outs = []
     while engine.has_unfinished_requests():

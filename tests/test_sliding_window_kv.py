@@ -42,7 +42,7 @@ def test_greedy_matches_transformers_in_a_cache_that_frees_passed_blocks(hybrid,
     # Freeing: 15 in the global group, at most cdiv(23 + 32, 16) + 1 = 5 in each sliding one.
     llm = LLM(str(path), dtype="float32", attention_backend=backend, native_layer_loop=native_loop,
               kv_cache_memory=26 * block_bytes(path), max_num_batched_tokens=CHUNK, max_model_len=256)
-    kv = llm.llm_engine.kv_cache_manager
+    kv = llm.llm_engine.engine_core.kv_cache_manager
     assert kv.groups == (KVCacheGroup((0,), None), KVCacheGroup((1,), WINDOW), KVCacheGroup((2,), WINDOW))
     assert kv.num_usable_blocks == 25 and kv.blocks_needed(191 + NUM_NEW - 1) == 25
     assert any("3 groups of 1 layers, 2 of them sliding-window" in r.getMessage() for r in dabba_log)
@@ -57,7 +57,7 @@ def test_a_long_sequence_holds_a_window_of_blocks_in_sliding_groups(hybrid):
     llm = LLM(str(path), dtype="float32", kv_cache_memory=64 * block_bytes(path), max_num_batched_tokens=CHUNK,
               max_model_len=256)
     engine = llm.llm_engine
-    kv = engine.kv_cache_manager
+    kv = engine.engine_core.kv_cache_manager
     engine.add_request("long", {"prompt_token_ids": prompts[-1]},
                        SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True))
     most = [0, 0, 0]

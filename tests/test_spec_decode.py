@@ -118,7 +118,7 @@ def test_adaptive_drafts_keep_greedy_outputs(checkpoints) -> None:
                    speculative_config={**NGRAM, "adaptive_drafts": True})
     outs = [run_checked(llm, token_prompts(prompts), params) for llm in (plain, adaptive)]
     assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]
-    assert adaptive.llm_engine.scheduler.step_cost.fit() is not None  # it measured steps of several sizes
+    assert adaptive.llm_engine.engine_core.scheduler.step_cost.fit() is not None  # it measured steps of several sizes
 
 
 def test_preemption_and_prefix_sharing_keep_outputs(checkpoints) -> None:
@@ -130,7 +130,7 @@ def test_preemption_and_prefix_sharing_keep_outputs(checkpoints) -> None:
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     options = {"max_num_seqs": 8, "block_size": 16}
     plain = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22, **options)
-    bytes_per_block = plain.llm_engine.cache_layout.bytes_per_block
+    bytes_per_block = plain.llm_engine.engine_core.cache_layout.bytes_per_block
     small = 3 * 10 * bytes_per_block  # about three requests' worth of blocks, for eight
     plain = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=small, **options)
     spec = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=small, speculative_config=NGRAM, **options)

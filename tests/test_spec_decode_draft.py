@@ -90,7 +90,7 @@ def test_load_time_quantization_applies_to_the_draft_too(checkpoints, drafts) ->
                      speculative_config=spec(drafts["self"]))
     outs = [run_checked(llm, token_prompts(prompts), params) for llm in (plain, with_draft)]
     assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]
-    draft = with_draft.llm_engine.model_runner.proposer.model
+    draft = with_draft.llm_engine.engine_core.model_runner.proposer.model
     assert any(b.dtype == torch.int8 for b in draft.buffers())  # its linear layers were rounded too
     assert with_draft.get_stats().spec_acceptance_rate == 1.0  # the draft is the target, rounded the same way
 
@@ -105,7 +105,8 @@ def test_preemption_and_prefix_sharing_keep_the_drafts_cache(checkpoints, drafts
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     options = {"max_num_seqs": 8, "block_size": 16, "dtype": "float32"}
     sizing = LLM(str(ckpt.path), kv_cache_memory=2**22, speculative_config=spec(drafts["self"]), **options)
-    small = 3 * 10 * sizing.llm_engine.cache_layout.bytes_per_block  # about three requests' worth, for eight
+    bytes_per_block = sizing.llm_engine.engine_core.cache_layout.bytes_per_block
+    small = 3 * 10 * bytes_per_block  # about three requests' worth, for eight
     plain = LLM(str(ckpt.path), kv_cache_memory=small, **options)
     with_draft = LLM(str(ckpt.path), kv_cache_memory=small, speculative_config=spec(drafts["self"]), **options)
     outs = [run_checked(llm, token_prompts(prompts), params) for llm in (plain, with_draft)]
@@ -133,9 +134,9 @@ def test_a_prefix_hit_on_blocks_the_draft_never_saw_is_recomputed(checkpoints, d
 
 def test_the_drafts_cache_takes_its_share_of_the_budget(checkpoints, drafts) -> None:
     ckpt = checkpoints["llama"]
-    plain = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22).llm_engine.cache_layout
+    plain = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22).llm_engine.engine_core.cache_layout
     half = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22,
-               speculative_config=spec(drafts["one_layer"])).llm_engine.cache_layout
+               speculative_config=spec(drafts["one_layer"])).llm_engine.engine_core.cache_layout
     assert 2 * half.bytes_per_block == 3 * plain.bytes_per_block  # two layers, and the draft's one
     assert half.num_blocks == 2**22 // half.bytes_per_block
 

@@ -87,7 +87,7 @@ def test_json_object_on_the_demo_model() -> None:
     params = [constrained(seed, temperature, json_object=True, disable_any_whitespace=compact)
               for seed, temperature, compact in settings]
     outs = run_checked(llm, ['Return the user as JSON: {"name": "Ann", "age": 3}. Answer:'] * len(params), params)
-    manager = llm.llm_engine.structured_output
+    manager = llm.llm_engine.engine_core.structured_output
     for out, p in zip(outs, params):
         completion = out.outputs[0]
         if completion.finish_reason == "stop":
@@ -124,7 +124,7 @@ def hf_constrained_greedy(path, prompt_ids: list[int], params: StructuredOutputs
 
 def test_greedy_equals_transformers_under_the_same_mask(llm, checkpoints) -> None:
     engine = llm.llm_engine
-    tok = engine.tokenizer.hf_tokenizer
+    tok = engine.model_info.tokenizer.hf_tokenizer
     ckpt = checkpoints["qwen2"]
     cases = [StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), StructuredOutputsParams(regex=REGEX),
              StructuredOutputsParams(grammar=GRAMMAR)]
@@ -134,7 +134,7 @@ def test_greedy_equals_transformers_under_the_same_mask(llm, checkpoints) -> Non
     for prompt, case, out in zip(prompts, cases, outs):
         expected = hf_constrained_greedy(ckpt.path, prompt, case, json.loads(tok.to_str()),
                                          tok.get_vocab(with_added_tokens=True), engine.arch.vocab_size,
-                                         sorted(engine.eos_token_ids), 120)
+                                         sorted(engine.model_info.eos_token_ids), 120)
         assert out.outputs[0].token_ids == expected
 
 
@@ -167,7 +167,7 @@ def test_preemption_prefix_caching_chunked_prefill_and_n(checkpoints) -> None:
     tight = LLM(str(ckpt.path), dtype="float32", kv_cache_memory=40 * bytes_per_block,
                 max_num_batched_tokens=16, enable_prefix_caching=True)
     squeezed = run_checked(tight, prompts, params)
-    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert tight.llm_engine.engine_core.scheduler.num_preemptions > 0
     assert tight.get_stats().prefix_cache_hit_tokens > 0
     for a, b in zip(roomy, squeezed):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
@@ -182,7 +182,7 @@ def test_preemption_prefix_caching_chunked_prefill_and_n(checkpoints) -> None:
 def test_logprobs_min_tokens_and_ignore_eos_see_only_the_grammar(llm) -> None:
     engine = llm.llm_engine
     choices = ["yes", "no"]
-    allowed = {engine.tokenizer.encode(c, add_special_tokens=False)[0] for c in choices}
+    allowed = {engine.model_info.tokenizer.encode(c, add_special_tokens=False)[0] for c in choices}
     params = [SamplingParams(max_tokens=20, temperature=1.0, seed=1, logprobs=5, structured_outputs={"choice": choices}),
               SamplingParams(max_tokens=20, temperature=0, min_tokens=10, structured_outputs={"choice": choices}),
               SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, structured_outputs={"choice": choices})]
@@ -216,7 +216,7 @@ def test_a_compiling_grammar_holds_back_only_its_request(llm, monkeypatch) -> No
     """Compilation blocked on an event: the plain request runs to the end while the constrained
     one waits in WAITING_FOR_GRAMMAR; released, it runs; a failed compilation ends only its request."""
     engine = llm.llm_engine
-    manager = engine.structured_output
+    manager = engine.engine_core.structured_output
     release = threading.Event()
     compile_real = manager._compile
 
@@ -230,7 +230,7 @@ def test_a_compiling_grammar_holds_back_only_its_request(llm, monkeypatch) -> No
     done = {}
     while "free" not in done:
         done.update({o.request_id: o for o in engine.step()})
-        assert engine.scheduler.requests["held"].status == RequestStatus.WAITING_FOR_GRAMMAR
+        assert engine.engine_core.scheduler.requests["held"].status == RequestStatus.WAITING_FOR_GRAMMAR
     release.set()
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step()})

@@ -23,6 +23,7 @@ import logging
 from typing import Any, Iterable, Protocol
 
 from dabba.config import SchedulerConfig
+from dabba.errors import InvalidRequest
 from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
@@ -68,27 +69,30 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request, or raise ValueError if it could never run to completion."""
+        """Queue a request, or raise InvalidRequest if it could never run to completion."""
         if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+            raise InvalidRequest("request_id", f"request_id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
-            raise ValueError("prompt must contain at least one token")
+            raise InvalidRequest("prompt", "prompt must contain at least one token")
         need = request.num_prompt_tokens + request.max_tokens
         if need > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
+                "prompt",
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {need} "
                 f"exceeds max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
             )
         # The last sampled token is never fed back, so it never needs a KV slot.
         num_blocks = self.kv_cache_manager.blocks_needed(need - 1)
         if num_blocks > self.kv_cache_manager.num_usable_blocks:
-            raise ValueError(
+            raise InvalidRequest(
+                None,
                 f"request needs {num_blocks} KV blocks but the cache has only "
                 f"{self.kv_cache_manager.num_usable_blocks}; raise kv_cache_memory or lower max_tokens"
             )
         if request.use_structured_output:
             if self.structured_output is None:
-                raise ValueError("structured_outputs needs an engine with a structured-output backend")
+                raise InvalidRequest("structured_outputs",
+                                     "structured_outputs needs an engine with a structured-output backend")
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=Request.sort_key)

@@ -1,8 +1,10 @@
 """The engine loop on one thread (its own, or the caller's: `dabba serve` runs it on the main
-thread), each request streaming through its own asyncio queue. Only the engine thread touches
-LLMEngine: requests to add or abort reach it through a
-thread-safe queue and take effect before its next step, so a cancelled request's blocks are
-freed on the next step and a bad request never disturbs the others."""
+thread), each request streaming through its own asyncio queue: the EngineClient of one engine.
+
+Only the engine thread touches LLMEngine: a request is processed (tokenized, validated) on the
+caller's side, then it, aborts and queries reach the engine thread as typed commands
+(engine/commands.py) through a thread-safe queue and take effect before its next step, so a
+cancelled request's blocks are freed on the next step and a bad request never disturbs the others."""
 from __future__ import annotations
 
 import asyncio
@@ -10,13 +12,19 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from prometheus_client import generate_latest
+
+from dabba.core.request import BlockHash
 from dabba.core.stats import SchedulerStats
-from dabba.engine.llm_engine import LLMEngine, PromptType
+from dabba.engine.commands import (AbortAll, AbortRequest, AddRequest, CachedPrefixBlocks, Command, GetSnapshot,
+                                   GetStats, OutputQueue, Reply, Wake)
+from dabba.engine.llm_engine import LLMEngine
 from dabba.engine.metrics import EngineMetrics
 from dabba.engine.output_processor import IterationStats
+from dabba.engine.processor import EngineRequest, PromptType
+from dabba.engine.protocol import ENGINE_FAILED, EngineDeadError, RequestStream
 from dabba.engine.stats_feed import StatsFeed, watch
 from dabba.outputs import RequestOutput
 from dabba.sampling_params import SamplingParams
@@ -24,66 +32,21 @@ from dabba.sampling_params import SamplingParams
 logger = logging.getLogger("dabba")
 
 
-class EngineDeadError(RuntimeError):
-    pass
-
-
-ENGINE_FAILED = "the engine failed (the server's log says why); the server is stopping"
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    arrival: float = field(default_factory=time.monotonic)
-    first_token: float | None = None
-
-    def put(self, item: object) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-class RequestStream:
-    """A request's outputs as they come. Leaving the iteration before the request finished
-    (client gone, task cancelled) aborts it; its blocks are freed on the engine's next step."""
-
-    def __init__(self, engine: "AsyncLLMEngine", request_id: str, queue: asyncio.Queue) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self._queue = queue
-        self.finished = False
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                self.finished = item.finished
-                yield item
-        finally:
-            if not self.finished:
-                self.abort()
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
-
-
 class AsyncLLMEngine:
-    """The engine loop, fed from asyncio. By default it starts its own thread; with
-    ``start_thread=False`` the caller runs it with run_loop() (dabba serve runs it on the main
-    thread: the same decode step took ~1.5x as long when launched from a thread other than the
-    main one, an OpenMP thread-team effect measured at 16 vs 23 ms for 8 rows)."""
+    """The EngineClient of one engine, whose loop runs on one thread. By default it starts its
+    own thread; with ``start_thread=False`` the caller runs it with run_loop() (dabba serve runs it
+    on the main thread: the same decode step took ~1.5x as long when launched from a thread other
+    than the main one, an OpenMP thread-team effect measured at 16 vs 23 ms for 8 rows)."""
 
     def __init__(self, engine: LLMEngine, model_name: str, start_thread: bool = True,
                  metrics: EngineMetrics | None = None) -> None:
-        self.engine = engine
+        self._engine = engine  # the engine thread's alone
+        self.model_info = engine.model_info
+        self._processor = engine.processor  # thread-safe: requests are processed on the caller's side
         self.metrics = metrics or EngineMetrics(model_name)
         self.feed = StatsFeed()  # the dashboard's snapshots
-        self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._commands: queue.Queue[Command] = queue.Queue()
+        self._streams: dict[str, OutputQueue] = {}
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._draining = False
@@ -95,39 +58,57 @@ class AsyncLLMEngine:
     # ---- called from the event loop -----------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           priority: int = 0) -> RequestStream:
-        """Queue a request; returns once the engine accepted it, or raises its ValueError."""
+        """Process a request (off the event loop when that tokenizes or builds a grammar), then
+        queue it; returns once the engine accepted it, or raises its InvalidRequest."""
+        self._check_open()
+        return await self.add_processed(await self.process(request_id, prompt, params, priority))
+
+    async def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                      priority: int = 0) -> EngineRequest:
+        if self._processor.needs_work(prompt, params):
+            return await asyncio.to_thread(self._processor.process, request_id, prompt, params, priority)
+        return self._processor.process(request_id, prompt, params, priority)
+
+    async def add_processed(self, request: EngineRequest) -> RequestStream:
+        """Queue a processed request (a data-parallel client processes it once, then picks the replica)."""
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        outputs = OutputQueue(loop, asyncio.Queue())
+        accepted = Reply(loop, loop.create_future())
+        self._put_command(AddRequest(request, outputs, accepted))
+        try:
+            await accepted.future
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+        return RequestStream(request.request_id, outputs.queue, self.abort)
+
+    def _check_open(self) -> None:
         if self.error is not None:
             raise EngineDeadError(ENGINE_FAILED)
         if self._draining:
             raise EngineDeadError("the server is shutting down")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        accepted: asyncio.Future = loop.create_future()
-        self._put_command(("add", request_id, prompt, params, priority, stream, accepted))
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-        return RequestStream(self, request_id, stream.queue)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
+
+    async def _ask(self, command_type: type, *args: object) -> object:
+        reply = Reply.on_running_loop()
+        self._put_command(command_type(*args, reply))
+        return await reply.future
 
     async def get_stats(self) -> SchedulerStats:
         """A snapshot of the scheduler, taken by the engine thread between two steps (only that
         thread reads the scheduler), so /metrics pays for it when scraped, not every step."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-        self._put_command(("stats", loop, done))
-        return await done
+        return await self._ask(GetStats)
 
     async def get_snapshot(self) -> dict:
         """The dashboard's snapshot of the engine now (engine/stats_feed.py)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-        self._put_command(("snapshot", loop, done))
-        return await done
+        return await self._ask(GetSnapshot)
+
+    async def cached_prefix_blocks(self, block_hashes: list[BlockHash]) -> int:
+        """How many leading blocks of a prompt the prefix cache holds, asked between two steps."""
+        return await self._ask(CachedPrefixBlocks, block_hashes)
 
     def watch_stats(self) -> AsyncIterator[dict | None]:
         """Snapshots as the engine steps (engine/stats_feed.py's watch)."""
@@ -140,6 +121,10 @@ class AsyncLLMEngine:
         """Set the scheduler's gauges from a snapshot taken now (when /metrics is scraped)."""
         self.metrics.observe_scheduler(await self.get_stats())
 
+    async def render_metrics(self) -> bytes:
+        await self.update_metrics()
+        return generate_latest(self.metrics.registry)
+
     @property
     def num_in_flight(self) -> int:
         """Requests accepted and not yet finished (read by a data-parallel router's thread: a
@@ -149,7 +134,7 @@ class AsyncLLMEngine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    def _put_command(self, command: tuple) -> None:
+    def _put_command(self, command: Command) -> None:
         self._commands.put(command)
         if self._stopped.is_set():  # the loop may have drained its queue before this one came
             self._answer_late_commands()
@@ -164,17 +149,17 @@ class AsyncLLMEngine:
         self._idle.clear()
         if self._stopped.is_set():  # stopped in between: its last act was to set _idle
             self._idle.set()
-        self._commands.put(("wake",))  # the engine thread answers: idle now, or when the last finishes
+        self._commands.put(Wake())  # the engine thread answers: idle now, or when the last finishes
         finished = self._idle.wait(timeout)
         clean = finished and self.error is None
         if not finished:
-            self._commands.put(("abort_all", "the server is shutting down: the request did not finish in time"))
+            self._commands.put(AbortAll("the server is shutting down: the request did not finish in time"))
         return clean
 
     def shutdown(self) -> None:
         """Abort what is in flight and stop the loop."""
         self._stop.set()
-        self._commands.put(("wake",))
+        self._commands.put(Wake())
         self._stopped.wait(timeout=30)
 
     @property
@@ -196,17 +181,18 @@ class AsyncLLMEngine:
             self._answer_late_commands()
 
     def _run(self) -> None:
+        engine = self._engine
         try:
             while not self._stop.is_set():
-                block = not self.engine.has_unfinished_requests()
+                block = not engine.has_unfinished_requests()
                 self._apply_commands(block)
-                if self.engine.has_unfinished_requests():
-                    outputs, stats = self.engine.step_with_stats()
+                if engine.has_unfinished_requests():
+                    outputs, stats = engine.step_with_stats()
                     self._publish(outputs, stats)
                     if self.feed.watchers:
-                        self.feed.publish(self.engine, idle=not self.engine.has_unfinished_requests())
+                        self.feed.publish(engine.engine_core, idle=not engine.has_unfinished_requests())
                 elif self.feed.watchers and not self.feed.shows_idle():  # the last requests were aborted
-                    self.feed.publish(self.engine, idle=True)
+                    self.feed.publish(engine.engine_core, idle=True)
                 if not self._streams:
                     self._idle.set()
         except BaseException as e:  # the loop is dead: fail every stream rather than hang them
@@ -220,7 +206,7 @@ class AsyncLLMEngine:
 
     def _abort_all(self, reason: str) -> None:
         for request_id, stream in list(self._streams.items()):
-            self.engine.abort_request(request_id)
+            self._engine.abort_request(request_id)
             stream.put(EngineDeadError(reason))
         self._streams.clear()
 
@@ -231,45 +217,50 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             block = False
-            if command[0] == "add":
-                _, request_id, prompt, params, priority, stream, accepted = command
+            self._apply(command)
+
+    def _apply(self, command: Command) -> None:
+        engine = self._engine
+        match command:
+            case AddRequest(request, outputs, accepted):
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority)
+                    engine.add_processed(request)
                 except Exception as e:  # rejected: only this request learns about it
-                    stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
-                    continue
-                self._streams[request_id] = stream
-                stream.loop.call_soon_threadsafe(_set_result, accepted, None)
-            elif command[0] == "abort":
-                self.engine.abort_request(command[1])
-                self._streams.pop(command[1], None)
-            elif command[0] == "stats":
-                _, loop, done = command
-                loop.call_soon_threadsafe(_set_result, done, self.engine.get_stats())
-            elif command[0] == "snapshot":
-                _, loop, done = command
-                idle = not self.engine.has_unfinished_requests()
-                loop.call_soon_threadsafe(_set_result, done, self.feed.publish(self.engine, idle))
-            elif command[0] == "abort_all":
-                self._abort_all(command[1])
+                    accepted.fail(e)
+                    return
+                self._streams[request.request_id] = outputs
+                accepted.send(None)
+            case AbortRequest(request_id):
+                engine.abort_request(request_id)
+                self._streams.pop(request_id, None)
+            case GetStats(reply):
+                reply.send(engine.get_stats())
+            case GetSnapshot(reply):
+                reply.send(self.feed.publish(engine.engine_core, idle=not engine.has_unfinished_requests()))
+            case CachedPrefixBlocks(block_hashes, reply):
+                reply.send(engine.engine_core.cached_prefix_blocks(block_hashes))
+            case AbortAll(reason):
+                self._abort_all(reason)
+            case Wake():
+                pass
 
     def _answer_late_commands(self) -> None:
         """Commands queued as the loop stopped would otherwise wait forever: requests are refused,
-        snapshots are taken here (nothing steps any more)."""
+        queries are answered here (nothing steps any more)."""
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                stream, accepted = command[5], command[6]
-                stream.loop.call_soon_threadsafe(_set_exception, accepted, EngineDeadError("the engine loop has stopped"))
-            elif command[0] == "stats":
-                _, loop, done = command
-                loop.call_soon_threadsafe(_set_result, done, self.engine.get_stats())
-            elif command[0] == "snapshot":
-                _, loop, done = command
-                loop.call_soon_threadsafe(_set_result, done, self.feed.publish(self.engine, idle=True))
+            match command:
+                case AddRequest(_, _, accepted):
+                    accepted.fail(EngineDeadError("the engine loop has stopped"))
+                case GetStats(reply):
+                    reply.send(self._engine.get_stats())
+                case GetSnapshot(reply):
+                    reply.send(self.feed.publish(self._engine.engine_core, idle=True))
+                case CachedPrefixBlocks(block_hashes, reply):
+                    reply.send(self._engine.engine_core.cached_prefix_blocks(block_hashes))
 
     def _publish(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
         """Metrics come from the step's stats, not from the outputs: a DELTA output holds only
@@ -299,13 +290,3 @@ class AsyncLLMEngine:
             if out.finished:
                 del self._streams[out.request_id]
             stream.put(out)
-
-
-def _set_result(future: asyncio.Future, value: object) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future, error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)

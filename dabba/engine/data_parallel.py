@@ -14,12 +14,16 @@ import threading
 from collections import Counter
 from typing import AsyncIterator
 
+from prometheus_client import generate_latest
+
 from dabba.config import EngineConfig
 from dabba.core.request import BlockHash, chain_block_hashes
 from dabba.core.stats import SchedulerStats
-from dabba.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from dabba.engine.llm_engine import LLMEngine, PromptType
+from dabba.engine.async_engine import AsyncLLMEngine
+from dabba.engine.llm_engine import LLMEngine
 from dabba.engine.metrics import EngineMetrics
+from dabba.engine.processor import PromptType
+from dabba.engine.protocol import EngineDeadError, InvalidRequest, RequestStream
 from dabba.engine.stats_feed import combine_snapshots, watch
 from dabba.sampling_params import SamplingParams
 
@@ -68,8 +72,9 @@ class PrefixRouter:
         self._turn = 0
         self.routed = [0] * len(replicas)  # requests sent to each replica
 
-    def route(self, request_id: str, token_ids: list[int] | None) -> int:
-        hashes = self._hashes(token_ids)
+    def route(self, request_id: str, hashes: list[BlockHash], cached: list[int]) -> int:
+        """The replica for a prompt (its block hashes), given how many of its leading blocks each
+        replica's prefix cache holds (``cached``, asked of the replicas just before)."""
         hits, loads = [], []
         for i, replica in enumerate(self.replicas):
             prompts = self._prompts[i]
@@ -77,8 +82,7 @@ class PrefixRouter:
                 self._forget(i, gone)
             adding = sum(1 for r in self._adding.values() if r == i)
             loads.append(replica.num_in_flight + adding)
-            cached = replica.engine.kv_cache_manager.cached_prefix_blocks(hashes) if hashes else 0
-            hits.append(max(cached, leading_in(hashes, self._blocks[i])))
+            hits.append(max(cached[i], leading_in(hashes, self._blocks[i])))
         choice = choose_replica(hits, loads, self._turn)
         self._turn = (choice + 1) % len(self.replicas)
         self._adding[request_id] = choice
@@ -87,6 +91,10 @@ class PrefixRouter:
         self.routed[choice] += 1
         logger.debug("request %s -> replica %d (cached blocks %s, in flight %s)", request_id, choice, hits, loads)
         return choice
+
+    def in_flight(self, request_id: str) -> bool:
+        """Whether a replica serves the request id now (or it is on its way to one)."""
+        return request_id in self._adding or any(r.has_request(request_id) for r in self.replicas)
 
     def accepted(self, request_id: str, ok: bool) -> None:
         """The replica took the request (it is in flight there until it ends), or refused it."""
@@ -101,14 +109,9 @@ class PrefixRouter:
             if not blocks[block_hash]:
                 del blocks[block_hash]
 
-    def _hashes(self, token_ids: list[int] | None) -> list[BlockHash]:
+    def hashes(self, token_ids: list[int]) -> list[BlockHash]:
         """The prompt's blocks that a replica could serve from its cache (never the last token)."""
-        if not token_ids:
-            return []
-        try:
-            return chain_block_hashes(token_ids[:len(token_ids) - 1], self.block_size)
-        except (TypeError, OverflowError):  # not token ids: the replica refuses it with a clear error
-            return []
+        return chain_block_hashes(token_ids[:len(token_ids) - 1], self.block_size)
 
 
 def build_replicas(config: EngineConfig) -> list[LLMEngine]:
@@ -127,16 +130,17 @@ def build_replicas(config: EngineConfig) -> list[LLMEngine]:
 
 
 class DataParallelEngine:
-    """The replicas behind the server, with AsyncLLMEngine's interface: each replica's loop on a
-    thread of its own (started here, or by the caller's run_loop()). A replica that fails stops
-    them all, as one engine's failure stops the server (a supervisor restarts it)."""
+    """The replicas behind the server, as one EngineClient: each replica's loop on a thread of its
+    own (started here, or by the caller's run_loop()). A request is processed once, then routed.
+    A replica that fails stops them all, as one engine's failure stops the server (a supervisor
+    restarts it)."""
 
     def __init__(self, engines: list[LLMEngine], model_name: str, start_thread: bool = True) -> None:
         replica_metrics, self.metrics = EngineMetrics.replicated(model_name, len(engines))
         self.replicas = [AsyncLLMEngine(engine, model_name, start_thread=False, metrics=metrics)
                          for engine, metrics in zip(engines, replica_metrics)]
-        self.engine = engines[0]  # the tokenizer and the model's facts, the same in every replica
-        self.router = PrefixRouter(self.replicas, engines[0].kv_cache_manager.block_size)
+        self.model_info = self.replicas[0].model_info  # the same model in every replica
+        self.router = PrefixRouter(self.replicas, self.model_info.block_size)
         self._draining = False
         self._stopped = threading.Event()
         if start_thread:
@@ -144,38 +148,44 @@ class DataParallelEngine:
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           priority: int = 0) -> RequestStream:
-        if self.error is not None:
-            raise EngineDeadError("a data-parallel replica failed (the server's log says why); the server is stopping")
-        if self._draining:
-            raise EngineDeadError("the server is shutting down")
-        prompt = await self._with_token_ids(prompt)
-        token_ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-        replica = self.router.route(request_id, token_ids)
+        self._check_open()
+        request = await self.replicas[0].process(request_id, prompt, params, priority)  # the same in every replica
+        self._check_open()
+        if self.router.in_flight(request_id):  # a replica would refuse it only if it held it itself
+            raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")
+        hashes = self.router.hashes(request.prompt_token_ids)
+        cached = (list(await asyncio.gather(*(r.cached_prefix_blocks(hashes) for r in self.replicas))) if hashes
+                  else [0] * len(self.replicas))
+        replica = self.router.route(request_id, hashes, cached)
         try:
-            stream = await self.replicas[replica].add_request(request_id, prompt, params, priority)
+            stream = await self.replicas[replica].add_processed(request)
         except BaseException:
             self.router.accepted(request_id, ok=False)
             raise
         self.router.accepted(request_id, ok=True)
         return stream
 
-    async def _with_token_ids(self, prompt: PromptType) -> PromptType:
-        """A text prompt with its token ids (the server sends them already; the router needs them),
-        encoded off the event loop."""
-        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-        if not isinstance(text, str) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
-            return prompt
-        return {"prompt": text, "prompt_token_ids": await asyncio.to_thread(self.engine.tokenizer.encode, text)}
+    def _check_open(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError("a data-parallel replica failed (the server's log says why); the server is stopping")
+        if self._draining:
+            raise EngineDeadError("the server is shutting down")
+
+    def abort(self, request_id: str) -> None:
+        for replica in self.replicas:  # a request id runs in one replica; the others ignore it
+            replica.abort(request_id)
 
     async def get_stats(self) -> SchedulerStats:
         return SchedulerStats.combine(list(await asyncio.gather(*(r.get_stats() for r in self.replicas))))
 
-    async def update_metrics(self) -> None:
-        """Each replica's gauges from its stats, and the sum's (replica="all") from them all."""
+    async def render_metrics(self) -> bytes:
+        """Each replica's gauges from its stats, and the sum's (replica="all") from them all: one
+        registry (engine/metrics.py)."""
         stats = list(await asyncio.gather(*(r.get_stats() for r in self.replicas)))
         for replica, replica_stats in zip(self.replicas, stats):
             replica.metrics.observe_scheduler(replica_stats)
         self.metrics.observe_scheduler(SchedulerStats.combine(stats))
+        return generate_latest(self.metrics.registry)
 
     async def _snapshots(self) -> list[dict]:
         return list(await asyncio.gather(*(r.get_snapshot() for r in self.replicas)))

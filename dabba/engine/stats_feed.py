@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from dabba.core.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
-from dabba.engine.llm_engine import LLMEngine
+from dabba.engine.core import EngineCore
 
 GRID_EVERY_S = 0.25
 STREAM_EVERY_S = 0.25
@@ -42,26 +42,27 @@ class StatsFeed:
         between steps: the engine then publishes once more)."""
         return self.latest is None or (self.latest["running"] == 0 and self.latest["waiting"] == 0)
 
-    def publish(self, engine: LLMEngine, idle: bool) -> dict[str, Any]:
+    def publish(self, core: EngineCore, idle: bool) -> dict[str, Any]:
         """Take a snapshot (on the engine thread, between steps) and make it the latest."""
         now = time.monotonic()
-        kv = engine.scheduler.kv_cache_manager
-        if idle or now - self._grid_time >= GRID_EVERY_S:
-            self._grid, self._grid_time = kv.pool.block_states(), now
-        stats = engine.get_stats()
+        redraw = idle or now - self._grid_time >= GRID_EVERY_S
+        kv = core.kv_blocks(with_grid=redraw)
+        if redraw:
+            self._grid, self._grid_time = kv.grid, now
+        stats = core.get_stats()
         blocks = Counter(self._grid)
         snapshot = {
             "time": time.time(),
             "step": self.num_steps,
             "running": stats.num_running_reqs,
             "waiting": stats.num_waiting_reqs,
-            "step_tokens": engine.last_step_num_tokens if not idle else 0,
+            "step_tokens": core.last_step_num_tokens if not idle else 0,
             "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": self.num_generated_tokens,
             "preemptions": stats.num_preemptions,
             "prefix_cache": {"hit_rate": stats.prefix_cache_hit_rate, "hit_tokens": stats.prefix_cache_hit_tokens,
                              "queried_tokens": stats.prefix_cache_queried_tokens},
-            "kv": {"blocks": kv.num_usable_blocks, "block_size": kv.block_size, "usage": stats.kv_cache_usage,
+            "kv": {"blocks": kv.num_blocks, "block_size": kv.block_size, "usage": stats.kv_cache_usage,
                    "blocks_in_use": stats.kv_blocks_used,  # now; the grid's counts are as of its drawing
                    "free": blocks[BLOCK_FREE], "cached": blocks[BLOCK_CACHED], "used": blocks[BLOCK_USED],
                    "shared": blocks[BLOCK_SHARED], "grid": self._grid},

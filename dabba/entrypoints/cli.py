@@ -109,6 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from dabba.engine.clients import make_engine_client
     from dabba.engine.data_parallel import build_replicas
     from dabba.engine.llm_engine import LLMEngine
     from dabba.entrypoints.openai.api_server import serve
@@ -119,7 +120,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
     engine = LLMEngine(config) if config.parallel_config.data_parallel_size == 1 else build_replicas(config)
     name = args.served_model_name or ("demo" if args.model == DEMO_MODEL else args.model)
-    return serve(engine, name, args.host, args.port, args.api_key,
+    client = make_engine_client(engine, name, start_thread=False)  # serve() runs its loop on this thread
+    return serve(client, name, args.host, args.port, args.api_key,
                  args.tool_call_parser if args.enable_auto_tool_choice else None, server_config)
 
 
@@ -141,8 +143,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        engine.add_request(f"chat-{turn}", {"prompt": text, "prompt_token_ids": engine.tokenizer.encode(
+        text = engine.model_info.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        engine.add_request(f"chat-{turn}", {"prompt": text, "prompt_token_ids": engine.model_info.tokenizer.encode(
             text, add_special_tokens=False)}, params)
         reply = ""
         print("assistant> ", end="", flush=True)

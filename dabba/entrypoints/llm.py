@@ -27,7 +27,7 @@ class LLM:
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
-        return self.llm_engine.tokenizer
+        return self.llm_engine.model_info.tokenizer
 
     def get_stats(self) -> SchedulerStats:
         """The batch and the KV cache now: running/waiting requests, blocks and token slots in

@@ -8,6 +8,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from dabba.errors import InvalidRequest
 from dabba.structured_output.params import StructuredOutputsParams
 
 
@@ -87,4 +88,4 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     except (RuntimeError, ValueError, TypeError) as e:
         message = str(e).splitlines()[-1] if str(e).strip() else type(e).__name__
         message = message.split(": ", 1)[1] if message.startswith("[") and ": " in message else message
-        raise ValueError(f"structured_outputs.{kind} is invalid: {message}") from None
+        raise InvalidRequest("structured_outputs", f"structured_outputs.{kind} is invalid: {message}") from None

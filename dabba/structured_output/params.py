@@ -6,6 +6,13 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dabba.errors import InvalidRequest
+
+
+def _invalid(message: str) -> InvalidRequest:
+    return InvalidRequest("structured_outputs", message)
+
+
 # The constraint kinds, in the order their fields are declared; exactly one is set.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -28,7 +35,7 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}; got "
+            raise _invalid(f"structured_outputs must set exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(set_kinds) if set_kinds else 'none'}")
         if self.json is not None:
             schema = self.json
@@ -36,23 +43,23 @@ class StructuredOutputsParams:
                 try:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                    raise _invalid(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
-                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+                raise _invalid(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
-            raise ValueError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
+            raise _invalid(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):
-                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                raise _invalid(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
                                  f"got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
-            raise ValueError(f"structured_outputs.grammar must be a non-empty string, got {self.grammar!r}")
+            raise _invalid(f"structured_outputs.grammar must be a non-empty string, got {self.grammar!r}")
         if self.json_object not in (None, True, False):
-            raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+            raise _invalid(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
         if not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError("structured_outputs.disable_any_whitespace must be a boolean, got "
+            raise _invalid("structured_outputs.disable_any_whitespace must be a boolean, got "
                              f"{self.disable_any_whitespace!r}")
 
     @classmethod
@@ -61,11 +68,11 @@ class StructuredOutputsParams:
         if isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
+            raise _invalid(f"structured_outputs must be an object, got {type(value).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}")
+            raise _invalid(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}")
         return cls(**value)
 
     @property

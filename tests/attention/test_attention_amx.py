@@ -131,5 +131,5 @@ def test_engine_greedy_matches_the_reference_backend(checkpoints) -> None:
     for backend in ("torch_ref", "auto"):
         llm = LLM(str(ckpt.path), dtype="bfloat16", attention_backend=backend)
         outputs[backend] = [o.outputs[0].token_ids for o in run_checked(llm, token_prompts(ckpt.prompts), params)]
-    assert type(llm.llm_engine.model_runner.backend).__name__ == "CpuBackend"
+    assert type(llm.llm_engine.engine_core.model_runner.backend).__name__ == "CpuBackend"
     assert outputs["auto"] == outputs["torch_ref"]

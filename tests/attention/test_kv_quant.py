@@ -250,7 +250,7 @@ def test_the_native_backend_takes_8bit_caches() -> None:
         assert isinstance(backend, CpuBackend) and backend.kv_quant is quant
     assert isinstance(get_attention_backend("torch_ref", torch.device("cpu"), quant), TorchRefBackend)
     llm = LLM(DEMO_MODEL, kv_cache_dtype="fp8", kv_cache_memory=2**22)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.engine_core.model_runner
     assert isinstance(runner.backend, CpuBackend) and runner.native_loop is not None
 
 
@@ -266,7 +266,7 @@ def test_engine_native_and_reference_give_the_same_greedy_tokens(checkpoints, fa
     for backend in ("auto", "torch_ref"):
         llm = LLM(str(ckpt.path), dtype="float32", kv_cache_dtype=kind, attention_backend=backend,
                   kv_cache_memory=2**22)
-        assert (llm.llm_engine.model_runner.native_loop is not None) == (backend == "auto")
+        assert (llm.llm_engine.engine_core.model_runner.native_loop is not None) == (backend == "auto")
         outputs.append([o.outputs[0].token_ids for o in llm.generate(token_prompts(ckpt.prompts), params,
                                                                      use_tqdm=False)])
     assert outputs[0] == outputs[1]
@@ -275,9 +275,10 @@ def test_engine_native_and_reference_give_the_same_greedy_tokens(checkpoints, fa
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_more_blocks_fit_in_the_same_memory(kind) -> None:
     budget = 32 * 2**20
-    auto = LLM(DEMO_MODEL, kv_cache_memory=budget).llm_engine
-    quant = LLM(DEMO_MODEL, kv_cache_memory=budget, kv_cache_dtype=kind).llm_engine
-    arch = auto.arch  # bf16 demo model: 2 bytes per element against 1 + 4/head_dim
+    auto_engine = LLM(DEMO_MODEL, kv_cache_memory=budget).llm_engine
+    auto = auto_engine.engine_core
+    quant = LLM(DEMO_MODEL, kv_cache_memory=budget, kv_cache_dtype=kind).llm_engine.engine_core
+    arch = auto_engine.arch  # bf16 demo model: 2 bytes per element against 1 + 4/head_dim
     assert quant.cache_layout.bytes_per_block == 16 * 2 * arch.num_hidden_layers * arch.num_key_value_heads * (
         arch.head_dim + 4)
     assert quant.cache_layout.num_blocks == budget // quant.cache_layout.bytes_per_block
@@ -307,11 +308,12 @@ def test_prefix_caching_chunking_and_preemption_keep_working(checkpoints, kind) 
     # 24 blocks of 16 tokens (2 layers, 2 KV heads, head_dim 24): the longest request alone needs 22
     stressed = LLM(str(ckpt.path), dtype="float32", kv_cache_dtype=kind, max_num_batched_tokens=64,
                    kv_cache_memory=24 * 16 * 2 * 2 * 2 * (24 + 4))
-    assert stressed.llm_engine.kv_cache_manager.num_blocks == 24
+    assert stressed.llm_engine.engine_core.kv_cache_manager.num_blocks == 24
     outputs = run_checked(stressed, prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     engine = stressed.llm_engine
-    assert engine.scheduler.num_preemptions > 0 and engine.kv_cache_manager.prefix_stats.num_hit_tokens > 0
+    core = engine.engine_core
+    assert core.scheduler.num_preemptions > 0 and core.kv_cache_manager.prefix_stats.num_hit_tokens > 0
 
 
 def test_int8_kv_perplexity_within_half_a_percent() -> None:

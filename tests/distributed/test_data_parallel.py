@@ -41,14 +41,19 @@ def test_replica_stats_combine_into_one_engines() -> None:
 
 
 @pytest.fixture
-def replicas(checkpoints):
+def replica_engines(checkpoints):
     engines = build_replicas(EngineConfig.from_kwargs(model=str(checkpoints["llama"].path), dtype="float32",
                                                       max_num_batched_tokens=256, data_parallel_size=2))
-    dp = DataParallelEngine(engines, "tiny")
-    yield dp
-    dp.shutdown()
+    yield engines
     for engine in engines:
         engine.shutdown()
+
+
+@pytest.fixture
+def replicas(replica_engines):
+    dp = DataParallelEngine(replica_engines, "tiny")
+    yield dp
+    dp.shutdown()
 
 
 async def generate(dp: DataParallelEngine, prompts: list[list[int]], tag: str) -> list[list[int]]:
@@ -118,17 +123,17 @@ def test_the_server_routes_reports_each_replica_and_stops_when_one_dies(checkpoi
         assert metric(text, "dabba:kv_cache_usage_perc", "all") == 0.0
         snapshot = httpx.get(f"{url}/engine/stats").json()
         assert len(snapshot["replicas"]) == 2 and snapshot["generated_tokens"] == 8
-        assert snapshot["kv"]["blocks"] == sum(e.kv_cache_manager.num_usable_blocks for e in engines)
+        assert snapshot["kv"]["blocks"] == sum(e.engine_core.kv_cache_manager.num_usable_blocks for e in engines)
         assert httpx.get(f"{url}/health").status_code == 200
 
-        engines[1].executor.procs[0].kill()  # replica 1's worker: the next request there fails
+        engines[1].engine_core.executor.procs[0].kill()  # replica 1's worker: the next request there fails
         codes = [httpx.post(f"{url}/v1/completions", json={**body, "prompt": p}, timeout=60).status_code
                  for p in ("one", "two")]  # in turn: one of them goes to replica 1
         assert 503 in codes
         assert httpx.get(f"{url}/health").status_code == 503
 
 
-def test_the_dashboard_watches_every_replica(replicas) -> None:
+def test_the_dashboard_watches_every_replica(replicas, replica_engines) -> None:
     async def first() -> tuple[dict, list[int]]:
         stream = replicas.watch_stats()
         snapshot = await anext(stream)
@@ -138,6 +143,6 @@ def test_the_dashboard_watches_every_replica(replicas) -> None:
 
     snapshot, watching = asyncio.run(first())
     assert watching == [1, 1] and [r.feed.watchers for r in replicas.replicas] == [0, 0]
-    blocks = [r.engine.kv_cache_manager.num_usable_blocks for r in replicas.replicas]
+    blocks = [e.engine_core.kv_cache_manager.num_usable_blocks for e in replica_engines]
     assert snapshot["kv"]["blocks"] == len(snapshot["kv"]["grid"]) == sum(blocks)
     assert [r["running"] for r in snapshot["replicas"]] == [0, 0]

@@ -32,7 +32,7 @@ def test_prefix_caching_chunked_prefill_and_preemption_match_one_rank(checkpoint
     whole = LLM(str(ckpt.path), kv_cache_memory=24 * 2 * BLOCK_BYTES, **common)
     split = LLM(str(ckpt.path), kv_cache_memory=24 * BLOCK_BYTES, tensor_parallel_size=2, **common)
     try:
-        assert isinstance(split.llm_engine.executor, MultiprocExecutor)
+        assert isinstance(split.llm_engine.engine_core.executor, MultiprocExecutor)
         assert generate(split, prompts) == generate(whole, prompts)
         stats, split_stats = whole.llm_engine.get_stats(), split.llm_engine.get_stats()
         assert stats.kv_blocks_total == split_stats.kv_blocks_total == 24
@@ -113,9 +113,9 @@ def test_a_dead_rank_fails_requests_and_the_server_turns_unhealthy(checkpoints) 
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         assert httpx.get(f"{url}/health").status_code == 200
-        engine.executor.procs[1].kill()
+        engine.engine_core.executor.procs[1].kill()
         failed = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert failed.status_code == 503 and failed.json()["error"]["type"] == "server_error"
         assert httpx.get(f"{url}/health").status_code == 503
         with pytest.raises(WorkerDiedError, match="stopped earlier"):
-            engine.executor.execute_model(None)
+            engine.engine_core.executor.execute_model(None)

@@ -33,7 +33,7 @@ def test_tp2_on_ray_actors_matches_one_rank(checkpoints, ray_cluster) -> None:
     split = LLM(str(ckpt.path), dtype="float32", max_model_len=512, tensor_parallel_size=2,
                 distributed_executor_backend="ray")
     try:
-        executor = split.llm_engine.executor
+        executor = split.llm_engine.engine_core.executor
         assert isinstance(executor, RayExecutor) and executor.shm_path is not None  # one host
         expected = [o.outputs[0].token_ids for o in whole.generate(prompts, GREEDY, use_tqdm=False)]
         assert [o.outputs[0].token_ids for o in split.generate(prompts, GREEDY, use_tqdm=False)] == expected
@@ -66,7 +66,7 @@ def test_data_parallel_replicas_on_ray_actors_match_one_engine(checkpoints, ray_
         return list(await asyncio.gather(*(one(i) for i in range(4))))
 
     try:
-        assert all(isinstance(e.executor, RayExecutor) for e in engines)  # a one-CPU bundle each
+        assert all(isinstance(e.engine_core.executor, RayExecutor) for e in engines)  # a one-CPU bundle each
         assert asyncio.run(every()) == expected
         assert dp.router.routed == [2, 2]
     finally:

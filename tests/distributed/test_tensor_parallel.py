@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import dabba.engine.llm_engine as llm_engine
+import dabba.engine.core as engine_core
 from dabba import LLM, SamplingParams
 from dabba.distributed.tensor_parallel import KVHeadShard, check_split
 from tests.conftest import token_prompts
@@ -26,8 +26,8 @@ def threaded(monkeypatch):
         executors.append(ThreadExecutor(args, parallel.tensor_parallel_size))
         return executors[-1]
 
-    original = llm_engine.make_executor
-    monkeypatch.setattr(llm_engine, "make_executor", make)
+    original = engine_core.make_executor
+    monkeypatch.setattr(engine_core, "make_executor", make)
     yield executors
     for executor in executors:
         executor.shutdown()

@@ -10,6 +10,7 @@ from typing import Iterator
 import uvicorn
 
 from dabba.config import EngineConfig, ServerConfig
+from dabba.engine.clients import make_engine_client
 from dabba.engine.data_parallel import build_replicas
 from dabba.engine.llm_engine import LLMEngine
 from dabba.entrypoints.openai.api_server import build_app
@@ -26,15 +27,16 @@ def live_server(path: str, model_name: str, api_key: str | None, tool_call_parse
                 config: ServerConfig | None = None, app_state: dict | None = None,
                 **engine_options) -> Iterator[tuple[str, LLMEngine | list[LLMEngine]]]:
     """Yields (base URL, engine, or the replicas under data_parallel_size); stops the server on
-    exit. ``app_state``, if given, receives the app's state (its AsyncLLMEngine as "engine");
+    exit. ``app_state``, if given, receives the app's state (its EngineClient as "engine");
     ``engine_options`` add to the engine's."""
     engine_config = EngineConfig.from_kwargs(**{"model": path, "dtype": "float32", "max_num_batched_tokens": 256,
                                                 **engine_options})
     engine = (LLMEngine(engine_config) if engine_config.parallel_config.data_parallel_size == 1 else
               build_replicas(engine_config))
-    app = build_app(engine, model_name, api_key=api_key, tool_call_parser=tool_call_parser, config=config)
+    app = build_app(make_engine_client(engine, model_name), model_name, api_key=api_key,
+                    tool_call_parser=tool_call_parser, config=config)
     if app_state is not None:
-        app_state["engine"] = app.state.engine
+        app_state["engine"] = app.state.engine_client
     # bound here and handed to uvicorn, so no other process can take the port in between
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

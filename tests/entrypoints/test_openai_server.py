@@ -81,7 +81,7 @@ def test_streaming_equals_non_streaming(server, reference) -> None:
 def test_chat_uses_the_checkpoints_template(server) -> None:
     messages = [{"role": "user", "content": "hi"}]
     tokens = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, headers=AUTH).json()
-    expected = server.engine.tokenizer.encode("<|user|>\nhi</s>\n<|assistant|>\n", add_special_tokens=False)
+    expected = server.engine.model_info.tokenizer.encode("<|user|>\nhi</s>\n<|assistant|>\n", add_special_tokens=False)
     assert tokens["tokens"] == expected and tokens["count"] == len(expected)
     r = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
     assert r.usage.prompt_tokens == len(expected)
@@ -158,7 +158,7 @@ def test_info_routes(server) -> None:
     models = server.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}, headers=AUTH).json()["tokens"]
-    assert ids == server.engine.tokenizer.encode("Hello world")
+    assert ids == server.engine.model_info.tokenizer.encode("Hello world")
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, headers=AUTH).json()["prompt"] == "<s>Hello world"
     text = httpx.get(f"{server.url}/metrics").text
     for name in ["dabba:num_requests_running", "dabba:num_requests_waiting", "dabba:kv_cache_usage_perc",
@@ -220,10 +220,10 @@ def test_a_client_that_disconnects_leaves_nothing_running(server, monkeypatch) -
             self.model_ran = threading.Event()
             self.aborted = threading.Event()
             self.aborted_live: list[str] = []
-            self.execute_model = engine.model_runner.execute_model
+            self.execute_model = engine.engine_core.model_runner.execute_model
             self.has_unfinished_requests = engine.has_unfinished_requests
             self.abort_request = engine.abort_request
-            monkeypatch.setattr(engine.model_runner, "execute_model", self.recorded_execute_model)
+            monkeypatch.setattr(engine.engine_core.model_runner, "execute_model", self.recorded_execute_model)
             monkeypatch.setattr(engine, "has_unfinished_requests", self.held_has_unfinished_requests)
             monkeypatch.setattr(engine, "abort_request", self.recorded_abort_request)
 
@@ -346,7 +346,7 @@ def test_metrics_count_streams_and_single_responses_alike(server) -> None:
     """Metrics come from each step's stats, whatever the outputs carry (FINAL_ONLY: one output)."""
     names = ["dabba:prompt_tokens_total", "dabba:generation_tokens_total", "dabba:time_to_first_token_seconds_count",
              "dabba:time_per_output_token_seconds_count", "dabba:e2e_request_latency_seconds_count"]
-    num_prompt_tokens = len(server.engine.tokenizer.encode(PROMPTS[1]))
+    num_prompt_tokens = len(server.engine.model_info.tokenizer.encode(PROMPTS[1]))
     kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=5, n=2, temperature=0, extra_body={"ignore_eos": True})
     wait_idle(server)
     for stream in (False, True):

@@ -71,7 +71,7 @@ def test_lone_surrogates_are_a_400_naming_where(server, path, body, param) -> No
 def test_a_valid_surrogate_pair_is_a_character(server) -> None:
     r = raw_post(server.client, "/v1/completions", '{"prompt": "snake \\ud83d\\udc0d", "max_tokens": 2}')
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["prompt_tokens"] == len(server.engine.tokenizer.encode("snake \U0001f40d"))
+    assert r.json()["usage"]["prompt_tokens"] == len(server.engine.model_info.tokenizer.encode("snake \U0001f40d"))
 
 
 @pytest.mark.parametrize("content", [
@@ -172,7 +172,7 @@ class Gate:
 
 @pytest.mark.parametrize("what", ["encode", "apply_chat_template"])
 def test_tokenization_and_templates_run_off_the_event_loop(server, monkeypatch, what) -> None:
-    tokenizer = server.engine.tokenizer
+    tokenizer = server.engine.model_info.tokenizer
     gate = Gate(getattr(tokenizer, what))
     monkeypatch.setattr(tokenizer, what, gate)
     body = ({"prompt": "held " * 100, "max_tokens": 2} if what == "encode"

@@ -190,7 +190,7 @@ def test_the_template_gets_tools_calls_and_results(server) -> None:
                      "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
     tokens = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
-    text = server.engine.tokenizer.decode(tokens, skip_special_tokens=False)
+    text = server.engine.model_info.tokenizer.decode(tokens, skip_special_tokens=False)
     assert json.dumps(TOOLS[1], ensure_ascii=False) in text
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>' in text
     assert "<tool_response id=call_1>21 degrees</tool_response>" in text

@@ -40,7 +40,7 @@ def test_snapshots_need_the_key_and_describe_the_engine(server) -> None:
     snapshot = httpx.get(f"{server.url}/engine/stats", headers=AUTH).json()
     assert snapshot["running"] == 0 and snapshot["waiting"] == 0 and snapshot["step_tokens"] == 0
     kv = snapshot["kv"]
-    assert len(kv["grid"]) == kv["blocks"] == server.engine.kv_cache_manager.num_usable_blocks
+    assert len(kv["grid"]) == kv["blocks"] == server.engine.engine_core.kv_cache_manager.num_usable_blocks
     assert set(kv["grid"]) <= {BLOCK_FREE, BLOCK_CACHED, BLOCK_USED, BLOCK_SHARED}
     assert kv["free"] + kv["cached"] + kv["used"] + kv["shared"] == kv["blocks"] and kv["used"] == 0
 
@@ -90,6 +90,6 @@ def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(server, stream
             usages.append(httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json=body, timeout=60)
                           .json()["usage"])
     first, second = (u["prompt_tokens_details"]["cached_tokens"] for u in usages)
-    block = server.engine.kv_cache_manager.block_size
+    block = server.engine.engine_core.kv_cache_manager.block_size
     assert first == 0 and second == usages[1]["prompt_tokens"] // block * block - (
         block if usages[1]["prompt_tokens"] % block == 0 else 0)

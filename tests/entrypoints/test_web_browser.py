@@ -42,7 +42,7 @@ class Gate:
         step, abort = engine.step_with_stats, async_engine.abort
 
         def gated_step():
-            if self.running and len(engine.scheduler.running) >= self.running:
+            if self.running and len(engine.engine_core.scheduler.running) >= self.running:
                 assert self.opened.wait(120), "the gate was never opened"
             return step()
 
@@ -172,7 +172,7 @@ def test_the_dashboard_shows_each_data_parallel_replica(browser) -> None:
         page.wait_for_function("document.getElementById('generated').textContent === '3'")  # the replicas' sum
         assert page.inner_text("#running-sub") == "replicas: 0 · 0"
         assert page.inner_text("#kv-blocks") == "replicas: 0.0% · 0.0%"
-        blocks = sum(e.kv_cache_manager.num_usable_blocks for e in engines)
+        blocks = sum(e.engine_core.kv_cache_manager.num_usable_blocks for e in engines)
         assert page.inner_text("#kv-total") == str(blocks)  # both replicas' grids, one after the other
         assert [e for e in errors if KEY_REFUSED not in e] == []
         page.context.close()  # its stats stream would hold the server's shutdown up to its 30 s bound

@@ -91,7 +91,7 @@ def test_gptq_checkpoint_matches_its_dequantized_weights(checkpoints, tmp_path, 
     write_gptq_pair(ckpt.path, tmp_path / "gptq", tmp_path / "dequant", 32, act_order)
     gptq = LLM(str(tmp_path / "gptq"), dtype="float32")
     plain = LLM(str(tmp_path / "dequant"), dtype="float32")
-    runner = gptq.llm_engine.model_runner
+    runner = gptq.llm_engine.engine_core.model_runner
     layer = runner.model.model.layers[0].self_attn.qkv_proj
     assert layer.quant_method.packed == (not act_order)  # int4 kernel unless act-order forces the fallback
     if load_cpu_ops():  # act-order layers (dequantized) have no form in the native layer loop

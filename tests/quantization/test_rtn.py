@@ -72,7 +72,7 @@ def test_quantized_models_generate_through_the_engine(checkpoints) -> None:
     sizes = {}
     for method in (None, "int8", "int4"):  # the demo model: every projection quantizes, int4 in groups of 128
         llm = LLM(DEMO_MODEL, quantization=method)
-        sizes[method] = llm.llm_engine.model_runner.weight_bytes
+        sizes[method] = llm.llm_engine.engine_core.model_runner.weight_bytes
         out = llm.generate("The json module", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 12
     # the tied vocabulary is one INT8 table (a bf16 scale per row) that the embedding and the LM head
@@ -87,7 +87,7 @@ def test_a_tied_embedding_reads_its_rows_from_the_quantized_head(method) -> None
     """No bf16 vocabulary table beside the INT8 head: the embedding looks rows up in the head's
     codes, dequantized as the head dequantizes them, and the planner counts the one table."""
     llm = LLM(DEMO_MODEL, quantization=method)
-    model = llm.llm_engine.model_runner.model
+    model = llm.llm_engine.engine_core.model_runner.model
     embedding, head = model.model.embed_tokens, model.lm_head
     assert embedding.weight is None and head.shares_packed_rows
     codes, scales = embedding.int8_rows
@@ -95,7 +95,7 @@ def test_a_tied_embedding_reads_its_rows_from_the_quantized_head(method) -> None
     ids = torch.tensor([0, 5, 4095, 5])
     assert torch.equal(embedding(ids), head.qweight[ids].to(torch.bfloat16) * head.scales[ids, None])
     planned = weights_bytes(llm.llm_engine.arch, torch.bfloat16, QuantConfig(method), "cpu")
-    assert planned == llm.llm_engine.model_runner.weight_bytes
+    assert planned == llm.llm_engine.engine_core.model_runner.weight_bytes
 
 
 def test_demo_model_perplexity_int8_within_one_percent(tmp_path, capsys) -> None:

@@ -100,7 +100,7 @@ def test_an_unexpected_exception_is_a_500_in_openai_shape(server, monkeypatch, n
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(engine.tokenizer, "encode", broken)
+    monkeypatch.setattr(engine.model_info.tokenizer, "encode", broken)
     with target.client() as client:
         r = client.post("/tokenize", json={"prompt": "x"})
     assert r.status_code == 500 and error_shape_problem(r) is None, r.text

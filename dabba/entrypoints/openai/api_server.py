@@ -1,8 +1,9 @@
 """The FastAPI app: routes, API-key check, OpenAI-shaped errors, metrics, the browser pages
 (entrypoints/web/); and running it.
 
-Handlers only convert between protocol types and engine types (see serving.py); the engine
-loop runs on one thread of its own (AsyncLLMEngine), which serve() makes the main thread.
+Handlers only convert between protocol types and engine types (see serving.py); they reach the
+engine only through its EngineClient (engine/protocol.py), whose loop serve() runs on the main
+thread.
 """
 from __future__ import annotations
 
@@ -18,15 +19,13 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import dabba
 from dabba.config import ServerConfig
-from dabba.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from dabba.engine.data_parallel import DataParallelEngine
-from dabba.engine.llm_engine import LLMEngine
+from dabba.engine.protocol import EngineClient, EngineDeadError
 from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                TokenizeRequest)
 from dabba.entrypoints.openai.serving import OpenAIError
@@ -73,29 +72,23 @@ class RequestBodyLimit:
         await self.app(scope, limited, send)
 
 
-def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str, api_key: str | None = None,
-              engine_thread: bool = True, tool_call_parser: str | None = None,
-              config: ServerConfig | None = None) -> FastAPI:
-    """The app; its engine loop runs in a thread of its own, or (``engine_thread=False``) wherever
-    the caller runs ``app.state.engine.run_loop()``. A list of engines: data-parallel replicas,
-    each request routed to one (engine/data_parallel.py). ``tool_call_parser``: how tool_choice
-    "auto" reads the model's calls (None: no auto tool choice); ``config``: the bounds on requests."""
+def build_app(client: EngineClient, served_model_name: str, api_key: str | None = None,
+              tool_call_parser: str | None = None, config: ServerConfig | None = None) -> FastAPI:
+    """The app in front of ``client`` (engine/clients.py makes one). ``tool_call_parser``: how
+    tool_choice "auto" reads the model's calls (None: no auto tool choice); ``config``: the bounds
+    on requests."""
     config = config or ServerConfig()
-    engines = engine if isinstance(engine, list) else [engine]
-    engine = engines[0]  # the tokenizer and the model's facts
-    async_engine: AsyncLLMEngine | DataParallelEngine = (
-        AsyncLLMEngine(engine, served_model_name, start_thread=engine_thread) if len(engines) == 1 else
-        DataParallelEngine(engines, served_model_name, start_thread=engine_thread))
-    serving = OpenAIServingChat(async_engine, served_model_name, tool_call_parser, config)
+    model_info = client.model_info
+    serving = OpenAIServingChat(client, served_model_name, tool_call_parser, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        async_engine.shutdown()  # uvicorn has stopped accepting and drained what it could
+        client.shutdown()  # uvicorn has stopped accepting and drained what it could
 
     app = FastAPI(title="dabba", version=dabba.__version__, lifespan=lifespan)
     app.add_middleware(RequestBodyLimit, limit=config.max_request_body_bytes)
-    app.state.engine = async_engine
+    app.state.engine_client = client
     app.state.serving = serving
 
     async def check_api_key(request: Request) -> None:
@@ -149,9 +142,9 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str, api_k
 
     @app.get("/health")
     async def health():
-        if not async_engine.is_running:
+        if not client.is_running:
             return OpenAIError(503, "engine is not running", type="server_error").response()
-        if async_engine.is_draining:  # so that a load balancer sends no more
+        if client.is_draining:  # so that a load balancer sends no more
             return OpenAIError(503, "the server is shutting down", type="server_error").response()
         return Response(status_code=200)
 
@@ -162,7 +155,7 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str, api_k
     @v1.get("/models")
     async def models():
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "dabba", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "dabba", "max_model_len": model_info.max_model_len}]}
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -184,25 +177,25 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str, api_k
             prompt = await asyncio.to_thread(serving.chat_prompt, req.messages, req.add_generation_prompt, req.tools)
             tokens = prompt["prompt_token_ids"]
         else:
-            tokens = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
+            tokens = await asyncio.to_thread(model_info.tokenizer.encode, req.prompt,
                                              add_special_tokens=req.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": model_info.max_model_len}
 
     @app.post("/detokenize", dependencies=[Depends(check_api_key)])
     async def detokenize(req: DetokenizeRequest):
         serving.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < engine.arch.vocab_size]
+        bad = [t for t in req.tokens if not 0 <= t < model_info.vocab_size]
         if bad:
-            raise OpenAIError(400, f"tokens outside [0, {engine.arch.vocab_size}): {bad[:5]}", param="tokens")
-        text = await asyncio.to_thread(engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
+            raise OpenAIError(400, f"tokens outside [0, {model_info.vocab_size}): {bad[:5]}", param="tokens")
+        text = await asyncio.to_thread(model_info.tokenizer.decode, req.tokens, skip_special_tokens=False)
         return {"prompt": text}
 
-    add_web_routes(app, async_engine, check_api_key)
+    add_web_routes(app, client, check_api_key)
 
     @app.get("/metrics")
     async def metrics():
-        await async_engine.update_metrics()  # the scheduler's gauges, computed when scraped
-        return Response(generate_latest(async_engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # the scheduler's gauges, computed when scraped
+        return Response(await client.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -213,17 +206,16 @@ EXIT_ENGINE_FAILED = 1
 EXIT_DRAIN_TIMED_OUT = 3
 
 
-def serve(engine: LLMEngine | list[LLMEngine], served_model_name: str, host: str, port: int, api_key: str | None,
+def serve(client: EngineClient, served_model_name: str, host: str, port: int, api_key: str | None,
           tool_call_parser: str | None = None, config: ServerConfig | None = None) -> int:
     """Run until SIGINT/SIGTERM, then drain: new requests are refused (503), those in flight get
     ``config.shutdown_timeout`` seconds to finish, and any still running end with an error (an
     error event and [DONE] for a stream, a 503 body otherwise). Returns the exit status: 0 after
     a clean drain, EXIT_DRAIN_TIMED_OUT if requests were cut, EXIT_ENGINE_FAILED if the engine
-    loop failed (so a supervisor restarts the process)."""
+    loop failed (so a supervisor restarts the process). ``client`` was made with
+    start_thread=False: its loop runs here, on the main thread (see AsyncLLMEngine)."""
     config = config or ServerConfig()
-    app = build_app(engine, served_model_name, api_key, engine_thread=False, tool_call_parser=tool_call_parser,
-                    config=config)
-    async_engine: AsyncLLMEngine | DataParallelEngine = app.state.engine
+    app = build_app(client, served_model_name, api_key, tool_call_parser=tool_call_parser, config=config)
     # uvicorn's own graceful timeout outlasts the drain: by then every response has its ending
     log_level = logging.getLevelName(logger.getEffectiveLevel()).lower()  # dabba's (--log-level)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
@@ -232,8 +224,8 @@ def serve(engine: LLMEngine | list[LLMEngine], served_model_name: str, host: str
     stopping = threading.Event()
 
     def drain_then_stop() -> None:
-        if not async_engine.drain(config.shutdown_timeout):
-            status.setdefault("code", EXIT_ENGINE_FAILED if async_engine.error else EXIT_DRAIN_TIMED_OUT)
+        if not client.drain(config.shutdown_timeout):
+            status.setdefault("code", EXIT_ENGINE_FAILED if client.error else EXIT_DRAIN_TIMED_OUT)
             logger.warning("shutdown: requests still in flight after %.0f s were ended with an error",
                            config.shutdown_timeout)
         server.should_exit = True  # uvicorn stops accepting and closes connections once their responses end
@@ -252,15 +244,15 @@ def serve(engine: LLMEngine | list[LLMEngine], served_model_name: str, host: str
         except SystemExit as e:  # uvicorn could not start (port taken): the process exits with its code
             status.setdefault("code", e.code if isinstance(e.code, int) else 1)
         finally:
-            async_engine.shutdown()
+            client.shutdown()
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     thread = threading.Thread(target=http, name="dabba-http")
     logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", served_model_name, host, port)
     thread.start()
-    async_engine.run_loop()  # the engine steps on the main thread (see AsyncLLMEngine)
-    if async_engine.error is not None:  # the loop died: its streams have their errors; stop serving
+    client.run_loop()  # the engine steps on the main thread (see AsyncLLMEngine)
+    if client.error is not None:  # the loop died: its streams have their errors; stop serving
         logger.error("the engine loop failed; the server exits with status %d", EXIT_ENGINE_FAILED)
         status.setdefault("code", EXIT_ENGINE_FAILED)
         server.should_exit = True

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dabba.config import ServerConfig
-from dabba.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from dabba.engine.protocol import EngineClient, EngineDeadError, InvalidRequest, RequestStream
 from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionChoice, CompletionLogprobs,
                                                CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse,
                                                PromptTokensDetails, SamplingFields, UsageInfo, random_id)
@@ -41,14 +41,17 @@ class OpenAIError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status)
 
 
-def _param_of(message: str, prompt_param: str = "prompt") -> str | None:
-    """SamplingParams and engine errors start with the field name ("top_p must be ..."); the
-    engine's prompt errors name the request field the prompt came from (``prompt_param``); a
-    first word that is no request field names nothing."""
-    first = message.split(" ", 1)[0]
-    if first in ("prompt", "prompt_token_ids"):
+def _param_of(error: ValueError, prompt_param: str = "prompt",
+              constraint_param: str = "structured_outputs") -> str | None:
+    """The request field an engine's InvalidRequest names: its prompt errors name the field the
+    prompt came from (``prompt_param``), its constraint errors the one the constraint came from
+    (``constraint_param``); an engine field that is no request field names nothing."""
+    param = error.param if isinstance(error, InvalidRequest) else None
+    if param in ("prompt", "prompt_token_ids"):
         return prompt_param
-    return first if first in REQUEST_FIELDS else None
+    if param == "structured_outputs":
+        return constraint_param
+    return param if param in REQUEST_FIELDS else None
 
 
 REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
@@ -66,12 +69,12 @@ class ChoiceProgress:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, config: ServerConfig | None = None) -> None:
-        self.engine = engine
+    def __init__(self, client: EngineClient, served_model_name: str, config: ServerConfig | None = None) -> None:
+        self.client = client
         self.served_model_name = served_model_name
         self.config = config or ServerConfig()
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = client.model_info.tokenizer
+        self.max_model_len = client.model_info.max_model_len
 
     # ---- shared ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -100,7 +103,7 @@ class OpenAIServing:
                 structured_outputs=structured, **optional,
             )
         except ValueError as e:
-            raise OpenAIError(400, str(e), param=_param_of(str(e))) from None
+            raise OpenAIError(400, str(e), param=_param_of(e)) from None
 
     def _check_bounds(self, req: SamplingFields) -> None:
         """The server's bounds on one request (ServerConfig), each a 400 naming its field."""
@@ -115,36 +118,22 @@ class OpenAIServing:
             raise OpenAIError(400, f"stop strings must be at most {limits.max_stop_length} characters long (the "
                                    "server's --max-stop-length)", param="stop")
 
-    async def _tokenized(self, prompts: list[Any]) -> list[Any]:
-        """Text prompts with their token ids, encoded off the event loop (a long prompt must not
-        stall other clients) and off the engine thread (nor the step)."""
-        def encode() -> list[Any]:
-            return [{"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)} if isinstance(p, str) else p
-                    for p in prompts]
-
-        return await asyncio.to_thread(encode) if any(isinstance(p, str) for p in prompts) else prompts
-
     async def _start(self, request_ids: list[str], prompts: list[Any], params: SamplingParams,
                      priority: int, constraint_param: str = "structured_outputs",
                      prompt_param: str = "prompt") -> list[RequestStream]:
         """Queue every prompt before answering: a rejected one is a 400 for the whole call,
-        even when streaming, and leaves nothing running. A constraint is validated (and its
-        compilation started) off the event loop first: a bad one is a 400 naming
-        ``constraint_param``, the request field it came from; a bad prompt names ``prompt_param``."""
-        if params.structured_outputs is not None:
-            try:
-                await asyncio.to_thread(self.engine.engine.structured_output.submit, params.structured_outputs)
-            except ValueError as e:
-                raise OpenAIError(400, str(e), param=constraint_param) from None
+        even when streaming, and leaves nothing running. The client processes each prompt off the
+        event loop (tokenizing, validating its constraint); a bad constraint is a 400 naming
+        ``constraint_param``, the request field it came from, a bad prompt ``prompt_param``."""
         streams: list[RequestStream] = []
         try:
             for request_id, prompt in zip(request_ids, prompts):
-                streams.append(await self.engine.add_request(request_id, prompt, params, priority))
+                streams.append(await self.client.add_request(request_id, prompt, params, priority))
         except BaseException as e:
             for stream in streams:
                 stream.abort()
             if isinstance(e, ValueError):
-                raise OpenAIError(400, str(e), param=_param_of(str(e), prompt_param)) from None
+                raise OpenAIError(400, str(e), param=_param_of(e, prompt_param, constraint_param)) from None
             raise
         return streams
 
@@ -247,7 +236,7 @@ class OpenAIServing:
         params = self.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs,
                                       req.logprobs if req.echo and req.logprobs is not None else None,
                                       structured_outputs_of(req))
-        prompts = await self._tokenized(self._completion_prompts(req))
+        prompts = self._completion_prompts(req)
         base_id = random_id("cmpl")
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         streams = await self._start(ids, prompts, params, req.priority, constraint_field(req))

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from dabba.config import ServerConfig
-from dabba.engine.async_engine import AsyncLLMEngine, RequestStream
+from dabba.engine.protocol import EngineClient, RequestStream
 from dabba.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage,
                                                ChatMessageOut, ChatStreamChoice, ChatTool, DeltaFunctionCall,
@@ -30,9 +30,9 @@ class OpenAIServingChat(OpenAIServing):
     """Completions (the base class) and chat. ``tool_call_parser``: how "auto" tool choice reads
     the model's calls (``--enable-auto-tool-choice --tool-call-parser NAME``); None: no auto."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, tool_call_parser: str | None = None,
+    def __init__(self, client: EngineClient, served_model_name: str, tool_call_parser: str | None = None,
                  config: ServerConfig | None = None) -> None:
-        super().__init__(engine, served_model_name, config)
+        super().__init__(client, served_model_name, config)
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
         self.tool_call_parser = tool_call_parser

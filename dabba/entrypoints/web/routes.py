@@ -13,12 +13,12 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import FileResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from dabba.engine.async_engine import AsyncLLMEngine
+from dabba.engine.protocol import EngineClient
 
 STATIC = Path(__file__).resolve().parent / "static"
 
 
-def add_web_routes(app: FastAPI, engine: AsyncLLMEngine, check_api_key: Callable[..., Any]) -> None:
+def add_web_routes(app: FastAPI, client: EngineClient, check_api_key: Callable[..., Any]) -> None:
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)
@@ -32,13 +32,13 @@ def add_web_routes(app: FastAPI, engine: AsyncLLMEngine, check_api_key: Callable
     @app.get("/engine/stats", dependencies=[Depends(check_api_key)])
     async def engine_stats():
         """The batch, the last step, token totals, the prefix cache and every KV block's state."""
-        return await engine.get_snapshot()
+        return await client.get_snapshot()
 
     # An endless stream: out of the OpenAPI schema, which the reliability suite fuzzes.
     @app.get("/engine/stats/stream", dependencies=[Depends(check_api_key)], include_in_schema=False)
     async def engine_stats_stream():
         async def events():
-            async for snapshot in engine.watch_stats():
+            async for snapshot in client.watch_stats():
                 yield ": idle\n\n" if snapshot is None else f"data: {json.dumps(snapshot)}\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

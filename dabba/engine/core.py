@@ -1,0 +1,119 @@
+"""The engine core (vLLM v1's EngineCore): the scheduler, the executor that runs the model, and the
+grammars, stepped by one thread. Its inputs are processed requests, aborts and the stop strings
+the front end finds; its outputs are EngineCoreOutputs and typed snapshots. It holds no tokenizer
+of its own beyond the grammars' and never sees text."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+from dabba.config import EngineConfig
+from dabba.core.kv_cache_manager import KVCacheManager
+from dabba.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
+from dabba.core.request import BlockHash, RequestStatus
+from dabba.core.scheduler import Scheduler
+from dabba.core.stats import SchedulerStats
+from dabba.engine.processor import EngineRequest
+from dabba.engine.tokenizer import Tokenizer
+from dabba.executor.selector import make_executor
+from dabba.executor.uniproc import UniProcExecutor
+from dabba.structured_output.manager import StructuredOutputManager
+from dabba.worker.model_runner import ModelRunner, RunnerArgs
+
+GRAMMAR_WAIT_S = 0.01  # a step with nothing to run but grammars compiling waits this long for one
+
+
+@dataclass(frozen=True)
+class KVBlocksSnapshot:
+    """The KV cache as the dashboard draws it."""
+
+    num_blocks: int  # usable blocks (the null block is not one)
+    block_size: int
+    grid: str | None  # every block's state (core/block_pool.BLOCK_*), when asked for
+
+
+class EngineCore:
+    """One engine's scheduler, executor and grammars. Only the thread that steps it calls it:
+    every method here reads or changes the scheduler's state."""
+
+    def __init__(self, config: EngineConfig, runner_args: RunnerArgs, tokenizer: Tokenizer,
+                 eos_token_ids: frozenset[int], replica: int = 0) -> None:
+        cc, sc = config.cache_config, config.scheduler_config
+        self.executor = make_executor(runner_args, config.parallel_config, replica)
+        self.cache_layout = self.executor.initialize_kv_cache(cc, sc.max_num_seqs, sc.max_num_batched_tokens)
+        self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                               self.cache_layout.groups, sc.max_num_batched_tokens)
+        self.structured_output = StructuredOutputManager(tokenizer, runner_args.arch.vocab_size, eos_token_ids)
+        self.scheduler = Scheduler(sc, self.kv_cache_manager, runner_args.max_model_len, self.structured_output,
+                                   self.executor.row_blocks())
+        self.last_step_num_tokens = 0  # tokens the last step ran (the dashboard's tokens per step)
+        self._step: tuple[SchedulerOutput, ModelRunnerOutput, float] | None = None  # the step not yet closed
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The in-process ModelRunner (tensor_parallel_size 1: its model, cache and layer loop)."""
+        if not isinstance(self.executor, UniProcExecutor):
+            raise AttributeError(f"the model runs in {self.executor.tp_size} worker processes, not in this one")
+        return self.executor.runner
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any (they also stop when the executor is collected)."""
+        self.executor.shutdown()
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue every sample of a processed prompt, or none of them (InvalidRequest if one could
+        never run)."""
+        added = []
+        try:
+            for sample in request.samples:
+                self.scheduler.add_request(sample)
+                added.append(sample)
+        except ValueError:
+            for sample in added:
+                self.scheduler.abort_request(sample.request_id)
+            raise
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, run the model, update the requests; the step stays open until finish_step()."""
+        start = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and self.scheduler.waiting_for_grammar():
+            self.structured_output.wait_for_grammars(GRAMMAR_WAIT_S)  # rather than spin
+        runner_out = self.executor.execute_model(sched_out)
+        self.last_step_num_tokens = sched_out.total_num_scheduled_tokens
+        self._step = (sched_out, runner_out, start)
+        return self.scheduler.update_from_output(sched_out, runner_out)
+
+    def finish_step(self, stopped: Iterable[str]) -> None:
+        """Close the step: the requests whose text reached a stop string (only the front end sees
+        text) finish, and the step's time, outputs processed, prices the next drafts."""
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        sched_out, runner_out, start = self._step
+        self._step = None
+        self.scheduler.record_step_time(sched_out, runner_out, time.perf_counter() - start)
+
+    # ---- snapshots -----------------------------------------------------------------------
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    def cached_prefix_blocks(self, block_hashes: list[BlockHash]) -> int:
+        """How many leading blocks of a prompt (its chained hashes) the prefix cache holds now."""
+        return self.kv_cache_manager.cached_prefix_blocks(block_hashes)
+
+    def kv_blocks(self, with_grid: bool) -> KVBlocksSnapshot:
+        kv = self.kv_cache_manager
+        return KVBlocksSnapshot(kv.num_usable_blocks, kv.block_size, kv.pool.block_states() if with_grid else None)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's reset_prefix_cache: False while requests are unfinished."""
+        return not self.has_unfinished_requests() and self.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,85 @@
+"""The front end's half of adding a request (vLLM v1's Processor): tokenize, validate, apply the
+model's defaults and fan n samples out into core requests, on the caller's thread, so that the
+engine thread only queues what is already known to be valid."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from dabba.core.request import Request
+from dabba.engine.model_info import ModelInfo
+from dabba.errors import InvalidRequest
+from dabba.sampling_params import SamplingParams
+from dabba.structured_output.manager import StructuredOutputManager
+
+PromptType = str | dict[str, Any]
+
+
+@dataclass
+class EngineRequest:
+    """One prompt, processed: what the engine thread adds. Its ``params.n`` samples are core
+    requests of their own (``samples``), sharing the prompt's full blocks through the prefix cache."""
+
+    request_id: str
+    prompt: str | None  # the text, when the caller gave one
+    prompt_token_ids: list[int]
+    params: SamplingParams  # with the engine's defaults applied (max_tokens)
+    priority: int
+    samples: list[Request]
+
+
+class Processor:
+    """Turns (request id, prompt, params, priority) into an EngineRequest or an InvalidRequest.
+    Thread-safe: it reads only ModelInfo and submits constraints to the grammar compiler, whose
+    compilations are shared (a constraint is validated here and compiles while the request waits)."""
+
+    def __init__(self, model_info: ModelInfo, grammars: StructuredOutputManager) -> None:
+        self.model_info = model_info
+        self.grammars = grammars
+
+    @staticmethod
+    def needs_work(prompt: PromptType, params: SamplingParams) -> bool:
+        """Whether processing tokenizes or builds a grammar (an async caller then processes off its
+        event loop): a prompt given as token ids without a constraint is checked in no time."""
+        return params.structured_outputs is not None or not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> EngineRequest:
+        info = self.model_info
+        params.check_vocab(info.vocab_size)
+        if params.structured_outputs is not None:  # validated now, compiled in the background
+            self.grammars.submit(params.structured_outputs)
+        text, token_ids = self._parse_prompt(prompt)
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise InvalidRequest("priority", f"priority must be an integer in [-2**63, 2**63), got {priority!r}")
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=max(info.max_model_len - len(token_ids), 1))
+        samples = []
+        for i in range(params.n):
+            sample_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            samples.append(Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=token_ids,
+                sampling_params=sample_params,
+                eos_token_ids=info.eos_token_ids,
+                priority=priority,
+                block_size=info.block_size,
+            ))
+        return EngineRequest(request_id, text, token_ids, params, priority, samples)
+
+    def _parse_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        tokenizer, vocab_size = self.model_info.tokenizer, self.model_info.vocab_size
+        if isinstance(prompt, str):
+            return prompt, tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                raise InvalidRequest("prompt_token_ids", "prompt_token_ids must be a list of integers")
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequest("prompt_token_ids",
+                                     f"prompt_token_ids contains ids outside [0, {vocab_size}): {bad[:5]}")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], tokenizer.encode(prompt["prompt"])
+        raise InvalidRequest("prompt", "prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")

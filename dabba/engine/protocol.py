@@ -1,0 +1,116 @@
+"""The one boundary between a front end (the OpenAI server, later the other APIs and a router of
+several models) and the engines behind it: the EngineClient protocol and the types it speaks.
+
+A front end holds an EngineClient and its ModelInfo, never an engine: what it may ask is here.
+Requests it makes wrong come back as InvalidRequest (naming the field), an engine that cannot
+serve any more as EngineDeadError; outputs stream as RequestOutputs."""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable, Protocol, runtime_checkable
+
+from dabba.core.stats import SchedulerStats
+from dabba.engine.model_info import ModelInfo
+from dabba.engine.processor import PromptType
+from dabba.errors import InvalidRequest
+from dabba.outputs import RequestOutput
+from dabba.sampling_params import SamplingParams
+
+__all__ = ["ENGINE_FAILED", "EngineClient", "EngineDeadError", "InvalidRequest", "ModelInfo", "PromptType",
+           "RequestStream"]
+
+ENGINE_FAILED = "the engine failed (the server's log says why); the server is stopping"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (it failed, or the server is shutting down): nothing more is served."""
+
+
+class RequestStream:
+    """A request's outputs as they come. Leaving the iteration before the request finished
+    (client gone, task cancelled) aborts it; its blocks are freed on the engine's next step."""
+
+    def __init__(self, request_id: str, queue: asyncio.Queue, abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._queue = queue
+        self._abort = abort
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:
+                self.abort()
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._abort(self.request_id)
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What a front end may ask of the engines serving one model (one engine, or data-parallel
+    replicas of it). Every coroutine runs on the front end's event loop; run_loop, drain and
+    shutdown on threads of the caller's choosing (see each)."""
+
+    model_info: ModelInfo
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        """Process and queue a request; returns once the engine accepted it. Raises InvalidRequest
+        (a ValueError naming the field) for a request the engine refuses, EngineDeadError when
+        the engine no longer serves."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """End a request; its blocks are freed on the engine's next step. Any thread."""
+        ...
+
+    async def get_stats(self) -> SchedulerStats:
+        """The batch and the KV cache now (summed over replicas)."""
+        ...
+
+    async def get_snapshot(self) -> dict:
+        """The dashboard's snapshot of the engine now (engine/stats_feed.py)."""
+        ...
+
+    def watch_stats(self) -> AsyncIterator[dict | None]:
+        """Snapshots as the engine steps; None after a quiet spell (a heartbeat)."""
+        ...
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus exposition of the engine's metrics, its gauges taken now."""
+        ...
+
+    def run_loop(self) -> None:
+        """Step until shutdown(), on the calling thread (a client made with start_thread=False)."""
+        ...
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new requests; give those in flight ``timeout`` seconds; True if all finished."""
+        ...
+
+    def shutdown(self) -> None:
+        """Abort what is in flight and stop the loop."""
+        ...
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine loop died, if it did."""
+        ...
+
+    @property
+    def is_running(self) -> bool:
+        ...
+
+    @property
+    def is_draining(self) -> bool:
+        ...
