@@ -1,6 +1,6 @@
 """Builds the native CPU kernels into the package: one library per instruction-set variant of the
-build machine's architecture (dabba/kernel_variants.py), into dabba/_kernels/, so that an
-installed wheel needs no compiler and picks its variant at load time (dabba/native.py).
+build machine's architecture (dabba/ops/kernel_variants.py), into dabba/_kernels/, so that an
+installed wheel needs no compiler and picks its variant at load time (dabba/ops/native.py).
 
 An editable install (pip install -e .) skips them: a developer's kernels are compiled on first
 use from the sources they are editing, into torch's extension cache under the variant's name.
@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _variants_module():
-    """dabba/kernel_variants.py alone: importing the package would import all of dabba."""
-    spec = importlib.util.spec_from_file_location("_dabba_kernel_variants", ROOT / "dabba" / "kernel_variants.py")
+    """dabba/ops/kernel_variants.py alone: importing the package would import all of dabba."""
+    spec = importlib.util.spec_from_file_location("_dabba_kernel_variants", ROOT / "dabba" / "ops" / "kernel_variants.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)

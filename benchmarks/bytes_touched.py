@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.peers.bandwidth import decode_bytes_per_token
 from dabba import LLM, SamplingParams
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QuantConfig
 

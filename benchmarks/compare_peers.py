@@ -41,7 +41,7 @@ PSS <= 1.2x llama.cpp's per format, INT8's and INT4's below bf16's (load-time qu
 decode at >= 85% of the read bandwidth. --markdown-out writes a table per model, for the README.
 
 Kernel variants: --dabba-isa avx2,avx512 runs dabba once per named variant of its native kernels
-(dabba/kernel_variants.py), as engines dabba-avx2, dabba-avx512, ..., each process told it is on
+(dabba/ops/kernel_variants.py), as engines dabba-avx2, dabba-avx512, ..., each process told it is on
 that CPU: DABBA_CPU_ISA, and for PyTorch's own kernels ATEN_CPU_CAPABILITY and oneDNN's
 ONEDNN_MAX_CPU_ISA (peers/targets.py ISA_ENV); with --llamacpp-python a llama.cpp built for AVX2 only, the report's
 targets then include W2 decode of dabba-avx2 >= 1.1x llama.cpp's at each variant.
@@ -91,7 +91,7 @@ from benchmarks.peers.report import print_checks, summary_of, to_markdown
 from benchmarks.peers.targets import ISA_ENV, PEER_VARIANT, TARGETS
 from benchmarks.peers.vllm_env import vllm_env
 from benchmarks.peers.workloads import WORKLOADS, Workload
-from dabba.benchmark.offline import make_prompts
+from dabba.tools.bench.offline import make_prompts
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 MIB = 2**20
@@ -259,7 +259,7 @@ def build_native_kernels(isas: list[str] | None) -> None:
     is measured: the compiler would otherwise run inside the first dabba run's process tree, its
     time and memory counted."""
     for isa in isas or [None]:
-        subprocess.run([sys.executable, "-c", "from dabba import native; native.load_cpu_ops()"], check=True,
+        subprocess.run([sys.executable, "-c", "from dabba.ops import native; native.load_cpu_ops()"], check=True,
                        capture_output=True, env={**os.environ, **(ISA_ENV[isa] if isa else {})})
 
 

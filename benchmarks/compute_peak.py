@@ -10,7 +10,7 @@ total tokens/s any engine can reach. A ratio target against a peer can exceed th
 by the peer's rate; when it does, the target is out of reach on this machine, whatever the kernels.
 
 The probe: every thread PyTorch uses runs independent chains of the running kernel variant's widest
-dot product for ``--seconds`` (dabba/kernel_variants.py picks the flags). On AVX-512 with BF16 that
+dot product for ``--seconds`` (dabba/ops/kernel_variants.py picks the flags). On AVX-512 with BF16 that
 is vdpbf16ps (64 flops per instruction); on AVX2 it is the float32 FMA that bf16 GEMMs widen to
 (16). It is compiled on first use by torch's C++ extension loader. AMX tiles are faster than both,
 so on a CPU with AMX the probe does not bound oneDNN's or dabba's AMX GEMMs: the report then says
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from dabba import kernel_variants
-from dabba.benchmark.offline import OfflineWorkload
-from dabba.models.config import ArchConfig
+from dabba.ops import kernel_variants
+from dabba.tools.bench.offline import OfflineWorkload
+from dabba.arch.config import ArchConfig
 
 PROBE_SOURCE = r"""
 #include <torch/extension.h>

@@ -23,7 +23,7 @@ from typing import Iterator
 
 import httpx
 
-from dabba.benchmark.serve import ServeBenchConfig, run_serve_benchmark
+from dabba.tools.bench.serve import ServeBenchConfig, run_serve_benchmark
 from dabba.config import DEMO_MODEL
 
 WORKLOADS = {"random": dict(input_len=256, output_len=64),

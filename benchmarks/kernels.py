@@ -67,7 +67,7 @@ def agree(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
 
 
 def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> list[dict[str, Any]]:
-    from dabba import native
+    from dabba.ops import native
 
     limits = native.kernel_constants()
     linears = shape.linears()
@@ -120,7 +120,7 @@ def bench_linear(shape: Shape, layers: int, rows: list[int], repeats: int) -> li
 
 
 def bench_int8_prefill(shape: Shape, layers: int, rows: list[int], repeats: int) -> list[dict[str, Any]]:
-    from dabba import native
+    from dabba.ops import native
 
     codes = [[(torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n) / 100).bfloat16())
               for n, k in shape.linears()] for _ in range(layers)]
@@ -187,7 +187,7 @@ def _attention_case(shape: Shape, query_lens: list[int], context_lens: list[int]
 
 def bench_attention(shape: Shape, layers: int, decode_seqs: int, decode_context: int, prompt_lens: list[int],
                     repeats: int) -> dict[str, Any]:
-    from dabba import native
+    from dabba.ops import native
 
     if not native.load_cpu_ops():
         return {"skipped": "native kernels unavailable"}

@@ -139,7 +139,7 @@ def decode_attention_layers(model: str, kv_cache_dtype: str, backend_name: str, 
     from dabba.attention.backend import CommonAttentionMetadata
     from dabba.attention.kv_quant import SCALE_DTYPE, make_kv_quant
     from dabba.attention.selector import get_attention_backend
-    from dabba.models.config import ArchConfig
+    from dabba.arch.config import ArchConfig
 
     arch = ArchConfig.from_hf(model)
     kv_quant = make_kv_quant(kv_cache_dtype, torch.bfloat16)

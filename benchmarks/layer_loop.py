@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from dabba import LLM, SamplingParams
-from dabba.benchmark.offline import OfflineWorkload, make_prompts
+from dabba.tools.bench.offline import OfflineWorkload, make_prompts
 
 _ids = itertools.count()
 

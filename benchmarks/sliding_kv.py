@@ -53,7 +53,7 @@ SHAPES = {
 
 
 def shape_of_model(model_dir: str) -> KVShape:
-    from dabba.models.config import ArchConfig
+    from dabba.arch.config import ArchConfig
 
     arch = ArchConfig.from_hf(model_dir)
     return KVShape(tuple(arch.layer_sliding_window(i) for i in range(arch.num_hidden_layers)),

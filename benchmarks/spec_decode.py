@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from dabba import LLM, SamplingParams
-from dabba.benchmark.offline import OfflineWorkload, make_prompts, spec_decode_stats
+from dabba.tools.bench.offline import OfflineWorkload, make_prompts, spec_decode_stats
 
 
 def workload_prompts(kind: str, num_prompts: int, input_len: int, llm: LLM) -> list[list[int]]:

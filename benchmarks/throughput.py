@@ -77,7 +77,7 @@ class PeakMemory:
 
 def run_dabba(args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
     from dabba import LLM
-    from dabba.benchmark.offline import warm_and_time
+    from dabba.tools.bench.offline import warm_and_time
 
     engine_kwargs = {"dtype": args["dtype"], "max_num_batched_tokens": args["max_num_batched_tokens"]}
     if args["max_num_seqs"]:

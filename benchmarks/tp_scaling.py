@@ -17,7 +17,7 @@ import statistics
 import time
 
 from dabba import LLM, SamplingParams
-from dabba.benchmark.offline import OfflineWorkload, make_prompts, warm_and_time
+from dabba.tools.bench.offline import OfflineWorkload, make_prompts, warm_and_time
 
 WORKLOADS = {"W1": OfflineWorkload(num_prompts=64, input_len=256, output_len=128),
              "W2": OfflineWorkload(num_prompts=1, input_len=128, output_len=256)}

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dabba.benchmark.offline import OfflineWorkload, make_prompts
+from dabba.tools.bench.offline import OfflineWorkload, make_prompts
 from dabba.config import DEMO_MODEL
 from dabba.engine.tokenizer import Tokenizer
 from dabba.entrypoints.cli import main

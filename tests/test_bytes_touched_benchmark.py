@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.bytes_touched import CLEAR_REFS, expected_bytes
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from tools.tiny_checkpoint import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not CLEAR_REFS.exists(), reason="needs Linux's /proc/self/clear_refs")

@@ -17,7 +17,7 @@ from benchmarks.compare_peers import WORKLOADS, ModelRun, kv_tokens, max_model_l
 from benchmarks.peers.bandwidth import BANDWIDTH_TARGET, decode_bytes_per_token
 from benchmarks.peers.targets import TARGETS, Target
 from benchmarks.peers.pss import MIB, PssSampler, process_tree
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QuantConfig
 

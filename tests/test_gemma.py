@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from dabba import LLM, SamplingParams
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from tests.conftest import run_checked, token_prompts
 from tests.test_loading import copy_checkpoint, edit_config
 
@@ -362,7 +362,7 @@ def test_dabba_quantize_gptq_calibrates_gemma_layers(checkpoints, tmp_path) -> N
 def test_plan_counts_the_checkpoint(checkpoints, name) -> None:
     """Weights from ArchConfig alone (four norms a layer, q/k norms, tied or untied head) equal the
     checkpoint's bytes and the engine's; KV per token is 2 L n_kv head_dim p."""
-    from dabba.planner import plan
+    from dabba.tools.plan import plan
 
     path = checkpoints[name].path
     arch = ArchConfig.from_hf(path)
@@ -384,7 +384,7 @@ def test_plan_of_gemma3_1b_by_hand(tmp_path) -> None:
     vocabulary): KV bytes by the formula, and weights equal to transformers' own parameter count."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-    from dabba.planner import plan
+    from dabba.tools.plan import plan
 
     (tmp_path / "config.json").write_text(json.dumps(GEMMA3_1B))
     p = plan(tmp_path, kv_cache_memory=2**30, max_model_len=4096, quantization="none")

@@ -222,8 +222,8 @@ def test_find_cycles_finds_a_function_level_cycle():
 
 def test_import_graph_sees_function_level_and_from_imports():
     graph = import_graph()
-    # `from dabba import native` inside dabba.layers.* is the module dabba.native, not the package
-    assert any("dabba.native" in edges for edges in graph.values())
+    # `from dabba.ops import native` inside dabba.layers.* is the module dabba.ops.native, not the package
+    assert any("dabba.ops.native" in edges for edges in graph.values())
     # the core package imports only within core plus config, sampling_params and errors
     for module in CORE_MODULES:
         assert set(graph[module]) <= set(CORE_MODULES) | {"dabba.config", "dabba.sampling_params", "dabba.errors"}, \
@@ -235,3 +235,67 @@ def test_no_import_cycles_among_dabba_modules():
     cycles = find_cycles(graph)
     report = "\n".join(f"  {' -> '.join(c)}\n    {_describe(c, graph)}" for c in cycles)
     assert not cycles, f"{len(cycles)} import cycle(s) among dabba's modules:\n{report}"
+
+
+# The ladder, bottom to top (../shared/design.md, docs/architecture.md): a module imports only
+# modules of its own rung or of rungs below it. Each rung names modules and packages (a package
+# takes its modules, unless a longer name places one elsewhere).
+LADDER: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("dabba", "dabba.errors", "dabba.logger", "dabba.config", "dabba.sampling_params", "dabba.outputs",
+              "dabba.structured_output", "dabba.structured_output.params")),  # plain data, no torch
+    ("core", ("dabba.core",)),  # the scheduler's bookkeeping and the contracts with the worker
+    ("arch", ("dabba.arch",)),  # a model's architecture, resolved
+    ("ops", ("dabba.ops",)),  # native kernels' bindings, activations
+    ("distributed", ("dabba.distributed",)),  # a rank's place and the collectives
+    ("attention", ("dabba.attention",)),
+    ("quantization", ("dabba.quantization",)),  # linear methods
+    ("layers", ("dabba.layers",)),
+    ("models", ("dabba.models",)),
+    ("worker", ("dabba.worker",)),  # the model runner, sampler, speculative decoding's proposers
+    ("executor", ("dabba.executor",)),  # where a step's ranks run
+    ("grammars", ("dabba.structured_output.grammar", "dabba.structured_output.manager")),  # the core's policies
+    ("engine", ("dabba.engine",)),
+    ("entrypoints", ("dabba.entrypoints",)),  # the server, the LLM class
+    ("tools", ("dabba.tools",)),  # quantize, plan, eval, bench: above what they use
+    ("cli", ("dabba.entrypoints.cli",)),  # the command line dispatches servers and tools alike
+]
+
+
+def rung_of(module: str, ladder: list[tuple[str, tuple[str, ...]]] = LADDER) -> int | None:
+    """The rung of the longest name in the ladder that is the module or a package holding it
+    (the root package only by its own name)."""
+    best, best_len = None, -1
+    for rung, (_, names) in enumerate(ladder):
+        for name in names:
+            holds = module == name or (name != ROOT and module.startswith(name + "."))
+            if holds and len(name) > best_len:
+                best, best_len = rung, len(name)
+    return best
+
+
+def arrows_up(graph: dict[str, dict[str, int]], ladder: list[tuple[str, tuple[str, ...]]] = LADDER) -> list[str]:
+    """Every import that runs up the ladder, as 'importer (rung, line N) -> imported (rung)'."""
+    found = []
+    for module, edges in sorted(graph.items()):
+        low = rung_of(module, ladder)
+        for target, line in sorted(edges.items()):
+            high = rung_of(target, ladder)
+            if low is not None and high is not None and high > low:
+                found.append(f"{module} ({ladder[low][0]}, line {line}) -> {target} ({ladder[high][0]})")
+    return found
+
+
+def test_the_ladder_check_can_fail():
+    ladder = [("low", ("p.a",)), ("high", ("p.b",)), ("top", ("p.b.c",))]
+    graph = {"p.a.x": {"p.b.y": 3}, "p.b.y": {"p.a.x": 1}, "p.b.c": {"p.b.y": 2}}
+    assert rung_of("p.b.c", ladder) == 2 and rung_of("p.b.cc", ladder) == 1 and rung_of("q", ladder) is None
+    assert arrows_up(graph, ladder) == ["p.a.x (low, line 3) -> p.b.y (high)"]
+
+
+def test_every_module_has_a_rung_on_the_ladder():
+    assert [m for m in MODULES if rung_of(m) is None] == []
+
+
+def test_no_import_runs_up_the_ladder():
+    up = arrows_up(import_graph())
+    assert not up, f"{len(up)} import(s) run up the ladder:\n  " + "\n  ".join(up)

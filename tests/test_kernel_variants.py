@@ -1,9 +1,9 @@
-"""Which instruction-set variant of the native kernels a CPU takes (dabba/kernel_variants.py)."""
+"""Which instruction-set variant of the native kernels a CPU takes (dabba/ops/kernel_variants.py)."""
 from __future__ import annotations
 
 import pytest
 
-from dabba import kernel_variants as kv
+from dabba.ops import kernel_variants as kv
 
 SAPPHIRE_RAPIDS = dict.fromkeys(("avx", "avx2", "fma3", "f16c", "bmi", "bmi2", "lzcnt", "avx512_f", "avx512_bw",
                                  "avx512_cd", "avx512_dq", "avx512_vl", "avx512_bf16", "avx512_vnni", "amx_tile"), True)
@@ -70,7 +70,7 @@ def test_kernel_suites_pass_on_every_variant_this_cpu_runs(variant):
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, kv.ISA_ENV: variant}
-    probe = subprocess.run([sys.executable, "-c", "from dabba import native; print(native.loaded_variant())"],
+    probe = subprocess.run([sys.executable, "-c", "from dabba.ops import native; print(native.loaded_variant())"],
                            cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert probe.stdout.strip().splitlines()[-1] == variant, probe.stderr[-3000:]
     run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *KERNEL_SUITES],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from benchmarks import kernels
-from dabba import native
+from dabba.ops import native
 
 
 def test_kernels_benchmark_reports_each_kernel(capsys) -> None:

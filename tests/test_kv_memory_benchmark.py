@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.kv_memory import Trace, compare_decode_speed, make_trace, run_contiguous, run_paged, summarize
 from dabba.config import DEMO_MODEL
-from dabba.native import load_cpu_ops
+from dabba.ops.native import load_cpu_ops
 
 
 def test_contiguous_baseline_by_hand() -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dabba.native import load_cpu_ops
+from dabba.ops.native import load_cpu_ops
 
 
 @pytest.mark.skipif(not load_cpu_ops(), reason="native CPU kernels cannot be built here")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from dabba import LLM
 from dabba.engine.tokenizer import Tokenizer
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from tests.conftest import Checkpoint
 
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dabba import LLM, SamplingParams
-from dabba.layers.moe import Expert, moe_forward, route
-from dabba.models.config import ArchConfig, MoEConfig
+from dabba.layers.fused_moe import Expert, moe_forward, route
+from dabba.arch.config import ArchConfig, MoEConfig
 from tests.conftest import NUM_NEW_TOKENS, hf_greedy, token_prompts
 
 
@@ -182,7 +182,7 @@ def test_load_time_quantization_quantizes_every_expert(checkpoints, method) -> N
 
 
 def test_awq_of_a_moe_model_is_refused(checkpoints, tmp_path) -> None:
-    from dabba.quantization.quantize_model import QuantizeOptions, quantize_checkpoint
+    from dabba.tools.quantize import QuantizeOptions, quantize_checkpoint
 
     with pytest.raises(ValueError, match="AWQ knows the dense Llama block, not MixtralForCausalLM's experts"):
         quantize_checkpoint(checkpoints["mixtral"].path, tmp_path / "q", "x " * 1000,

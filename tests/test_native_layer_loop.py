@@ -12,7 +12,7 @@ import logging
 import pytest
 
 from dabba import LLM, SamplingParams
-from dabba.native import load_cpu_ops
+from dabba.ops.native import load_cpu_ops
 from tests.conftest import token_prompts
 
 pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="native CPU kernels cannot be built here")

@@ -27,7 +27,7 @@ def test_greedy_matches_transformers(checkpoint: Checkpoint, backend: str) -> No
 
 def test_greedy_in_plain_pytorch(checkpoint: Checkpoint, monkeypatch) -> None:
     """Where the native kernels cannot be built, every layer falls back to plain PyTorch."""
-    from dabba import native
+    from dabba.ops import native
 
     monkeypatch.setattr(native, "load_cpu_ops", lambda: False)
     llm = LLM(str(checkpoint.path), dtype="float32")
@@ -74,7 +74,7 @@ def test_greedy_with_chunked_prefill(checkpoint: Checkpoint, prefix_caching: boo
 
 def _bytes_per_block(path) -> int:
     from dabba.attention.kv_quant import kv_bytes_per_token
-    from dabba.models.config import ArchConfig
+    from dabba.arch.config import ArchConfig
 
     arch = ArchConfig.from_hf(path)  # float32, block_size 16
     return 16 * kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, "auto", torch.float32)
@@ -100,7 +100,7 @@ def test_the_mistral_reference_attends_within_its_sliding_window(checkpoints) ->
     an engine that attended the whole context."""
     from transformers import AutoModelForCausalLM
 
-    from dabba.models.config import ArchConfig
+    from dabba.arch.config import ArchConfig
     from tests.conftest import hf_greedy
 
     ckpt = checkpoints["mistral"]

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from dabba import LLM, SamplingParams
 from dabba.layers.rotary import RotaryEmbedding
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from tests.conftest import token_prompts
 from tests.test_loading import copy_checkpoint, edit_config
 
@@ -179,7 +179,7 @@ def test_dabba_quantize_replaces_the_fused_tensors(checkpoints, tmp_path) -> Non
 
 def test_plan_counts_the_checkpoint(checkpoints) -> None:
     """`dabba plan` counts Phi-3's weights from ArchConfig alone: the checkpoint's bytes, as loaded."""
-    from dabba.planner import plan
+    from dabba.tools.plan import plan
 
     path = checkpoints["phi3"].path
     row, = plan(path, 2**22, quantization="none", kv_cache_dtype="auto", dtype="float32").rows

@@ -8,7 +8,7 @@ import pytest
 from dabba import LLM
 from dabba.config import DEMO_MODEL
 from dabba.entrypoints.cli import main
-from dabba.planner import plan
+from dabba.tools.plan import plan
 
 SMOLLM = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
           "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,

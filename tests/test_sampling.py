@@ -8,8 +8,9 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from dabba import LLM, SamplingParams, native
-from dabba.worker.input_batch import CachedRequestState
+from dabba import LLM, SamplingParams
+from dabba.ops import native
+from dabba.worker.request_states import CachedRequestState
 from dabba.worker.sampler import Sampler, apply_min_p, argmax_rows, apply_penalties, apply_top_k, apply_top_p
 from dabba.worker.sampling_metadata import build_sampling_metadata
 from tests.conftest import run_checked, token_prompts

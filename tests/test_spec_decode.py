@@ -11,7 +11,7 @@ import pytest
 
 from dabba import LLM, SamplingParams
 from dabba.config import SpeculativeConfig
-from dabba.spec_decode.ngram import NgramProposer, PackedTokens
+from dabba.worker.spec_decode.ngram import NgramProposer, PackedTokens
 from dabba.worker.model_runner import accepted_tokens
 from tests.conftest import run_checked, token_prompts
 
@@ -196,7 +196,7 @@ def test_structured_outputs_requests_do_not_speculate(checkpoints) -> None:
 
 
 def test_proposals_pause_after_drafts_keep_failing() -> None:
-    from dabba.worker.input_batch import SPEC_MAX_PAUSE, CachedRequestState
+    from dabba.worker.request_states import SPEC_MAX_PAUSE, CachedRequestState
 
     state = CachedRequestState("r", [1, 2], SamplingParams(), 0, 2)
     pauses = []

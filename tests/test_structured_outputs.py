@@ -302,7 +302,7 @@ def test_byte_fallback_tokenizer_end_to_end(tmp_path) -> None:
 @pytest.mark.parametrize("num_rows, vocab, rows", [(32, 49152, list(range(32))), (5, 1000, [4, 0, 2]), (3, 33, [1]),
                                                    (2, 64, [])])
 def test_bitmask_kernel_equals_the_reference(num_rows, vocab, rows) -> None:
-    from dabba.native import load_cpu_ops
+    from dabba.ops.native import load_cpu_ops
     from dabba.worker.sampler import apply_grammar_bitmask, apply_grammar_bitmask_reference
 
     if not load_cpu_ops():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 
 BANDWIDTH_TARGET = 0.85  # W2 decode GB/s over the read bandwidth membw measures
 DABBA_QUANT = {"bf16": None, "int8": "int8", "int4": "int4"}  # dabba's load-time quantization per variant

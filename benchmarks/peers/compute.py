@@ -6,7 +6,7 @@ from typing import Any
 
 from benchmarks.compute_peak import ceiling
 from benchmarks.peers.workloads import WORKLOADS
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 
 
 def compute_report(model_dir: str, medians: dict[str, dict[str, dict[str, float]]],

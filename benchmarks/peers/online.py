@@ -33,7 +33,7 @@ def wait_until_serving(base_url: str, proc: subprocess.Popen, timeout: float = 6
 
 def run_online(engine: str, args: argparse.Namespace, model: str, port: int) -> dict[str, Any]:
     """Start one server, drive it with `dabba bench serve`'s client, stop it."""
-    from dabba.benchmark.serve import ServeBenchConfig, run_serve_benchmark
+    from dabba.tools.bench.serve import ServeBenchConfig, run_serve_benchmark
 
     env: dict[str, str] = {}
     if engine == "dabba":

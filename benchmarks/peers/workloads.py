@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dabba.benchmark.offline import OfflineWorkload
+from dabba.tools.bench.offline import OfflineWorkload
 
 @dataclass(frozen=True)
 class Workload:

@@ -7,7 +7,7 @@ from dabba.attention.backend import AttentionBackend
 from dabba.attention.cpu import CpuBackend
 from dabba.attention.kv_quant import KVQuant
 from dabba.attention.torch_ref import TorchRefBackend
-from dabba import native
+from dabba.ops import native
 
 BACKENDS = ("auto", "torch_ref", "cpu")
 

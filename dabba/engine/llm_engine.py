@@ -25,8 +25,8 @@ from dabba.engine.output_processor import IterationStats, OutputProcessor
 from dabba.engine.processor import EngineRequest, Processor, PromptType
 from dabba.engine.tokenizer import Tokenizer
 from dabba.errors import InvalidRequest
-from dabba.models.config import ArchConfig
-from dabba.models.files import read_json_object
+from dabba.arch.config import ArchConfig
+from dabba.arch.files import read_json_object
 from dabba.models.hub import TOKENIZER_FILES, resolve_model_dir
 from dabba.outputs import RequestOutput
 from dabba.quantization.config import QuantConfig

@@ -11,7 +11,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
-from dabba.models.files import read_json_object
+from dabba.arch.files import read_json_object
 
 
 def _token_content(value: Any) -> str | None:

@@ -162,7 +162,7 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dabba import LLM
-    from dabba.evaluation import perplexity
+    from dabba.tools.evaluation import perplexity
 
     llm = LLM(args.model, **engine_kwargs(args))
     result = perplexity(llm, Path(args.data).read_text(), args.max_length, args.stride)
@@ -174,7 +174,7 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
 def cmd_eval_kl_divergence(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dabba.evaluation import kl_divergence
+    from dabba.tools.evaluation import kl_divergence
 
     result = kl_divergence(args.model, args.reference, Path(args.data).read_text(), args.quantization, args.dtype,
                            args.max_length, args.max_windows)
@@ -184,7 +184,7 @@ def cmd_eval_kl_divergence(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from dabba.planner import plan
+    from dabba.tools.plan import plan
 
     kv_memory = None if args.memory is not None and args.kv_cache_memory is None else (args.kv_cache_memory or 4 * 2**30)
     result = plan(args.model, kv_memory, args.max_model_len, args.quantization, args.kv_cache_dtype, args.dtype,
@@ -204,14 +204,14 @@ def _print_result(result: dict, json_out: str | None) -> None:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from dabba.benchmark.offline import bench_throughput, workload_from_args
+    from dabba.tools.bench.offline import bench_throughput, workload_from_args
 
     _print_result(bench_throughput(args.model, workload_from_args(args), **engine_kwargs(args)), args.json_out)
     return 0
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
-    from dabba.benchmark.offline import bench_latency, workload_from_args
+    from dabba.tools.bench.offline import bench_latency, workload_from_args
 
     result = bench_latency(args.model, workload_from_args(args), args.batch_size, args.num_iters_warmup,
                            args.num_iters, **engine_kwargs(args))
@@ -222,8 +222,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from dabba.benchmark.serve import run_serve_benchmark, serve_config_from_args
-    from dabba.benchmark.serve_report import format_serve_result, save_serve_outputs
+    from dabba.tools.bench.serve import run_serve_benchmark, serve_config_from_args
+    from dabba.tools.bench.serve_report import format_serve_result, save_serve_outputs
 
     result = asyncio.run(run_serve_benchmark(serve_config_from_args(args)))
     save_serve_outputs(result, args.json_out, args.chart)
@@ -236,7 +236,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dabba.models.hub import resolve_model_dir
-    from dabba.quantization.quantize_model import QuantizeOptions, quantize_checkpoint
+    from dabba.tools.quantize import QuantizeOptions, quantize_checkpoint
 
     model_dir = resolve_model_dir(args.model, args.revision, args.download_dir)
     calibration = args.calibration or str(model_dir / "calibration.txt")
@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--download-dir", default=None,
                     help="where Hub downloads go (default: the Hugging Face cache); a plan fetches config.json only")
 
-    from dabba.benchmark.offline import add_workload_args
+    from dabba.tools.bench.offline import add_workload_args
 
     bench = sub.add_parser("bench", help="benchmarks; print JSON").add_subparsers(dest="benchmark", required=True)
     tp = _model_command(bench, "throughput", "offline throughput: all requests at once through the engine",
@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--num-iters", type=int, default=5, help="timed iterations (default: 5)")
     for cmd in (tp, lat):
         add_engine_args(cmd)
-    from dabba.benchmark.serve import add_serve_args
+    from dabba.tools.bench.serve import add_serve_args
 
     bs = bench.add_parser("serve", parents=[_common_flags()], help="online: Poisson arrivals against any OpenAI-compatible server (dabba's "
                           "or vllm serve); TTFT, TPOT, ITL, end-to-end latency, goodput")

@@ -2,7 +2,7 @@
 pipe each: the engine sends every rank the same call and waits for the answers, or for a rank's
 death (its end of the pipe closes), whichever comes first.
 
-A rank is a fresh interpreter running ``python -m dabba.executor.worker`` with its end of the pipe
+A rank is a fresh interpreter running ``python -m dabba.executor.rank`` with its end of the pipe
 inherited, not a multiprocessing child: those re-import the parent's main script, which runs the
 script's own LLM(...) again wherever it lacks an ``if __name__ == "__main__"`` guard."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from dabba.distributed.shm_communicator import create_segment
 from dabba.executor.base import RemoteExecutor, WorkerDiedError, split_cores
-from dabba.executor.worker import RankPlace
+from dabba.executor.rank import RankPlace
 from dabba.worker.model_runner import RunnerArgs
 
 
@@ -35,7 +35,7 @@ class MultiprocExecutor(RemoteExecutor):
         self.procs: list[subprocess.Popen] = []
         for rank in range(size):
             parent, child = multiprocessing.Pipe()
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "dabba.executor.worker", str(child.fileno())],
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "dabba.executor.rank", str(child.fileno())],
                                                pass_fds=[child.fileno()], env=env))
             child.close()
             parent.send((args, RankPlace(rank, size, init_method, cores[rank], replica * size + rank, self.shm_path)))

@@ -12,7 +12,7 @@ from typing import Any
 
 from dabba.distributed.shm_communicator import create_segment
 from dabba.executor.base import RemoteExecutor, WorkerDiedError, split_cores
-from dabba.executor.worker import RankPlace, Worker
+from dabba.executor.rank import RankPlace, Worker
 from dabba.worker.model_runner import RunnerArgs
 
 _JOINING = threading.Lock()  # data-parallel replicas start side by side: one of them joins the cluster

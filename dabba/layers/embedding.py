@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dabba import native
+from dabba.ops import native
 from dabba.distributed.tensor_parallel import TensorParallel, current_tensor_parallel
 from dabba.quantization.base import LinearMethod
 from dabba.quantization.rtn import Int8RTNMethod

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dabba import native
+from dabba.ops import native
 
 
 class RMSNorm(nn.Module):

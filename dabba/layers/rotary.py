@@ -8,8 +8,8 @@ import math
 import torch
 from torch import nn
 
-from dabba.models.config import RopeScaling
-from dabba import native
+from dabba.arch.config import RopeScaling
+from dabba.ops import native
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, max_position: int = 0) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 from dabba.layers.embedding import VocabEmbedding
 from dabba.layers.layernorm import GemmaRMSNorm
 from dabba.layers.rotary import LayerTypeRotary
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from dabba.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from dabba.quantization.config import QuantConfig
 

@@ -18,7 +18,7 @@ from dabba.layers.embedding import LMHead, VocabEmbedding
 from dabba.layers.layernorm import RMSNorm
 from dabba.layers.linear import Linear
 from dabba.layers.rotary import RotaryEmbedding, apply_rotary
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from dabba.quantization.config import QuantConfig
 
 # checkpoint name fragment -> (merged parameter fragment, shard id)

@@ -20,8 +20,8 @@ from torch import nn
 from dabba.distributed.tensor_parallel import SINGLE, TensorParallel, building_for
 from dabba.layers.embedding import LMHead
 from dabba.layers.rotary import describe_longrope
-from dabba.models.config import ArchConfig
-from dabba.models.files import read_json_object
+from dabba.arch.config import ArchConfig
+from dabba.arch.files import read_json_object
 from dabba.models.registry import get_model_class
 from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.config import QuantConfig

@@ -1,6 +1,6 @@
 """Mixture-of-experts families: Mixtral (8 experts, top-2), Qwen3-MoE (many experts, per-head q/k
 norms, optional dense layers) and OLMoE (q/k norms over the whole projection, 64 experts, top-8).
-Each is the Llama block with its MLP replaced by dabba.layers.moe.FusedMoE where the config routes.
+Each is the Llama block with its MLP replaced by dabba.layers.fused_moe.FusedMoE where the config routes.
 
 Checkpoint names: Mixtral's ``block_sparse_moe`` is dabba's ``mlp`` and its experts' ``w1``/``w3``/
 ``w2`` are ``gate_proj``/``up_proj``/``down_proj``, which then merge as the dense MLP's do. A
@@ -18,8 +18,8 @@ from torch import nn
 
 from dabba.distributed.tensor_parallel import current_tensor_parallel
 from dabba.layers.layernorm import RMSNorm
-from dabba.layers.moe import FusedMoE
-from dabba.models.config import ArchConfig
+from dabba.layers.fused_moe import FusedMoE
+from dabba.arch.config import ArchConfig
 from dabba.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, checkpoint_target
 from dabba.models.qwen3 import Qwen3Attention
 from dabba.quantization.config import QuantConfig

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from dabba import native
+from dabba.ops import native
 from dabba.attention.cpu import CpuMetadata
 from dabba.attention.kv_quant import KVQuant
 from dabba.distributed.tensor_parallel import SINGLE, TensorParallel
-from dabba.layers.moe import FusedMoE
+from dabba.layers.fused_moe import FusedMoE
 
 
 def missing_native_form(model: Any) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from dabba.layers.layernorm import RMSNorm
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from dabba.quantization.config import QuantConfig
 from dabba.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 

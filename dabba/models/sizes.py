@@ -7,8 +7,8 @@ import torch
 from dabba.distributed.tensor_parallel import TensorParallel, building_for
 from dabba.layers.embedding import LMHead
 from dabba.layers.linear import Linear
-from dabba.layers.moe import Expert
-from dabba.models.config import ArchConfig
+from dabba.layers.fused_moe import Expert
+from dabba.arch.config import ArchConfig
 from dabba.models.registry import get_model_class
 from dabba.quantization.config import QuantConfig
 

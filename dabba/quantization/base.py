@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dabba import native
-from dabba.layers.activation import act_and_mul
+from dabba.ops import native
+from dabba.ops.activation import act_and_mul
 
 class LinearMethod:
     def create_weights(self, layer: nn.Module) -> None:

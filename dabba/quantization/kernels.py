@@ -31,7 +31,7 @@ def int4_bytes(out: int, k: int, group_size: int, dtype: torch.dtype, device_typ
 def int4_matmul_cpu(layer: nn.Module, x: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
     """dabba's INT4 GEMV for decode's few rows (csrc/int4_gemv_cpu.cpp reads this layout at close to
     memory bandwidth), tinygemm beyond; tinygemm alone without the native kernels."""
-    from dabba.native import load_cpu_ops
+    from dabba.ops.native import load_cpu_ops
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])

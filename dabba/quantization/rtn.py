@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dabba import native
+from dabba.ops import native
 from dabba.quantization.base import LinearMethod, NativeLinearSpec
 from dabba.quantization.kernels import int4_bytes, int4_matmul_cpu, int4_native_spec, register_int4_for_cpu
 

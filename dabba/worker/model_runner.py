@@ -3,8 +3,8 @@
 prepare inputs -> forward (under forward_context) -> logits of sampling rows -> sample -> verify
 drafts -> propose the next drafts.
 
-Speculative decoding (n-gram proposals, spec_decode/ngram.py, or a draft model,
-spec_decode/draft_model.py): a request's drafts run in the same forward as its next token, each
+Speculative decoding (n-gram proposals, worker/spec_decode/ngram.py, or a draft model,
+worker/spec_decode/draft_model.py): a request's drafts run in the same forward as its next token, each
 position giving a logits row. Row j is sampled as a plain run would sample the request's next
 token had the drafts before it been its output (penalties, min_tokens and a seeded request's noise
 all see them), so accepting drafts while each equals the token sampled before it, and then taking
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dabba import native
+from dabba.ops import native
 from dabba.attention.kv_quant import kv_bytes_per_token, make_kv_quant
 from dabba.attention.selector import get_attention_backend
 from dabba.config import CacheConfig, SpeculativeConfig
@@ -35,13 +35,14 @@ from dabba.core.kv_cache_groups import KVCacheGroup, group_layers, group_size, l
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from dabba.core.spec_budget import RowBlocks
 from dabba.distributed.tensor_parallel import SINGLE, KVHeadShard, TensorParallel
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from dabba.models.loader import load_model
 from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QuantConfig
-from dabba.spec_decode.draft_model import DraftModel
-from dabba.spec_decode.ngram import NgramProposer
-from dabba.worker.input_batch import CachedRequestState, ModelInputs, RequestStates
+from dabba.worker.spec_decode.draft_model import DraftModel
+from dabba.worker.spec_decode.ngram import NgramProposer
+from dabba.worker.model_inputs import ModelInputs
+from dabba.worker.request_states import CachedRequestState, RequestStates
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.memory import check_fits, default_kv_cache_memory, keep_freed_host_memory, kv_cache_tensors
 from dabba.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask

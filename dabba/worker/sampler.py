@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dabba.native import use_cpu_kernels
+from dabba.ops.native import use_cpu_kernels
 
 _MASK64 = (1 << 63) - 1
 

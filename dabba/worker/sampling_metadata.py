@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from dabba.worker.input_batch import CachedRequestState
+from dabba.worker.request_states import CachedRequestState
 from dabba.worker.sampler import SamplingMetadata
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dabba import native
+from dabba.ops import native
 from dabba.attention.cpu import CpuBackend
 from tests.attention.test_backends import make_step
 

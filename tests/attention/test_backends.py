@@ -10,7 +10,7 @@ import torch
 from dabba.attention.backend import CommonAttentionMetadata
 from dabba.attention.cpu import CpuBackend
 from dabba.attention.torch_ref import TorchRefBackend, window_mask
-from dabba.native import load_cpu_ops
+from dabba.ops.native import load_cpu_ops
 
 pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="native CPU kernel cannot be built here")
 

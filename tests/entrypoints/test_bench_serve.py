@@ -1,4 +1,4 @@
-"""`dabba.benchmark.serve` against the real server on a loopback port. No performance figure is asserted."""
+"""`dabba.tools.bench.serve` against the real server on a loopback port. No performance figure is asserted."""
 from __future__ import annotations
 
 import argparse
@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from dabba.benchmark.serve import (ServeBenchConfig, add_serve_args, build_prompts,
+from dabba.tools.bench.serve import (ServeBenchConfig, add_serve_args, build_prompts,
                                    poisson_arrival_times, run_serve_benchmark, serve_config_from_args)
-from dabba.benchmark.serve_report import plot_serve
+from dabba.tools.bench.serve_report import plot_serve
 
 from tests.entrypoints.live_server import free_port, live_server
 

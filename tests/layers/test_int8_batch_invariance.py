@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dabba import native
+from dabba.ops import native
 
 pytestmark = pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels cannot be built here")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dabba import native
+from dabba.ops import native
 
 pytestmark = pytest.mark.skipif(not native.gemv_available(), reason="no AVX512-BF16 or AVX2 GEMV here")
 needs_gemm = pytest.mark.skipif(not native.gemm_available(), reason="no AVX512-BF16 GEMM here")
@@ -161,7 +161,7 @@ def test_gated_mlp_fused_into_the_gemm_is_bit_identical(rows, d, in_features, bi
     projection followed by the elementwise kernel gives where the projection takes the GEMM too (on
     AMX tiles the fused GEMM takes any row count, and the plain projection F.linear past
     gemm_max_rows)."""
-    from dabba.layers.activation import act_and_mul
+    from dabba.ops.activation import act_and_mul
 
     torch.manual_seed(rows + d)
     x = torch.randn(rows, in_features).bfloat16()

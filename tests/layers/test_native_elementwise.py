@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dabba.layers.rotary import _rotate_half
-from dabba.native import load_cpu_ops
+from dabba.ops.native import load_cpu_ops
 
 pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="native CPU kernels cannot be built here")
 ops = torch.ops.dabba_cpu if load_cpu_ops() else None
@@ -57,8 +57,8 @@ def test_silu_and_mul(dtype) -> None:
 def test_gelu_tanh_and_mul(dtype) -> None:
     """GeGLU (Gemma's gelu_pytorch_tanh): the kernel's x * sigmoid(2y) form against PyTorch's
     gelu(approximate="tanh"), and act_and_mul's dispatch to both."""
-    from dabba import native
-    from dabba.layers.activation import act_and_mul
+    from dabba.ops import native
+    from dabba.ops.activation import act_and_mul
 
     torch.manual_seed(0)
     x = torch.randn(19, 2 * 80, dtype=dtype) * 4

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dabba import native
+from dabba.ops import native
 
 pytestmark = pytest.mark.skipif(not native.int8_gemv_available(), reason="no AVX-512 VNNI or AVX2 GEMV here")
 needs_gemm = pytest.mark.skipif(not native.gemm_available(), reason="no AVX512-BF16 GEMM here")

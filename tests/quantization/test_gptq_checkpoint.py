@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dabba import LLM, SamplingParams
-from dabba.native import load_cpu_ops
+from dabba.ops.native import load_cpu_ops
 from dabba.quantization.formats import gptq_pack
 from dabba.quantization.gptq import gptq_quantize
 from tests.conftest import token_prompts

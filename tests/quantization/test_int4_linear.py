@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dabba import native
+from dabba.ops import native
 
 
 def packed_weight(n: int, k: int, group_size: int, dtype: torch.dtype, seed: int):

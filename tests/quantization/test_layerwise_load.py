@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from dabba import LLM
 from dabba.layers.embedding import LMHead
 from dabba.models import loader
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from dabba.models.llama import checkpoint_target
 from dabba.models.registry import get_model_class
 from dabba.quantization.base import UnquantizedLinearMethod

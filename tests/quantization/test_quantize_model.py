@@ -9,7 +9,7 @@ import pytest
 from dabba import LLM, SamplingParams
 from dabba.config import DEMO_MODEL
 from dabba.entrypoints.cli import main
-from dabba.evaluation import perplexity
+from dabba.tools.evaluation import perplexity
 
 
 def test_tiny_checkpoint_round_trip(checkpoints, tmp_path, capsys) -> None:
@@ -38,7 +38,7 @@ def test_gptq_is_closer_to_full_precision_than_rtn_on_the_demo_model(demo_quanti
 def test_quantize_refuses_a_quantized_checkpoint(tmp_path) -> None:
     main(["quantize", DEMO_MODEL, str(tmp_path / "q"), "--method", "rtn", "--num-samples", "4"])
     with pytest.raises(ValueError, match="already quantized"):
-        from dabba.quantization.quantize_model import QuantizeOptions, quantize_checkpoint
+        from dabba.tools.quantize import QuantizeOptions, quantize_checkpoint
 
         quantize_checkpoint(tmp_path / "q", tmp_path / "qq", "x " * 1000, QuantizeOptions())
 

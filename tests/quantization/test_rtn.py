@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dabba import LLM, SamplingParams
 from dabba.config import DEMO_MODEL
 from dabba.entrypoints.cli import main
-from dabba.evaluation import perplexity
+from dabba.tools.evaluation import perplexity
 from dabba.layers.linear import Linear
 from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QuantConfig

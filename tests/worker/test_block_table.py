@@ -10,7 +10,7 @@ import torch
 from dabba.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from dabba.sampling_params import SamplingParams
 from dabba.worker.block_table import BlockTables
-from dabba.worker.input_batch import RequestStates
+from dabba.worker.request_states import RequestStates
 
 
 def rebuilt(tables: dict[str, list[list[int]]], request_ids: list[str], group: int) -> np.ndarray:

@@ -338,7 +338,7 @@ def evaluate_served(model_dir: Path, texts: dict[str, str]) -> tuple[dict, list[
     """The saved model as dabba serves it: perplexity and bits per byte on each text (bits per
     byte compare models whose tokenizers differ), and greedy answers to SAMPLE_QUESTIONS."""
     from dabba import LLM, SamplingParams
-    from dabba.evaluation import perplexity
+    from dabba.tools.evaluation import perplexity
 
     llm = LLM(str(model_dir))
     report = {}

@@ -5,7 +5,7 @@ One source tree, compiled once per variant with that variant's flags: a build ma
 and run on another that lacks its instructions dies with SIGILL, which nothing can catch, so
 the choice is made here, from what the CPU reports, before any kernel is loaded. setup.py builds
 every variant of the build machine's architecture into the wheel; an editable install builds the
-chosen one on first use, into a cache named after it (dabba/native.py). Plain data and no torch
+chosen one on first use, into a cache named after it (dabba/ops/native.py). Plain data and no torch
 import at module level: setup.py reads this file before torch's extension builder runs.
 """
 from __future__ import annotations

@@ -32,11 +32,12 @@ import torch
 
 from dabba.attention.kv_quant import kv_bytes_per_token
 from dabba.core.outputs import SchedulerOutput
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from dabba.models.loader import load_model
 from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QUANTIZATION_METHODS, QuantConfig
-from dabba.worker.input_batch import CachedRequestState, FlatBatch, RequestStates
+from dabba.worker.model_inputs import FlatBatch
+from dabba.worker.request_states import CachedRequestState, RequestStates
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.memory import check_fits, kv_cache_tensors
 from dabba.worker.sampler import DRAFT_STREAM, SamplingMetadata, argmax_rows, race, row_noise, warp

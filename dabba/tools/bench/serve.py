@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from dabba.benchmark.offline import FIRST_TOKEN_ID, OfflineWorkload, make_prompts
+from dabba.tools.bench.offline import FIRST_TOKEN_ID, OfflineWorkload, make_prompts
 
 DEFAULT_VOCAB_SIZE = 4096
 CHARS_PER_TOKEN = 4

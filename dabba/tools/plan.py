@@ -19,7 +19,7 @@ from dabba.config import SchedulerConfig
 from dabba.core.kv_cache_groups import group_layers, group_size
 from dabba.distributed.tensor_parallel import KVHeadShard, check_split
 from dabba.engine.llm_engine import resolve_dtype, resolve_max_model_len
-from dabba.models.config import ArchConfig
+from dabba.arch.config import ArchConfig
 from dabba.models.hub import CONFIG_FILES, resolve_model_dir
 from dabba.models.sizes import parameter_counts, weights_bytes
 from dabba.quantization.config import QuantConfig

@@ -122,7 +122,7 @@ def _portable(e: BaseException) -> BaseException:
 
 
 
-if __name__ == "__main__":  # python -m dabba.executor.worker FD: multiproc.py starts it so
+if __name__ == "__main__":  # python -m dabba.executor.rank FD: multiproc.py starts it so
     import sys
 
     worker_main(Connection(int(sys.argv[1])))

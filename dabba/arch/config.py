@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dabba.models.files import read_json_object
+from dabba.arch.files import read_json_object
 
 SUPPORTED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "OlmoeForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
@@ -23,7 +23,7 @@ REFUSED_ARCHITECTURES = {
                                       "(model_type gemma3_text, e.g. google/gemma-3-1b-it) is",
 }
 # The gated MLP's activation, by config value: SwiGLU (Llama's "silu") or GeGLU with gelu's tanh
-# approximation (Gemma's "gelu_pytorch_tanh"). dabba.layers.activation.act_and_mul computes them.
+# approximation (Gemma's "gelu_pytorch_tanh"). dabba.ops.activation.act_and_mul computes them.
 MLP_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # transformers' Phi3Config reads these as longrope ("su": Phi-3's first long-context configs)
@@ -47,7 +47,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """A mixture-of-experts MLP's shape and routing (dabba.layers.moe)."""
+    """A mixture-of-experts MLP's shape and routing (dabba.layers.fused_moe)."""
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's

@@ -1,6 +1,6 @@
 """dabba's native CPU kernels (dabba/csrc/*.cpp), as ``torch.ops.dabba_cpu.*``.
 
-They come in instruction-set variants (dabba/kernel_variants.py), and the running CPU's is loaded:
+They come in instruction-set variants (dabba/ops/kernel_variants.py), and the running CPU's is loaded:
 from the installed package where setup.py built it (a wheel needs no compiler), else compiled on
 first use by torch's C++ extension loader (g++ and ninja, about 30-40 s, once per machine, variant
 and source version; an editable install works this way). Where neither is possible (no compiler,
@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dabba import kernel_variants
+from dabba.ops import kernel_variants
 
 logger = logging.getLogger("dabba")
 
-CSRC = Path(__file__).resolve().parent / "csrc"
-PREBUILT = Path(__file__).resolve().parent / "_kernels"  # setup.py's libraries, one per variant
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # dabba/
+CSRC = PACKAGE_DIR / "csrc"
+PREBUILT = PACKAGE_DIR / "_kernels"  # setup.py's libraries, one per variant
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dabba import native
+from dabba.ops import native
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # ArchConfig.mlp_activation's values
 

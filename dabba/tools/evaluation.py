@@ -91,7 +91,7 @@ def kl_divergence(model: str, reference: str, text: str, quantization: str | Non
     from dabba.attention.dense import DenseCausalBackend
     from dabba.engine.llm_engine import resolve_dtype
     from dabba.engine.tokenizer import Tokenizer
-    from dabba.models.config import ArchConfig
+    from dabba.arch.config import ArchConfig
     from dabba.models.loader import load_model
     from dabba.quantization.config import QuantConfig
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from dabba.distributed.tensor_parallel import current_tensor_parallel
 from dabba.layers.linear import Linear
-from dabba.models.config import MoEConfig
+from dabba.arch.config import MoEConfig
 from dabba.quantization.config import QuantConfig
 
 
