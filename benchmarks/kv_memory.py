@@ -187,7 +187,7 @@ def engine_decode_steps(model: str, kv_cache_dtype: str, backend_name: str, seqs
     engine = llm.llm_engine
     rng = random.Random(seed)
     for i in range(seqs):
-        prompt = [rng.randrange(3, engine.arch.vocab_size) for _ in range(context)]
+        prompt = [rng.randrange(3, engine.model_info.vocab_size) for _ in range(context)]
         engine.add_request(str(i), {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
     started: set[str] = set()

@@ -54,7 +54,7 @@ def workload_prompts(kind: str, num_prompts: int, input_len: int, llm: LLM) -> l
         ids = llm.get_tokenizer().encode(path.read_text())
         stride = (len(ids) - input_len) // max(num_prompts, 1)
         return [ids[i * stride:i * stride + input_len] for i in range(num_prompts)]
-    prompts = make_prompts(OfflineWorkload(num_prompts, input_len, 1), llm.llm_engine.arch.vocab_size)
+    prompts = make_prompts(OfflineWorkload(num_prompts, input_len, 1), llm.llm_engine.model_info.vocab_size)
     if kind == "grounded":
         return [p + p[: len(p) // 2] for p in prompts]
     return prompts

@@ -37,7 +37,7 @@ def w2_decode_rate(llm: LLM, prompt: list[int], output_len: int) -> float:
 
 def measure(llm: LLM, workload: str) -> float:
     w = WORKLOADS[workload]
-    prompts = make_prompts(w, llm.llm_engine.arch.vocab_size)
+    prompts = make_prompts(w, llm.llm_engine.model_info.vocab_size)
     if workload == "W2":
         warm_and_time(llm, prompts, 8)
         return w2_decode_rate(llm, prompts[0], w.output_len)

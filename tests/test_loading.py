@@ -31,7 +31,7 @@ def test_sharded_checkpoint_loads(checkpoints) -> None:
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1, "fixture should be sharded"
     llm = LLM(str(path), dtype="float32")
-    assert llm.llm_engine.arch.architecture == "MistralForCausalLM"
+    assert llm.llm_engine.resolved.arch.architecture == "MistralForCausalLM"
 
 
 def test_refuses_pickled_weights(checkpoints, tmp_path) -> None:

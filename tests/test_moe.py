@@ -178,7 +178,8 @@ def test_load_time_quantization_quantizes_every_expert(checkpoints, method) -> N
     # would be 1 in 1024
     same_first = sum(o.outputs[0].token_ids[0] == ref[0] for o, ref in zip(outs, ckpt.reference))
     assert same_first >= (6 if method == "int8" else 2), f"{same_first} of 8 first tokens are the float32 model's"
-    assert weights_bytes(llm.llm_engine.arch, torch.bfloat16, QuantConfig(method), "cpu") == runner.weight_bytes
+    arch = llm.llm_engine.resolved.arch
+    assert weights_bytes(arch, torch.bfloat16, QuantConfig(method), "cpu") == runner.weight_bytes
 
 
 def test_awq_of_a_moe_model_is_refused(checkpoints, tmp_path) -> None:

@@ -133,7 +133,7 @@ def test_greedy_equals_transformers_under_the_same_mask(llm, checkpoints) -> Non
     outs = run_checked(llm, [{"prompt_token_ids": p} for p in prompts], params)
     for prompt, case, out in zip(prompts, cases, outs):
         expected = hf_constrained_greedy(ckpt.path, prompt, case, json.loads(tok.to_str()),
-                                         tok.get_vocab(with_added_tokens=True), engine.arch.vocab_size,
+                                         tok.get_vocab(with_added_tokens=True), engine.model_info.vocab_size,
                                          sorted(engine.model_info.eos_token_ids), 120)
         assert out.outputs[0].token_ids == expected
 

@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-from dabba.config import EngineConfig
 from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from dabba.core.request import BlockHash, RequestStatus
@@ -18,8 +17,9 @@ from dabba.engine.processor import EngineRequest
 from dabba.engine.tokenizer import Tokenizer
 from dabba.executor.selector import make_executor
 from dabba.executor.uniproc import UniProcExecutor
+from dabba.models.resolved_config import ResolvedConfig
 from dabba.structured_output.manager import StructuredOutputManager
-from dabba.worker.model_runner import ModelRunner, RunnerArgs
+from dabba.worker.model_runner import ModelRunner
 
 GRAMMAR_WAIT_S = 0.01  # a step with nothing to run but grammars compiling waits this long for one
 
@@ -37,15 +37,16 @@ class EngineCore:
     """One engine's scheduler, executor and grammars. Only the thread that steps it calls it:
     every method here reads or changes the scheduler's state."""
 
-    def __init__(self, config: EngineConfig, runner_args: RunnerArgs, tokenizer: Tokenizer,
-                 eos_token_ids: frozenset[int], replica: int = 0) -> None:
+    def __init__(self, resolved: ResolvedConfig, tokenizer: Tokenizer, eos_token_ids: frozenset[int],
+                 replica: int = 0) -> None:
+        config = resolved.config
         cc, sc = config.cache_config, config.scheduler_config
-        self.executor = make_executor(runner_args, config.parallel_config, replica)
+        self.executor = make_executor(resolved, config.parallel_config, replica)
         self.cache_layout = self.executor.initialize_kv_cache(cc, sc.max_num_seqs, sc.max_num_batched_tokens)
         self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                                self.cache_layout.groups, sc.max_num_batched_tokens)
-        self.structured_output = StructuredOutputManager(tokenizer, runner_args.arch.vocab_size, eos_token_ids)
-        self.scheduler = Scheduler(sc, self.kv_cache_manager, runner_args.max_model_len, self.structured_output,
+        self.structured_output = StructuredOutputManager(tokenizer, resolved.arch.vocab_size, eos_token_ids)
+        self.scheduler = Scheduler(sc, self.kv_cache_manager, resolved.max_model_len, self.structured_output,
                                    self.executor.row_blocks())
         self.last_step_num_tokens = 0  # tokens the last step ran (the dashboard's tokens per step)
         self._step: tuple[SchedulerOutput, ModelRunnerOutput, float] | None = None  # the step not yet closed

@@ -10,13 +10,11 @@ step()      = EngineCore.step (EngineCoreOutputs) -> OutputProcessor.process_out
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from dabba.arch.config import ArchConfig
 from dabba.config import EngineConfig
 from dabba.core.stats import SchedulerStats
 from dabba.engine.core import EngineCore
@@ -25,45 +23,11 @@ from dabba.engine.output_processor import IterationStats, OutputProcessor
 from dabba.engine.processor import EngineRequest, Processor, PromptType
 from dabba.engine.tokenizer import Tokenizer
 from dabba.errors import InvalidRequest
-from dabba.arch.config import ArchConfig
-from dabba.arch.files import read_json_object
-from dabba.models.hub import TOKENIZER_FILES, resolve_model_dir
+from dabba.models.resolved_config import load_generation_config, resolve_config
 from dabba.outputs import RequestOutput
-from dabba.quantization.config import QuantConfig
 from dabba.sampling_params import SamplingParams
-from dabba.worker.model_runner import RunnerArgs
 
 logger = logging.getLogger("dabba")
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> torch.dtype:
-    if dtype == "auto":
-        return _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
-    return _DTYPES[dtype]
-
-
-def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
-    limit = arch.max_position_embeddings
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} tokens")
-    return requested
-
-
-def load_generation_config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "generation_config.json"
-    return read_json_object(path) if path.is_file() else {}
 
 
 class LLMEngine:
@@ -75,33 +39,14 @@ class LLMEngine:
             raise ValueError(f"data_parallel_size={replicas}: replicas serve together behind `dabba serve "
                              f"--data-parallel-size {replicas}`; one engine here runs one model (data_parallel_size=1)")
         self.config = config
-        mc = config.model_config
-        model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir)
-        tokenizer_dir = (model_dir if mc.tokenizer is None else
-                         resolve_model_dir(mc.tokenizer, None, mc.download_dir, TOKENIZER_FILES, field="tokenizer"))
-        arch = ArchConfig.from_hf(model_dir)
-        tokenizer = Tokenizer(tokenizer_dir)
+        self.resolved = resolve_config(config)  # the one resolved configuration: the ranks get a copy
+        arch, model_dir = self.resolved.arch, Path(self.resolved.model_dir)
+        tokenizer = Tokenizer(self.resolved.tokenizer_dir)
         generation_config = load_generation_config(model_dir)
-        max_model_len = resolve_max_model_len(mc.max_model_len, arch)
         eos_token_ids = _eos_token_ids(generation_config, arch, tokenizer)
-
-        if arch.quantization_config and mc.quantization:
-            raise ValueError(f"quantization={mc.quantization!r}: this checkpoint is already quantized "
-                             f"({arch.quantization_config.get('quant_method')})")
-        quant_config = (QuantConfig.from_checkpoint(arch.quantization_config) if arch.quantization_config
-                        else QuantConfig(mc.quantization) if mc.quantization else None)
-        cc = config.cache_config
-        spec = config.scheduler_config.speculative_config
-        if spec is not None and spec.model is not None:  # a draft model given as a Hub id is fetched like the target
-            spec = dataclasses.replace(spec, model=str(resolve_model_dir(spec.model, None, mc.download_dir)))
-        runner_args = RunnerArgs(
-            str(model_dir), arch, resolve_dtype(mc.dtype, arch.torch_dtype), resolve_device(mc.device),
-            max_model_len, mc.seed, mc.attention_backend, quant_config, cc.kv_cache_dtype, mc.native_layer_loop, spec,
-        )
-        self.arch = arch
-        self.engine_core = EngineCore(config, runner_args, tokenizer, eos_token_ids, replica or 0)
-        self.model_info = ModelInfo(arch.architecture, tokenizer, max_model_len, arch.vocab_size, eos_token_ids,
-                                    cc.block_size, generation_config)
+        self.engine_core = EngineCore(self.resolved, tokenizer, eos_token_ids, replica or 0)
+        self.model_info = ModelInfo(arch.architecture, tokenizer, self.resolved.max_model_len, arch.vocab_size,
+                                    eos_token_ids, config.cache_config.block_size, generation_config)
         self.processor = Processor(self.model_info, self.engine_core.structured_output)
         self.output_processor = OutputProcessor(tokenizer)
 

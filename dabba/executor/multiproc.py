@@ -20,16 +20,16 @@ from typing import Any
 from dabba.distributed.shm_communicator import create_segment
 from dabba.executor.base import RemoteExecutor, WorkerDiedError, split_cores
 from dabba.executor.rank import RankPlace
-from dabba.worker.model_runner import RunnerArgs
+from dabba.models.resolved_config import ResolvedConfig
 
 
 class MultiprocExecutor(RemoteExecutor):
-    def __init__(self, args: RunnerArgs, size: int, replica: int = 0, replicas: int = 1) -> None:
+    def __init__(self, resolved: ResolvedConfig, size: int, replica: int = 0, replicas: int = 1) -> None:
         self.tp_size = size
-        cores = split_cores(size, replica, replicas) if args.device.type == "cpu" else [None] * size
+        cores = split_cores(size, replica, replicas) if resolved.device.type == "cpu" else [None] * size
         self._rendezvous = tempfile.TemporaryDirectory(prefix="dabba-tp-")
         init_method = (Path(self._rendezvous.name) / "store").as_uri()  # a file store: no port to pick
-        self.shm_path = create_segment(size) if args.device.type == "cpu" and size > 1 else None
+        self.shm_path = create_segment(size) if resolved.device.type == "cpu" and size > 1 else None
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the engine's imports
         self.conns: list[Connection] = []
         self.procs: list[subprocess.Popen] = []
@@ -38,7 +38,8 @@ class MultiprocExecutor(RemoteExecutor):
             self.procs.append(subprocess.Popen([sys.executable, "-m", "dabba.executor.rank", str(child.fileno())],
                                                pass_fds=[child.fileno()], env=env))
             child.close()
-            parent.send((args, RankPlace(rank, size, init_method, cores[rank], replica * size + rank, self.shm_path)))
+            place = RankPlace(rank, size, init_method, cores[rank], replica * size + rank, self.shm_path)
+            parent.send((resolved, place))
             self.conns.append(parent)
         self.broken: BaseException | None = None
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs, self._rendezvous, self.shm_path,

@@ -9,7 +9,6 @@ import os
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,8 @@ from dabba.core.spec_budget import RowBlocks
 from dabba.distributed.communicator import DistributedCommunicator
 from dabba.distributed.shm_communicator import ShmCommunicator
 from dabba.distributed.tensor_parallel import TensorParallel
-from dabba.worker.model_runner import CacheLayout, ModelRunner, RunnerArgs
+from dabba.models.resolved_config import ResolvedConfig
+from dabba.worker.model_runner import CacheLayout, ModelRunner
 
 logger = logging.getLogger("dabba")
 
@@ -53,17 +53,17 @@ def make_communicator(place: RankPlace) -> DistributedCommunicator | ShmCommunic
 
 
 class Worker:
-    def __init__(self, args: RunnerArgs, place: RankPlace) -> None:
+    def __init__(self, resolved: ResolvedConfig, place: RankPlace) -> None:
         if place.cores:
             os.sched_setaffinity(0, place.cores)
             torch.set_num_threads(len(place.cores))
-        if args.device.type == "cuda":
-            args = dataclasses.replace(args, device=torch.device("cuda", place.local_rank))
-            torch.cuda.set_device(args.device)
-        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo", init_method=place.init_method,
+        if resolved.device.type == "cuda":
+            resolved = dataclasses.replace(resolved, device=torch.device("cuda", place.local_rank))
+            torch.cuda.set_device(resolved.device)
+        dist.init_process_group("nccl" if resolved.device.type == "cuda" else "gloo", init_method=place.init_method,
                                 rank=place.rank, world_size=place.size, timeout=COLLECTIVE_TIMEOUT)
         self.place = place
-        self.runner = ModelRunner(args, TensorParallel(place.rank, place.size, make_communicator(place)))
+        self.runner = ModelRunner(resolved, TensorParallel(place.rank, place.size, make_communicator(place)))
 
     def initialize_kv_cache(self, cache_config: CacheConfig, max_num_seqs: int, max_chunk: int) -> CacheLayout:
         return self.runner.initialize_kv_cache(cache_config, max_num_seqs, max_chunk)
@@ -82,14 +82,14 @@ class Worker:
 
 
 def worker_main(conn: Connection) -> None:
-    """A local worker process: receive (RunnerArgs, RankPlace), build the rank, then answer the
+    """A local worker process: receive (ResolvedConfig, RankPlace), build the rank, then answer the
     engine's calls, one (method, args) at a time, with (True, result) or (False, the exception),
     until "shutdown" or the engine's end of the pipe closes."""
-    args, place = conn.recv()
+    resolved, place = conn.recv()
     if place.rank:  # rank 0 says what every rank would
         logger.setLevel(logging.WARNING)
     try:
-        worker = Worker(args, place)
+        worker = Worker(resolved, place)
     except BaseException as e:
         conn.send((False, _portable(e)))
         return

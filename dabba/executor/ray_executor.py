@@ -13,7 +13,7 @@ from typing import Any
 from dabba.distributed.shm_communicator import create_segment
 from dabba.executor.base import RemoteExecutor, WorkerDiedError, split_cores
 from dabba.executor.rank import RankPlace, Worker
-from dabba.worker.model_runner import RunnerArgs
+from dabba.models.resolved_config import ResolvedConfig
 
 _JOINING = threading.Lock()  # data-parallel replicas start side by side: one of them joins the cluster
 
@@ -40,19 +40,19 @@ class RayRank:
     def remove_segment(self, path: str) -> None:
         os.unlink(path)
 
-    def start(self, args: RunnerArgs, place: RankPlace, local_rank: int, local_size: int, replica: int,
+    def start(self, resolved: ResolvedConfig, place: RankPlace, local_rank: int, local_size: int, replica: int,
               replicas: int) -> None:
         """Pinned to its share of the host's cores, as if every replica placed its ranks on this
         host the way this one did (so the replicas' ranks on one host never share a core)."""
-        cores = split_cores(local_size, replica, replicas)[local_rank] if args.device.type == "cpu" else None
-        self.worker = Worker(args, dataclasses.replace(place, cores=cores, local_rank=local_rank))
+        cores = split_cores(local_size, replica, replicas)[local_rank] if resolved.device.type == "cpu" else None
+        self.worker = Worker(resolved, dataclasses.replace(place, cores=cores, local_rank=local_rank))
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)
 
 
 class RayExecutor(RemoteExecutor):
-    def __init__(self, args: RunnerArgs, size: int, replica: int = 0, replicas: int = 1) -> None:
+    def __init__(self, resolved: ResolvedConfig, size: int, replica: int = 0, replicas: int = 1) -> None:
         try:
             import ray
             from ray.util.placement_group import placement_group, remove_placement_group
@@ -64,7 +64,7 @@ class RayExecutor(RemoteExecutor):
             if not ray.is_initialized():
                 ray.init(log_to_driver=True)
         self._remove_group = remove_placement_group
-        gpu = args.device.type == "cuda"
+        gpu = resolved.device.type == "cuda"
         cpus = max(1, int(ray.cluster_resources().get("CPU", size)) // (size * replicas)) if not gpu else 1
         bundle = {"CPU": cpus, **({"GPU": 1} if gpu else {})}
         self.actors: list = []
@@ -83,9 +83,10 @@ class RayExecutor(RemoteExecutor):
             nodes = self._wait([a.node.remote() for a in self.actors])
             init_method = f"tcp://{nodes[0][1]}:{self._wait([self.actors[0].free_port.remote()])[0]}"
             hosts = [node for node, _ in nodes]
-            if len(set(hosts)) == 1 and args.device.type == "cpu" and size > 1:  # one host: shared memory, as multiproc.py
+            one_host = len(set(hosts)) == 1
+            if one_host and resolved.device.type == "cpu" and size > 1:  # one host: shared memory, as multiproc.py
                 self.shm_path = self._wait([self.actors[0].create_segment.remote(size)])[0]
-            self._wait([actor.start.remote(args, RankPlace(rank, size, init_method, shm_path=self.shm_path),
+            self._wait([actor.start.remote(resolved, RankPlace(rank, size, init_method, shm_path=self.shm_path),
                                            hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]), replica,
                                            replicas)
                         for rank, actor in enumerate(self.actors)])

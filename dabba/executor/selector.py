@@ -5,10 +5,10 @@ from __future__ import annotations
 from dabba.config import ParallelConfig
 from dabba.distributed.tensor_parallel import check_split
 from dabba.executor.base import Executor
-from dabba.worker.model_runner import RunnerArgs
+from dabba.models.resolved_config import ResolvedConfig
 
 
-def make_executor(args: RunnerArgs, parallel: ParallelConfig, replica: int = 0) -> Executor:
+def make_executor(resolved: ResolvedConfig, parallel: ParallelConfig, replica: int = 0) -> Executor:
     """One rank in this process; more in worker processes, or on Ray actors where asked. A
     data-parallel replica (``replica`` of ``parallel.data_parallel_size``) runs its ranks, even a
     single one, in worker processes on its own cores: the replicas' engine loops share the
@@ -17,13 +17,13 @@ def make_executor(args: RunnerArgs, parallel: ParallelConfig, replica: int = 0) 
     if size == 1 and replicas == 1:
         from dabba.executor.uniproc import UniProcExecutor
 
-        return UniProcExecutor(args)
+        return UniProcExecutor(resolved)
     if size > 1:
-        check_split(size, args.arch.num_attention_heads, args.arch.num_key_value_heads)
+        check_split(size, resolved.arch.num_attention_heads, resolved.arch.num_key_value_heads)
     if parallel.distributed_executor_backend == "ray":
         from dabba.executor.ray_executor import RayExecutor
 
-        return RayExecutor(args, size, replica, replicas)
+        return RayExecutor(resolved, size, replica, replicas)
     from dabba.executor.multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(args, size, replica, replicas)
+    return MultiprocExecutor(resolved, size, replica, replicas)

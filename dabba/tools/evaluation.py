@@ -89,26 +89,26 @@ def kl_divergence(model: str, reference: str, text: str, quantization: str | Non
     causal attention; ``quantization`` applies to ``model`` at load time (int8 / int4)."""
     from dabba.attention.backend import forward_context
     from dabba.attention.dense import DenseCausalBackend
-    from dabba.engine.llm_engine import resolve_dtype
+    from dabba.config import EngineConfig
     from dabba.engine.tokenizer import Tokenizer
-    from dabba.arch.config import ArchConfig
     from dabba.models.loader import load_model
-    from dabba.quantization.config import QuantConfig
+    from dabba.models.resolved_config import ResolvedConfig, resolve_config
 
     ids = Tokenizer(reference).encode(text, add_special_tokens=False)
     num = min(max_windows, len(ids) // max_length)
     if num < 1:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of max_length={max_length}")
     windows = torch.tensor(ids[:num * max_length]).view(num, max_length)
-    torch_dtype = resolve_dtype(dtype, ArchConfig.from_hf(reference).torch_dtype)
 
-    def load(path: str, quant: str | None) -> torch.nn.Module:
-        arch = ArchConfig.from_hf(path)
-        qc = QuantConfig(quant) if quant else (
-            QuantConfig.from_checkpoint(arch.quantization_config) if arch.quantization_config else None)
-        return load_model(path, arch, torch_dtype, torch.device("cpu"), max_length, qc)
+    def resolve(path: str, quant: str | None, dtype: str) -> ResolvedConfig:
+        return resolve_config(EngineConfig.from_kwargs(model=path, quantization=quant, dtype=dtype, device="cpu"))
 
-    models = [load(reference, None), load(model, quantization)]
+    def load(r: ResolvedConfig) -> torch.nn.Module:
+        return load_model(r.model_dir, r.arch, r.dtype, r.device, max_length, r.quant_config)
+
+    resolved_reference = resolve(reference, None, dtype)  # both in its dtype ("auto": the checkpoint's)
+    same_dtype = str(resolved_reference.dtype).removeprefix("torch.")
+    models = [load(resolved_reference), load(resolve(model, quantization, same_dtype))]
     if models[0].config.vocab_size != models[1].config.vocab_size:
         raise ValueError("model and reference must share a vocabulary")
     backend = DenseCausalBackend(max_length)

@@ -15,12 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dabba.attention.kv_quant import KV_CACHE_DTYPES, kv_bytes_per_token
-from dabba.config import SchedulerConfig
+from dabba.config import EngineConfig, SchedulerConfig
 from dabba.core.kv_cache_groups import group_layers, group_size
 from dabba.distributed.tensor_parallel import KVHeadShard, check_split
-from dabba.engine.llm_engine import resolve_dtype, resolve_max_model_len
-from dabba.arch.config import ArchConfig
-from dabba.models.hub import CONFIG_FILES, resolve_model_dir
+from dabba.models.hub import CONFIG_FILES
+from dabba.models.resolved_config import resolve_config
 from dabba.models.sizes import parameter_counts, weights_bytes
 from dabba.quantization.config import QuantConfig
 
@@ -102,14 +101,15 @@ def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_l
     Hub repo id ``model`` costs only its config.json: nothing here reads weights."""
     if (kv_cache_memory is None) == (total_memory is None):
         raise ValueError("give exactly one of kv_cache_memory and total_memory")
-    arch = ArchConfig.from_hf(resolve_model_dir(str(model), revision, download_dir, CONFIG_FILES))
-    torch_dtype = resolve_dtype(dtype, arch.torch_dtype)
-    max_len = resolve_max_model_len(max_model_len, arch)
+    # As the engine resolves it (the device is this plan's, not this machine's): the config files alone
+    resolved = resolve_config(EngineConfig.from_kwargs(model=str(model), revision=revision, download_dir=download_dir,
+                                                       dtype=dtype, max_model_len=max_model_len, device="cpu"),
+                              CONFIG_FILES)
+    arch, torch_dtype, max_len = resolved.arch, resolved.dtype, resolved.max_model_len
     if arch.quantization_config:
         if quantization:
             raise ValueError(f"quantization={quantization!r}: this checkpoint is already quantized")
-        checkpoint_quant = QuantConfig.from_checkpoint(arch.quantization_config)
-        weight_options = [(checkpoint_quant.method, checkpoint_quant)]
+        weight_options = [(resolved.quant_config.method, resolved.quant_config)]
     else:
         if quantization not in WEIGHT_QUANTIZATIONS + ("none",):
             raise ValueError(f"quantization must be 'none', 'int8', 'int4' or None (all), got {quantization!r}")

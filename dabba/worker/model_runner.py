@@ -27,26 +27,25 @@ from dataclasses import dataclass
 
 import torch
 
-from dabba.ops import native
 from dabba.attention.kv_quant import kv_bytes_per_token, make_kv_quant
 from dabba.attention.selector import get_attention_backend
-from dabba.config import CacheConfig, SpeculativeConfig
+from dabba.config import CacheConfig
 from dabba.core.kv_cache_groups import KVCacheGroup, group_layers, group_size, layer_slots
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from dabba.core.spec_budget import RowBlocks
 from dabba.distributed.tensor_parallel import SINGLE, KVHeadShard, TensorParallel
-from dabba.arch.config import ArchConfig
 from dabba.models.loader import load_model
+from dabba.models.resolved_config import ResolvedConfig
 from dabba.models.sizes import weights_bytes
-from dabba.quantization.config import QuantConfig
-from dabba.worker.spec_decode.draft_model import DraftModel
-from dabba.worker.spec_decode.ngram import NgramProposer
-from dabba.worker.model_inputs import ModelInputs
-from dabba.worker.request_states import CachedRequestState, RequestStates
+from dabba.ops import native
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.memory import check_fits, default_kv_cache_memory, keep_freed_host_memory, kv_cache_tensors
+from dabba.worker.model_inputs import ModelInputs
+from dabba.worker.request_states import CachedRequestState, RequestStates
 from dabba.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
 from dabba.worker.sampling_metadata import build_sampling_metadata, reads_its_output
+from dabba.worker.spec_decode.draft_model import DraftModel
+from dabba.worker.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger("dabba")
 
@@ -64,32 +63,16 @@ class CacheLayout:
     groups: tuple[KVCacheGroup, ...]  # layers sharing a block table (core/kv_cache_groups.py)
 
 
-@dataclass(frozen=True)
-class RunnerArgs:
-    """What builds a ModelRunner: the same on every tensor-parallel rank, and picklable, so that a
-    worker process or a Ray actor builds its own."""
-
-    model_dir: str
-    arch: ArchConfig
-    dtype: torch.dtype
-    device: torch.device
-    max_model_len: int
-    seed: int
-    attention_backend: str = "auto"
-    quant_config: QuantConfig | None = None
-    kv_cache_dtype: str = "auto"
-    native_layer_loop: str = "auto"
-    speculative_config: SpeculativeConfig | None = None
-
-
 class ModelRunner:
     """One rank's model, KV cache, batch state and sampler. Under tensor parallelism every rank
     runs the same steps on its shard; the collectives inside the layers keep them in step, and
     every rank samples the same tokens from the same gathered logits and seeds."""
 
-    def __init__(self, args: RunnerArgs, tp: TensorParallel = SINGLE) -> None:
-        arch, dtype, device, quant_config = args.arch, args.dtype, args.device, args.quant_config
-        model_dir, max_model_len, native_layer_loop = args.model_dir, args.max_model_len, args.native_layer_loop
+    def __init__(self, resolved: ResolvedConfig, tp: TensorParallel = SINGLE) -> None:
+        arch, dtype, device, quant_config = resolved.arch, resolved.dtype, resolved.device, resolved.quant_config
+        model_dir, max_model_len = resolved.model_dir, resolved.max_model_len
+        mc, kv_cache_dtype = resolved.config.model_config, resolved.config.cache_config.kv_cache_dtype
+        self.resolved = resolved
         self.arch = arch
         self.dtype = dtype
         self.device = device
@@ -107,9 +90,9 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len, quant_config=quant_config,
                                 tp=tp)
-        self.kv_cache_dtype = args.kv_cache_dtype
-        self.kv_quant = make_kv_quant(args.kv_cache_dtype, dtype)
-        self.backend = get_attention_backend(args.attention_backend, device, self.kv_quant)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_quant = make_kv_quant(kv_cache_dtype, dtype)
+        self.backend = get_attention_backend(mc.attention_backend, device, self.kv_quant)
         # parameters plus quantized weight buffers; RoPE tables are not weights
         tensors = [*self.model.parameters(), *(b for n, b in self.model.named_buffers() if "rotary" not in n)]
         self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -119,18 +102,16 @@ class ModelRunner:
                     f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
                     device, time.perf_counter() - start, type(self.backend).__name__)
         self.native_loop, self.layer_loop_reason = select_layer_loop(self.model, self.backend, self.kv_quant,
-                                                                     native_layer_loop, tp)
+                                                                     mc.native_layer_loop, tp)
         logger.info("Layers run %s: %s", "in the native loop (csrc/decode_cpu.cpp)" if self.native_loop
                     else "in Python", self.layer_loop_reason)
-        self.sampler = Sampler(device, args.seed)
-        spec = args.speculative_config
+        self.sampler = Sampler(device, mc.seed)
+        spec = resolved.config.scheduler_config.speculative_config
         self.proposer: NgramProposer | DraftModel | None = None
         if spec is not None and spec.method == "ngram":
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif spec is not None:  # under tensor parallelism, each rank runs the whole draft: the same drafts on each
-            self.proposer = DraftModel(spec.model, model_dir, arch, dtype, device, max_model_len, quant_config,
-                                       self.backend, self.kv_quant, native_layer_loop, spec.num_speculative_tokens,
-                                       self.sampler.generator)
+            self.proposer = DraftModel(resolved, self.backend, self.kv_quant, self.sampler.generator)
         self.requests = RequestStates()
         self.kv_caches: list = []  # per layer: a tensor, or (codes, scales) for an 8-bit cache
         self.layer_groups: list[int] | None = None  # per layer: its KV-cache group; None: one group

@@ -278,7 +278,7 @@ def test_more_blocks_fit_in_the_same_memory(kind) -> None:
     auto_engine = LLM(DEMO_MODEL, kv_cache_memory=budget).llm_engine
     auto = auto_engine.engine_core
     quant = LLM(DEMO_MODEL, kv_cache_memory=budget, kv_cache_dtype=kind).llm_engine.engine_core
-    arch = auto_engine.arch  # bf16 demo model: 2 bytes per element against 1 + 4/head_dim
+    arch = auto_engine.resolved.arch  # bf16 demo model: 2 bytes per element against 1 + 4/head_dim
     assert quant.cache_layout.bytes_per_block == 16 * 2 * arch.num_hidden_layers * arch.num_key_value_heads * (
         arch.head_dim + 4)
     assert quant.cache_layout.num_blocks == budget // quant.cache_layout.bytes_per_block

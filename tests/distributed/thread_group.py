@@ -15,7 +15,8 @@ from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput
 from dabba.core.spec_budget import RowBlocks
 from dabba.distributed.tensor_parallel import TensorParallel
 from dabba.executor.base import Executor
-from dabba.worker.model_runner import CacheLayout, ModelRunner, RunnerArgs
+from dabba.models.resolved_config import ResolvedConfig
+from dabba.worker.model_runner import CacheLayout, ModelRunner
 
 
 class ThreadGroup:
@@ -52,10 +53,10 @@ class ThreadCommunicator:
 
 
 class ThreadExecutor(Executor):
-    def __init__(self, args: RunnerArgs, size: int) -> None:
+    def __init__(self, resolved: ResolvedConfig, size: int) -> None:
         self.tp_size = size
         self.group = ThreadGroup(size)
-        self.runners = [ModelRunner(args, TensorParallel(r, size, ThreadCommunicator(self.group, r)))
+        self.runners = [ModelRunner(resolved, TensorParallel(r, size, ThreadCommunicator(self.group, r)))
                         for r in range(size)]
         self.pool = ThreadPoolExecutor(size)
 

@@ -94,7 +94,7 @@ def test_a_tied_embedding_reads_its_rows_from_the_quantized_head(method) -> None
     assert codes.data_ptr() == head.qweight.data_ptr() and scales.data_ptr() == head.scales.data_ptr()
     ids = torch.tensor([0, 5, 4095, 5])
     assert torch.equal(embedding(ids), head.qweight[ids].to(torch.bfloat16) * head.scales[ids, None])
-    planned = weights_bytes(llm.llm_engine.arch, torch.bfloat16, QuantConfig(method), "cpu")
+    planned = weights_bytes(llm.llm_engine.resolved.arch, torch.bfloat16, QuantConfig(method), "cpu")
     assert planned == llm.llm_engine.engine_core.model_runner.weight_bytes
 
 

@@ -74,7 +74,7 @@ def bench_throughput(model: str, w: OfflineWorkload, **engine_kwargs: Any) -> di
     from dabba import LLM
 
     llm = LLM(model, **engine_kwargs)
-    prompts = make_prompts(w, llm.llm_engine.arch.vocab_size, llm.get_tokenizer())
+    prompts = make_prompts(w, llm.llm_engine.model_info.vocab_size, llm.get_tokenizer())
     elapsed, outputs = warm_and_time(llm, prompts, w.output_len)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(p) for p in prompts)
@@ -104,7 +104,7 @@ def bench_latency(model: str, w: OfflineWorkload, batch_size: int = 1, num_iters
     llm = LLM(model, **engine_kwargs)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(
         OfflineWorkload(batch_size, w.input_len, w.output_len, w.dataset, w.dataset_path, w.seed, w.prefix_len),
-        llm.llm_engine.arch.vocab_size, llm.get_tokenizer())]
+        llm.llm_engine.model_info.vocab_size, llm.get_tokenizer())]
     full = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 

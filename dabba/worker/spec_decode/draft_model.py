@@ -30,16 +30,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from dabba.arch.config import ArchConfig
 from dabba.attention.kv_quant import kv_bytes_per_token
 from dabba.core.outputs import SchedulerOutput
-from dabba.arch.config import ArchConfig
 from dabba.models.loader import load_model
+from dabba.models.resolved_config import ResolvedConfig
 from dabba.models.sizes import weights_bytes
-from dabba.quantization.config import QUANTIZATION_METHODS, QuantConfig
-from dabba.worker.model_inputs import FlatBatch
-from dabba.worker.request_states import CachedRequestState, RequestStates
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.memory import check_fits, kv_cache_tensors
+from dabba.worker.model_inputs import FlatBatch
+from dabba.worker.request_states import CachedRequestState, RequestStates
 from dabba.worker.sampler import DRAFT_STREAM, SamplingMetadata, argmax_rows, race, row_noise, warp
 from dabba.worker.sampling_metadata import build_sampling_metadata
 
@@ -68,38 +68,34 @@ def check_same_vocabulary(draft_dir: Path, draft: ArchConfig, target_dir: Path, 
 
 
 class DraftModel:
-    def __init__(self, model_dir: str, target_dir: str, target_arch: ArchConfig, dtype: torch.dtype,
-                 device: torch.device, max_model_len: int, quant_config: QuantConfig | None, backend: Any,
-                 kv_quant: Any, native_layer_loop: str, num_tokens: int, generator: torch.Generator) -> None:
-        self.arch = ArchConfig.from_hf(model_dir)
-        check_same_vocabulary(Path(model_dir), self.arch, Path(target_dir), target_arch)
+    def __init__(self, resolved: ResolvedConfig, backend: Any, kv_quant: Any, generator: torch.Generator) -> None:
+        """The draft of ``resolved.draft``, in the target's dtype and on its device, with the
+        target's attention backend and KV format."""
+        draft = resolved.draft
+        model_dir, self.arch = draft.model_dir, draft.arch
+        check_same_vocabulary(Path(model_dir), self.arch, Path(resolved.model_dir), resolved.arch)
         if any(self.arch.layer_sliding_window(i) is not None for i in range(self.arch.num_hidden_layers)):
             raise ValueError(f"speculative_config: the draft model {model_dir} has sliding-window layers; "
                              "a draft model must attend to the whole context")
-        self.dtype, self.device, self.max_model_len = dtype, device, max_model_len
+        dtype, device = resolved.dtype, resolved.device
+        self.dtype, self.device, self.max_model_len = dtype, device, resolved.max_model_len
         self.backend, self.kv_quant = backend, kv_quant
-        self.num_tokens = num_tokens
+        self.num_tokens = resolved.config.scheduler_config.speculative_config.num_speculative_tokens
         self.generator = generator
-        quant = self._quant_config(quant_config)
+        quant = draft.quant_config
         check_fits(f"the draft model {model_dir}'s weights", weights_bytes(self.arch, dtype, quant, device.type), device,
                    "take a smaller draft model, or quantize it")
-        self.model = load_model(model_dir, self.arch, dtype, device, max_position=max_model_len, quant_config=quant)
-        self.native_loop, why = select_layer_loop(self.model, backend, kv_quant, native_layer_loop)
+        self.model = load_model(model_dir, self.arch, dtype, device, max_position=self.max_model_len, quant_config=quant)
+        self.native_loop, why = select_layer_loop(self.model, backend, kv_quant,
+                                                  resolved.config.model_config.native_layer_loop)
         logger.info("Draft model %s (%s, %d layers) proposes %d tokens a step; its layers run %s: %s", model_dir,
-                    self.arch.architecture, self.arch.num_hidden_layers, num_tokens,
+                    self.arch.architecture, self.arch.num_hidden_layers, self.num_tokens,
                     "in the native loop" if self.native_loop else "in Python", why)
         self.kv_caches: list[Any] = []
         self.block_size = 0
         # per block of the pool: whether the draft's KV of its tokens is written (hits on it save
         # the draft's work); a block given out anew is not, until the draft has passed its end
         self.valid = np.zeros(0, dtype=bool)
-
-    def _quant_config(self, target: QuantConfig | None) -> QuantConfig | None:
-        """The draft checkpoint's own quantization, else the load-time rounding the target asked for
-        (quantization="int8" or "int4"); never the target checkpoint's GPTQ or AWQ layout."""
-        if self.arch.quantization_config:
-            return QuantConfig.from_checkpoint(self.arch.quantization_config)
-        return target if target is not None and target.method in QUANTIZATION_METHODS else None
 
     def bytes_per_block(self, block_size: int, kv_cache_dtype: str) -> int:
         arch = self.arch
