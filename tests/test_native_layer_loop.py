@@ -8,6 +8,7 @@ reason it logs."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
@@ -104,3 +105,38 @@ def test_on_refuses_a_model_it_cannot_run_exactly(checkpoints) -> None:
             native_layer_loop="on")
     with pytest.raises(ValueError, match="native_layer_loop must be one of"):
         LLM(str(checkpoints["llama"].path), kv_cache_memory=2**22, native_layer_loop="yes")
+
+
+def test_a_layer_that_declares_no_native_form_runs_in_python_and_the_log_says_why(checkpoints, dabba_log,
+                                                                                  monkeypatch) -> None:
+    """The loop takes each family's declared forms (layers/native_form.py) and probes nothing: a
+    decoder layer that declares none, with its reason, runs the whole model in Python."""
+    from dabba.layers.native_form import NoNativeForm
+    from dabba.models.llama import LlamaDecoderLayer
+
+    reason = "a decoder layer with an op the loop has no kernel for (declared by this test)"
+
+    def no_native_form(layer):
+        raise NoNativeForm(reason)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "native_form", no_native_form)
+    runner = LLM(str(checkpoints["qwen3"].path), kv_cache_memory=2**22).llm_engine.engine_core.model_runner
+    assert runner.native_loop is None and runner.layer_loop_reason == reason
+    assert any(r.getMessage() == f"Layers run in Python: {reason}" for r in dabba_log)
+    with pytest.raises(ValueError, match=re.escape(f"native_layer_loop='on', but {reason};")):
+        LLM(str(checkpoints["qwen3"].path), kv_cache_memory=2**22, native_layer_loop="on")
+
+
+def test_each_family_declares_its_layers_forms(checkpoints) -> None:
+    def forms(family: str) -> list:
+        return LLM(str(checkpoints[family].path), kv_cache_memory=2**22).llm_engine.engine_core.model_runner.model \
+            .native_layers()
+
+    llama, gemma2, olmoe, mixtral = forms("llama"), forms("gemma2"), forms("olmoe"), forms("mixtral")
+    assert llama[0].qk_norm is None and llama[0].pre_mlp_norm is None and llama[0].mlp.moe is None
+    assert [f.attention.sliding_window for f in gemma2] == [40, None, 40]  # layers 0 and 2 slide
+    assert [f.rope_table for f in gemma2] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert all(f.pre_mlp_norm is not None and f.post_mlp_norm is not None for f in gemma2)
+    assert olmoe[0].qk_norm.whole and olmoe[0].mlp.moe is not None and len(olmoe[0].linears) == 2
+    assert len(mixtral[0].expert_linears) == 2 * 6  # each of its 6 experts' gate_up and down
+

@@ -23,6 +23,7 @@ from torch import nn
 
 from dabba.distributed.tensor_parallel import current_tensor_parallel
 from dabba.layers.linear import Linear
+from dabba.layers.native_form import NativeMLP
 from dabba.arch.config import MoEConfig
 from dabba.quantization.config import QuantConfig
 
@@ -89,6 +90,10 @@ class FusedMoE(nn.Module):
         self.experts = nn.ModuleList(
             Expert(hidden_size, cfg.intermediate_size, activation, f"{prefix}.experts.{e}", quant_config)
             for e in range(cfg.num_experts))
+
+    def native_mlp(self) -> NativeMLP:
+        """The experts as the native loop runs them (NativeDecoder.add_moe)."""
+        return NativeMLP(moe=self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = route(self.gate(x), self.cfg)

@@ -25,6 +25,7 @@ from torch import nn
 
 from dabba.layers.embedding import VocabEmbedding
 from dabba.layers.layernorm import GemmaRMSNorm
+from dabba.layers.native_form import NativeLayer, NativeQKNorm
 from dabba.layers.rotary import LayerTypeRotary
 from dabba.arch.config import ArchConfig
 from dabba.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -40,6 +41,9 @@ class GemmaAttention(LlamaAttention):
         super().__init__(cfg, layer_idx, prefix, quant_config)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def native_qk_norm(self) -> NativeQKNorm | None:
+        return None if self.q_norm is None else NativeQKNorm(self.q_norm, self.k_norm)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.q_norm is None:
@@ -60,6 +64,13 @@ class GemmaDecoderLayer(nn.Module):
         # RoPE follows the layer's kind even where sliding_window is null (as transformers' does)
         sliding = cfg.sliding_layers is not None and cfg.sliding_layers[layer_idx]
         self.rope_kind = "sliding_attention" if sliding else "full_attention"
+
+    def native_form(self) -> NativeLayer:
+        """forward() below, as the native loop runs it: Gemma's order (a pre_mlp_norm)."""
+        attn = self.self_attn
+        return NativeLayer(self.input_layernorm, self.post_attention_layernorm, attn.qkv_proj, attn.o_proj, attn.attn,
+                           self.mlp.native_mlp(), attn.native_qk_norm(), self.pre_feedforward_layernorm,
+                           self.post_feedforward_layernorm, self.rope_kind)
 
     def forward(self, rope: RopeTables, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

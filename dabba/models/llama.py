@@ -17,6 +17,7 @@ from dabba.layers.attention import Attention
 from dabba.layers.embedding import LMHead, VocabEmbedding
 from dabba.layers.layernorm import RMSNorm
 from dabba.layers.linear import Linear
+from dabba.layers.native_form import NativeLayer, NativeMLP, NativeQKNorm
 from dabba.layers.rotary import RotaryEmbedding, apply_rotary
 from dabba.arch.config import ArchConfig
 from dabba.quantization.config import QuantConfig
@@ -43,6 +44,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, [cfg.hidden_size], prefix=f"{prefix}.down_proj", quant_config=quant_config,
                                 parallel="row")
 
+    def native_mlp(self) -> NativeMLP:
+        return NativeMLP(gate_up=self.gate_up_proj, down=self.down_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x, act_and_mul=self.activation))
 
@@ -67,6 +71,10 @@ class LlamaAttention(nn.Module):
                              quant_config=quant_config, parallel="row")
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx,
                               cfg.layer_sliding_window(layer_idx), cfg.attn_scale, cfg.attn_logit_softcapping)
+
+    def native_qk_norm(self) -> NativeQKNorm | None:
+        """Llama normalises neither q nor k (norm_qk below)."""
+        return None
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook for families that normalise q/k per head before RoPE (Qwen3)."""
@@ -96,6 +104,12 @@ class LlamaDecoderLayer(nn.Module):
     def make_mlp(self, cfg: ArchConfig, layer_idx: int, prefix: str, quant_config: QuantConfig | None) -> nn.Module:
         """The layer's feed-forward block (a mixture of experts in the MoE families)."""
         return LlamaMLP(cfg, prefix, quant_config)
+
+    def native_form(self) -> NativeLayer:
+        """forward() below, as the native loop runs it."""
+        attn = self.self_attn
+        return NativeLayer(self.input_layernorm, self.post_attention_layernorm, attn.qkv_proj, attn.o_proj, attn.attn,
+                           self.mlp.native_mlp(), attn.native_qk_norm())
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +170,10 @@ class LlamaForCausalLM(nn.Module):
                               quant_config.get_lm_head_method() if quant_config else None)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+
+    def native_layers(self) -> list[NativeLayer]:
+        """Every decoder layer's native form (raises NoNativeForm saying why where one has none)."""
+        return [layer.native_form() for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -19,6 +19,7 @@ from torch import nn
 from dabba.distributed.tensor_parallel import current_tensor_parallel
 from dabba.layers.layernorm import RMSNorm
 from dabba.layers.fused_moe import FusedMoE
+from dabba.layers.native_form import NativeQKNorm
 from dabba.arch.config import ArchConfig
 from dabba.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, checkpoint_target
 from dabba.models.qwen3 import Qwen3Attention
@@ -60,6 +61,9 @@ class OlmoeAttention(LlamaAttention):
                              f"{cfg.num_key_value_heads} KV heads")
         self.q_norm = RMSNorm(self.q_size * self.tp.size, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.kv_size * self.tp.size, cfg.rms_norm_eps)
+
+    def native_qk_norm(self) -> NativeQKNorm:
+        return NativeQKNorm(self.q_norm, self.k_norm, whole=True)  # a rank gathers the heads first, as _norm
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._norm(self.q_norm, q), self._norm(self.k_norm, k)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from dabba.layers.layernorm import RMSNorm
+from dabba.layers.native_form import NativeQKNorm
 from dabba.arch.config import ArchConfig
 from dabba.quantization.config import QuantConfig
 from dabba.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
@@ -14,6 +15,9 @@ class Qwen3Attention(LlamaAttention):
         super().__init__(cfg, layer_idx, prefix, quant_config)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def native_qk_norm(self) -> NativeQKNorm:
+        return NativeQKNorm(self.q_norm, self.k_norm)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
