@@ -6,11 +6,11 @@ running requests are served first (in priority order), then waiting ones are adm
 prefill+decode steps and resumed requests need no special case. When blocks run out, the
 lowest-priority (newest) running request is preempted by recompute.
 
-Speculative decoding: a decoding request's draft tokens (Request.spec_token_ids, proposed by the
-worker last step) are scheduled after its next token and verified in the same forward; what the
-sampler rejects is rolled back by not counting it computed (its KV slots are overwritten next
-step; only known tokens are ever hashed into the prefix cache). A draft model also gets
-``num_lookahead_tokens`` slots past the step's tokens, where it writes the KV of what it proposes.
+Speculative decoding plugs in as a policy (core/speculation.py), asked which drafts to verify and
+how many slots a proposer writes past the step as each request is scheduled, how many tokens each
+may propose once the batch is, and told what the drafts gave: what the sampler rejects is rolled
+back by not counting it computed (its KV slots are overwritten next step; only known tokens are
+ever hashed into the prefix cache).
 
 Requests under structured_outputs wait (WAITING_FOR_GRAMMAR) until their grammar is compiled,
 letting the requests behind them pass; each step they get a row of the grammar bitmask, and
@@ -28,8 +28,8 @@ from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
 from dabba.core.request import Request, RequestStatus
-from dabba.core.spec_budget import (EXPLORE_EVERY, RowBlocks, StepCost, draft_budgets, engine_acceptance,
-                                     lookahead_slots, request_acceptance)
+from dabba.core.spec_budget import RowBlocks
+from dabba.core.speculation import make_speculation
 from dabba.core.stats import SchedulerStats
 
 logger = logging.getLogger("dabba")
@@ -61,11 +61,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # to tell the worker next step
         self.num_preemptions = 0
         self._failed: list[EngineCoreOutput] = []  # requests ended outside a step's outputs
-        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
-        self.spec_num_rejections = 0  # verified steps in which a draft was rejected
-        self.step_cost = StepCost(row_blocks)  # a decode step's time by its rows (adaptive drafts)
-        self._last_step_decoded = False  # whether the last step had no prefill tokens (StepCost)
-        self.num_steps = 0  # steps scheduled with adaptive drafts (one in EXPLORE_EVERY lets every request try one)
+        # speculative decoding's policy: ``row_blocks``, how the worker's kernels group rows, prices drafts
+        self.speculation = make_speculation(config.speculative_config, max_model_len, row_blocks)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -124,9 +121,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = self._drafts(request, num_new, budget)
+            drafts = self.speculation.drafts(request, num_new, budget)
             num_new += len(drafts)
-            lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
+            lookahead = self.speculation.lookahead(request, request.num_computed_tokens + num_new)
             new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             while new_blocks is None:
                 victim = self.running[-1]
@@ -161,7 +158,8 @@ class Scheduler:
                     continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
-            if kv.allocate_slots(request, num_new, hit_blocks, self._lookahead(request, num_hit + num_new)) is None:
+            lookahead = self.speculation.lookahead(request, num_hit + num_new)
+            if kv.allocate_slots(request, num_new, hit_blocks, lookahead) is None:
                 break
             self.waiting.pop(w)
             if request.num_cached_tokens < 0:
@@ -185,51 +183,13 @@ class Scheduler:
 
         self._add_grammar_bitmask(out)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
-        self._add_spec_token_budget(out)
+        self.speculation.budget_drafts(out, self.requests)
         return out
 
-    def _add_spec_token_budget(self, out: SchedulerOutput) -> None:
-        """With adaptive drafts, how many tokens each request may propose for its next step: the
-        count over the batch that makes a step's tokens per second highest (core/spec_budget.py)."""
-        spec = self.config.speculative_config
-        if spec is None or not spec.adaptive_drafts:
-            return
-        engine = engine_acceptance(self.spec_num_accepted_tokens, self.spec_num_rejections)
-        acceptance = {rid: request_acceptance(self.requests[rid].spec_accepted, self.requests[rid].spec_rejected,
-                                              engine) for rid in out.num_scheduled_tokens}
-        base_rows = out.total_num_scheduled_tokens - sum(len(d) for d in out.scheduled_spec_decode_tokens.values())
-        out.spec_token_budget = draft_budgets(self.step_cost, base_rows, acceptance, spec.num_speculative_tokens)
-        self.num_steps += 1
-        if self.num_steps % EXPLORE_EVERY == 0:  # a draft to learn from, and a size to measure
-            out.spec_token_budget = {rid: max(budget, 1) for rid, budget in out.spec_token_budget.items()}
-        elif self.num_steps % EXPLORE_EVERY == EXPLORE_EVERY // 2 and not self.step_cost.measured(base_rows):
-            out.spec_token_budget = dict.fromkeys(out.spec_token_budget, 0)  # the size without drafts, to measure
-
     def record_step_time(self, out: SchedulerOutput, runner_out: ModelRunnerOutput, seconds: float) -> None:
-        """The time a step took, from schedule() to its outputs (the engine measures it): the
-        proposer's share prices the next step's drafts, the rest this step's rows (decode steps
-        only: core/spec_budget.StepCost). Nothing to do without adaptive drafts."""
-        spec = self.config.speculative_config
-        if spec is None or not spec.adaptive_drafts:
-            return
-        self.step_cost.record_drafting(runner_out.draft_passes, runner_out.draft_seconds)
-        decode = all(n == 1 or rid in out.scheduled_spec_decode_tokens for rid, n in out.num_scheduled_tokens.items())
-        if not out.is_empty and decode and self._last_step_decoded:  # not on caches a prefill just swept
-            self.step_cost.record(out.total_num_scheduled_tokens, seconds - runner_out.draft_seconds)
-        self._last_step_decoded = decode
-
-    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
-        """The draft tokens to verify with a decoding request's next token: as many as the budget,
-        max_tokens and max_model_len leave room to accept (admission reserved KV for those)."""
-        if not request.spec_token_ids or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
-            return []
-        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                   self.max_model_len - request.num_tokens - 1)
-        return request.spec_token_ids[:max(room, 0)]
-
-    def _lookahead(self, request: Request, end: int) -> int:
-        spec = self.config.speculative_config
-        return 0 if spec is None else lookahead_slots(spec.num_lookahead_tokens, request, end, self.max_model_len)
+        """The time a step took, from schedule() to its outputs (the engine measures it), for the
+        speculation policy's cost model."""
+        self.speculation.record_step(out, runner_out, seconds)
 
     def _grammar_ready(self, request: Request) -> bool | None:
         """Whether its grammar is compiled (it is WAITING then); None if compiling failed, which
@@ -283,12 +243,7 @@ class Scheduler:
             num_rejected = len(drafts) - (len(token_ids) - 1) if drafts and token_ids else 0
             request.num_computed_tokens += num_tokens - num_rejected
             if drafts:
-                self.spec_num_drafts += 1
-                self.spec_num_draft_tokens += len(drafts)
-                self.spec_num_accepted_tokens += len(drafts) - num_rejected
-                self.spec_num_rejections += num_rejected > 0
-                request.spec_accepted += len(drafts) - num_rejected
-                request.spec_rejected += num_rejected > 0
+                self.speculation.verified(request, len(drafts), num_rejected)
             if token_ids is None:  # a prefill chunk that has not reached the end of the prompt
                 if prompt_logprobs is not None:
                     outputs.outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=prompt_logprobs,
@@ -377,7 +332,7 @@ class Scheduler:
             kv_tokens_stored=kv.filled_slots({r.request_id: r.num_computed_tokens for r in self.running}),
             prefix_cache_hit_tokens=kv.prefix_stats.num_hit_tokens,
             prefix_cache_queried_tokens=kv.prefix_stats.num_queried_tokens,
-            spec_num_drafts=self.spec_num_drafts,
-            spec_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_num_drafts=self.speculation.counters.num_drafts,
+            spec_num_draft_tokens=self.speculation.counters.num_draft_tokens,
+            spec_num_accepted_tokens=self.speculation.counters.num_accepted_tokens,
         )
