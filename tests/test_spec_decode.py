@@ -12,7 +12,7 @@ import pytest
 from dabba import LLM, SamplingParams
 from dabba.config import SpeculativeConfig
 from dabba.worker.spec_decode.ngram import NgramProposer, PackedTokens
-from dabba.worker.model_runner import accepted_tokens
+from dabba.worker.spec_decode.verification import accepted_tokens
 from tests.conftest import run_checked, token_prompts
 
 # Fixed drafts: the tests count drafts, which adaptive drafts (the default) would tie to timing.
@@ -28,20 +28,20 @@ def packed(ids: list[int]) -> PackedTokens:
 
 def test_the_proposal_follows_the_latest_longest_match() -> None:
     proposer = NgramProposer(3, 1, 3)
-    assert proposer.propose(packed([1, 2, 3, 4, 5, 9, 1, 2, 3]), 10) == [4, 5, 9]
+    assert proposer.lookup(packed([1, 2, 3, 4, 5, 9, 1, 2, 3]), 10) == [4, 5, 9]
     # the most recent earlier occurrence wins: "2 3" was followed by 7 last time
-    assert proposer.propose(packed([2, 3, 4, 2, 3, 7, 8, 2, 3]), 10) == [7, 8, 2]
-    assert proposer.propose(packed([1, 2, 3, 4, 5, 9, 1, 2, 3]), 2) == [4, 5]  # the limit caps it
-    assert proposer.propose(packed([5, 6, 7, 8]), 10) == []  # nothing recurs
-    assert NgramProposer(3, 2, 3).propose(packed([7, 1, 7]), 10) == []  # a 1-gram is below min_n
+    assert proposer.lookup(packed([2, 3, 4, 2, 3, 7, 8, 2, 3]), 10) == [7, 8, 2]
+    assert proposer.lookup(packed([1, 2, 3, 4, 5, 9, 1, 2, 3]), 2) == [4, 5]  # the limit caps it
+    assert proposer.lookup(packed([5, 6, 7, 8]), 10) == []  # nothing recurs
+    assert NgramProposer(3, 2, 3).lookup(packed([7, 1, 7]), 10) == []  # a 1-gram is below min_n
     # token 256 packs as bytes 00 01 00 00: a byte-level hit across two tokens is no match
-    assert proposer.propose(packed([0, 1, 0, 0, 9, 256]), 10) == []
+    assert proposer.lookup(packed([0, 1, 0, 0, 9, 256]), 10) == []
     tokens = packed([1, 2, 1])
     tokens.sync([1, 2, 1, 2])  # grows with the request
-    assert proposer.propose(tokens, 10) == [1, 2, 1]  # "1 2" recurs with period 2: the proposal repeats it
+    assert proposer.lookup(tokens, 10) == [1, 2, 1]  # "1 2" recurs with period 2: the proposal repeats it
     tokens.sync([4, 4])  # a request resent whole starts again
-    assert list(tokens.ids) == [4, 4] and proposer.propose(tokens, 10) == [4, 4, 4]
-    assert proposer.propose(packed([9, 5, 6, 7, 5, 6]), 10) == [7, 5, 6]  # period 3, from its start
+    assert list(tokens.ids) == [4, 4] and proposer.lookup(tokens, 10) == [4, 4, 4]
+    assert proposer.lookup(packed([9, 5, 6, 7, 5, 6]), 10) == [7, 5, 6]  # period 3, from its start
 
 
 def test_accepted_tokens_stop_at_the_first_disagreement() -> None:

@@ -3,23 +3,16 @@
 prepare inputs -> forward (under forward_context) -> logits of sampling rows -> sample -> verify
 drafts -> propose the next drafts.
 
-Speculative decoding (n-gram proposals, worker/spec_decode/ngram.py, or a draft model,
-worker/spec_decode/draft_model.py): a request's drafts run in the same forward as its next token, each
-position giving a logits row. Row j is sampled as a plain run would sample the request's next
-token had the drafts before it been its output (penalties, min_tokens and a seeded request's noise
-all see them), so accepting drafts while each equals the token sampled before it, and then taking
-the sampled token after the last one accepted, gives exactly what decoding one token a step gives:
-for one-hot proposals (n-gram, a greedy request's draft-model argmax) this is rejection sampling
-(draft d accepted with probability p(d), else a token drawn from p without d). A draft model's
-sampled proposals come with q, and the sampler's rejection step turns row j into d_j or a draw
-from the residual (worker/sampler.py), which the same comparison then reads.
+Speculative decoding plugs in through two modules: the proposer (worker/spec_decode/proposer.py,
+whichever selector.py picks: n-gram lookup or a draft model) proposes after each step, and the
+drafts it proposed are verified in the next one's forward (worker/spec_decode/verification.py: a
+logits row per draft position, sampled as plain decoding would, and the tokens accepted).
 
 The forward runs the model's Python layers (the reference) or the native layer loop, the same
 layers in C++ (models/native_layer_loop.py); worker/layer_loop.py makes that choice once per model.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -41,11 +34,11 @@ from dabba.ops import native
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.memory import check_fits, default_kv_cache_memory, keep_freed_host_memory, kv_cache_tensors
 from dabba.worker.model_inputs import ModelInputs
-from dabba.worker.request_states import CachedRequestState, RequestStates
-from dabba.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
-from dabba.worker.sampling_metadata import build_sampling_metadata, reads_its_output
-from dabba.worker.spec_decode.draft_model import DraftModel
-from dabba.worker.spec_decode.ngram import NgramProposer
+from dabba.worker.request_states import RequestStates
+from dabba.worker.sampler import Sampler, apply_grammar_bitmask
+from dabba.worker.sampling_metadata import build_sampling_metadata
+from dabba.worker.spec_decode.selector import make_proposer
+from dabba.worker.spec_decode.verification import accepted_tokens, draft_rows, row_states
 
 logger = logging.getLogger("dabba")
 
@@ -106,12 +99,7 @@ class ModelRunner:
         logger.info("Layers run %s: %s", "in the native loop (csrc/decode_cpu.cpp)" if self.native_loop
                     else "in Python", self.layer_loop_reason)
         self.sampler = Sampler(device, mc.seed)
-        spec = resolved.config.scheduler_config.speculative_config
-        self.proposer: NgramProposer | DraftModel | None = None
-        if spec is not None and spec.method == "ngram":
-            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        elif spec is not None:  # under tensor parallelism, each rank runs the whole draft: the same drafts on each
-            self.proposer = DraftModel(resolved, self.backend, self.kv_quant, self.sampler.generator)
+        self.proposer = make_proposer(resolved, self.backend, self.kv_quant, self.sampler.generator)
         self.requests = RequestStates()
         self.kv_caches: list = []  # per layer: a tensor, or (codes, scales) for an 8-bit cache
         self.layer_groups: list[int] | None = None  # per layer: its KV-cache group; None: one group
@@ -134,12 +122,8 @@ class ModelRunner:
         num_tensors = group_size(groups)
         bytes_per_block = bs * kv_bytes_per_token(num_tensors, self.num_kv_heads, arch.head_dim,
                                                   self.kv_cache_dtype, self.dtype)
-        draft = self.proposer if isinstance(self.proposer, DraftModel) else None
-        if draft is not None:  # its cache has a block for each of the pool's, read through the full-attention tables
-            if groups[0].sliding_window is not None:
-                raise ValueError("speculative_config: a draft model needs a target with full-attention layers "
-                                 "(its cache follows their block tables); every layer of this one has a sliding window")
-            bytes_per_block += draft.bytes_per_block(bs, self.kv_cache_dtype)
+        if self.proposer is not None:  # a draft model's own KV, a block for each of the pool's
+            bytes_per_block += self.proposer.bytes_per_block(bs, self.kv_cache_dtype, groups)
         budget = cache_config.kv_cache_memory
         if budget is None:
             blocks_per_seq = sum(g.blocks_needed(self.max_model_len, bs, max_chunk) for g in groups)
@@ -154,8 +138,8 @@ class ModelRunner:
                                    num_tensors, self.dtype, self.device)
         slots = layer_slots(groups)
         self.kv_caches = [tensors[slots[i][1]] for i in range(arch.num_hidden_layers)]
-        if draft is not None:
-            draft.allocate_kv_cache(num_blocks, bs)
+        if self.proposer is not None:
+            self.proposer.allocate_kv_cache(num_blocks, bs)
         self.layer_groups = None if len(groups) == 1 else [slots[i][0] for i in range(arch.num_hidden_layers)]
         self.layout = CacheLayout(num_blocks, bs, bytes_per_block, budget, groups)
         sliding = [g for g in groups if g.sliding_window is not None]
@@ -180,7 +164,7 @@ class ModelRunner:
                             self.kv_caches, self.layer_groups)  # [num_tokens, hidden]
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden))
         if not inputs.sampling_req_ids:
-            if isinstance(self.proposer, DraftModel):  # nothing to propose from, but its KV keeps up
+            if self.proposer is not None:  # nothing to propose from, but a draft model's KV keeps up
                 self.proposer.propose(self.requests, sched, [], {})
             return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
@@ -190,9 +174,9 @@ class ModelRunner:
             row_of = dict(zip(inputs.sampling_req_ids, first_rows))
             apply_grammar_bitmask(logits, sched.grammar_bitmask, [row_of[r] for r in sched.structured_output_request_ids])
         drafts = [sched.scheduled_spec_decode_tokens.get(r, []) for r in inputs.sampling_req_ids]
-        rows = self._row_states(inputs.sampling_req_ids, drafts)
+        rows = row_states(self.requests.states, inputs.sampling_req_ids, drafts)
         md = build_sampling_metadata(rows, self.arch.vocab_size, self.device)
-        self._add_draft_probs(md, inputs.sampling_req_ids, first_rows, drafts)
+        draft_rows(md, self.requests.states, inputs.sampling_req_ids, first_rows, drafts, self.device)
         sampler_out = self.sampler(logits, md)
         sampled = sampler_out.sampled.tolist()
         if sampler_out.logprobs is not None:
@@ -214,35 +198,6 @@ class ModelRunner:
             output.draft_seconds = time.perf_counter() - start
         return output
 
-    def _add_draft_probs(self, md: SamplingMetadata, request_ids: list[str], first_rows: list[int],
-                         drafts: list[list[int]]) -> None:
-        """The rows verifying a draft model's sampled proposal, for the sampler's rejection step:
-        each row's draft token and q (greedy rows and n-gram proposals compare tokens instead)."""
-        rows, tokens, probs = [], [], []
-        for request_id, first, draft in zip(request_ids, first_rows, drafts):
-            q = self.requests.states[request_id].draft_probs
-            if draft and q is not None:
-                rows += range(first, first + len(draft))
-                tokens += draft
-                probs.append(q[:len(draft)])
-        if rows:
-            md.draft_rows = torch.tensor(rows, device=self.device)
-            md.draft_token_ids = torch.tensor(tokens, device=self.device)
-            md.draft_probs = torch.cat(probs)
-
-    def _row_states(self, request_ids: list[str], drafts: list[list[int]]) -> list[CachedRequestState]:
-        """A state per logits row: a request's own, then for the row after each of its drafts the
-        request as if its output already ended with the drafts up to there."""
-        rows = []
-        for request_id, draft in zip(request_ids, drafts):
-            state = self.requests.states[request_id]
-            rows.append(state)
-            if reads_its_output(state):
-                rows += [dataclasses.replace(state, token_ids=state.token_ids + draft[:j]) for j in range(1, len(draft) + 1)]
-            else:  # nothing of its sampling depends on the position: the state itself serves every row
-                rows += [state] * len(draft)
-        return rows
-
     def _propose(self, sched: SchedulerOutput, request_ids: list[str]) -> tuple[dict[str, list[int]], int]:
         """Drafts for the next step of each request that sampled (none under structured outputs,
         whose grammar would have to walk them, nor while a request's proposals pause), and the
@@ -259,20 +214,11 @@ class ModelRunner:
             allowed = sched.spec_token_budget.get(request_id, self.proposer.num_tokens)
             if allowed > 0:
                 wants[request_id] = allowed
-        if isinstance(self.proposer, DraftModel):  # it also catches up with prompt chunks
-            proposals = self.proposer.propose(self.requests, sched, request_ids, wants)
-            for request_id, proposal in proposals.items():
-                self.requests.states[request_id].draft_probs = proposal.probs
-            return ({request_id: proposal.token_ids for request_id, proposal in proposals.items()},
-                    max(wants.values(), default=0))
-        proposals = {}
-        for request_id in wants:
-            state = self.requests.states[request_id]
-            state.packed.sync(state.token_ids)
-            draft = self.proposer.propose(state.packed, wants[request_id])
-            if draft:
-                proposals[request_id] = draft
-        return proposals, max(wants.values(), default=0)
+        proposals = self.proposer.propose(self.requests, sched, request_ids, wants)  # a draft model catches up too
+        for request_id, proposal in proposals.items():
+            self.requests.states[request_id].draft_probs = proposal.probs
+        return ({request_id: proposal.token_ids for request_id, proposal in proposals.items()},
+                max(wants.values(), default=0))
 
     def _prompt_logprobs(self, sched: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor) -> dict:
         """For requests asking prompt_logprobs, the logprob of each prompt token this step's chunk
@@ -299,14 +245,3 @@ class ModelRunner:
                 entries += [TokenLogprobs(a, b, r) for a, b, r in zip(ids, lps, ranks)]
             result[request_id] = (start + 1, entries)
         return result
-
-
-def accepted_tokens(sampled: list[int], draft: list[int]) -> list[int]:
-    """What a step gives a request: the sampled tokens while each equals the draft it verifies,
-    then the first that differs (or the one after the last draft)."""
-    tokens = []
-    for j, token in enumerate(sampled):
-        tokens.append(token)
-        if j == len(draft) or token != draft[j]:
-            break
-    return tokens

@@ -3,13 +3,7 @@ the whole batch, every per-request setting a tensor row, no Python loop over the
 
 Order (vLLM's): raw logprobs -> logit_bias -> min_tokens ban -> penalties -> greedy argmax |
 temperature -> top_k -> top_p -> min_p (transformers' warper order and boundary rules) -> sample
--> (a draft model's proposal in the row) rejection sampling.
-
-Speculative decoding with a draft model: a row that verifies a draft token d drawn from the
-draft's distribution q keeps d with probability min(1, p(d) / q(d)), else draws from
-norm(max(0, p - q)): the token that comes out is distributed as p, whatever q is (Leviathan et
-al. 2023, Chen et al. 2023). A rejected row's token is never d (p(d) < q(d) there), so the model
-runner keeps a request's rows while each equals its draft.
+-> (a draft model's proposal in the row) rejection sampling (worker/spec_decode/verification.py).
 """
 from __future__ import annotations
 
@@ -19,38 +13,9 @@ import numpy as np
 import torch
 
 from dabba.ops.native import use_cpu_kernels
-
-_MASK64 = (1 << 63) - 1
-
-
-def step_seed(seed: int, output_index: int, stream: int = 0) -> int:
-    """Seed for one sampled position: the k-th token of a seeded request depends only on
-    (seed, k), not on the batch or on preemption. ``stream`` keeps the other draws at that
-    position apart (0: the token's sample; DRAFT_STREAM, VERIFY_STREAM: speculative decoding's)."""
-    return (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB + 1) & _MASK64
-
-
-DRAFT_STREAM, VERIFY_STREAM = 1, 2
-
-
-def row_noise(shape: tuple[int, ...], generator: torch.Generator, seeds: list[int | None], output_indices: list[int],
-              stream: int, device: torch.device) -> torch.Tensor:
-    """Uniform noise, a row per request: a seeded request's row depends only on (seed, output
-    index, stream), the others' come from the shared generator."""
-    noise = torch.empty(shape, device=device).uniform_(generator=generator)
-    for i, seed in enumerate(seeds):
-        if seed is not None:
-            gen = torch.Generator(device=device).manual_seed(step_seed(seed, output_indices[i], stream))
-            noise[i].uniform_(generator=gen)
-    return noise
-
-
-def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """One draw from each row of probs, given uniform noise of its shape (consumed): argmax(p / E)
-    with E = -log U ~ Exp(1). On the CPU, uniform_ then log_ is 4x faster than exponential_ (27 ms
-    for 32 x 49152 draws), which would otherwise cost as much as a decode step's GEMMs."""
-    return (probs / noise.log_().neg_()).max(dim=-1).indices
-
+from dabba.worker.random_draws import race, row_noise
+from dabba.worker.sampling_metadata import SamplingMetadata
+from dabba.worker.spec_decode.verification import rejection_sample
 
 def warp(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """The distribution a sampled row draws from: temperature, top_k, top_p, min_p, softmax."""
@@ -63,36 +28,6 @@ def warp(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.min_p is not None:
         logits = apply_min_p(logits, md.min_p)
     return logits.softmax(dim=-1)
-
-
-@dataclass
-class SamplingMetadata:
-    """Per-row settings of the requests sampling this step ([num_reqs] unless noted)."""
-
-    temperature: torch.Tensor  # 0 for greedy rows
-    top_k: torch.Tensor | None  # int64; vocab size where disabled; None if no row uses it
-    top_p: torch.Tensor | None
-    min_p: torch.Tensor | None
-    presence_penalty: torch.Tensor | None  # these four are None unless some row uses penalties
-    frequency_penalty: torch.Tensor | None
-    repetition_penalty: torch.Tensor | None
-    output_counts: torch.Tensor | None  # [num_reqs, vocab] float: occurrences in the output so far
-    prompt_mask: torch.Tensor | None  # [num_reqs, vocab] bool: token occurs in the prompt
-    bias_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) for logit_bias
-    bias_value: torch.Tensor | None
-    banned_index: tuple[torch.Tensor, torch.Tensor] | None  # stop tokens banned before min_tokens
-    seeds: list[int | None]
-    output_indices: list[int]  # how many tokens each request has generated so far
-    num_logprobs: list[int | None]  # top-N per row, None = no logprobs
-    # Rows verifying a draft model's sampled proposal: the rows, their draft tokens, and q, the
-    # distribution each was drawn from ([len(draft_rows), vocab]); None when no row has one.
-    draft_rows: torch.Tensor | None = None
-    draft_token_ids: torch.Tensor | None = None
-    draft_probs: torch.Tensor | None = None
-
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
 
 
 @dataclass
@@ -209,20 +144,8 @@ class Sampler:
         probs = warp(logits, md)
         sampled = race(probs, row_noise(probs.shape, self.generator, md.seeds, md.output_indices, 0, probs.device))
         if md.draft_rows is not None:
-            sampled[md.draft_rows] = self._verify_drafts(probs[md.draft_rows], md)
+            sampled[md.draft_rows] = rejection_sample(probs[md.draft_rows], md, self.generator)
         return sampled
-
-    def _verify_drafts(self, p: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Rejection sampling of the draft rows: each row's draft token, or a draw from the residual."""
-        q, d = md.draft_probs, md.draft_token_ids
-        rows = md.draft_rows.tolist()
-        draws = row_noise((len(rows), 1 + p.shape[1]), self.generator, [md.seeds[r] for r in rows],
-                          [md.output_indices[r] for r in rows], VERIFY_STREAM, p.device)
-        u, noise = draws[:, 0], draws[:, 1:]  # the acceptance test's, then the residual draw's
-        p_d, q_d = p.gather(1, d[:, None])[:, 0], q.gather(1, d[:, None])[:, 0]
-        accept = u * q_d < p_d
-        residual = race((p - q).clamp_(min=0), noise)
-        return torch.where(accept, d, residual)
 
     @staticmethod
     def _gather_logprobs(raw_logprobs: torch.Tensor, out: SamplerOutput, md: SamplingMetadata) -> None:

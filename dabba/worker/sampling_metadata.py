@@ -1,10 +1,41 @@
 """Per-step sampling tensors, built from the requests that sample this step."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dabba.worker.request_states import CachedRequestState
-from dabba.worker.sampler import SamplingMetadata
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row settings of the requests sampling this step ([num_reqs] unless noted)."""
+
+    temperature: torch.Tensor  # 0 for greedy rows
+    top_k: torch.Tensor | None  # int64; vocab size where disabled; None if no row uses it
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    presence_penalty: torch.Tensor | None  # these four are None unless some row uses penalties
+    frequency_penalty: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None
+    output_counts: torch.Tensor | None  # [num_reqs, vocab] float: occurrences in the output so far
+    prompt_mask: torch.Tensor | None  # [num_reqs, vocab] bool: token occurs in the prompt
+    bias_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) for logit_bias
+    bias_value: torch.Tensor | None
+    banned_index: tuple[torch.Tensor, torch.Tensor] | None  # stop tokens banned before min_tokens
+    seeds: list[int | None]
+    output_indices: list[int]  # how many tokens each request has generated so far
+    num_logprobs: list[int | None]  # top-N per row, None = no logprobs
+    # Rows verifying a draft model's sampled proposal: the rows, their draft tokens, and q, the
+    # distribution each was drawn from ([len(draft_rows), vocab]); None when no row has one.
+    draft_rows: torch.Tensor | None = None
+    draft_token_ids: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
 
 
 def _pairs(rows_and_ids: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

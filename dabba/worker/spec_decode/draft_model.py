@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 
 from dabba.arch.config import ArchConfig
 from dabba.attention.kv_quant import kv_bytes_per_token
+from dabba.core.kv_cache_groups import KVCacheGroup
 from dabba.core.outputs import SchedulerOutput
 from dabba.models.loader import load_model
 from dabba.models.resolved_config import ResolvedConfig
@@ -40,16 +40,12 @@ from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.memory import check_fits, kv_cache_tensors
 from dabba.worker.model_inputs import FlatBatch
 from dabba.worker.request_states import CachedRequestState, RequestStates
-from dabba.worker.sampler import DRAFT_STREAM, SamplingMetadata, argmax_rows, race, row_noise, warp
-from dabba.worker.sampling_metadata import build_sampling_metadata
+from dabba.worker.random_draws import DRAFT_STREAM, race, row_noise
+from dabba.worker.sampler import argmax_rows, warp
+from dabba.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from dabba.worker.spec_decode.proposer import Proposal
 
 logger = logging.getLogger("dabba")
-
-
-@dataclass
-class Proposal:
-    token_ids: list[int]
-    probs: torch.Tensor | None  # [len(token_ids), vocab]: q of each token (a sampled request); None: greedy
 
 
 def check_same_vocabulary(draft_dir: Path, draft: ArchConfig, target_dir: Path, target: ArchConfig) -> None:
@@ -97,7 +93,11 @@ class DraftModel:
         # the draft's work); a block given out anew is not, until the draft has passed its end
         self.valid = np.zeros(0, dtype=bool)
 
-    def bytes_per_block(self, block_size: int, kv_cache_dtype: str) -> int:
+    def bytes_per_block(self, block_size: int, kv_cache_dtype: str, groups: tuple[KVCacheGroup, ...]) -> int:
+        """Its cache has a block for each of the pool's, read through the full-attention tables."""
+        if groups[0].sliding_window is not None:
+            raise ValueError("speculative_config: a draft model needs a target with full-attention layers "
+                             "(its cache follows their block tables); every layer of this one has a sliding window")
         arch = self.arch
         return block_size * kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
                                                kv_cache_dtype, self.dtype)

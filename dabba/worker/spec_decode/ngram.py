@@ -16,6 +16,14 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from dabba.worker.spec_decode.proposer import Proposal
+
+if TYPE_CHECKING:
+    from dabba.core.kv_cache_groups import KVCacheGroup
+    from dabba.core.outputs import SchedulerOutput
+    from dabba.worker.request_states import RequestStates
 
 
 @dataclass
@@ -40,7 +48,25 @@ class NgramProposer:
     min_n: int
     max_n: int
 
-    def propose(self, tokens: PackedTokens, limit: int) -> list[int]:
+    def bytes_per_block(self, block_size: int, kv_cache_dtype: str, groups: "tuple[KVCacheGroup, ...]") -> int:
+        return 0  # it keeps no KV
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        pass
+
+    def propose(self, requests: "RequestStates", sched: "SchedulerOutput", sampled: list[str],
+                wants: dict[str, int]) -> dict[str, Proposal]:
+        """For each request in ``wants``, what followed the latest earlier occurrence of its text's end."""
+        proposals = {}
+        for request_id, limit in wants.items():
+            state = requests.states[request_id]
+            state.packed.sync(state.token_ids)
+            draft = self.lookup(state.packed, limit)
+            if draft:
+                proposals[request_id] = Proposal(draft)
+        return proposals
+
+    def lookup(self, tokens: PackedTokens, limit: int) -> list[int]:
         """Up to min(k, limit) tokens that followed the latest earlier occurrence of the longest
         suffix n-gram of ``tokens``; none if no n-gram of min_n or more tokens recurs."""
         count = min(self.num_tokens, limit)
