@@ -299,3 +299,13 @@ def test_every_module_has_a_rung_on_the_ladder():
 def test_no_import_runs_up_the_ladder():
     up = arrows_up(import_graph())
     assert not up, f"{len(up)} import(s) run up the ladder:\n  " + "\n  ".join(up)
+
+
+def test_the_server_reaches_the_engine_only_through_its_client_protocol():
+    """The HTTP front end holds an EngineClient (engine/protocol.py) and its types, never an engine."""
+    graph = import_graph()
+    front = [m for m in MODULES if m.startswith((f"{ROOT}.entrypoints.openai", f"{ROOT}.entrypoints.web"))]
+    assert len(front) >= 6, front
+    reached = {(m, target) for m in front for target in graph[m]
+               if target.startswith(f"{ROOT}.engine.") and target != f"{ROOT}.engine.protocol"}
+    assert reached == set(), reached

@@ -6,8 +6,8 @@ layer's sliding window W, masked to the keys p - W + 1 .. p of each query positi
 with a soft cap (Gemma 2: scores -> cap * tanh(scores / cap), which SDPA cannot apply) gets the
 same attention written out: softcapped_attention. Decodes
 (one query token each) are batched: their blocks are gathered into one padded, masked batch and
-attended with two batched matmuls and a float32 softmax; on CPU that is ~15x faster than SDPA in
-bf16 for a single query row.
+attended with two batched matmuls and a float32 softmax (benchmarks/design_choices.py:
+decode_attention times SDPA with the same mask beside them).
 
 Cache layout per layer: [2 (k|v), num_kv_heads, num_blocks, block_size, head_dim]. Heads lead so
 that gathering a request's blocks yields contiguous [num_kv_heads, batch, context, head_dim]

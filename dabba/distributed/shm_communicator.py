@@ -1,8 +1,8 @@
 """All-reduce and all-gather through shared memory, for ranks on one host.
 
-gloo takes about 2 ms to all-reduce one token's hidden state between two local processes (its
+gloo takes milliseconds to all-reduce one token's hidden state between two local processes (its
 TCP transport and its own threads); a decode step all-reduces twice a layer, so that alone would
-cost more than the step's compute (benchmarks/tp_comm.py). Here each rank copies its tensor into
+cost more than the step's compute (benchmarks/tp_comm.py measures both transports). Here each rank copies its tensor into
 its slot of one shared segment, publishes a sequence number, waits until every rank has published
 the same one, and reads all slots: the sum is taken in rank order on every rank, so all ranks hold
 the same bits (the sampler then draws the same tokens on each).

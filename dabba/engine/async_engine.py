@@ -35,8 +35,8 @@ logger = logging.getLogger("dabba")
 class AsyncLLMEngine:
     """The EngineClient of one engine, whose loop runs on one thread. By default it starts its
     own thread; with ``start_thread=False`` the caller runs it with run_loop() (dabba serve runs it
-    on the main thread: the same decode step took ~1.5x as long when launched from a thread other
-    than the main one, an OpenMP thread-team effect measured at 16 vs 23 ms for 8 rows)."""
+    on the main thread: a decode step launched from a thread other than the main one runs slower,
+    an OpenMP thread-team effect; benchmarks/design_choices.py measures it, README gives the figure)."""
 
     def __init__(self, engine: LLMEngine, model_name: str, start_thread: bool = True,
                  metrics: EngineMetrics | None = None) -> None:

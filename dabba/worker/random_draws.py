@@ -32,6 +32,7 @@ def row_noise(shape: tuple[int, ...], generator: torch.Generator, seeds: list[in
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """One draw from each row of probs, given uniform noise of its shape (consumed): argmax(p / E)
-    with E = -log U ~ Exp(1). On the CPU, uniform_ then log_ is 4x faster than exponential_ (27 ms
-    for 32 x 49152 draws), which would otherwise cost as much as a decode step's GEMMs."""
+    with E = -log U ~ Exp(1). On the CPU, uniform_ then log_ is several times faster than
+    exponential_, which would otherwise cost as much as a decode step's GEMMs
+    (benchmarks/design_choices.py: sampling_draw)."""
     return (probs / noise.log_().neg_()).max(dim=-1).indices

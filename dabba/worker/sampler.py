@@ -102,8 +102,8 @@ def apply_grammar_bitmask_reference(logits: torch.Tensor, words: torch.Tensor, i
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum (a NaN row: its first NaN): the native one-pass kernel on the CPU
     (csrc/sampling_cpu.cpp, bf16 read as it is), else the reference it is held equal to.
-    max(dim).indices is argmax with those rules, at a third of argmax's time on the CPU (3.2
-    against 11.0 ms over 32 x 262144 float32 logits)."""
+    max(dim).indices is argmax with those rules, in a fraction of argmax's time on the CPU
+    (benchmarks/design_choices.py: argmax_rows)."""
     if use_cpu_kernels(logits) and logits.dim() == 2 and logits.stride(1) == 1 \
             and logits.dtype in (torch.float32, torch.bfloat16):
         return torch.ops.dabba_cpu.argmax_rows(logits)
