@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from dabba.arch.config import ArchConfig
 from dabba.ops import kernel_variants
 from dabba.tools.bench.offline import OfflineWorkload
-from dabba.arch.config import ArchConfig
 
 PROBE_SOURCE = r"""
 #include <torch/extension.h>

@@ -23,8 +23,8 @@ from typing import Iterator
 
 import httpx
 
-from dabba.tools.bench.serve import ServeBenchConfig, run_serve_benchmark
 from dabba.config import DEMO_MODEL
+from dabba.tools.bench.serve import ServeBenchConfig, run_serve_benchmark
 
 WORKLOADS = {"random": dict(input_len=256, output_len=64),
              "prefixes": dict(prefix_len=256, num_prefixes=4, input_len=32, output_len=64)}

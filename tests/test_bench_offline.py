@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from dabba.tools.bench.offline import OfflineWorkload, make_prompts
 from dabba.config import DEMO_MODEL
 from dabba.engine.tokenizer import Tokenizer
 from dabba.entrypoints.cli import main
+from dabba.tools.bench.offline import OfflineWorkload, make_prompts
 
 
 def test_random_prompts_are_seeded_and_exact() -> None:

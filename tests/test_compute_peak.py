@@ -8,8 +8,8 @@ import torch
 
 from benchmarks.compute_peak import _attended_keys, ceiling, measure_peak, workload_flops
 from benchmarks.peers.compute import compute_lines, compute_report
-from dabba.tools.bench.offline import OfflineWorkload
 from dabba.arch.config import ArchConfig
+from dabba.tools.bench.offline import OfflineWorkload
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])

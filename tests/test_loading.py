@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dabba import LLM
-from dabba.engine.tokenizer import Tokenizer
 from dabba.arch.config import ArchConfig
+from dabba.engine.tokenizer import Tokenizer
 from tests.conftest import Checkpoint
 
 

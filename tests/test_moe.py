@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dabba import LLM, SamplingParams
-from dabba.layers.fused_moe import Expert, moe_forward, route
 from dabba.arch.config import ArchConfig, MoEConfig
+from dabba.layers.fused_moe import Expert, moe_forward, route
 from tests.conftest import NUM_NEW_TOKENS, hf_greedy, token_prompts
 
 

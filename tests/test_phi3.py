@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dabba import LLM, SamplingParams
-from dabba.layers.rotary import RotaryEmbedding
 from dabba.arch.config import ArchConfig
+from dabba.layers.rotary import RotaryEmbedding
 from tests.conftest import token_prompts
 from tests.test_loading import copy_checkpoint, edit_config
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peers.workloads import BATCH_WORKLOADS, Workload
-from dabba.tools.bench.offline import OfflineWorkload
 from dabba.arch.config import ArchConfig
+from dabba.tools.bench.offline import OfflineWorkload
 
 KV_ROUND = 128  # tokens: a sequence's KV share, a multiple of every engine's block size
 KV_SLACK = 256  # tokens on top: what an engine reserves (vLLM's null block) must not cost a sequence

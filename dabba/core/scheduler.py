@@ -23,7 +23,6 @@ import logging
 from typing import Any, Iterable, Protocol
 
 from dabba.config import SchedulerConfig
-from dabba.errors import InvalidRequest
 from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
@@ -31,6 +30,7 @@ from dabba.core.request import Request, RequestStatus
 from dabba.core.spec_budget import RowBlocks
 from dabba.core.speculation import make_speculation
 from dabba.core.stats import SchedulerStats
+from dabba.errors import InvalidRequest
 
 logger = logging.getLogger("dabba")
 

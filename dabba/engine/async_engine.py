@@ -117,12 +117,9 @@ class AsyncLLMEngine:
 
         return watch([self.feed], now, lambda latest: latest[0])
 
-    async def update_metrics(self) -> None:
-        """Set the scheduler's gauges from a snapshot taken now (when /metrics is scraped)."""
-        self.metrics.observe_scheduler(await self.get_stats())
-
     async def render_metrics(self) -> bytes:
-        await self.update_metrics()
+        """The scheduler's gauges from a snapshot taken now (when /metrics is scraped), then all."""
+        self.metrics.observe_scheduler(await self.get_stats())
         return generate_latest(self.metrics.registry)
 
     @property

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dabba.ops import native
 from dabba.distributed.tensor_parallel import TensorParallel, current_tensor_parallel
+from dabba.ops import native
 from dabba.quantization.base import LinearMethod
 from dabba.quantization.rtn import Int8RTNMethod
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dabba.arch.config import MoEConfig
 from dabba.distributed.tensor_parallel import current_tensor_parallel
 from dabba.layers.linear import Linear
 from dabba.layers.native_form import NativeMLP
-from dabba.arch.config import MoEConfig
 from dabba.quantization.config import QuantConfig
 
 

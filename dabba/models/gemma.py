@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dabba.arch.config import ArchConfig
 from dabba.layers.embedding import VocabEmbedding
 from dabba.layers.layernorm import GemmaRMSNorm
 from dabba.layers.native_form import NativeLayer, NativeQKNorm
 from dabba.layers.rotary import LayerTypeRotary
-from dabba.arch.config import ArchConfig
 from dabba.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from dabba.quantization.config import QuantConfig
 

@@ -12,6 +12,7 @@ from typing import Callable, Hashable, Iterable
 import torch
 from torch import nn
 
+from dabba.arch.config import ArchConfig
 from dabba.distributed.tensor_parallel import KVHeadShard, current_tensor_parallel
 from dabba.layers.attention import Attention
 from dabba.layers.embedding import LMHead, VocabEmbedding
@@ -19,7 +20,6 @@ from dabba.layers.layernorm import RMSNorm
 from dabba.layers.linear import Linear
 from dabba.layers.native_form import NativeLayer, NativeMLP, NativeQKNorm
 from dabba.layers.rotary import RotaryEmbedding, apply_rotary
-from dabba.arch.config import ArchConfig
 from dabba.quantization.config import QuantConfig
 
 # checkpoint name fragment -> (merged parameter fragment, shard id)

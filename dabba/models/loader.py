@@ -17,11 +17,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from dabba.arch.config import ArchConfig
+from dabba.arch.files import read_json_object
 from dabba.distributed.tensor_parallel import SINGLE, TensorParallel, building_for
 from dabba.layers.embedding import LMHead
 from dabba.layers.rotary import describe_longrope
-from dabba.arch.config import ArchConfig
-from dabba.arch.files import read_json_object
 from dabba.models.registry import get_model_class
 from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.config import QuantConfig

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from dabba.ops import native
 from dabba.attention.cpu import CpuMetadata
 from dabba.attention.kv_quant import KVQuant
 from dabba.distributed.tensor_parallel import SINGLE, TensorParallel
 from dabba.layers.native_form import ROPE_TABLES, NoNativeForm
+from dabba.ops import native
 
 
 def missing_native_form(model: Any) -> str | None:

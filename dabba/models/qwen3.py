@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
+from dabba.arch.config import ArchConfig
 from dabba.layers.layernorm import RMSNorm
 from dabba.layers.native_form import NativeQKNorm
-from dabba.arch.config import ArchConfig
-from dabba.quantization.config import QuantConfig
 from dabba.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from dabba.quantization.config import QuantConfig
 
 
 class Qwen3Attention(LlamaAttention):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from dabba.arch.config import ArchConfig
 from dabba.distributed.tensor_parallel import TensorParallel, building_for
 from dabba.layers.embedding import LMHead
-from dabba.layers.linear import Linear
 from dabba.layers.fused_moe import Expert
-from dabba.arch.config import ArchConfig
+from dabba.layers.linear import Linear
 from dabba.models.registry import get_model_class
 from dabba.quantization.config import QuantConfig
 

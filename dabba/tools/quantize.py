@@ -20,13 +20,13 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from dabba.arch.config import GEMMA_ARCHITECTURES, ArchConfig
+from dabba.arch.files import read_json_object
 from dabba.attention.backend import forward_context
 from dabba.attention.dense import DenseCausalBackend
 from dabba.engine.tokenizer import Tokenizer
-from dabba.layers.linear import Linear
 from dabba.layers.fused_moe import FusedMoE
-from dabba.arch.config import GEMMA_ARCHITECTURES, ArchConfig
-from dabba.arch.files import read_json_object
+from dabba.layers.linear import Linear
 from dabba.models.loader import find_weight_files, load_model, open_safetensors
 from dabba.models.moe import STACKED_EXPERTS
 from dabba.quantization.awq import awq_clip_layer, awq_scale_layer

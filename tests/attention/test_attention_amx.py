@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dabba.ops import native
 from dabba.attention.cpu import CpuBackend
+from dabba.ops import native
 from tests.attention.test_backends import make_step
 
 pytestmark = pytest.mark.skipif(not (native.load_cpu_ops() and native.amx_usable(32)),

@@ -16,8 +16,8 @@ from dabba.attention.kv_quant import KVQuant, kv_bytes_per_token, make_kv_quant
 from dabba.attention.selector import get_attention_backend
 from dabba.attention.torch_ref import TorchRefBackend
 from dabba.config import DEMO_MODEL
-from dabba.tools.evaluation import perplexity
 from dabba.ops.native import load_cpu_ops
+from dabba.tools.evaluation import perplexity
 from tests.attention.test_backends import make_step
 from tests.conftest import run_checked, token_prompts
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-import dabba.engine.core as engine_core
 from dabba import LLM, SamplingParams
 from dabba.distributed.tensor_parallel import KVHeadShard, check_split
+import dabba.engine.core as engine_core
 from tests.conftest import token_prompts
 from tests.distributed.thread_group import ThreadExecutor
 from tools.tiny_checkpoint import make_checkpoint

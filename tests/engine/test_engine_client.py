@@ -13,13 +13,13 @@ from typing import Iterator
 import pytest
 
 from dabba import LLM, SamplingParams
+from dabba.arch.config import ArchConfig
 from dabba.config import EngineConfig
 from dabba.engine.clients import make_engine_client
 from dabba.engine.data_parallel import build_replicas
 from dabba.engine.llm_engine import LLMEngine
 from dabba.engine.output_processor import IterationStats
 from dabba.engine.protocol import EngineClient, EngineDeadError, InvalidRequest, RequestStream
-from dabba.arch.config import ArchConfig
 from dabba.outputs import RequestOutput
 from dabba.sampling_params import RequestOutputKind
 from tests.conftest import token_prompts

@@ -9,15 +9,15 @@ import torch
 from safetensors.torch import load_file
 
 from dabba import LLM, SamplingParams
+from dabba.arch.config import ArchConfig
 from dabba.attention.backend import forward_context
 from dabba.attention.dense import DenseCausalBackend
 from dabba.config import DEMO_MODEL
 from dabba.entrypoints.cli import main
-from dabba.tools.evaluation import kl_divergence
 from dabba.layers.linear import Linear
-from dabba.arch.config import ArchConfig
 from dabba.models.loader import load_model
 from dabba.quantization.awq import awq_clip_layer, awq_scale_layer, fake_quantize, search_clip, search_scale
+from dabba.tools.evaluation import kl_divergence
 
 
 def activations(tokens: int, in_features: int, outliers: int, seed: int = 0) -> torch.Tensor:

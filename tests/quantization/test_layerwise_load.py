@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dabba import LLM
+from dabba.arch.config import ArchConfig
 from dabba.layers.embedding import LMHead
 from dabba.models import loader
-from dabba.arch.config import ArchConfig
 from dabba.models.llama import checkpoint_target
 from dabba.models.registry import get_model_class
 from dabba.quantization.base import UnquantizedLinearMethod

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from dabba import LLM, SamplingParams
 from dabba.config import DEMO_MODEL
 from dabba.entrypoints.cli import main
-from dabba.tools.evaluation import perplexity
 from dabba.layers.linear import Linear
 from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QuantConfig
 from dabba.quantization.rtn import quantize
+from dabba.tools.evaluation import perplexity
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])

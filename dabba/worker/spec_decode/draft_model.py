@@ -39,8 +39,8 @@ from dabba.models.sizes import weights_bytes
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.memory import check_fits, kv_cache_tensors
 from dabba.worker.model_inputs import FlatBatch
-from dabba.worker.request_states import CachedRequestState, RequestStates
 from dabba.worker.random_draws import DRAFT_STREAM, race, row_noise
+from dabba.worker.request_states import CachedRequestState, RequestStates
 from dabba.worker.sampler import argmax_rows, warp
 from dabba.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from dabba.worker.spec_decode.proposer import Proposal
