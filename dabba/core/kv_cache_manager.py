@@ -113,8 +113,8 @@ class KVCacheManager:
 
     def cached_prefix_blocks(self, block_hashes: list) -> int:
         """How many leading blocks of a prompt (its chained hashes) the cache holds, as the
-        first full-attention group sees them: a data-parallel router's estimate. Only reads one
-        dict, so another thread may ask while the engine's steps change it; nothing is reserved."""
+        first full-attention group sees them: a data-parallel router's estimate (PrefixCacheView).
+        Only tests membership in one dict; nothing is reserved."""
         if not self.enable_caching:
             return 0
         g = next((i for i, group in enumerate(self.groups) if group.sliding_window is None), 0)
@@ -240,3 +240,18 @@ class KVCacheManager:
         for b in self.pool.blocks:
             if b is not self.pool.null_block:
                 assert b.ref_cnt == held.get(b.block_id, 0), (b, held.get(b.block_id, 0))
+
+
+class PrefixCacheView:
+    """The one question another thread may ask of a KV cache while the engine thread steps it:
+    how many leading blocks of a prompt it holds. Each lookup is one membership test in the pool's
+    hash map, atomic under the GIL, so the answer is right as of some moment of the step, which a
+    router's estimate allows; asking the engine thread instead would hold every routed request
+    until a busy replica's step ends. A core in a process of its own would publish this map's
+    changes to its router instead."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self._manager = manager
+
+    def leading_blocks(self, block_hashes: list) -> int:
+        return self._manager.cached_prefix_blocks(block_hashes)

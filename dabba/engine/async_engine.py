@@ -16,10 +16,9 @@ from typing import AsyncIterator
 
 from prometheus_client import generate_latest
 
-from dabba.core.request import BlockHash
 from dabba.core.stats import SchedulerStats
-from dabba.engine.commands import (AbortAll, AbortRequest, AddRequest, CachedPrefixBlocks, Command, GetSnapshot,
-                                   GetStats, OutputQueue, Reply, Wake)
+from dabba.engine.commands import (AbortAll, AbortRequest, AddRequest, Command, GetSnapshot, GetStats, OutputQueue,
+                                   Reply, Wake)
 from dabba.engine.llm_engine import LLMEngine
 from dabba.engine.metrics import EngineMetrics
 from dabba.engine.output_processor import IterationStats
@@ -43,6 +42,7 @@ class AsyncLLMEngine:
         self._engine = engine  # the engine thread's alone
         self.model_info = engine.model_info
         self._processor = engine.processor  # thread-safe: requests are processed on the caller's side
+        self.prefix_cache = engine.engine_core.prefix_cache_view()  # a router's one reading of engine state
         self.metrics = metrics or EngineMetrics(model_name)
         self.feed = StatsFeed()  # the dashboard's snapshots
         self._commands: queue.Queue[Command] = queue.Queue()
@@ -105,10 +105,6 @@ class AsyncLLMEngine:
     async def get_snapshot(self) -> dict:
         """The dashboard's snapshot of the engine now (engine/stats_feed.py)."""
         return await self._ask(GetSnapshot)
-
-    async def cached_prefix_blocks(self, block_hashes: list[BlockHash]) -> int:
-        """How many leading blocks of a prompt the prefix cache holds, asked between two steps."""
-        return await self._ask(CachedPrefixBlocks, block_hashes)
 
     def watch_stats(self) -> AsyncIterator[dict | None]:
         """Snapshots as the engine steps (engine/stats_feed.py's watch)."""
@@ -234,8 +230,6 @@ class AsyncLLMEngine:
                 reply.send(engine.get_stats())
             case GetSnapshot(reply):
                 reply.send(self.feed.publish(engine.engine_core, idle=not engine.has_unfinished_requests()))
-            case CachedPrefixBlocks(block_hashes, reply):
-                reply.send(engine.engine_core.cached_prefix_blocks(block_hashes))
             case AbortAll(reason):
                 self._abort_all(reason)
             case Wake():
@@ -256,8 +250,6 @@ class AsyncLLMEngine:
                     reply.send(self._engine.get_stats())
                 case GetSnapshot(reply):
                     reply.send(self.feed.publish(self._engine.engine_core, idle=True))
-                case CachedPrefixBlocks(block_hashes, reply):
-                    reply.send(self._engine.engine_core.cached_prefix_blocks(block_hashes))
 
     def _publish(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
         """Metrics come from the step's stats, not from the outputs: a DELTA output holds only

@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dabba.core.request import BlockHash
 from dabba.engine.processor import EngineRequest
 
 
@@ -81,15 +80,7 @@ class GetSnapshot:
     reply: Reply  # -> the dashboard's snapshot (engine/stats_feed.py)
 
 
-@dataclass
-class CachedPrefixBlocks:
-    """How many leading blocks of a prompt the prefix cache holds (a data-parallel router's query)."""
-
-    block_hashes: list[BlockHash]
-    reply: Reply  # -> int
-
-
-Command = AddRequest | AbortRequest | AbortAll | Wake | GetStats | GetSnapshot | CachedPrefixBlocks
+Command = AddRequest | AbortRequest | AbortAll | Wake | GetStats | GetSnapshot
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any, *args: object) -> None:

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-from dabba.core.kv_cache_manager import KVCacheManager
+from dabba.core.kv_cache_manager import KVCacheManager, PrefixCacheView
 from dabba.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
-from dabba.core.request import BlockHash, RequestStatus
+from dabba.core.request import RequestStatus
 from dabba.core.scheduler import Scheduler
 from dabba.core.stats import SchedulerStats
 from dabba.engine.processor import EngineRequest
@@ -107,9 +107,9 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 
-    def cached_prefix_blocks(self, block_hashes: list[BlockHash]) -> int:
-        """How many leading blocks of a prompt (its chained hashes) the prefix cache holds now."""
-        return self.kv_cache_manager.cached_prefix_blocks(block_hashes)
+    def prefix_cache_view(self) -> PrefixCacheView:
+        """The prefix cache as a router on another thread may read it (the one such reading)."""
+        return PrefixCacheView(self.kv_cache_manager)
 
     def kv_blocks(self, with_grid: bool) -> KVBlocksSnapshot:
         kv = self.kv_cache_manager

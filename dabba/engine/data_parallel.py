@@ -72,9 +72,10 @@ class PrefixRouter:
         self._turn = 0
         self.routed = [0] * len(replicas)  # requests sent to each replica
 
-    def route(self, request_id: str, hashes: list[BlockHash], cached: list[int]) -> int:
-        """The replica for a prompt (its block hashes), given how many of its leading blocks each
-        replica's prefix cache holds (``cached``, asked of the replicas just before)."""
+    def route(self, request_id: str, token_ids: list[int]) -> int:
+        """The replica for a prompt: its block hashes against each replica's prefix cache (its
+        PrefixCacheView) and in-flight prompts."""
+        hashes = self.hashes(token_ids)
         hits, loads = [], []
         for i, replica in enumerate(self.replicas):
             prompts = self._prompts[i]
@@ -82,7 +83,8 @@ class PrefixRouter:
                 self._forget(i, gone)
             adding = sum(1 for r in self._adding.values() if r == i)
             loads.append(replica.num_in_flight + adding)
-            hits.append(max(cached[i], leading_in(hashes, self._blocks[i])))
+            cached = replica.prefix_cache.leading_blocks(hashes) if hashes else 0
+            hits.append(max(cached, leading_in(hashes, self._blocks[i])))
         choice = choose_replica(hits, loads, self._turn)
         self._turn = (choice + 1) % len(self.replicas)
         self._adding[request_id] = choice
@@ -153,10 +155,7 @@ class DataParallelEngine:
         self._check_open()
         if self.router.in_flight(request_id):  # a replica would refuse it only if it held it itself
             raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")
-        hashes = self.router.hashes(request.prompt_token_ids)
-        cached = (list(await asyncio.gather(*(r.cached_prefix_blocks(hashes) for r in self.replicas))) if hashes
-                  else [0] * len(self.replicas))
-        replica = self.router.route(request_id, hashes, cached)
+        replica = self.router.route(request_id, request.prompt_token_ids)
         try:
             stream = await self.replicas[replica].add_processed(request)
         except BaseException:
