@@ -102,7 +102,7 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return tuple([] for _ in self.groups), 0  # prompt logprobs need every prompt token's hidden state
-        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        hashes = request.prefix_block_hashes
         num_hit = len(hashes)
         while True:  # a group's hit is at most the others': shrink until all groups agree
             hits = tuple(self._longest_hit(g, hashes, num_hit) for g in range(len(self.groups)))

@@ -44,15 +44,6 @@ def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
     return h.digest()[:16]
 
 
-def chain_block_hashes(token_ids: list[int], block_size: int) -> list[BlockHash]:
-    """The chained hashes of every full block of ``token_ids``: what a request's blocks are
-    cached under (a data-parallel router asks each replica's cache for them)."""
-    hashes: list[BlockHash] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start:start + block_size]))
-    return hashes
-
-
 @dataclass(eq=False)
 class Request:
     """One sequence in flight.
@@ -100,6 +91,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def prefix_block_hashes(self) -> list[BlockHash]:
+        """The full blocks a prefix cache may serve: never the one holding the last token, which
+        must be computed to give the logits of the next."""
+        return self.block_hashes[:(self.num_tokens - 1) // self.block_size]
 
     @property
     def use_structured_output(self) -> bool:

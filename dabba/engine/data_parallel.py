@@ -17,7 +17,7 @@ from typing import AsyncIterator
 from prometheus_client import generate_latest
 
 from dabba.config import EngineConfig
-from dabba.core.request import BlockHash, chain_block_hashes
+from dabba.core.request import BlockHash
 from dabba.core.stats import SchedulerStats
 from dabba.engine.async_engine import AsyncLLMEngine
 from dabba.engine.llm_engine import LLMEngine
@@ -63,19 +63,18 @@ class PrefixRouter:
     what its requests in flight share with the prompt (their blocks are cached as they are
     computed: requests that arrive together and share a prefix should meet at one replica)."""
 
-    def __init__(self, replicas: list[AsyncLLMEngine], block_size: int) -> None:
+    def __init__(self, replicas: list[AsyncLLMEngine]) -> None:
         self.replicas = replicas
-        self.block_size = block_size
         self._prompts: list[dict[str, list[BlockHash]]] = [{} for _ in replicas]  # in flight, per replica
         self._blocks: list[Counter] = [Counter() for _ in replicas]  # those prompts' block hashes, counted
         self._adding: dict[str, int] = {}  # routed, not yet accepted: request id -> replica
         self._turn = 0
         self.routed = [0] * len(replicas)  # requests sent to each replica
 
-    def route(self, request_id: str, token_ids: list[int]) -> int:
-        """The replica for a prompt: its block hashes against each replica's prefix cache (its
+    def route(self, request_id: str, hashes: list[BlockHash]) -> int:
+        """The replica for a prompt, by the hashes of the blocks a cache could serve of it (the
+        processor's request computed them) against each replica's prefix cache (its
         PrefixCacheView) and in-flight prompts."""
-        hashes = self.hashes(token_ids)
         hits, loads = [], []
         for i, replica in enumerate(self.replicas):
             prompts = self._prompts[i]
@@ -111,10 +110,6 @@ class PrefixRouter:
             if not blocks[block_hash]:
                 del blocks[block_hash]
 
-    def hashes(self, token_ids: list[int]) -> list[BlockHash]:
-        """The prompt's blocks that a replica could serve from its cache (never the last token)."""
-        return chain_block_hashes(token_ids[:len(token_ids) - 1], self.block_size)
-
 
 def build_replicas(config: EngineConfig) -> list[LLMEngine]:
     """Every replica, loading side by side (each into its own worker processes)."""
@@ -142,7 +137,7 @@ class DataParallelEngine:
         self.replicas = [AsyncLLMEngine(engine, model_name, start_thread=False, metrics=metrics)
                          for engine, metrics in zip(engines, replica_metrics)]
         self.model_info = self.replicas[0].model_info  # the same model in every replica
-        self.router = PrefixRouter(self.replicas, self.model_info.block_size)
+        self.router = PrefixRouter(self.replicas)
         self._draining = False
         self._stopped = threading.Event()
         if start_thread:
@@ -155,7 +150,7 @@ class DataParallelEngine:
         self._check_open()
         if self.router.in_flight(request_id):  # a replica would refuse it only if it held it itself
             raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")
-        replica = self.router.route(request_id, request.prompt_token_ids)
+        replica = self.router.route(request_id, request.samples[0].prefix_block_hashes)
         try:
             stream = await self.replicas[replica].add_processed(request)
         except BaseException:
