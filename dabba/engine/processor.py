@@ -54,7 +54,7 @@ class Processor:
             raise InvalidRequest("priority", f"priority must be an integer in [-2**63, 2**63), got {priority!r}")
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max(info.max_model_len - len(token_ids), 1))
-        samples = []
+        samples: list[Request] = []
         for i in range(params.n):
             sample_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             samples.append(Request(
@@ -64,6 +64,7 @@ class Processor:
                 eos_token_ids=info.eos_token_ids,
                 priority=priority,
                 block_size=info.block_size,
+                block_hashes=list(samples[0].block_hashes) if samples else [],  # the prompt's, hashed once
             ))
         return EngineRequest(request_id, text, token_ids, params, priority, samples)
 
