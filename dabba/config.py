@@ -260,10 +260,33 @@ class ServerConfig:
     shutdown_timeout: float = _help(
         "Seconds that SIGTERM or SIGINT gives the requests in flight to finish; streams still running then end "
         "with an error event and [DONE], and the exit status is 3.", 30.0)
+    max_constraint_bytes: int = _help(
+        "Largest structured-output constraint (response_format's JSON schema, a regex, a grammar, the choices, the "
+        "tools a tool_choice forces), in bytes of its JSON text. Accepts sizes such as 64KiB.", 64 * 2**10,
+        parse=parse_bytes)
+    max_constraint_enum_values: int = _help(
+        "Most enum and const values in one JSON schema, or choices in one choice constraint.", 1000)
+    max_constraint_regex_length: int = _help(
+        "Longest regex constraint, or pattern in a JSON schema, in characters.", 4096)
+    max_constraint_grammar_rules: int = _help("Most rules in one grammar constraint.", 1000)
+    structured_outputs_compile_timeout: float = _help(
+        "Seconds a request waits for its constraint to compile (queued and compiling); past them it is refused "
+        "(400) and a compile that no request waits for any more is stopped.", 5.0)
+    max_connections: int = _help(
+        "Most client connections open at once (each holds a file descriptor); one more is answered 503 and "
+        "closed.", 2048)
+    timeout_request_head: float = _help(
+        "Seconds a client has to send a request's line and headers, counted from its connection or from the "
+        "first byte after its previous response; a slower one is answered 408 and closed.", 10.0)
 
     def __post_init__(self) -> None:
-        for name in ("max_n", "max_stop_sequences", "max_stop_length", "max_request_body_bytes"):
+        for name in ("max_n", "max_stop_sequences", "max_stop_length", "max_request_body_bytes",
+                     "max_constraint_bytes", "max_constraint_enum_values", "max_constraint_regex_length",
+                     "max_constraint_grammar_rules", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"shutdown_timeout must be a number of seconds >= 0, got {self.shutdown_timeout}")
+        for name in ("structured_outputs_compile_timeout", "timeout_request_head"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {getattr(self, name)}")

@@ -14,3 +14,8 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.param = param
         self.message = message
+
+
+class Overloaded(RuntimeError):
+    """A request refused because a shared resource (the grammar compilers' queue) is full: the
+    request is fine and may be retried later (a server answers 503)."""

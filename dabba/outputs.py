@@ -20,10 +20,12 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (eos, a stop token or string), "length", "abort"; None while running
+    # "stop" (eos, a stop token or string), "length", "abort", "error" (``error`` says why); None while running
+    finish_reason: str | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for eos/length
     logprobs: list[PositionLogprobs] | None = None  # one per generated token, when asked
     cumulative_logprob: float | None = None
+    error: str | None = None  # why it ended with finish_reason "error" (its grammar reached a dead end)
 
     @property
     def finished(self) -> bool:

@@ -253,7 +253,8 @@ LADDER: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("dabba.models",)),
     ("worker", ("dabba.worker",)),  # the model runner, sampler, speculative decoding's proposers
     ("executor", ("dabba.executor",)),  # where a step's ranks run
-    ("grammars", ("dabba.structured_output.grammar", "dabba.structured_output.manager")),  # the core's policies
+    ("grammars", ("dabba.structured_output.grammar", "dabba.structured_output.manager",  # the core's policies
+                  "dabba.structured_output.compile_pool", "dabba.structured_output.compile_worker")),
     ("engine", ("dabba.engine",)),
     ("entrypoints", ("dabba.entrypoints",)),  # the server, the LLM class
     ("tools", ("dabba.tools",)),  # quantize, plan, eval, bench: above what they use

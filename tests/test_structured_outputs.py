@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 
 import jsonschema
 import pytest
@@ -14,7 +13,6 @@ import torch
 import xgrammar as xgr
 
 from dabba import LLM, SamplingParams
-from dabba.core.request import RequestStatus
 from dabba.structured_output import StructuredOutputsParams
 from dabba.structured_output.grammar import build_grammar, vocab_type
 
@@ -93,7 +91,9 @@ def test_json_object_on_the_demo_model() -> None:
         if completion.finish_reason == "stop":
             assert isinstance(json.loads(completion.text), dict)
             continue
-        matcher = xgr.GrammarMatcher(manager.submit(p.structured_outputs).result())
+        compilation = manager.compile(p.structured_outputs)
+        matcher = xgr.GrammarMatcher(compilation.future.result())
+        manager.release(compilation)
         assert all(matcher.accept_token(t) for t in completion.token_ids) and not matcher.is_terminated()
     assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= 4
 
@@ -212,41 +212,22 @@ def test_bad_constraints_are_value_errors_naming_the_field(llm, fields, message)
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-def test_a_compiling_grammar_holds_back_only_its_request(llm, monkeypatch) -> None:
-    """Compilation blocked on an event: the plain request runs to the end while the constrained
-    one waits in WAITING_FOR_GRAMMAR; released, it runs; a failed compilation ends only its request."""
+def test_grammars_that_admit_nothing_or_reach_a_dead_end_are_errors_the_caller_sees(llm) -> None:
+    """No first token: refused when added (the compile says so). A dead end later: the request
+    ends with finish reason "error" and the reason, without the token the dead end forced; the
+    request beside it runs to its end."""
     engine = llm.llm_engine
-    manager = engine.engine_core.structured_output
-    release = threading.Event()
-    compile_real = manager._compile
-
-    def slow_compile(grammar):
-        assert release.wait(timeout=60)
-        return compile_real(grammar)
-
-    monkeypatch.setattr(manager, "_compile", slow_compile)
-    engine.add_request("held", "x", SamplingParams(max_tokens=8, temperature=0, structured_outputs={"regex": "[a-c]{5}"}))
-    engine.add_request("free", "y", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    done = {}
-    while "free" not in done:
-        done.update({o.request_id: o for o in engine.step()})
-        assert engine.engine_core.scheduler.requests["held"].status == RequestStatus.WAITING_FOR_GRAMMAR
-    release.set()
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step()})
-    assert re.fullmatch("[a-c]{5}", done["held"].outputs[0].text)
-
-    def failing_compile(grammar):
-        raise RuntimeError("out of memory")
-
-    monkeypatch.setattr(manager, "_compile", failing_compile)
-    engine.add_request("fails", "x", SamplingParams(structured_outputs={"regex": "[d-f]{3}"}))
+    with pytest.raises(ValueError, match="admits no output"):
+        engine.add_request("none", "x", SamplingParams(structured_outputs={"grammar": "root ::= root"}))
+    engine.add_request("dead", "x", SamplingParams(max_tokens=8, structured_outputs={"grammar": 'root ::= "a" b\nb ::= b'}))
     engine.add_request("runs", "y", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step()})
-    assert done["fails"].outputs[0].finish_reason == "abort" and done["fails"].outputs[0].token_ids == []
+    dead = done["dead"].outputs[0]
+    assert dead.finish_reason == "error" and "dead end" in dead.error and dead.text == "a"
     assert len(done["runs"].outputs[0].token_ids) == 4
-    assert not manager._matchers
+    assert not engine.engine_core.structured_output._matchers
 
 
 def test_vocab_types() -> None:

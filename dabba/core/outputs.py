@@ -87,12 +87,13 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort"; None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
     stop_reason: int | None = None  # the stop token id that ended it; None for eos, length or running
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when the worker computed them
     # (position of the first prompt token covered, one entry per covered prompt token), as in ModelRunnerOutput
     new_prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first scheduling
+    error: str | None = None  # with finish_reason "error": why, in words for the caller
 
     @property
     def finished(self) -> bool:

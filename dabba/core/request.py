@@ -12,13 +12,13 @@ from dabba.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its structured_outputs grammar is compiling
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # it could not go on (Request.error says why)
 
     @property
     def is_finished(self) -> bool:
@@ -30,6 +30,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 
@@ -71,6 +72,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
     num_preemptions: int = 0
     stop_reason: int | None = None  # the stop token id that ended it (stop strings are the engine's)
+    error: str | None = None  # why it ended with FINISHED_ERROR, for the caller
     block_hashes: list[BlockHash] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens for its next step (never in all_token_ids)
     spec_accepted: int = 0  # its drafts accepted so far, and steps where one was rejected (core/spec_budget.py)

@@ -12,9 +12,10 @@ may propose once the batch is, and told what the drafts gave: what the sampler r
 back by not counting it computed (its KV slots are overwritten next step; only known tokens are
 ever hashed into the prefix cache).
 
-Requests under structured_outputs wait (WAITING_FOR_GRAMMAR) until their grammar is compiled,
-letting the requests behind them pass; each step they get a row of the grammar bitmask, and
-their matchers advance on every token they sample (the StructuredOutputs collaborator below).
+Requests under structured_outputs arrive with their grammars compiled (the front end waits for
+that); each step they get a row of the grammar bitmask, and their matchers advance on every token
+they sample (the StructuredOutputs collaborator below). A grammar that refuses to go on ends its
+request with an error (finish reason "error", Request.error says why).
 """
 from __future__ import annotations
 
@@ -37,13 +38,11 @@ logger = logging.getLogger("dabba")
 
 class StructuredOutputs(Protocol):
     """What the scheduler asks of the structured-output manager (structured_output/manager.py),
-    which holds the grammars and the per-request matchers."""
-
-    def grammar_ready(self, request: Request) -> bool: ...  # raises ValueError if it failed to compile
+    which holds the per-request matchers."""
 
     def grammar_bitmask(self, request_ids: list[str]) -> Any: ...
 
-    def accept_token(self, request_id: str, token_id: int) -> bool: ...  # True: the grammar ended
+    def accept_token(self, request_id: str, token_id: int) -> bool: ...  # True: ended; ValueError: cannot go on
 
     def free(self, request_id: str) -> None: ...
 
@@ -60,7 +59,6 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by Request.sort_key: the last is the first victim
         self.finished_req_ids: set[str] = set()  # to tell the worker next step
         self.num_preemptions = 0
-        self._failed: list[EngineCoreOutput] = []  # requests ended outside a step's outputs
         # speculative decoding's policy: ``row_blocks``, how the worker's kernels group rows, prices drafts
         self.speculation = make_speculation(config.speculative_config, max_model_len, row_blocks)
 
@@ -86,11 +84,8 @@ class Scheduler:
                 f"request needs {num_blocks} KV blocks but the cache has only "
                 f"{self.kv_cache_manager.num_usable_blocks}; raise kv_cache_memory or lower max_tokens"
             )
-        if request.use_structured_output:
-            if self.structured_output is None:
-                raise InvalidRequest("structured_outputs",
-                                     "structured_outputs needs an engine with a structured-output backend")
-            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        if request.use_structured_output and self.structured_output is None:
+            raise InvalidRequest("structured_outputs", "structured_outputs needs an engine with a structured-output backend")
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=Request.sort_key)
 
@@ -102,12 +97,7 @@ class Scheduler:
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._failed)
-
-    def waiting_for_grammar(self) -> bool:
-        """Whether requests wait for their grammars (a step that schedules nothing then waits
-        for a compilation rather than spin)."""
-        return any(r.status == RequestStatus.WAITING_FOR_GRAMMAR for r in self.waiting)
+        return bool(self.waiting or self.running)
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -144,24 +134,15 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Admit waiting requests, unless this step already had to preempt (memory is tight); one
-        # whose grammar is still compiling lets the requests behind it pass.
-        w = 0
-        while w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            request = self.waiting[w]
-            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                ready = self._grammar_ready(request)
-                if ready is None:  # failed: it left the queue
-                    continue
-                if not ready:
-                    w += 1
-                    continue
+        # Admit waiting requests, unless this step already had to preempt (memory is tight).
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            request = self.waiting[0]
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             lookahead = self.speculation.lookahead(request, num_hit + num_new)
             if kv.allocate_slots(request, num_new, hit_blocks, lookahead) is None:
                 break
-            self.waiting.pop(w)
+            self.waiting.pop(0)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
@@ -191,20 +172,6 @@ class Scheduler:
         speculation policy's cost model."""
         self.speculation.record_step(out, runner_out, seconds)
 
-    def _grammar_ready(self, request: Request) -> bool | None:
-        """Whether its grammar is compiled (it is WAITING then); None if compiling failed, which
-        ends the request (its output says "abort", the log says why)."""
-        try:
-            ready = self.structured_output.grammar_ready(request)
-        except ValueError as e:
-            logger.warning("request %s ended: %s", request.request_id, e)
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
-            self._failed.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
-            return None
-        if ready:
-            request.status = RequestStatus.WAITING
-        return ready
-
     def _add_grammar_bitmask(self, out: SchedulerOutput) -> None:
         """A row for each constrained request that samples this step: one whose scheduled tokens
         reach the end of its known tokens (num_computed_tokens is still this step's start)."""
@@ -229,8 +196,7 @@ class Scheduler:
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
         """Advance progress, append sampled tokens, finish requests. Returns what is new for each
         request this step (the engine's only view of the requests)."""
-        outputs = EngineCoreOutputs(outputs=self._failed)
-        self._failed = []
+        outputs = EngineCoreOutputs()
         for request_id, num_tokens in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None:  # aborted while the step ran
@@ -258,6 +224,8 @@ class Scheduler:
                     status = self._advance_grammar(request, token_id, status)
                 if status is not None:
                     break
+            if status == RequestStatus.FINISHED_ERROR:  # its grammar's dead end picked the token, not the model
+                new_token_ids.pop()
             if status is not None:
                 self._finish(request, status)
             else:
@@ -268,6 +236,7 @@ class Scheduler:
                 new_token_ids=new_token_ids,
                 finish_reason=request.status.finish_reason,
                 stop_reason=request.stop_reason,
+                error=request.error,
                 new_logprobs=logprobs[:len(new_token_ids)] if logprobs is not None else None,
                 new_prompt_logprobs=prompt_logprobs,
                 num_cached_tokens=request.num_cached_tokens,
@@ -276,12 +245,13 @@ class Scheduler:
 
     def _advance_grammar(self, request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:
         """The grammar's end stops the request (whatever min_tokens or ignore_eos say: nothing
-        may follow it); a token it forbids (a bug, since its mask was applied) aborts it."""
+        may follow it); a grammar that cannot go on (a dead end) ends it with an error."""
         try:
             ended = self.structured_output.accept_token(request.request_id, token_id)
         except ValueError as e:
-            logger.error("request %s: %s", request.request_id, e)
-            return RequestStatus.FINISHED_ABORTED
+            logger.warning("request %s ended: %s", request.request_id, e)
+            request.error = str(e)
+            return RequestStatus.FINISHED_ERROR
         return status or (RequestStatus.FINISHED_STOPPED if ended else None)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -25,10 +25,26 @@ from dabba.engine.output_processor import IterationStats
 from dabba.engine.processor import EngineRequest, PromptType
 from dabba.engine.protocol import ENGINE_FAILED, EngineDeadError, RequestStream
 from dabba.engine.stats_feed import StatsFeed, watch
+from dabba.errors import InvalidRequest
 from dabba.outputs import RequestOutput
 from dabba.sampling_params import SamplingParams
+from dabba.structured_output.compile_pool import Compilation
+from dabba.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("dabba")
+
+
+async def wait_compiled(compilation: Compilation, grammars: StructuredOutputManager, timeout: float | None) -> None:
+    """Wait for a request's grammar, then release the claim: its InvalidRequest if it did not
+    compile, or did not within ``timeout`` seconds (None: no bound). A caller that leaves (its
+    task cancelled) releases it too, so a compile that no request waits for any more stops."""
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compilation.future)), timeout)
+    except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+        raise InvalidRequest("structured_outputs", f"structured_outputs did not compile within {timeout:g} s "
+                             "(the server's --structured-outputs-compile-timeout): simplify it") from None
+    finally:
+        grammars.release(compilation)
 
 
 class AsyncLLMEngine:
@@ -57,17 +73,35 @@ class AsyncLLMEngine:
 
     # ---- called from the event loop -----------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
-        """Process a request (off the event loop when that tokenizes or builds a grammar), then
-        queue it; returns once the engine accepted it, or raises its InvalidRequest."""
+                          priority: int = 0, compile_timeout: float | None = None) -> RequestStream:
+        """Process a request (off the event loop when that tokenizes or claims a compile), wait
+        for its grammar to compile (up to ``compile_timeout`` seconds), then queue it; returns
+        once the engine accepted it, or raises its InvalidRequest."""
         self._check_open()
-        return await self.add_processed(await self.process(request_id, prompt, params, priority))
+        return await self.add_processed(await self.process(request_id, prompt, params, priority, compile_timeout))
 
     async def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                      priority: int = 0) -> EngineRequest:
+                      priority: int = 0, compile_timeout: float | None = None) -> EngineRequest:
         if self._processor.needs_work(prompt, params):
-            return await asyncio.to_thread(self._processor.process, request_id, prompt, params, priority)
-        return self._processor.process(request_id, prompt, params, priority)
+            processing = asyncio.ensure_future(
+                asyncio.to_thread(self._processor.process, request_id, prompt, params, priority))
+            try:
+                request = await asyncio.shield(processing)
+            except asyncio.CancelledError:  # the thread goes on: a compile it claims is released when it ends
+                processing.add_done_callback(self._release_claim)
+                raise
+        else:
+            request = self._processor.process(request_id, prompt, params, priority)
+        if request.compilation is not None:
+            await wait_compiled(request.compilation, self._processor.grammars, compile_timeout)
+        return request
+
+    def _release_claim(self, processing: asyncio.Future) -> None:
+        """A request processed for a caller that left: its compile, if it claimed one, is released."""
+        if not processing.cancelled() and processing.exception() is None:
+            compilation = processing.result().compilation
+            if compilation is not None:
+                self._processor.grammars.release(compilation)
 
     async def add_processed(self, request: EngineRequest) -> RequestStream:
         """Queue a processed request (a data-parallel client processes it once, then picks the replica)."""

@@ -21,8 +21,6 @@ from dabba.models.resolved_config import ResolvedConfig
 from dabba.structured_output.manager import StructuredOutputManager
 from dabba.worker.model_runner import ModelRunner
 
-GRAMMAR_WAIT_S = 0.01  # a step with nothing to run but grammars compiling waits this long for one
-
 
 @dataclass(frozen=True)
 class KVBlocksSnapshot:
@@ -65,7 +63,7 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
         """Queue every sample of a processed prompt, or none of them (InvalidRequest if one could
-        never run)."""
+        never run). A constrained prompt comes with its grammar compiled: each sample gets a matcher."""
         added = []
         try:
             for sample in request.samples:
@@ -75,6 +73,10 @@ class EngineCore:
             for sample in added:
                 self.scheduler.abort_request(sample.request_id)
             raise
+        if request.compilation is not None:
+            compiled = request.compilation.future.result()  # done: the front end waited for it
+            for sample in request.samples:
+                self.structured_output.add_request(sample.request_id, compiled)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -88,8 +90,6 @@ class EngineCore:
         """Schedule, run the model, update the requests; the step stays open until finish_step()."""
         start = time.perf_counter()
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty and self.scheduler.waiting_for_grammar():
-            self.structured_output.wait_for_grammars(GRAMMAR_WAIT_S)  # rather than spin
         runner_out = self.executor.execute_model(sched_out)
         self.last_step_num_tokens = sched_out.total_num_scheduled_tokens
         self._step = (sched_out, runner_out, start)

@@ -144,9 +144,10 @@ class DataParallelEngine:
             threading.Thread(target=self.run_loop, name="dabba-replicas", daemon=True).start()
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, compile_timeout: float | None = None) -> RequestStream:
         self._check_open()
-        request = await self.replicas[0].process(request_id, prompt, params, priority)  # the same in every replica
+        # the same in every replica (they share the process's grammar compiles)
+        request = await self.replicas[0].process(request_id, prompt, params, priority, compile_timeout)
         self._check_open()
         if self.router.in_flight(request_id):  # a replica would refuse it only if it held it itself
             raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")

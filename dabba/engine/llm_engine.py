@@ -60,8 +60,15 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
         """Queue one prompt (n samples of it); raises InvalidRequest (a ValueError), and queues
-        nothing, if it is invalid or can never fit."""
-        self.add_processed(self.processor.process(request_id, prompt, params, priority))
+        nothing, if it is invalid or can never fit. A constrained one waits here for its grammar
+        to compile (no deadline: the caller's own constraint; a server bounds it, see AsyncLLMEngine)."""
+        request = self.processor.process(request_id, prompt, params, priority)
+        if request.compilation is not None:
+            try:
+                request.compilation.future.result()  # its InvalidRequest, if it did not compile
+            finally:
+                self.processor.grammars.release(request.compilation)
+        self.add_processed(request)
 
     def add_processed(self, request: EngineRequest) -> None:
         """Queue a prompt the Processor made (an async front end processes off this thread)."""

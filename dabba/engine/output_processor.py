@@ -28,6 +28,7 @@ class SampleState:
     cumulative_logprob: float | None = None  # when logprobs were asked
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # with finish_reason "error"
     num_tokens_sent: int = 0  # DELTA: tokens (and their logprobs) already in an output
 
     @property
@@ -167,7 +168,7 @@ class OutputProcessor:
         if stop is not None:  # it wins even when the same token also ended the request in the core
             sample.finish_reason, sample.stop_reason = "stop", stop
         else:
-            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            sample.finish_reason, sample.stop_reason, sample.error = out.finish_reason, out.stop_reason, out.error
         return stop
 
     def _make_output(self, parent: ParentState, changed: list[SampleState], is_first: bool) -> RequestOutput | None:
@@ -208,6 +209,7 @@ class OutputProcessor:
             stop_reason=sample.stop_reason,
             logprobs=list(logprobs) if copy and logprobs is not None else logprobs,
             cumulative_logprob=sample.cumulative_logprob,
+            error=sample.error,
         )
 
     @staticmethod
@@ -224,6 +226,7 @@ class OutputProcessor:
             stop_reason=sample.stop_reason,
             logprobs=sample.logprobs[start:] if sample.logprobs is not None else None,
             cumulative_logprob=sample.cumulative_logprob,
+            error=sample.error,
         )
 
     def _position(self, entry: TokenLogprobs) -> PositionLogprobs:

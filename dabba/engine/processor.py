@@ -11,6 +11,7 @@ from dabba.core.request import Request
 from dabba.engine.model_info import ModelInfo
 from dabba.errors import InvalidRequest
 from dabba.sampling_params import SamplingParams
+from dabba.structured_output.compile_pool import Compilation
 from dabba.structured_output.manager import StructuredOutputManager
 
 PromptType = str | dict[str, Any]
@@ -27,12 +28,14 @@ class EngineRequest:
     params: SamplingParams  # with the engine's defaults applied (max_tokens)
     priority: int
     samples: list[Request]
+    # its constraint's compile, claimed: the caller waits for it to finish, then releases it
+    compilation: Compilation | None = None
 
 
 class Processor:
     """Turns (request id, prompt, params, priority) into an EngineRequest or an InvalidRequest.
-    Thread-safe: it reads only ModelInfo and submits constraints to the grammar compiler, whose
-    compilations are shared (a constraint is validated here and compiles while the request waits)."""
+    Thread-safe: it reads only ModelInfo and claims constraints' compiles, which are shared (a
+    constraint starts compiling here, in a worker process, while its caller waits)."""
 
     def __init__(self, model_info: ModelInfo, grammars: StructuredOutputManager) -> None:
         self.model_info = model_info
@@ -40,15 +43,14 @@ class Processor:
 
     @staticmethod
     def needs_work(prompt: PromptType, params: SamplingParams) -> bool:
-        """Whether processing tokenizes or builds a grammar (an async caller then processes off its
-        event loop): a prompt given as token ids without a constraint is checked in no time."""
+        """Whether processing tokenizes or claims a compile, which may start a compiler process (an
+        async caller then processes off its event loop): a prompt given as token ids without a
+        constraint is checked in no time."""
         return params.structured_outputs is not None or not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> EngineRequest:
         info = self.model_info
         params.check_vocab(info.vocab_size)
-        if params.structured_outputs is not None:  # validated now, compiled in the background
-            self.grammars.submit(params.structured_outputs)
         text, token_ids = self._parse_prompt(prompt)
         if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
             raise InvalidRequest("priority", f"priority must be an integer in [-2**63, 2**63), got {priority!r}")
@@ -66,7 +68,10 @@ class Processor:
                 block_size=info.block_size,
                 block_hashes=list(samples[0].block_hashes) if samples else [],  # the prompt's, hashed once
             ))
-        return EngineRequest(request_id, text, token_ids, params, priority, samples)
+        compilation = None
+        if params.structured_outputs is not None:  # compiling from now: last, so nothing after it fails
+            compilation = self.grammars.compile(params.structured_outputs)
+        return EngineRequest(request_id, text, token_ids, params, priority, samples, compilation)
 
     def _parse_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         tokenizer, vocab_size = self.model_info.tokenizer, self.model_info.vocab_size

@@ -12,12 +12,12 @@ from typing import AsyncIterator, Callable, Protocol, runtime_checkable
 from dabba.core.stats import SchedulerStats
 from dabba.engine.model_info import ModelInfo
 from dabba.engine.processor import PromptType
-from dabba.errors import InvalidRequest
+from dabba.errors import InvalidRequest, Overloaded
 from dabba.outputs import RequestOutput
 from dabba.sampling_params import SamplingParams
 
-__all__ = ["ENGINE_FAILED", "EngineClient", "EngineDeadError", "InvalidRequest", "ModelInfo", "PromptType",
-           "RequestStream"]
+__all__ = ["ENGINE_FAILED", "EngineClient", "EngineDeadError", "InvalidRequest", "ModelInfo", "Overloaded",
+           "PromptType", "RequestStream"]
 
 ENGINE_FAILED = "the engine failed (the server's log says why); the server is stopping"
 
@@ -64,10 +64,12 @@ class EngineClient(Protocol):
     model_info: ModelInfo
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
-        """Process and queue a request; returns once the engine accepted it. Raises InvalidRequest
-        (a ValueError naming the field) for a request the engine refuses, EngineDeadError when
-        the engine no longer serves."""
+                          priority: int = 0, compile_timeout: float | None = None) -> RequestStream:
+        """Process and queue a request; returns once the engine accepted it, a constrained one
+        once its grammar compiled (within ``compile_timeout`` seconds; None: no bound). Raises
+        InvalidRequest (a ValueError naming the field) for a request the engine refuses,
+        Overloaded when the grammar compilers' queue is full, EngineDeadError when the engine
+        no longer serves."""
         ...
 
     def abort(self, request_id: str) -> None:

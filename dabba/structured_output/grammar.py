@@ -1,11 +1,12 @@
 """The xgrammar backend: a constraint -> xgrammar Grammar (validation: a bad schema, regex or
 grammar is a ValueError naming the field) -> CompiledGrammar for this tokenizer (the costly part,
-done in the manager's thread pool) -> one GrammarMatcher per request."""
+done in a compiler process, compile_pool.py) -> one GrammarMatcher per request."""
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import numpy as np
 import xgrammar as xgr
 
 from dabba.errors import InvalidRequest
@@ -40,6 +41,12 @@ def tokenizer_info(tokenizer_json: dict[str, Any], vocab: dict[str, int], vocab_
     kind, add_prefix_space = vocab_type(tokenizer_json)
     return xgr.TokenizerInfo(encoded, kind, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None,
                              add_prefix_space=add_prefix_space)
+
+
+def admits_no_token(row: np.ndarray) -> bool:
+    """Whether a bitmask row (its int32 words) allows no token: the grammar can neither go on
+    nor end there (an end would allow a stop token)."""
+    return not row.any()
 
 
 def _choice_ebnf(choices: tuple[str, ...]) -> str:

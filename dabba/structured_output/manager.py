@@ -1,116 +1,83 @@
 """Grammars and matchers for the requests that constrain their output (vLLM v1's
 StructuredOutputManager, on xgrammar).
 
-- ``submit`` (at add_request) validates the constraint, then compiles it in a small thread
-  pool, off the engine loop; equal constraints share one compilation (cached by their key).
-- The scheduler admits a request only once ``grammar_ready`` (its matcher then exists), so a
-  compiling request waits in its own state while the rest of the batch runs.
-- Each step ``grammar_bitmask`` fills one row per constrained request that samples (the
-  tokens its grammar allows next), the worker applies the rows to those logits before any
-  sampler feature, and ``accept_token`` advances the matcher on the token sampled.
+- ``compile`` (the Processor, on the caller's thread) claims the constraint's compilation in the
+  process's compiler pool (compile_pool.py: worker processes, which build and check the grammar
+  too, and which a deadline or a departed client can stop); equal constraints share one.
+- The caller waits for it (an async front end up to its deadline) and releases its claim, so a
+  request reaches the engine only with its grammar compiled, or is refused (InvalidRequest).
+- On the engine thread, ``add_request`` makes each request's matcher; each step
+  ``grammar_bitmask`` fills one row per constrained request that samples (the tokens its grammar
+  allows next), the worker applies the rows to those logits before any sampler feature, and
+  ``accept_token`` advances the matcher on the token sampled.
 
-Matchers live and advance on the engine thread only; the pool only compiles.
+A row that allows nothing (a grammar with a dead end) allows one token instead, so sampling stays
+well defined, and that token then ends the request with an error (GrammarDeadEnd) the client sees.
 """
 from __future__ import annotations
 
 import json
 import logging
 import threading
-from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dabba.structured_output.compile_pool import Compilation, Vocabulary, compiler_pool
 from dabba.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-    from dabba.core.request import Request
     from dabba.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("dabba")
 
-MAX_CACHED_GRAMMARS = 256  # compiled grammars kept for reuse (least recently used go first)
+DEAD_END = ("structured_outputs reached a dead end: its grammar allows no token after the output so far and "
+            "cannot end there")
+
+
+class GrammarDeadEnd(ValueError):
+    """The request's grammar allows no next token and cannot end (found as it generates)."""
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: frozenset[int],
-                 max_workers: int = 2) -> None:
+    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: frozenset[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="dabba-grammar")
-        self._lock = threading.Lock()  # the grammar cache
-        self._compiler_lock = threading.Lock()  # the compiler, built slowly once: never under _lock
-        self._compiler: "xgr.GrammarCompiler | None" = None
-        self._grammars: OrderedDict[tuple, Future] = OrderedDict()  # key -> Future[CompiledGrammar]
-        self._matchers: dict[str, "xgr.GrammarMatcher"] = {}  # request id -> its matcher
+        self._vocabulary_lock = threading.Lock()  # built slowly, once
+        self._vocabulary: Vocabulary | None = None
+        self._matchers: dict[str, "xgr.GrammarMatcher"] = {}  # request id -> its matcher (engine thread)
+        self._dead_ends: set[str] = set()  # requests whose last row allowed nothing
 
     # ---- compilation (any thread) ---------------------------------------------------------
-    def _get_compiler(self) -> "xgr.GrammarCompiler":
+    def _get_vocabulary(self) -> Vocabulary:
         """Built on first use: the tokenizer's vocabulary as xgrammar sees it."""
-        import xgrammar as xgr
-
         from dabba.structured_output.grammar import tokenizer_info
 
-        with self._compiler_lock:
-            if self._compiler is None:
+        with self._vocabulary_lock:
+            if self._vocabulary is None:
                 tok = self.tokenizer.hf_tokenizer
-                info = tokenizer_info(json.loads(tok.to_str()), tok.get_vocab(with_added_tokens=True),
-                                      self.vocab_size, list(self.stop_token_ids))
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            return self._compiler
+                self._vocabulary = Vocabulary.of(tokenizer_info(
+                    json.loads(tok.to_str()), tok.get_vocab(with_added_tokens=True), self.vocab_size,
+                    list(self.stop_token_ids)))
+            return self._vocabulary
 
-    def submit(self, params: StructuredOutputsParams) -> Future:
-        """Validate (ValueError naming the field) and start compiling, or find the compilation
-        under way or done. Validation builds the grammar here, on the caller's thread: the
-        server calls this off its event loop before it queues the request."""
-        from dabba.structured_output.grammar import build_grammar
+    def compile(self, params: StructuredOutputsParams) -> Compilation:
+        """Claim the constraint's compilation: the caller waits for ``.future`` (an InvalidRequest
+        naming the field if it does not compile) and then calls release(). Raises Overloaded when
+        the compilers' queue for a constraint of its size is full."""
+        return compiler_pool().claim(self._get_vocabulary(), params)
 
-        key = params.key
-        with self._lock:
-            future = self._grammars.get(key)
-            if future is not None:
-                self._grammars.move_to_end(key)
-                return future
-        grammar = build_grammar(params)
-        with self._lock:
-            future = self._grammars.get(key)
-            if future is None:
-                future = self._grammars[key] = self._pool.submit(self._compile, grammar)
-                while len(self._grammars) > MAX_CACHED_GRAMMARS:
-                    self._grammars.popitem(last=False)
-            return future
-
-    def wait_for_grammars(self, timeout: float) -> None:
-        """Until a compilation under way finishes, or ``timeout`` seconds."""
-        with self._lock:
-            pending = [f for f in self._grammars.values() if not f.done()]
-        if pending:
-            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
-
-    def _compile(self, grammar: "xgr.Grammar") -> "xgr.CompiledGrammar":
-        return self._get_compiler().compile_grammar(grammar)
+    def release(self, compilation: Compilation) -> None:
+        compiler_pool().release(compilation)
 
     # ---- the engine thread ----------------------------------------------------------------
-    def grammar_ready(self, request: "Request") -> bool:
-        """True once the request's grammar is compiled (its matcher is made then); raises
-        ValueError if compiling failed."""
-        if request.request_id in self._matchers:
-            return True
-        future = self.submit(request.sampling_params.structured_outputs)
-        if not future.done():
-            return False
+    def add_request(self, request_id: str, compiled: "xgr.CompiledGrammar") -> None:
         import xgrammar as xgr
 
-        try:
-            compiled = future.result()
-        except Exception as e:
-            raise ValueError(f"structured_outputs could not be compiled: {e}") from e
-        self._matchers[request.request_id] = xgr.GrammarMatcher(compiled)
-        return True
+        self._matchers[request_id] = xgr.GrammarMatcher(compiled)
 
     def grammar_bitmask(self, request_ids: list[str]) -> np.ndarray | None:
         """[len(request_ids), ceil(vocab / 32)] int32: bit t of a row allows token t next."""
@@ -118,14 +85,23 @@ class StructuredOutputManager:
             return None
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
+        from dabba.structured_output.grammar import admits_no_token
+
+        tensor = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
+        bitmask = tensor.numpy()  # the same memory
         for row, request_id in enumerate(request_ids):
-            self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
-        return bitmask.numpy()
+            self._matchers[request_id].fill_next_token_bitmask(tensor, row)
+            if admits_no_token(bitmask[row]):
+                self._dead_ends.add(request_id)
+                bitmask[row, 0] = 1  # token 0 alone, so that the row samples; accept_token ends the request
+        return bitmask
 
     def accept_token(self, request_id: str, token_id: int) -> bool:
         """Advance the request's matcher; True when its grammar has ended (the token was a stop
-        token where the grammar may end). Raises ValueError on a token the grammar forbids."""
+        token where the grammar may end). Raises GrammarDeadEnd after a row that allowed nothing,
+        ValueError on a token the grammar forbids."""
+        if request_id in self._dead_ends:
+            raise GrammarDeadEnd(DEAD_END)
         matcher = self._matchers[request_id]
         if not matcher.accept_token(token_id):
             raise ValueError(f"token {token_id} is not allowed by the request's structured_outputs")
@@ -133,6 +109,4 @@ class StructuredOutputManager:
 
     def free(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._dead_ends.discard(request_id)

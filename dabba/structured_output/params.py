@@ -18,6 +18,40 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
+class ConstraintSize:
+    """What bounds a constraint's compile cost, for a server to hold against its limits."""
+
+    bytes: int  # of its canonical text (a schema's compact JSON, the regex, the grammar, the choices)
+    enum_values: int  # enum and const values in a JSON schema, or choices
+    regex_length: int  # the regex, or the longest pattern in a JSON schema (patternProperties too)
+    grammar_rules: int
+
+
+def _schema_size(schema: Any) -> tuple[int, int]:
+    """(enum and const values, longest pattern) anywhere in a JSON schema; iterative, so that a
+    deeply nested schema cannot exhaust the stack."""
+    values, longest = 0, 0
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("enum"), list):
+            values += len(node["enum"])
+        if "const" in node:
+            values += 1
+        if isinstance(node.get("pattern"), str):
+            longest = max(longest, len(node["pattern"]))
+        if isinstance(node.get("patternProperties"), dict):
+            longest = max([longest, *map(len, node["patternProperties"])])
+        stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+    return values, longest
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``regex``, ``choice``
     (the output is one of these strings), ``grammar`` (EBNF/GBNF text, root rule ``root``) or
@@ -78,6 +112,18 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def size(self) -> ConstraintSize:
+        kind, text, _ = self.key
+        values, longest = 0, 0
+        if kind == "json":
+            values, longest = _schema_size(json.loads(text))
+        elif kind == "choice":
+            values = len(self.choice)
+        elif kind == "regex":
+            longest = len(self.regex)
+        rules = self.grammar.count("::=") if kind == "grammar" else 0
+        return ConstraintSize(len(text.encode("utf-8", "surrogatepass")), values, longest, rules)
 
     @property
     def key(self) -> tuple[str, str, bool]:

@@ -1,6 +1,7 @@
 """The scheduler's side of structured outputs, with a fake grammar service (no xgrammar, no
-torch): a request waits while its grammar compiles and lets others pass, gets a bitmask row only
-on steps where it samples, advances its grammar on every token and stops where the grammar ends."""
+torch): a constrained request (its grammar compiled before it came) gets a bitmask row only on
+steps where it samples, advances its grammar on every token, stops where the grammar ends and
+ends with an error, without the token, where the grammar cannot go on."""
 from __future__ import annotations
 
 import pytest
@@ -8,36 +9,29 @@ import pytest
 from dabba.config import SchedulerConfig
 from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import ModelRunnerOutput
-from dabba.core.request import Request, RequestStatus
+from dabba.core.request import Request
 from dabba.core.scheduler import Scheduler
 from dabba.sampling_params import SamplingParams
 
 
 class FakeGrammars:
-    """Grammars become ready when told; each ends after ``length`` accepted tokens."""
+    """Each grammar ends after ``length`` accepted tokens; those in ``dead`` cannot go on."""
 
     def __init__(self, length: int = 3) -> None:
-        self.ready: set[str] = set()
-        self.failed: set[str] = set()
+        self.dead: set[str] = set()
         self.accepted: dict[str, list[int]] = {}
         self.bitmask_calls: list[list[str]] = []
         self.freed: list[str] = []
         self.length = length
-
-    def grammar_ready(self, request: Request) -> bool:
-        if request.request_id in self.failed:
-            raise ValueError("cannot compile")
-        if request.request_id in self.ready:
-            self.accepted.setdefault(request.request_id, [])
-            return True
-        return False
 
     def grammar_bitmask(self, request_ids: list[str]) -> list[str]:
         self.bitmask_calls.append(list(request_ids))
         return [f"mask:{r}" for r in request_ids]
 
     def accept_token(self, request_id: str, token_id: int) -> bool:
-        self.accepted[request_id].append(token_id)
+        if request_id in self.dead:
+            raise ValueError("a dead end")
+        self.accepted.setdefault(request_id, []).append(token_id)
         return len(self.accepted[request_id]) == self.length
 
     def free(self, request_id: str) -> None:
@@ -61,19 +55,15 @@ def step(scheduler: Scheduler, token: int = 7):
     return out, scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
 
 
-def test_a_compiling_grammar_lets_others_pass_then_runs_to_its_end() -> None:
+def test_a_constrained_request_gets_rows_only_where_it_samples_and_stops_at_the_grammar_end() -> None:
     grammars = FakeGrammars(length=3)
     scheduler = make(grammars, max_num_batched_tokens=8)
-    scheduler.add_request(request("c", 10, constrained=True))
     scheduler.add_request(request("p", 3, constrained=False, max_tokens=2))
-    assert scheduler.requests["c"].status == RequestStatus.WAITING_FOR_GRAMMAR and scheduler.waiting_for_grammar()
-    out, _ = step(scheduler)
-    assert list(out.num_scheduled_tokens) == ["p"] and out.grammar_bitmask is None
-    grammars.ready.add("c")
-    out, _ = step(scheduler)  # p decodes; c's first chunk of 7 prompt tokens does not sample: no row
-    assert out.num_scheduled_tokens == {"p": 1, "c": 7} and out.structured_output_request_ids == []
-    out, core = step(scheduler)  # c's last 3 prompt tokens: it samples, so it gets a row
-    assert out.num_scheduled_tokens == {"c": 3}
+    scheduler.add_request(request("c", 10, constrained=True))
+    out, _ = step(scheduler)  # p's prompt; c's first chunk of 5 prompt tokens does not sample: no row
+    assert out.num_scheduled_tokens == {"p": 3, "c": 5} and out.structured_output_request_ids == []
+    out, core = step(scheduler)  # c's last 5 prompt tokens: it samples, so it gets a row
+    assert out.num_scheduled_tokens == {"p": 1, "c": 5}
     assert out.structured_output_request_ids == ["c"] and out.grammar_bitmask == ["mask:c"]
     out, core = step(scheduler)
     assert out.structured_output_request_ids == ["c"] and not core.outputs[0].finished
@@ -84,7 +74,6 @@ def test_a_compiling_grammar_lets_others_pass_then_runs_to_its_end() -> None:
 
 def test_the_grammar_end_outlasts_ignore_eos_and_min_tokens_but_length_comes_first() -> None:
     grammars = FakeGrammars(length=2)
-    grammars.ready.update({"a", "b"})
     scheduler = make(grammars)
     scheduler.add_request(request("a", 4, constrained=True, ignore_eos=True, min_tokens=5))
     scheduler.add_request(request("b", 4, constrained=True, max_tokens=1))
@@ -95,17 +84,15 @@ def test_the_grammar_end_outlasts_ignore_eos_and_min_tokens_but_length_comes_fir
     assert sorted(grammars.freed) == ["a", "b"]
 
 
-def test_a_failed_compilation_ends_only_its_request() -> None:
+def test_a_dead_end_ends_only_its_request_with_an_error_and_without_the_token() -> None:
     grammars = FakeGrammars()
-    grammars.failed.add("bad")
+    grammars.dead.add("bad")
     scheduler = make(grammars)
     scheduler.add_request(request("bad", 4, constrained=True))
     scheduler.add_request(request("ok", 4, constrained=False, max_tokens=1))
     out, core = step(scheduler)
-    assert list(out.num_scheduled_tokens) == ["ok"]
-    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in core.outputs] == [
-        ("bad", [], "abort"), ("ok", [7], "length")]
-    assert "bad" in out.finished_req_ids or "bad" in scheduler.finished_req_ids
+    assert [(o.request_id, o.new_token_ids, o.finish_reason, o.error) for o in core.outputs] == [
+        ("bad", [], "error", "a dead end"), ("ok", [7], "length", None)]
     assert not scheduler.has_unfinished_requests() and grammars.freed == ["bad"]
 
 

@@ -13,7 +13,7 @@ from dabba.config import EngineConfig, ServerConfig
 from dabba.engine.clients import make_engine_client
 from dabba.engine.data_parallel import build_replicas
 from dabba.engine.llm_engine import LLMEngine
-from dabba.entrypoints.openai.api_server import build_app
+from dabba.entrypoints.openai.api_server import build_app, uvicorn_config
 
 
 def free_port() -> int:
@@ -41,7 +41,7 @@ def live_server(path: str, model_name: str, api_key: str | None, tool_call_parse
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    srv = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, config or ServerConfig(), "warning"))  # as serve()
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120  # a bound on a hang only

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from dabba.config import ServerConfig
-from tools.reliability.common import Target, error_shape_problem
+from tools.reliability.common import Target, error_shape_problem, server_limits
+from tools.reliability.constraints import hostile_cases
 from tools.reliability.fuzz import FuzzConfig, run_fuzz
-from tools.reliability.malformed import malformed_table, run_malformed
+from tools.reliability.malformed import malformed_table, raw_table, run_malformed
 from tools.reliability.soak import SoakConfig, run_soak
 from tools.reliability.storm import GREEDY, HANGUPS, StormConfig, run_storm
 
@@ -84,12 +85,19 @@ def test_fuzz(target) -> None:
             assert result.breakdown.get(f"POST {path} {mode}", {}).get("cases", 0) >= 20, result.breakdown
     assert result.counts["cases"] >= 0.8 * config.cases, result.counts
     assert result.counts.get("2xx", 0) > 0 and result.counts.get("4xx", 0) > 0
+    # the constraint cases: every random valid one served, every hostile one refused as it must be
+    assert result.counts["constraint_cases"] == config.constraint_cases + len(hostile_cases(target.limits))
+    assert result.breakdown["constraints"].get("200", 0) >= config.constraint_cases
+
+
+def test_the_suite_reads_the_bounds_of_the_server_it_probes(target) -> None:
+    assert server_limits(target.url, target.api_key) == LIMITS
 
 
 def test_malformed_table(target) -> None:
     result = run_malformed(target)
     assert result.failures == []
-    assert result.counts["passed"] == result.counts["rows"] == len(malformed_table(target))
+    assert result.counts["passed"] == result.counts["rows"] == len(malformed_table(target)) + len(raw_table(target))
 
 
 def test_an_unexpected_exception_is_a_500_in_openai_shape(server, monkeypatch, no_errors_logged) -> None:

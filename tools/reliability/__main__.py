@@ -16,7 +16,7 @@ from typing import Any, Callable
 from dabba.config import DEMO_MODEL, ServerConfig
 
 from . import __doc__ as SUITE_DOC
-from .common import Target, served_model
+from .common import Target, server_limits, served_model
 from .fuzz import FuzzConfig, run_fuzz
 from .malformed import run_malformed
 from .server import ServerProcess
@@ -84,10 +84,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disconnects", type=int, default=24, help="clients hanging up per round (default: 24)")
     p.add_argument("--fuzz-cases", type=int, default=240, help="schemathesis cases per round (default: 240)")
     p.add_argument("--seed", type=int, default=None, help="seed of the traffic and cases (default: random)")
-    p.add_argument("--max-n", type=int, default=8, help="the server's --max-n (started here, or expected of --url)")
-    p.add_argument("--max-stop-sequences", type=int, default=4)
-    p.add_argument("--max-stop-length", type=int, default=64)
-    p.add_argument("--max-request-body-bytes", default="1MiB")
+    # the bounds of a server started here; every check reads the bounds of the server it probes
+    p.add_argument("--max-n", type=int, default=8, help="the started server's --max-n")
+    p.add_argument("--max-stop-sequences", type=int, default=4, help="the started server's --max-stop-sequences")
+    p.add_argument("--max-stop-length", type=int, default=64, help="the started server's --max-stop-length")
+    p.add_argument("--max-request-body-bytes", default="1MiB", help="the started server's --max-request-body-bytes")
     p.add_argument("--server-arg", action="append", default=[], help="an extra flag for the started server "
                    "(repeat; default: --dtype float32 --kv-cache-memory 64MiB --log-level warning)")
     p.add_argument("--json-out", default=None, help="also write the report to this file")
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             report["server_log"] = str(server.log_path)
         else:
             url, api_key = args.url.rstrip("/"), args.api_key
-        target = Target(url=url, model=served_model(url, api_key), api_key=api_key, limits=limits)
+        target = Target(url=url, model=served_model(url, api_key), api_key=api_key,
+                        limits=server_limits(url, api_key))
         report.update(url=url, model=target.model)
         rss_start = server.rss_kib() if server else None
         rss_rounds: list[int | None] = []  # a leak grows round after round; warming up levels off

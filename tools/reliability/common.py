@@ -2,6 +2,7 @@
 `timed`) and the checks of error bodies, event streams and /metrics."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -73,6 +74,16 @@ def timed(run: Callable[..., PhaseResult]) -> Callable[..., PhaseResult]:
         return result
 
     return wrapper
+
+
+def server_limits(url: str, api_key: str | None, timeout_s: float = 60.0) -> ServerConfig:
+    """The bounds the server enforces (GET /server/limits), so that every table and case is sized
+    to the server probed, whatever its flags."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(f"{url}/server/limits", headers=headers, timeout=timeout_s)
+    r.raise_for_status()
+    known = {f.name for f in dataclasses.fields(ServerConfig)}
+    return ServerConfig(**{name: value for name, value in r.json().items() if name in known})
 
 
 def served_model(url: str, api_key: str | None, timeout_s: float = 60.0) -> str:

@@ -1,4 +1,5 @@
-"""Phase 3, fuzz: schemathesis cases from /openapi.json, valid and invalid."""
+"""Phase 3, fuzz: schemathesis cases from /openapi.json, valid and invalid, then random
+structured-output constraints, valid and hostile (constraints.py)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import httpx
 
 from .common import (PhaseResult, Target, error_shape_problem, is_json, is_server_error, is_sse, sse_events,
                      stream_error_events, timed, wait_idle)
+from .constraints import fuzz_constraints
 
 
 # ---- phase 3: fuzz -----------------------------------------------------------------------------------
@@ -24,6 +26,7 @@ class FuzzConfig:
     gets_per_operation: int = 2  # a GET without parameters has one case only
     max_tokens_cap: int = 8
     seed: int | None = 0  # None: a fresh hypothesis seed
+    constraint_cases: int = 16  # random valid constraints (the hostile ones come on top)
 
 
 def adjust_body(body: Any, cap: int, model: str | None) -> Any:
@@ -165,6 +168,7 @@ def run_fuzz(target: Target, config: FuzzConfig = FuzzConfig()) -> PhaseResult:
                 fuzz_operation(op, mode, max_examples, None if config.seed is None else config.seed + k, check)
             except Exception as e:  # schemathesis/hypothesis could not generate (or send) its cases
                 result.failures.append(f"{label}: fuzzing stopped: {type(e).__name__}: {e}")
+    fuzz_constraints(target, result, config.constraint_cases, config.seed or 0)
     problem = wait_idle(target)
     if problem:
         result.failures.append(f"after the fuzz: {problem}")

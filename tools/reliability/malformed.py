@@ -1,8 +1,11 @@
 """Phase 4, malformed requests: a table of bad requests, each with its expected status and
-param, each followed by a good request on the same client."""
+param, each followed by a good request on the same client; then requests broken below HTTP's
+semantics (framing, the request line), sent on raw sockets, each answered in the error shape."""
 from __future__ import annotations
 
 import json
+import socket
+import urllib.parse
 from dataclasses import dataclass
 
 import httpx
@@ -97,6 +100,8 @@ def malformed_table(target: Target) -> list[BadRequest]:
                      completion("", "[" * depth + "]" * depth), 400, "prompt", or_param=(None,))
           for depth in (900, 940, 950, 955, 960, 965, 970, 980, 1000)),
         BadRequest("unknown route", "/v1/nothing-here", completion(""), 404, None),
+        BadRequest("a trailing slash (no redirect)", "/v1/completions/", completion(""), 404, None),
+        BadRequest("a trailing slash (chat)", "/v1/chat/completions/", chat_body(), 404, None),
         BadRequest("unknown route (GET)", "/v2/models", None, 404, None, method="GET", content_type=None),
         BadRequest("wrong method", "/v1/completions", None, 405, None, method="GET", content_type=None),
         BadRequest("wrong model name", "/v1/completions", b'{"model": "no-such-model", "prompt": "x"}', 404, "model"),
@@ -162,4 +167,91 @@ def run_malformed(target: Target) -> PhaseResult:
                 result.failures += [f"{row.name}: {p}" for p in problems]
             else:
                 result.add("passed")
+    run_raw(target, result)
     return result
+
+
+# ---- below HTTP's semantics: raw sockets -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RawRequest:
+    """Bytes the HTTP parser itself refuses (or a header no answer may echo), and the status due."""
+
+    name: str
+    data: bytes
+    status: int
+    must_not_contain: bytes | None = None
+
+
+def raw_table(target: Target) -> list[RawRequest]:
+    host = urllib.parse.urlsplit(target.url).netloc.encode()
+    auth = "".join(f"{k}: {v}\r\n" for k, v in target.auth().items()).encode()
+    body = json.dumps({"model": target.model, "prompt": "x", "max_tokens": 1}).encode()
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: " + host + b"\r\nContent-Type: application/json\r\n" + auth
+    return [
+        RawRequest("Content-Length: -5", post + b"Content-Length: -5\r\n\r\n" + body, 400),
+        RawRequest("Content-Length not a number", post + b"Content-Length: ten\r\n\r\n" + body, 400),
+        RawRequest("a malformed chunked body", post + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n" + body
+                   + b"\r\n0\r\n\r\n", 400),
+        RawRequest("a garbage request line", b"\x16\x03\x01 not http\r\n\r\n", 400),
+        RawRequest("a trailing slash with a foreign Host", b"POST /v1/completions/ HTTP/1.1\r\nHost: evil.example.com"
+                   b"\r\nContent-Type: application/json\r\n" + auth + b"Content-Length: %d\r\n\r\n" % len(body)
+                   + body, 404, must_not_contain=b"evil.example.com"),
+    ]
+
+
+def raw_exchange(target: Target, data: bytes, timeout_s: float = 30.0) -> bytes:
+    """Send ``data`` on a fresh connection and read what comes back until the server closes it
+    or a full response with a Content-Length has come."""
+    url = urllib.parse.urlsplit(target.url)
+    with socket.create_connection((url.hostname, url.port or 80), timeout=timeout_s) as sock:
+        sock.sendall(data)
+        received = b""
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            received += chunk
+            head, sep, rest = received.partition(b"\r\n\r\n")
+            length = [line.split(b":", 1)[1] for line in head.split(b"\r\n")[1:]
+                      if line.lower().startswith(b"content-length:")]
+            if sep and length and len(rest) >= int(length[0]):
+                break
+        return received
+
+
+def raw_problems(row: RawRequest, received: bytes) -> list[str]:
+    head, _, body = received.partition(b"\r\n\r\n")
+    status_line = head.split(b"\r\n", 1)[0].decode(errors="replace")
+    parts = status_line.split(" ")
+    if len(parts) < 2 or not parts[1].isdigit():
+        return [f"no HTTP status line in {received[:120]!r}"]
+    problems = []
+    if int(parts[1]) != row.status:
+        problems.append(f"HTTP {parts[1]}, expected {row.status}: {received[:200]!r}")
+    if b"application/json" not in head.lower():
+        problems.append(f"not a JSON error: {received[:200]!r}")
+    else:
+        shape = error_shape_problem(httpx.Response(int(parts[1]), content=body,
+                                                   headers={"content-type": "application/json"}))
+        if shape:
+            problems.append(shape)
+    if row.must_not_contain is not None and row.must_not_contain in received:
+        problems.append(f"the response echoes {row.must_not_contain!r}: {received[:200]!r}")
+    return problems
+
+
+def run_raw(target: Target, result: PhaseResult) -> None:
+    for row in raw_table(target):
+        result.add("rows")
+        try:
+            problems = raw_problems(row, raw_exchange(target, row.data))
+        except OSError as e:
+            problems = [f"{type(e).__name__}: {e}"]
+        if problems:
+            result.failures += [f"{row.name}: {p}" for p in problems]
+        else:
+            result.add("passed")

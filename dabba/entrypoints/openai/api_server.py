@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import signal
@@ -26,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import dabba
 from dabba.config import ServerConfig
 from dabba.engine.protocol import EngineClient, EngineDeadError
+from dabba.entrypoints.openai.http_protocol import protocol_class, raise_open_file_limit
 from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                TokenizeRequest)
 from dabba.entrypoints.openai.serving import OpenAIError
@@ -86,7 +88,9 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
         yield
         client.shutdown()  # uvicorn has stopped accepting and drained what it could
 
-    app = FastAPI(title="dabba", version=dabba.__version__, lifespan=lifespan)
+    # No redirects: Starlette's trailing-slash redirect builds its Location from the client's Host
+    # header; such a path is a 404 like any other unknown one.
+    app = FastAPI(title="dabba", version=dabba.__version__, lifespan=lifespan, redirect_slashes=False)
     app.add_middleware(RequestBodyLimit, limit=config.max_request_body_bytes)
     app.state.engine_client = client
     app.state.serving = serving
@@ -100,7 +104,7 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
                 raise OpenAIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
                                   type="authentication_error", code="invalid_api_key")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)], redirect_slashes=False)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, e: OpenAIError):
@@ -190,6 +194,12 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
         text = await asyncio.to_thread(model_info.tokenizer.decode, req.tokens, skip_special_tokens=False)
         return {"prompt": text}
 
+    @app.get("/server/limits", dependencies=[Depends(check_api_key)])
+    async def server_limits():
+        """The bounds this server holds requests and connections to, so that a client probing it
+        (tools/reliability) knows them."""
+        return dataclasses.asdict(config)
+
     add_web_routes(app, client, check_api_key)
 
     @app.get("/metrics")
@@ -206,6 +216,14 @@ EXIT_ENGINE_FAILED = 1
 EXIT_DRAIN_TIMED_OUT = 3
 
 
+def uvicorn_config(app: FastAPI, host: str, port: int, config: ServerConfig, log_level: str) -> uvicorn.Config:
+    """How serve() runs ``app``: on dabba's HTTP/1.1 protocol (head deadline, connection cap, JSON
+    errors; see http_protocol.py), named as a class so installed parsers never change it; uvicorn's
+    graceful timeout outlasts the drain, so that by then every response has its ending."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol_class(config),
+                          timeout_graceful_shutdown=config.shutdown_timeout + 10)
+
+
 def serve(client: EngineClient, served_model_name: str, host: str, port: int, api_key: str | None,
           tool_call_parser: str | None = None, config: ServerConfig | None = None) -> int:
     """Run until SIGINT/SIGTERM, then drain: new requests are refused (503), those in flight get
@@ -215,11 +233,10 @@ def serve(client: EngineClient, served_model_name: str, host: str, port: int, ap
     loop failed (so a supervisor restarts the process). ``client`` was made with
     start_thread=False: its loop runs here, on the main thread (see AsyncLLMEngine)."""
     config = config or ServerConfig()
+    raise_open_file_limit(config.max_connections)
     app = build_app(client, served_model_name, api_key, tool_call_parser=tool_call_parser, config=config)
-    # uvicorn's own graceful timeout outlasts the drain: by then every response has its ending
     log_level = logging.getLevelName(logger.getEffectiveLevel()).lower()  # dabba's (--log-level)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=config.shutdown_timeout + 10))
+    server = uvicorn.Server(uvicorn_config(app, host, port, config, log_level))
     status: dict[str, int] = {}
     stopping = threading.Event()
 

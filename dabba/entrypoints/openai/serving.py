@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dabba.config import ServerConfig
-from dabba.engine.protocol import EngineClient, EngineDeadError, InvalidRequest, RequestStream
+from dabba.engine.protocol import EngineClient, EngineDeadError, InvalidRequest, Overloaded, RequestStream
 from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionChoice, CompletionLogprobs,
                                                CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse,
                                                PromptTokensDetails, SamplingFields, UsageInfo, random_id)
@@ -118,27 +118,81 @@ class OpenAIServing:
             raise OpenAIError(400, f"stop strings must be at most {limits.max_stop_length} characters long (the "
                                    "server's --max-stop-length)", param="stop")
 
-    async def _start(self, request_ids: list[str], prompts: list[Any], params: SamplingParams,
+    def _check_constraint(self, constraint: StructuredOutputsParams | None, param: str) -> None:
+        """The server's bounds on what a constraint may cost to compile, each a 400 naming the
+        field the constraint came from."""
+        if constraint is None:
+            return
+        size, limits = constraint.size(), self.config
+        for value, limit, what, flag in (
+                (size.bytes, limits.max_constraint_bytes, "bytes of constraint", "max-constraint-bytes"),
+                (size.enum_values, limits.max_constraint_enum_values, "enum/const values or choices",
+                 "max-constraint-enum-values"),
+                (size.regex_length, limits.max_constraint_regex_length, "characters of regex",
+                 "max-constraint-regex-length"),
+                (size.grammar_rules, limits.max_constraint_grammar_rules, "grammar rules",
+                 "max-constraint-grammar-rules")):
+            if value > limit:
+                raise OpenAIError(400, f"{param} has {value} {what}; the server takes at most {limit} (its --{flag})",
+                                  param=param, code="constraint_too_large")
+
+    async def _start(self, raw: Request, request_ids: list[str], prompts: list[Any], params: SamplingParams,
                      priority: int, constraint_param: str = "structured_outputs",
                      prompt_param: str = "prompt") -> list[RequestStream]:
         """Queue every prompt before answering: a rejected one is a 400 for the whole call,
         even when streaming, and leaves nothing running. The client processes each prompt off the
-        event loop (tokenizing, validating its constraint); a bad constraint is a 400 naming
-        ``constraint_param``, the request field it came from, a bad prompt ``prompt_param``."""
+        event loop (tokenizing, validating and compiling its constraint, within the server's
+        deadline); a bad constraint is a 400 naming ``constraint_param``, the request field it
+        came from, a bad prompt ``prompt_param``; a full compile queue is a 503. A client that
+        hangs up meanwhile stops waiting, and so the compile if nobody else waits for it."""
+        self._check_constraint(params.structured_outputs, constraint_param)
         streams: list[RequestStream] = []
         try:
             for request_id, prompt in zip(request_ids, prompts):
-                streams.append(await self.client.add_request(request_id, prompt, params, priority))
+                streams.append(await self._unless_disconnected(raw, self.client.add_request(
+                    request_id, prompt, params, priority,
+                    compile_timeout=self.config.structured_outputs_compile_timeout)))
         except BaseException as e:
             for stream in streams:
                 stream.abort()
             if isinstance(e, ValueError):
                 raise OpenAIError(400, str(e), param=_param_of(e, prompt_param, constraint_param)) from None
+            if isinstance(e, Overloaded):
+                raise OpenAIError(503, str(e), type="server_error", code="overloaded") from None
             raise
         return streams
 
-    async def _finals(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
-        """Wait for every stream's (FINAL_ONLY) output; a client that hangs up aborts them all."""
+    @staticmethod
+    def _check_failed(out: RequestOutput, constraint_param: str) -> None:
+        """A request that ended with an error (its grammar reached a dead end) answers with it."""
+        for o in out.outputs:
+            if o.finish_reason == "error":
+                raise OpenAIError(400, o.error or "the request ended with an error", param=constraint_param)
+
+    @staticmethod
+    async def _unless_disconnected(raw: Request, awaitable: Any) -> Any:
+        """``awaitable``'s result, or a 499 once the client has hung up (the awaitable is cancelled,
+        its cleanup, such as releasing a compile, done; one that finished first still counts)."""
+        task = asyncio.ensure_future(awaitable)
+        while True:
+            try:
+                done, _ = await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+            except asyncio.CancelledError:  # the handler itself was cancelled
+                task.cancel()
+                raise
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                task.cancel()
+                try:
+                    return await task
+                except asyncio.CancelledError:
+                    raise OpenAIError(499, "client disconnected") from None
+
+    async def _finals(self, streams: list[RequestStream], raw: Request,
+                      constraint_param: str = "structured_outputs") -> list[RequestOutput]:
+        """Wait for every stream's (FINAL_ONLY) output; a client that hangs up aborts them all,
+        one that ended with an error answers with it."""
         async def last(stream: RequestStream) -> RequestOutput:
             out = None
             async for out in stream:
@@ -156,10 +210,15 @@ class OpenAIServing:
                 for stream in streams:
                     stream.abort()
                 raise OpenAIError(499, "client disconnected")
-        return task.result()
+        outs = task.result()
+        for out in outs:
+            self._check_failed(out, constraint_param)
+        return outs
 
-    async def _merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several prompts as they come, tagged with the prompt's index."""
+    async def _merged(self, streams: list[RequestStream],
+                      constraint_param: str = "structured_outputs") -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several prompts as they come, tagged with the prompt's index; one that
+        ended with an error ends the stream with it (an error event)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int) -> None:
@@ -181,6 +240,7 @@ class OpenAIServing:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    self._check_failed(item, constraint_param)
                     yield i, item
         finally:
             for task in tasks:
@@ -239,10 +299,10 @@ class OpenAIServing:
         prompts = self._completion_prompts(req)
         base_id = random_id("cmpl")
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        streams = await self._start(ids, prompts, params, req.priority, constraint_field(req))
+        streams = await self._start(raw, ids, prompts, params, req.priority, constraint_field(req))
         if req.stream:
             return self._streaming(self._completion_events(req, base_id, streams, params))
-        outs = await self._finals(streams, raw)
+        outs = await self._finals(streams, raw, constraint_field(req))
         choices = []
         for i, out in enumerate(outs):
             for o in out.outputs:
@@ -288,7 +348,7 @@ class OpenAIServing:
         """One chunk per DELTA output of a choice (each holds at least one new token)."""
         prompts: dict[int, RequestOutput] = {}  # prompt index -> its first output, the one that carries the prompt
         progress: dict[int, ChoiceProgress] = {}
-        async for i, out in self._merged(streams):
+        async for i, out in self._merged(streams, constraint_field(req)):
             prompt = prompts.setdefault(i, out)
             for o in out.outputs:
                 index = i * params.n + o.index

@@ -124,11 +124,12 @@ class OpenAIServingChat(OpenAIServing):
         constraint, constraint_param = self._constraint(req, tool_choice)
         params = self.sampling_params(req, max_tokens, top if req.logprobs else None, structured=constraint)
         request_id = random_id("chatcmpl")
-        streams = await self._start([request_id], [prompt], params, req.priority, constraint_param, "messages")
+        streams = await self._start(raw, [request_id], [prompt], params, req.priority, constraint_param, "messages")
         parser = self.tool_call_parser if req.tools else None
         if req.stream:
-            return self._streaming(self._chat_events(req, request_id, streams, params, tool_choice, parser))
-        (out,) = await self._finals(streams, raw)
+            return self._streaming(self._chat_events(req, request_id, streams, params, tool_choice, parser,
+                                                     constraint_param))
+        (out,) = await self._finals(streams, raw, constraint_param)
         choices = []
         for o in out.outputs:
             extractor = make_extractor(tool_choice, parser)
@@ -154,7 +155,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     async def _chat_events(self, req: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
-                           params: SamplingParams, tool_choice: Any, parser: str | None) -> AsyncIterator[dict]:
+                           params: SamplingParams, tool_choice: Any, parser: str | None,
+                           constraint_param: str) -> AsyncIterator[dict]:
         """A chunk per DELTA output of a choice that brings content or its finish, and one per
         tool-call delta (a call's id and name, then its arguments); tokens that brought neither
         (held back, a partial character, text still to be read as calls) go out with the next."""
@@ -173,7 +175,7 @@ class OpenAIServingChat(OpenAIServing):
         for i in range(params.n):
             yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
         first: RequestOutput | None = None  # the output that carries the prompt
-        async for _, out in self._merged(streams):
+        async for _, out in self._merged(streams, constraint_param):
             if first is None:
                 first = out
             for o in out.outputs:
