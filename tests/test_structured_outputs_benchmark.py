@@ -17,5 +17,5 @@ def test_cli_reports_decode_rates_and_first_request_latency() -> None:
         rates = result[f"batch_{batch}"]["decode_tokens_per_s"]
         assert rates["plain"] > 0 and rates["json_schema"] > 0
         assert result[f"batch_{batch}"]["slowdown"] == 1 - rates["json_schema"] / rates["plain"]
-    assert set(result["first_request_s"]) == {"plain", "schema_cold", "schema_cached"}
+    assert set(result["first_request_s"]) == {"plain", "schema_first_in_process", "schema_cold", "schema_cached"}
     assert all(v > 0 for v in result["first_request_s"].values())
