@@ -1,4 +1,5 @@
-"""Make the GGUF files the llama.cpp peer runs: bf16, then Q8_0 / Q4_0 quantized from it.
+"""Make the GGUF files the llama.cpp peer runs (and dabba's GGUF tests read): bf16 (or f32, f16),
+then Q8_0 / Q4_0 quantized from it.
 
     python benchmarks/peers/make_gguf.py --model HF_DIR --llama-cpp-dir DIR --out-dir OUT \
         [--types bf16,q8_0,q4_0] [--convert-python PY]
@@ -6,7 +7,7 @@
 Run it with the llama.cpp venv's Python. Writes OUT/model-{type}.gguf and prints one JSON dict
 {type: path} on stdout (logs go to stderr). Files that already exist are kept.
 
-- bf16: llama.cpp's own convert_hf_to_gguf.py (from the llama.cpp source tree DIR, with its
+- bf16, f32, f16: llama.cpp's own convert_hf_to_gguf.py (from the llama.cpp source tree DIR, with its
   gguf-py), run in-process so that one thing can be patched without editing the tree: a BPE
   pre-tokenizer whose hash llama.cpp does not know (the test checkpoints' tokenizer is trained
   locally) is written as "gpt-2" instead of aborting the conversion.
@@ -35,7 +36,8 @@ from typing import Iterator
 log = logging.getLogger("make_gguf")
 
 QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
-ALL_TYPES = ("bf16", *QUANT_FTYPES)
+CONVERTED_TYPES = ("bf16", "f32", "f16")  # written by the converter itself
+ALL_TYPES = (*CONVERTED_TYPES, *QUANT_FTYPES)
 
 
 def gguf_path(out_dir: Path, gguf_type: str) -> Path:
@@ -90,8 +92,8 @@ def padded_vocabulary(model_dir: Path) -> Iterator[Path]:
         yield view
 
 
-def convert_in_process(model_dir: Path, llama_cpp_dir: Path, out: Path) -> None:
-    """convert_hf_to_gguf.py MODEL --outfile OUT --outtype bf16, in this interpreter."""
+def convert_in_process(model_dir: Path, llama_cpp_dir: Path, out: Path, outtype: str = "bf16") -> None:
+    """convert_hf_to_gguf.py MODEL --outfile OUT --outtype OUTTYPE, in this interpreter."""
     # The tree's own gguf-py first: the converter expects the gguf package of its own revision.
     sys.path[:0] = [str(llama_cpp_dir / "gguf-py"), str(llama_cpp_dir)]
     patch_unknown_pre_tokenizer()
@@ -102,31 +104,32 @@ def convert_in_process(model_dir: Path, llama_cpp_dir: Path, out: Path) -> None:
     try:
         with padded_vocabulary(model_dir) as source, contextlib.redirect_stdout(sys.stderr):
             # stdout carries only this script's JSON
-            sys.argv = ["convert_hf_to_gguf.py", str(source), "--outfile", str(tmp), "--outtype", "bf16"]
+            sys.argv = ["convert_hf_to_gguf.py", str(source), "--outfile", str(tmp), "--outtype", outtype]
             convert_hf_to_gguf.main()
     finally:
         sys.argv = argv
     os.replace(tmp, out)
 
 
-def convert_with(python: str, model_dir: Path, llama_cpp_dir: Path, out_dir: Path) -> None:
-    """Run this script under another Python (one with torch + transformers) for the bf16 file."""
+def convert_with(python: str, model_dir: Path, llama_cpp_dir: Path, out_dir: Path, outtype: str) -> None:
+    """Run this script under another Python (one with torch + transformers) for a converted file."""
     cmd = [python, os.path.abspath(__file__), "--model", str(model_dir), "--llama-cpp-dir", str(llama_cpp_dir),
-           "--out-dir", str(out_dir), "--types", "bf16"]
+           "--out-dir", str(out_dir), "--types", outtype]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
-def make_bf16(model_dir: Path, llama_cpp_dir: Path, out_dir: Path, convert_python: str | None) -> Path:
-    out = gguf_path(out_dir, "bf16")
+def make_converted(model_dir: Path, llama_cpp_dir: Path, out_dir: Path, convert_python: str | None,
+                   outtype: str = "bf16") -> Path:
+    out = gguf_path(out_dir, outtype)
     if out.exists():
         log.info("exists: %s", out)
     elif convert_python is None:
         if not can_convert_here():
             sys.exit(f"{sys.executable} lacks torch/transformers, which convert_hf_to_gguf.py imports: "
                      "pass --convert-python PY (a Python that has them)")
-        convert_in_process(model_dir, llama_cpp_dir, out)
+        convert_in_process(model_dir, llama_cpp_dir, out, outtype)
     else:
-        convert_with(convert_python, model_dir, llama_cpp_dir, out_dir)
+        convert_with(convert_python, model_dir, llama_cpp_dir, out_dir, outtype)
     return out
 
 
@@ -157,7 +160,8 @@ def main() -> None:
     parser.add_argument("--llama-cpp-dir", type=Path, required=True,
                         help="llama.cpp source tree (has convert_hf_to_gguf.py, conversion/, gguf-py/)")
     parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--types", type=parse_types, default=list(ALL_TYPES), help="comma list of bf16,q8_0,q4_0")
+    parser.add_argument("--types", type=parse_types, default=["bf16", *QUANT_FTYPES],
+                        help=f"comma list of {','.join(ALL_TYPES)} (default: bf16,q8_0,q4_0)")
     parser.add_argument("--convert-python", help="Python with torch + transformers for the bf16 conversion "
                         "(default: this one)")
     parser.add_argument("--nthread", type=int, default=2, help="quantization threads")
@@ -166,9 +170,12 @@ def main() -> None:
 
     out_dir = args.out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    bf16 = make_bf16(args.model.resolve(), args.llama_cpp_dir.resolve(), out_dir, args.convert_python)
-    paths = {"bf16": str(bf16)}
-    for gguf_type in (t for t in args.types if t != "bf16"):
+    paths = {t: str(make_converted(args.model.resolve(), args.llama_cpp_dir.resolve(), out_dir, args.convert_python, t))
+             for t in args.types if t in CONVERTED_TYPES}
+    quantized = [t for t in args.types if t in QUANT_FTYPES]
+    bf16 = make_converted(args.model.resolve(), args.llama_cpp_dir.resolve(), out_dir, args.convert_python) \
+        if quantized else None
+    for gguf_type in quantized:
         out = gguf_path(out_dir, gguf_type)
         if out.exists():
             log.info("exists: %s", out)

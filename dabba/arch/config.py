@@ -25,7 +25,9 @@ REFUSED_ARCHITECTURES = {
 # The gated MLP's activation, by config value: SwiGLU (Llama's "silu") or GeGLU with gelu's tanh
 # approximation (Gemma's "gelu_pytorch_tanh"). dabba.ops.activation.act_and_mul computes them.
 MLP_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# freq_factors: llama.cpp's rope_freqs (a GGUF file's per-frequency divisors, as its converter
+# writes Llama 3's scaling); no Hugging Face config has it
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "freq_factors")
 # transformers' Phi3Config reads these as longrope ("su": Phi-3's first long-context configs)
 PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
 PHI3_ROPE_TYPES = ("default", "longrope")  # all that transformers' Phi3Config.validate_rope accepts
@@ -43,6 +45,7 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    freq_factors: tuple[float, ...] = ()  # freq_factors: each frequency's divisor (rotary_dim / 2 of them)
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,11 @@ class ArchConfig:
                 low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
                 high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
                 original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+                freq_factors=tuple(float(x) for x in rope.get("freq_factors", ())),
             )
+            if rope_type == "freq_factors" and len(scaling.freq_factors) != (rotary_dim or head_dim) // 2:
+                raise ValueError(f"rope freq_factors has {len(scaling.freq_factors)} values, not "
+                                 f"{(rotary_dim or head_dim) // 2} (one per rotary frequency)")
 
         # Mistral and Phi3 attend within it whenever it is set (transformers masks with it), in every
         # layer; Qwen only with use_sliding_window, and Qwen and Gemma only in the layers their

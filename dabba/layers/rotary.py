@@ -1,5 +1,5 @@
 """Rotary position embedding (half-rotation layout, as Llama/Qwen/Phi checkpoints use), with
-"linear", "llama3" and "longrope" frequency scaling, over the whole head or its first rotary_dim
+"linear", "llama3", "longrope" and per-frequency ("freq_factors", from GGUF files) scaling, over the whole head or its first rotary_dim
 dims (partial rotary: the rest pass through)."""
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, max_positio
     inv_freq = 1.0 / (theta ** exponents)
     if scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "freq_factors":  # llama.cpp's rope_freqs: theta / factor, per frequency
+        inv_freq = inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
     elif scaling.rope_type == "llama3":
         old_len = scaling.original_max_position_embeddings
         low_wavelen = old_len / scaling.low_freq_factor

@@ -24,6 +24,12 @@ def resolve_model_dir(model: str, revision: str | None = None, download_dir: str
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if path.suffix == ".gguf":  # llama.cpp's file: its metadata as checkpoint files
+        if not path.is_file():
+            raise ValueError(f"{field}={model!r}: no such GGUF file")
+        from dabba.models.gguf_checkpoint import gguf_model_dir
+
+        return gguf_model_dir(path)
     if model.count("/") > 1 or model.startswith(("/", ".", "~")) or not model.strip():
         raise ValueError(f"{field}={model!r} is not a local directory (nor a Hugging Face Hub repo id such as "
                          "'Qwen/Qwen2.5-0.5B-Instruct')")

@@ -22,6 +22,7 @@ from dabba.arch.files import read_json_object
 from dabba.distributed.tensor_parallel import SINGLE, TensorParallel, building_for
 from dabba.layers.embedding import LMHead
 from dabba.layers.rotary import describe_longrope
+from dabba.models.gguf_checkpoint import GGUF_LINK, iterate_gguf_weights
 from dabba.models.registry import get_model_class
 from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.config import QuantConfig
@@ -171,7 +172,8 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
                quant_config: QuantConfig | None = None, tp: TensorParallel = SINGLE) -> nn.Module:
     """The model, or under tensor parallelism rank ``tp.rank``'s shard of it, loaded."""
     model_dir = Path(model_dir)
-    files = find_weight_files(model_dir)
+    gguf = model_dir / GGUF_LINK
+    files = [] if gguf.exists() else find_weight_files(model_dir)
     model_cls = get_model_class(arch.architecture)
     if arch.rope_scaling.rope_type == "longrope":
         logger.info(describe_longrope(arch.rope_scaling, max_position))
@@ -183,7 +185,8 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
     finally:
         torch.set_default_dtype(previous)
     repack = LayerwiseRepacking(model)
-    model.load_weights(iterate_weights(files), on_loaded=repack.loaded)
+    weights = iterate_gguf_weights(gguf, arch) if gguf.exists() else iterate_weights(files)
+    model.load_weights(weights, on_loaded=repack.loaded)
     repack.finish()
     release_freed_heap()
     return model.eval()

@@ -1,0 +1,99 @@
+"""A GGUF file served as a checkpoint: a directory made beside nothing (a temporary one, removed at
+exit) holding the config, tokenizer and generation files its metadata maps to (arch/gguf_model.py)
+and a link to the file itself, whose tensors the loader then reads by their GGUF names."""
+from __future__ import annotations
+
+import atexit
+import json
+import re
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from dabba.arch.config import ArchConfig
+from dabba.arch.gguf_file import GGUFFile, read_gguf
+from dabba.arch.gguf_model import generation_config, hf_config, tokenizer_config, tokenizer_json
+from dabba.quantization.gguf_blocks import dequantize
+
+if TYPE_CHECKING:
+    import numpy as np
+
+GGUF_LINK = "model.gguf"  # the file, in the directory made for it
+SPLIT_SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+
+# GGUF tensor names (per block: blk.N.<name>) -> the Hugging Face names dabba's families load
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+}
+BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+CONFIG_TENSORS = ("rope_freqs.weight",)  # read into the config (arch/gguf_model.py), not weights
+_made: list[Path] = []
+
+
+def is_gguf(model: str) -> bool:
+    return model.endswith(".gguf") and Path(model).expanduser().is_file()
+
+
+def gguf_model_dir(path: str | Path) -> Path:
+    """The checkpoint directory of a GGUF file (the first shard of a split one is refused, for now)."""
+    path = Path(path).expanduser().resolve()
+    if SPLIT_SHARD.search(path.name):
+        raise ValueError(f"{path}: split GGUF files are not read yet; merge them with llama.cpp's gguf-split --merge")
+    f = read_gguf(path)
+    config = hf_config(f)
+    directory = Path(tempfile.mkdtemp(prefix="dabba-gguf-"))
+    if not _made:
+        atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _made])
+    _made.append(directory)
+    files = {"config.json": config, "generation_config.json": generation_config(f),
+             "tokenizer_config.json": tokenizer_config(f), "tokenizer.json": tokenizer_json(f, config["vocab_size"])}
+    for name, content in files.items():
+        (directory / name).write_text(json.dumps(content, ensure_ascii=False))
+    (directory / GGUF_LINK).symlink_to(path)
+    return directory
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves each Llama head's rotary halves (its LlamaModel.permute);
+    this puts them back as transformers has them."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _from_map(data: "np.ndarray") -> torch.Tensor:
+    """A read-only memory-mapped view as a tensor (never written: dequantize copies)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+        return torch.from_numpy(data)
+
+
+def iterate_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor under its Hugging Face name, as float32 (a view where the file holds F32)."""
+    f: GGUFFile = read_gguf(path)
+    llama = arch.architecture == "LlamaForCausalLM"
+    for name, tensor in f.tensors.items():
+        if name in CONFIG_TENSORS:
+            continue
+        hf = GLOBAL_NAMES.get(name)
+        if hf is None:
+            match = BLOCK.fullmatch(name)
+            if match is None or match.group(2) not in BLOCK_NAMES or int(match.group(1)) >= arch.num_hidden_layers:
+                raise ValueError(f"{path}: the GGUF file holds a tensor dabba does not know: {name!r}")
+            hf = f"model.layers.{match.group(1)}.{BLOCK_NAMES[match.group(2)]}"
+        value = dequantize(tensor.type_name, _from_map(tensor.data), tensor.shape)
+        if llama and hf.endswith(("q_proj.weight", "q_proj.bias")):
+            value = _unpermute(value, arch.num_attention_heads)
+        elif llama and hf.endswith(("k_proj.weight", "k_proj.bias")):
+            value = _unpermute(value, arch.num_key_value_heads)
+        yield hf, value

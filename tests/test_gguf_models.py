@@ -1,0 +1,110 @@
+"""GGUF files as llama.cpp users have them, served: tiny random checkpoints of each family converted
+by llama.cpp's own convert_hf_to_gguf.py (scripts/peer-llamacpp.sh unpacks it into .peers/; CI
+fails where it is missing, a developer's run skips) give transformers' greedy tokens on the source
+checkpoint (F32 and F16 files), and the tokenizer built from the file encodes text exactly as the
+source tokenizer does. (The quantized types' files come from llama-quantize, with the kernels that
+read them; their blocks are held to gguf-py in tests/quantization/test_gguf_blocks.py.)"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+from dabba import LLM, SamplingParams
+from dabba.models.gguf_checkpoint import gguf_model_dir
+from dabba.models.hub import resolve_model_dir
+
+from tests.conftest import token_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA_CPP = REPO / ".peers" / "llama.cpp"
+FAMILIES = ["llama", "qwen2", "qwen3"]
+MULTILINGUAL = "Héllo, wörld! 你好，世界 — καλημέρα κόσμε; Привет 123 4567 def f(x):\n\treturn x**2  # ✓ 🐍"
+
+
+@pytest.fixture(scope="session")
+def llama_cpp() -> Path:
+    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"{LLAMA_CPP} is missing: run scripts/peer-llamacpp.sh")
+        pytest.skip("llama.cpp's converter is not unpacked (scripts/peer-llamacpp.sh)")
+    return LLAMA_CPP
+
+
+@pytest.fixture(scope="session")
+def gguf_files(llama_cpp, checkpoints, tmp_path_factory):
+    """(family, type) -> the file, converted once per session."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def source(family: str) -> Path:
+        """The checkpoint as the converter can read it. transformers' Qwen2 tokenizer adds Qwen's
+        <|endoftext|> to a vocabulary without it, past the tiny checkpoint's vocab_size (the
+        converter then refuses it): a view whose pad token is named so. The weights and the
+        token ids, so the reference, are the checkpoint's."""
+        src = checkpoints[family].path
+        if not family.startswith("qwen"):
+            return src
+        view = tmp_path_factory.mktemp(f"source-{family}")
+        for f in src.iterdir():
+            if f.name in ("tokenizer.json", "tokenizer_config.json"):
+                (view / f.name).write_text(f.read_text().replace('"<pad>"', '"<|endoftext|>"'))
+            else:
+                (view / f.name).symlink_to(f)
+        return view
+
+    def get(family: str, gguf_type: str) -> Path:
+        if (family, gguf_type) not in made:
+            out = tmp_path_factory.mktemp(f"gguf-{family}")
+            result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers" / "make_gguf.py"), "--model",
+                                     str(source(family)), "--llama-cpp-dir", str(llama_cpp), "--out-dir",
+                                     str(out), "--types", gguf_type], capture_output=True, text=True, cwd=REPO)
+            assert result.returncode == 0, result.stderr[-3000:]
+            made[family, gguf_type] = Path(json.loads(result.stdout)[gguf_type])
+        return made[family, gguf_type]
+
+    get.source = source
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("gguf_type", ["f32", "f16"])
+def test_greedy_tokens_equal_transformers_on_the_source_checkpoint(family, gguf_type, gguf_files, checkpoints) -> None:
+    ckpt = checkpoints[family]
+    path = gguf_files(family, gguf_type)
+    llm = LLM(str(path), dtype="float32")
+    params = SamplingParams(max_tokens=len(ckpt.reference[0]), temperature=0, ignore_eos=True)
+    outs = llm.generate(token_prompts(ckpt.prompts), params)
+    got = [o.outputs[0].token_ids for o in outs]
+    if gguf_type == "f32":
+        assert got == ckpt.reference
+    else:  # weights rounded to float16 by the converter: the same tokens until the first near tie
+        agree = sum(g[:8] == r[:8] for g, r in zip(got, ckpt.reference))
+        assert agree >= len(got) - 2, (agree, len(got))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_files_tokenizer_encodes_as_the_source_does(family, gguf_files, checkpoints) -> None:
+    directory = gguf_model_dir(gguf_files(family, "f32"))
+    ours = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+    source = HFTokenizer.from_file(str(gguf_files.source(family) / "tokenizer.json"))
+    for text in (MULTILINGUAL, " leading space", "trailing  \n\n", "<|endoftext|>x"):
+        assert ours.encode(text).ids == source.encode(text).ids
+        assert ours.decode(ours.encode(text).ids) == source.decode(source.encode(text).ids)
+
+
+def test_a_gguf_path_is_a_model_argument_and_bad_ones_are_named(gguf_files, tmp_path) -> None:
+    directory = resolve_model_dir(str(gguf_files("llama", "f32")))
+    assert {p.name for p in directory.iterdir()} >= {"config.json", "tokenizer.json", "model.gguf"}
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF" + bytes(100))
+    with pytest.raises(ValueError, match="model.gguf: "):
+        resolve_model_dir(str(bad))
+    shard = tmp_path / "big-00001-of-00003.gguf"
+    shard.write_bytes(gguf_files("llama", "f32").read_bytes()[:64])
+    with pytest.raises(ValueError, match="split GGUF files are not read yet"):
+        resolve_model_dir(str(shard))
