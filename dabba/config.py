@@ -48,11 +48,15 @@ def _help(text: str, default: Any = dataclasses.MISSING, parse: Any = None) -> A
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = _help("A Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a Hub repo id "
-                       "(owner/name), downloaded into the Hugging Face cache (or download_dir) on first use.")
+    model: str = _help("A Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a GGUF file "
+                       "(llama.cpp's), or a Hub repo id (owner/name; owner/name:Q4_K_M for one of its GGUF files), "
+                       "downloaded into the Hugging Face cache (or download_dir) on first use.")
     revision: str | None = _help("The Hub revision (branch, tag or commit) of a model given as a repo id; default: main.",
                                  None)
     tokenizer: str | None = _help("The tokenizer's directory or Hub repo id, where it is not the model's.", None)
+    gguf_file: str | None = _help(
+        "The GGUF file to serve from the Hub repo given as the model (its path in the repo); the model's :TAG "
+        "(llama.cpp's owner/repo:Q4_K_M) picks one by its quantization too.", None)
     download_dir: str | None = _help("Where Hub downloads go (and are looked for); default: the Hugging Face cache "
                                      "(HF_HOME, HF_HUB_CACHE).", None)
     dtype: str = _help('Weights and activations dtype: "auto" (from config.json), "bfloat16", "float16", "float32".', "auto")

@@ -108,3 +108,29 @@ def test_a_gguf_path_is_a_model_argument_and_bad_ones_are_named(gguf_files, tmp_
     shard.write_bytes(gguf_files("llama", "f32").read_bytes()[:64])
     with pytest.raises(ValueError, match="split GGUF files are not read yet"):
         resolve_model_dir(str(shard))
+
+
+def test_a_hub_repo_of_gguf_files_takes_llama_cpps_tag_and_downloads_that_file_alone(gguf_files, checkpoints,
+                                                                                      tmp_path) -> None:
+    from tests.fake_hub import FakeHub, FakeRepo
+    from tests.test_hub import greedy, run_jobs
+
+    f32, f16 = gguf_files("llama", "f32").read_bytes(), gguf_files("llama", "f16").read_bytes()
+    repos = {"acme/tiny-GGUF": FakeRepo({"main": {"tiny-F32.gguf": f32, "tiny-F16.gguf": f16, "README.md": b"# tiny",
+                                                  "mmproj-tiny-F32.gguf": b"not the model"}})}
+    want = greedy(checkpoints["llama"])
+    cache = tmp_path / "hf"
+    with FakeHub(repos) as hub:
+        jobs = [{"model": "acme/tiny-GGUF:f32", "prompt": want["prompt"]},
+                {"model": "acme/tiny-GGUF:Q4_K_M", "prompt": [1]},
+                {"model": "acme/tiny-GGUF", "options": {"gguf_file": "tiny-F16.gguf"}, "prompt": want["prompt"]}]
+        first, missing, named = run_jobs(hub, cache, jobs)
+        fetched = {path.rsplit("/", 1)[-1] for method, path in hub.requests if "/resolve/" in path}
+        offline = run_jobs(hub, cache, [{"model": "acme/tiny-GGUF:F32", "prompt": want["prompt"]}],
+                           HF_HUB_OFFLINE="1")[0]
+    assert first["token_ids"] == want["want"]
+    assert missing["error"] == ("model='acme/tiny-GGUF' has no GGUF file for 'Q4_K_M' (its GGUF files: "
+                                "tiny-F16.gguf, tiny-F32.gguf)")
+    assert named["token_ids"][:4] == want["want"][:4]
+    assert fetched == {"tiny-F32.gguf", "tiny-F16.gguf"}  # each file alone: not the README, not the projector
+    assert offline["token_ids"] == want["want"]

@@ -97,7 +97,8 @@ def test_download_dir_tokenizer_repo_and_gated_repos(checkpoints, repos, tmp_pat
                               "to a token of that account"}
     assert with_token["token_ids"] == llama["want"]
     assert pickled == {"error": "model='acme/pickled' has no safetensors weights on the Hub; dabba never loads pickled "
-                                "checkpoints (.bin, .pt): choose a repo that ships *.safetensors, or convert it"}
+                                "checkpoints (.bin, .pt): choose a repo that ships *.safetensors, or convert it, or "
+                                "take one of its GGUF files (owner/repo:Q4_K_M)"}
     assert nobody == {"error": "model='acme/nobody': no such local directory, and no such Hub repo (or it is "
                                "private: set HF_TOKEN)"}
 

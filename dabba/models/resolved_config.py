@@ -88,7 +88,7 @@ def resolve_config(config: EngineConfig, model_files: list[str] = MODEL_FILES) -
     first: the planner asks for the config files alone) and this machine; ValueError naming the
     field when it cannot be."""
     mc = config.model_config
-    model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir, model_files)
+    model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir, model_files, gguf_file=mc.gguf_file)
     tokenizer_dir = (model_dir if mc.tokenizer is None else
                      resolve_model_dir(mc.tokenizer, None, mc.download_dir, TOKENIZER_FILES, field="tokenizer"))
     arch = ArchConfig.from_hf(model_dir)
