@@ -36,19 +36,28 @@ def _need(f: GGUFFile, key: str, kind: type | tuple[type, ...]) -> Any:
     return value
 
 
+def _size(f: GGUFFile, key: str, default: int | None = None) -> int:
+    """A count the model is built from: a positive integer (and not past any model)."""
+    value = f.get(key, default) if default is not None else f.require(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 2**31:
+        raise ValueError(f"{f.path}: metadata {key!r} is {value!r}, not a positive integer")
+    return value
+
+
 def hf_config(f: GGUFFile) -> dict[str, Any]:
     """config.json's fields for the file's family."""
     arch = f.require("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{f.path}: GGUF architecture {arch!r} is not one dabba serves from GGUF; supported: "
                          f"{', '.join(ARCHITECTURES)}")
-    heads = _need(f, f"{arch}.attention.head_count", int)
-    hidden = _need(f, f"{arch}.embedding_length", int)
-    tokens = f.get("tokenizer.ggml.tokens")
-    vocab_size = f.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
-    if "token_embd.weight" not in f.tensors:
-        raise ValueError(f"{f.path}: the GGUF file has no token_embd.weight")
-    vocab_size = vocab_size or f.tensors["token_embd.weight"].shape[0]
+    heads = _size(f, f"{arch}.attention.head_count")
+    hidden = _size(f, f"{arch}.embedding_length")
+    if "token_embd.weight" not in f.tensors or len(f.tensors["token_embd.weight"].shape) != 2:
+        raise ValueError(f"{f.path}: the GGUF file has no token_embd.weight matrix")
+    vocab_size = f.tensors["token_embd.weight"].shape[0]  # llama.cpp's n_vocab, as its rows
+    if f.get(f"{arch}.vocab_size", vocab_size) != vocab_size:
+        raise ValueError(f"{f.path}: {arch}.vocab_size is {f.get(f'{arch}.vocab_size')!r} but token_embd.weight has "
+                         f"{vocab_size} rows")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(f.get(f"{arch}.rope.freq_base", 10000.0))}
     scaling = f.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
@@ -64,13 +73,13 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
     cfg = {
         "architectures": [ARCHITECTURES[arch]],
         "hidden_size": hidden,
-        "intermediate_size": _need(f, f"{arch}.feed_forward_length", int),
-        "num_hidden_layers": _need(f, f"{arch}.block_count", int),
+        "intermediate_size": _size(f, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _size(f, f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": f.get(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": f.get(f"{arch}.attention.key_length", hidden // heads if heads else None),
+        "num_key_value_heads": _size(f, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": _size(f, f"{arch}.attention.key_length", max(hidden // heads, 1)),
         "rms_norm_eps": float(_need(f, f"{arch}.attention.layer_norm_rms_epsilon", (int, float))),
-        "max_position_embeddings": _need(f, f"{arch}.context_length", int),
+        "max_position_embeddings": _size(f, f"{arch}.context_length"),
         "rope_parameters": rope,
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in f.tensors,
@@ -125,8 +134,9 @@ def tokenizer_json(f: GGUFFile, vocab_size: int) -> dict[str, Any]:
     add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False)) and isinstance(bos, int) and 0 <= bos < len(tokens)
     single: list[dict] = [{"SpecialToken": {"id": tokens[bos], "type_id": 0}}] if add_bos else []
     single.append({"Sequence": {"id": "A", "type_id": 0}})
+    specials = {tokens[bos]: {"id": tokens[bos], "ids": [bos], "tokens": [tokens[bos]]}} if add_bos else {}
     post = {"type": "TemplateProcessing", "single": single, "pair": single + [{"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {tokens[bos]: {"id": tokens[bos], "ids": [bos], "tokens": [tokens[bos]]}} if add_bos else {}}
+            "special_tokens": specials}
     return {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
         "pre_tokenizer": pre_tokenizer, "post_processor": post,

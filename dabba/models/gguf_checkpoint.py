@@ -53,16 +53,36 @@ def gguf_model_dir(path: str | Path) -> Path:
         raise ValueError(f"{path}: split GGUF files are not read yet; merge them with llama.cpp's gguf-split --merge")
     f = read_gguf(path)
     config = hf_config(f)
+    tokenizer = tokenizer_json(f, config["vocab_size"])
+    _check(path, config, tokenizer)
     directory = Path(tempfile.mkdtemp(prefix="dabba-gguf-"))
     if not _made:
         atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _made])
     _made.append(directory)
     files = {"config.json": config, "generation_config.json": generation_config(f),
-             "tokenizer_config.json": tokenizer_config(f), "tokenizer.json": tokenizer_json(f, config["vocab_size"])}
+             "tokenizer_config.json": tokenizer_config(f), "tokenizer.json": tokenizer}
     for name, content in files.items():
         (directory / name).write_text(json.dumps(content, ensure_ascii=False))
     (directory / GGUF_LINK).symlink_to(path)
     return directory
+
+
+def _check(path: Path, config: dict, tokenizer: dict) -> None:
+    """What the file's metadata maps to, checked here so that its errors name the file, not the
+    directory made for it: the config as dabba reads config.json, the tokenizer as tokenizers
+    builds it (a merge of tokens the vocabulary lacks, say)."""
+    from tokenizers import Tokenizer
+
+    try:
+        ArchConfig.from_dict(config)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: its metadata does not describe a model dabba can build ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    try:
+        Tokenizer.from_str(json.dumps(tokenizer))
+    except Exception as e:  # tokenizers raises its own Exception
+        raise ValueError(f"{path}: tokenizer.ggml.* do not make a tokenizer ({e})") from None
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -80,6 +100,7 @@ def _from_map(data: "np.ndarray") -> torch.Tensor:
 
 def iterate_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor under its Hugging Face name, as float32 (a view where the file holds F32)."""
+    path = path.resolve()  # the file, so that errors name it, not its link
     f: GGUFFile = read_gguf(path)
     llama = arch.architecture == "LlamaForCausalLM"
     for name, tensor in f.tensors.items():

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType, quants
 from dabba.quantization.gguf_blocks import BLOCKS, dequantize
 
 BLOCK_TYPES = [t for t, (block, _) in BLOCKS.items() if block > 1]
+F16_FIELDS = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2]}  # where the scales sit
 EDGE_F16 = np.array([0.0, -0.0, 65504.0, -65504.0, 6e-8, 1.0, -1.0, np.inf, -np.inf, np.nan], dtype=np.float16)
 
 
@@ -31,8 +32,7 @@ def edge_blocks(type_name: str, rng: np.random.Generator) -> np.ndarray:
         for value in EDGE_F16:
             b = np.full(size, fill, np.uint8) if fill is not None else rng.integers(0, 256, size, dtype=np.uint8)
             f16 = np.frombuffer(value.tobytes(), np.uint8)
-            positions = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2]}.get(type_name, [0])
-            for p in positions:
+            for p in F16_FIELDS.get(type_name, [0]):
                 b[p:p + 2] = f16
             rows.append(b)
     return np.stack(rows)
