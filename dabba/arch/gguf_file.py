@@ -9,6 +9,7 @@ overflows or does not tile its type's blocks, data misaligned, overlapping or pa
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ import numpy as np
 # What dabba reads: every type the usual llama-quantize presets (Q4_0, Q4_K_S/M, Q5_K_S/M, Q6_K,
 # Q8_0) write, and the float ones the converter writes.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# one shard of a file llama.cpp's gguf-split cut in pieces: name-00001-of-00003.gguf
+SPLIT_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 MAX_DIMS = 4
 MAX_ELEMENTS = 2**48  # past any model; keeps every size computation far from int64's end
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from dabba.arch.config import ArchConfig
-from dabba.arch.gguf_file import GGUFFile, read_gguf
+from dabba.arch.gguf_file import SPLIT_SHARD, GGUFFile, read_gguf
 from dabba.arch.gguf_model import generation_config, hf_config, tokenizer_config, tokenizer_json
 from dabba.quantization.gguf_blocks import dequantize
 
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     import numpy as np
 
 GGUF_LINK = "model.gguf"  # the file, in the directory made for it
-SPLIT_SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 # GGUF tensor names (per block: blk.N.<name>) -> the Hugging Face names dabba's families load
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -40,10 +39,6 @@ BLOCK_NAMES = {
 BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 CONFIG_TENSORS = ("rope_freqs.weight",)  # read into the config (arch/gguf_model.py), not weights
 _made: list[Path] = []
-
-
-def is_gguf(model: str) -> bool:
-    return model.endswith(".gguf") and Path(model).expanduser().is_file()
 
 
 def gguf_model_dir(path: str | Path) -> Path:

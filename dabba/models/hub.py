@@ -8,12 +8,12 @@ or one GGUF file of a repo of them.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from dabba.arch.gguf_file import SPLIT_SHARD
+
 T = TypeVar("T")
-GGUF_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 CONFIG_FILES = ["config.json", "generation_config.json"]
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json"]
@@ -78,7 +78,7 @@ def pick_gguf(files: list[str], tag: str, where: str) -> str:
     multimodal projectors (mmproj) are not the model."""
     ggufs = [f for f in files if f.lower().endswith(".gguf") and "mmproj" not in f.lower()]
     matches = [f for f in ggufs if tag.lower() in Path(f).name.lower()]
-    firsts = [f for f in matches if not (m := GGUF_SHARD.search(f)) or m.group(1) == "00001"]
+    firsts = [f for f in matches if not (m := SPLIT_SHARD.search(f)) or m.group(1) == "00001"]
     if not firsts:
         have = ", ".join(sorted(Path(f).name for f in ggufs)) or "none"
         raise ValueError(f"{where} has no GGUF file for {tag!r} (its GGUF files: {have})")
@@ -105,7 +105,7 @@ def resolve_gguf(repo_id: str, tag: str | None, gguf_file: str | None, revision:
             files = _hub_call(lambda: list_repo_files(repo_id, revision=revision), repo_id, revision, download_dir,
                               field)
         gguf_file = pick_gguf(files, tag or "", where)
-    if GGUF_SHARD.search(gguf_file):
+    if SPLIT_SHARD.search(gguf_file):
         raise ValueError(f"{where}: {gguf_file} is a shard of a split GGUF file, which dabba does not read yet "
                          "(merge the shards with llama.cpp's gguf-split --merge)")
     return Path(_hub_call(lambda: hf_hub_download(repo_id, gguf_file, revision=revision, cache_dir=download_dir),
