@@ -23,7 +23,7 @@ from tests.conftest import token_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_CPP = REPO / ".peers" / "llama.cpp"
-FAMILIES = ["llama", "qwen2", "qwen3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mixtral"]
 MULTILINGUAL = "Héllo, wörld! 你好，世界 — καλημέρα κόσμε; Привет 123 4567 def f(x):\n\treturn x**2  # ✓ 🐍"
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from dabba.arch.gguf_file import GGUFFile
 
-# general.architecture -> the transformers class dabba's families are keyed by
+# general.architecture -> the transformers class dabba's families are keyed by (llama with
+# llama.expert_count is Mixtral)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # general.file_type -> the dtype its float tensors have (the quantized types compute in bfloat16)
 FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
@@ -87,6 +88,12 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         "dtype": FILE_DTYPES.get(f.get("general.file_type"), "bfloat16"),
         "attention_bias": "blk.0.attn_q.bias" in f.tensors,
     }
+    experts = f.get(f"{arch}.expert_count", 0)
+    if arch == "llama" and experts:  # Mixtral: Llama's block with its experts
+        cfg.update(architectures=["MixtralForCausalLM"], num_local_experts=_size(f, "llama.expert_count"),
+                   num_experts_per_tok=_size(f, "llama.expert_used_count"))
+    elif experts:
+        raise ValueError(f"{f.path}: experts in a {arch} file are not read from GGUF yet")
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         gguf_key = f"tokenizer.ggml.{key.replace('pad_', 'padding_')}"
         if isinstance(f.get(gguf_key), int):

@@ -35,7 +35,11 @@ BLOCK_NAMES = {
     "attn_output.weight": "self_attn.o_proj.weight", "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a MoE block's router
 }
+# a MoE block's experts, stacked [experts, rows, columns]: each expert's own tensor under these names
+EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                "ffn_down_exps.weight": "down_proj"}
 BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 CONFIG_TENSORS = ("rope_freqs.weight",)  # read into the config (arch/gguf_model.py), not weights
 _made: list[Path] = []
@@ -97,14 +101,20 @@ def iterate_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, to
     """Every tensor under its Hugging Face name, as float32 (a view where the file holds F32)."""
     path = path.resolve()  # the file, so that errors name it, not its link
     f: GGUFFile = read_gguf(path)
-    llama = arch.architecture == "LlamaForCausalLM"
+    llama = f.get("general.architecture") == "llama"  # the converter interleaved its q and k (Mixtral's too)
     for name, tensor in f.tensors.items():
         if name in CONFIG_TENSORS:
             continue
         hf = GLOBAL_NAMES.get(name)
+        match = BLOCK.fullmatch(name)
+        known = match is not None and int(match.group(1)) < arch.num_hidden_layers
+        if hf is None and known and match.group(2) in EXPERT_NAMES and len(tensor.shape) == 3:
+            stacked = dequantize(tensor.type_name, _from_map(tensor.data), tensor.shape)
+            for e in range(tensor.shape[0]):
+                yield f"model.layers.{match.group(1)}.mlp.experts.{e}.{EXPERT_NAMES[match.group(2)]}.weight", stacked[e]
+            continue
         if hf is None:
-            match = BLOCK.fullmatch(name)
-            if match is None or match.group(2) not in BLOCK_NAMES or int(match.group(1)) >= arch.num_hidden_layers:
+            if not known or match.group(2) not in BLOCK_NAMES:
                 raise ValueError(f"{path}: the GGUF file holds a tensor dabba does not know: {name!r}")
             hf = f"model.layers.{match.group(1)}.{BLOCK_NAMES[match.group(2)]}"
         value = dequantize(tensor.type_name, _from_map(tensor.data), tensor.shape)
