@@ -116,8 +116,8 @@ class StructuredOutputsParams:
     def size(self) -> ConstraintSize:
         kind, text, _ = self.key
         values, longest = 0, 0
-        if kind == "json":
-            values, longest = _schema_size(json.loads(text))
+        if kind == "json":  # the schema as given: the key's text is its canonical JSON
+            values, longest = _schema_size(json.loads(self.json) if isinstance(self.json, str) else self.json)
         elif kind == "choice":
             values = len(self.choice)
         elif kind == "regex":

@@ -30,7 +30,7 @@ from dabba.engine.protocol import EngineClient, EngineDeadError
 from dabba.entrypoints.openai.http_protocol import protocol_class, raise_open_file_limit
 from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                TokenizeRequest)
-from dabba.entrypoints.openai.serving import OpenAIError
+from dabba.entrypoints.openai.errors import OpenAIError
 from dabba.entrypoints.openai.serving_chat import OpenAIServingChat
 from dabba.entrypoints.web.routes import add_web_routes
 

@@ -13,10 +13,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dabba.config import ServerConfig
-from dabba.engine.protocol import EngineClient, EngineDeadError, InvalidRequest, Overloaded, RequestStream
-from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionChoice, CompletionLogprobs,
-                                               CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse,
-                                               PromptTokensDetails, SamplingFields, UsageInfo, random_id)
+from dabba.engine.protocol import EngineClient, EngineDeadError, Overloaded, RequestStream
+from dabba.entrypoints.openai.errors import OpenAIError, param_of
+from dabba.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                               CompletionResponse, ErrorInfo, ErrorResponse, PromptTokensDetails,
+                                               SamplingFields, UsageInfo, random_id)
+from dabba.entrypoints.openai.request_bounds import (check_bounds, check_constraint, constraint_field,
+                                                     structured_outputs_of)
 from dabba.outputs import PositionLogprobs, RequestOutput
 from dabba.sampling_params import RequestOutputKind, SamplingParams
 from dabba.structured_output import StructuredOutputsParams
@@ -26,35 +29,6 @@ logger = logging.getLogger("dabba")
 # How often a non-streaming handler checks that its client is still there: a client that gave up
 # stops its requests within this long (a streaming one stops at the next chunk it cannot send).
 DISCONNECT_POLL_S = 0.05
-
-
-class OpenAIError(Exception):
-    """An error the client made (or one to show it), with its HTTP status and OpenAI type."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def response(self) -> JSONResponse:
-        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status)
-
-
-def _param_of(error: ValueError, prompt_param: str = "prompt",
-              constraint_param: str = "structured_outputs") -> str | None:
-    """The request field an engine's InvalidRequest names: its prompt errors name the field the
-    prompt came from (``prompt_param``), its constraint errors the one the constraint came from
-    (``constraint_param``); an engine field that is no request field names nothing."""
-    param = error.param if isinstance(error, InvalidRequest) else None
-    if param in ("prompt", "prompt_token_ids"):
-        return prompt_param
-    if param == "structured_outputs":
-        return constraint_param
-    return param if param in REQUEST_FIELDS else None
-
-
-REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
 
 
 @dataclass
@@ -103,38 +77,7 @@ class OpenAIServing:
                 structured_outputs=structured, **optional,
             )
         except ValueError as e:
-            raise OpenAIError(400, str(e), param=_param_of(e)) from None
-
-    def _check_bounds(self, req: SamplingFields) -> None:
-        """The server's bounds on one request (ServerConfig), each a 400 naming its field."""
-        limits = self.config
-        if req.n > limits.max_n:
-            raise OpenAIError(400, f"n must be <= {limits.max_n} (the server's --max-n), got {req.n}", param="n")
-        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
-        if len(stops) > limits.max_stop_sequences:
-            raise OpenAIError(400, f"stop takes at most {limits.max_stop_sequences} strings (the server's "
-                                   f"--max-stop-sequences), got {len(stops)}", param="stop")
-        if any(len(s) > limits.max_stop_length for s in stops):
-            raise OpenAIError(400, f"stop strings must be at most {limits.max_stop_length} characters long (the "
-                                   "server's --max-stop-length)", param="stop")
-
-    def _check_constraint(self, constraint: StructuredOutputsParams | None, param: str) -> None:
-        """The server's bounds on what a constraint may cost to compile, each a 400 naming the
-        field the constraint came from."""
-        if constraint is None:
-            return
-        size, limits = constraint.size(), self.config
-        for value, limit, what, flag in (
-                (size.bytes, limits.max_constraint_bytes, "bytes of constraint", "max-constraint-bytes"),
-                (size.enum_values, limits.max_constraint_enum_values, "enum/const values or choices",
-                 "max-constraint-enum-values"),
-                (size.regex_length, limits.max_constraint_regex_length, "characters of regex",
-                 "max-constraint-regex-length"),
-                (size.grammar_rules, limits.max_constraint_grammar_rules, "grammar rules",
-                 "max-constraint-grammar-rules")):
-            if value > limit:
-                raise OpenAIError(400, f"{param} has {value} {what}; the server takes at most {limit} (its --{flag})",
-                                  param=param, code="constraint_too_large")
+            raise OpenAIError(400, str(e), param=param_of(e)) from None
 
     async def _start(self, raw: Request, request_ids: list[str], prompts: list[Any], params: SamplingParams,
                      priority: int, constraint_param: str = "structured_outputs",
@@ -145,18 +88,20 @@ class OpenAIServing:
         deadline); a bad constraint is a 400 naming ``constraint_param``, the request field it
         came from, a bad prompt ``prompt_param``; a full compile queue is a 503. A client that
         hangs up meanwhile stops waiting, and so the compile if nobody else waits for it."""
-        self._check_constraint(params.structured_outputs, constraint_param)
+        check_constraint(params.structured_outputs, constraint_param, self.config)
         streams: list[RequestStream] = []
+        timeout = self.config.structured_outputs_compile_timeout
         try:
             for request_id, prompt in zip(request_ids, prompts):
-                streams.append(await self._unless_disconnected(raw, self.client.add_request(
-                    request_id, prompt, params, priority,
-                    compile_timeout=self.config.structured_outputs_compile_timeout)))
+                adding = self.client.add_request(request_id, prompt, params, priority, compile_timeout=timeout)
+                # only a compile waits long enough for its client to leave meanwhile
+                streams.append(await (adding if params.structured_outputs is None
+                                      else self._unless_disconnected(raw, adding)))
         except BaseException as e:
             for stream in streams:
                 stream.abort()
             if isinstance(e, ValueError):
-                raise OpenAIError(400, str(e), param=_param_of(e, prompt_param, constraint_param)) from None
+                raise OpenAIError(400, str(e), param=param_of(e, prompt_param, constraint_param)) from None
             if isinstance(e, Overloaded):
                 raise OpenAIError(503, str(e), type="server_error", code="overloaded") from None
             raise
@@ -288,7 +233,7 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
-        self._check_bounds(req)
+        check_bounds(req, self.config)
         if req.suffix is not None:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -371,34 +316,6 @@ class OpenAIServing:
                                      usage=usage_info(num_prompt_tokens, sum(c.num_tokens for c in progress.values()),
                                                       sum(p.num_cached_tokens for p in prompts.values()))
                                      ).model_dump()
-
-
-def constraint_field(req: SamplingFields) -> str:
-    """The request field a constraint comes from, for its errors."""
-    return "response_format" if req.response_format is not None and req.response_format.type != "text" \
-        else "structured_outputs"
-
-
-def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
-    """``response_format`` (json_object, json_schema; text is no constraint) or vLLM's
-    ``structured_outputs``, never both. A json_schema's ``strict`` changes nothing: the schema
-    is always enforced."""
-    fmt = req.response_format
-    field = constraint_field(req)
-    if fmt is not None and fmt.type != "text" and req.structured_outputs is not None:
-        raise OpenAIError(400, "set response_format or structured_outputs, not both", param="response_format")
-    try:
-        if field == "response_format":
-            if fmt.type == "json_object":
-                return StructuredOutputsParams(json_object=True)
-            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-                raise ValueError("response_format of type json_schema needs json_schema.schema")
-            return StructuredOutputsParams(json=fmt.json_schema.json_schema)
-        if req.structured_outputs is None:
-            return None
-        return StructuredOutputsParams.from_dict(req.structured_outputs)
-    except (ValueError, TypeError) as e:
-        raise OpenAIError(400, str(e), param=field) from None
 
 
 def usage_info(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:

@@ -17,8 +17,9 @@ from dabba.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, 
                                                ChatMessageOut, ChatStreamChoice, ChatTool, DeltaFunctionCall,
                                                DeltaToolCall, FunctionCall, TokenLogprob, ToolCallOut, TopLogprob,
                                                UsageInfo, random_id)
-from dabba.entrypoints.openai.serving import (ChoiceProgress, OpenAIError, OpenAIServing, constraint_field,
-                                              final_usage, structured_outputs_of, usage_info)
+from dabba.entrypoints.openai.errors import OpenAIError
+from dabba.entrypoints.openai.request_bounds import check_bounds, constraint_field, structured_outputs_of
+from dabba.entrypoints.openai.serving import ChoiceProgress, OpenAIServing, final_usage, usage_info
 from dabba.entrypoints.openai.tool_calls import (TOOL_CALL_PARSERS, Extracted, Extractor, NamedExtractor, ToolCall,
                                                  make_extractor, named_schema, required_schema)
 from dabba.outputs import PositionLogprobs, RequestOutput
@@ -113,7 +114,7 @@ class OpenAIServingChat(OpenAIServing):
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         tool_choice = self._tool_choice(req)
-        self._check_bounds(req)  # before the template's work
+        check_bounds(req, self.config)  # before the template's work
         # As vLLM: tools reach the template even for "none". Off the event loop: a long
         # conversation must not stall other clients.
         prompt = await asyncio.to_thread(self.chat_prompt, req.messages, req.add_generation_prompt, req.tools)
