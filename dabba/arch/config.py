@@ -169,7 +169,7 @@ class ArchConfig:
         if cfg.get("mlp_bias"):
             raise ValueError("unsupported config: mlp_bias=true")
         quantization = cfg.get("quantization_config")
-        if quantization and quantization.get("quant_method") not in ("gptq", "awq"):
+        if quantization and quantization.get("quant_method") not in ("gptq", "awq", "gguf"):  # gguf: a GGUF file's
             raise ValueError(f"unsupported quantization_config {quantization.get('quant_method')!r} "
                              "(supported: 'gptq', 'awq')")
 

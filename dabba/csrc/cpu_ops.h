@@ -11,8 +11,8 @@ namespace dabba {
 
 // How one linear layer of the native layer loop computes x W^T + b (decode_cpu.cpp): its
 // LinearMethod's form on the CPU. Python reads these numbers from kernel_constants() (below) by
-// name ("dense", "int8", "int4"), so they are written only here.
-enum class LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+// name ("dense", "int8", "int4", "gguf"), so they are written only here.
+enum class LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kGguf = 3 };
 
 // kernel_constants.cpp: the row-count thresholds below and the LinearKind values by name,
 // registered as torch.ops.dabba_cpu.kernel_constants() for dabba/native.py.
@@ -188,5 +188,18 @@ void int8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
 constexpr int kInt4GemvMaxRows = 8;
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
                        const c10::optional<at::Tensor>& bias, bool native = true);
+
+// gguf_linear_cpu.cpp: x W^T + b for W in GGUF's blocks, in segments of output rows of one type
+// each (blob: their bytes; segments [S, 3] int64: type, rows, byte offset), the one place that
+// picks the GGUF kernel: the GEMV (x rounded to 8-bit blocks, integer dot products) up to
+// kGgufGemvMaxRows rows, kGgufGemvPassRows a pass; beyond, each segment dequantized to x's dtype
+// kGgufDequantChunkValues values at a time and multiplied by dense_linear.
+constexpr int kGgufGemvPassRows = 4;
+constexpr int kGgufGemvMaxRows = 8;
+constexpr int64_t kGgufDequantChunkValues = 1 << 20;
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blob, const at::Tensor& segments,
+                       const c10::optional<at::Tensor>& bias);
+// GGUF rows [rows, row_bytes] uint8 of one type -> [rows, K] in dtype (bfloat16 or float32)
+at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t K, c10::ScalarType dtype);
 
 }  // namespace dabba

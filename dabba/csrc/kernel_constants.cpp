@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cpu_ops.h"
+#include "gguf_blocks.h"
 
 namespace dabba {
 
@@ -24,6 +25,9 @@ c10::Dict<std::string, int64_t> kernel_constants() {
   constants.insert("linear_kind.dense", static_cast<int64_t>(LinearKind::kDense));
   constants.insert("linear_kind.int8", static_cast<int64_t>(LinearKind::kInt8));
   constants.insert("linear_kind.int4", static_cast<int64_t>(LinearKind::kInt4));
+  constants.insert("linear_kind.gguf", static_cast<int64_t>(LinearKind::kGguf));
+  constants.insert("gguf_gemv_max_rows", kGgufGemvMaxRows);
+  for (const gguf::TypeInfo& t : gguf::kTypes) constants.insert(std::string("gguf_type.") + t.name, t.type);
   return constants;
 }
 

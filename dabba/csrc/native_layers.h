@@ -25,15 +25,15 @@ inline Activation activation_named(const std::string& name) {
 // How one linear layer computes x W^T + b, as its Python LinearMethod does on the CPU.
 struct NativeLinear {
   LinearKind kind = LinearKind::kDense;
-  at::Tensor weight;  // dense [N, K]; int8 codes [N, K]; int4 codes in PyTorch's packed CPU layout
-  at::Tensor scales;  // int8: [N]; int4: scales_and_zeros; dense: unused
+  at::Tensor weight;  // dense [N, K]; int8 codes [N, K]; int4 codes in PyTorch's packed CPU layout; gguf blocks
+  at::Tensor scales;  // int8: [N]; int4: scales_and_zeros; gguf: segments; dense: unused
   int64_t group_size = 0;  // int4
   c10::optional<at::Tensor> bias;
 
   // kind: a LinearKind value (Python's native.KernelConstants.linear_kinds); empty scales or bias: none.
   static NativeLinear make(int64_t kind, at::Tensor weight, at::Tensor scales, int64_t group_size,
                            const at::Tensor& bias) {
-    TORCH_CHECK(kind >= static_cast<int64_t>(LinearKind::kDense) && kind <= static_cast<int64_t>(LinearKind::kInt4),
+    TORCH_CHECK(kind >= static_cast<int64_t>(LinearKind::kDense) && kind <= static_cast<int64_t>(LinearKind::kGguf),
                 "unknown linear kind ", kind);
     return NativeLinear{static_cast<LinearKind>(kind), std::move(weight), std::move(scales), group_size,
                         bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt};
@@ -60,6 +60,7 @@ struct NativeLinear {
     const c10::optional<at::Tensor> b = with_bias ? bias : c10::nullopt;
     if (kind == LinearKind::kDense) return dense_linear(x, weight, b);  // as dabba.native.linear
     if (kind == LinearKind::kInt8) return int8_linear(x, weight, scales, b);  // as dabba.native.int8_linear
+    if (kind == LinearKind::kGguf) return gguf_linear(x, weight, scales, b);  // as dabba.quantization.gguf
     return int4_linear(x, weight, group_size, scales, b);  // as dabba.quantization.kernels.int4_matmul_cpu
   }
 

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from dabba.arch.config import ArchConfig
-from dabba.arch.gguf_file import SPLIT_SHARD, GGUFFile, read_gguf
+from dabba.arch.gguf_file import SPLIT_SHARD, GGUFFile, GGUFTensor, read_gguf
 from dabba.arch.gguf_model import generation_config, hf_config, tokenizer_config, tokenizer_json
+from dabba.quantization.gguf import FLOAT_TYPES, GGUFBlocks
 from dabba.quantization.gguf_blocks import dequantize
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ def gguf_model_dir(path: str | Path) -> Path:
     if not _made:
         atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _made])
     _made.append(directory)
+    types = quantized_linear_types(f, config["num_hidden_layers"])
+    if types:  # the layers that read GGUF blocks (quantization/config.py)
+        config["quantization_config"] = {"quant_method": "gguf", "tensor_types": types}
     files = {"config.json": config, "generation_config.json": generation_config(f),
              "tokenizer_config.json": tokenizer_config(f), "tokenizer.json": tokenizer}
     for name, content in files.items():
@@ -84,9 +88,11 @@ def _check(path: Path, config: dict, tokenizer: dict) -> None:
         raise ValueError(f"{path}: tokenizer.ggml.* do not make a tokenizer ({e})") from None
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def _unpermute(w: torch.Tensor | GGUFBlocks, n_head: int) -> torch.Tensor | GGUFBlocks:
     """llama.cpp's converter interleaves each Llama head's rotary halves (its LlamaModel.permute);
-    this puts them back as transformers has them."""
+    this puts them back as transformers has them (rows of blocks move as the rows they hold)."""
+    if isinstance(w, GGUFBlocks):
+        return GGUFBlocks(w.type_name, _unpermute(w.data, n_head), w.columns)
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
@@ -97,27 +103,61 @@ def _from_map(data: "np.ndarray") -> torch.Tensor:
         return torch.from_numpy(data)
 
 
-def iterate_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor under its Hugging Face name, as float32 (a view where the file holds F32)."""
-    path = path.resolve()  # the file, so that errors name it, not its link
-    f: GGUFFile = read_gguf(path)
-    llama = f.get("general.architecture") == "llama"  # the converter interleaved its q and k (Mixtral's too)
+def _hf_tensors(f: GGUFFile, num_layers: int) -> Iterator[tuple[str, GGUFTensor, int | None]]:
+    """Each tensor under its Hugging Face name, with the expert it holds where a stacked MoE
+    tensor [experts, rows, columns] holds one per expert (the same tensor once per expert)."""
     for name, tensor in f.tensors.items():
         if name in CONFIG_TENSORS:
             continue
         hf = GLOBAL_NAMES.get(name)
         match = BLOCK.fullmatch(name)
-        known = match is not None and int(match.group(1)) < arch.num_hidden_layers
+        known = match is not None and int(match.group(1)) < num_layers
         if hf is None and known and match.group(2) in EXPERT_NAMES and len(tensor.shape) == 3:
-            stacked = dequantize(tensor.type_name, _from_map(tensor.data), tensor.shape)
             for e in range(tensor.shape[0]):
-                yield f"model.layers.{match.group(1)}.mlp.experts.{e}.{EXPERT_NAMES[match.group(2)]}.weight", stacked[e]
+                yield f"model.layers.{match.group(1)}.mlp.experts.{e}.{EXPERT_NAMES[match.group(2)]}.weight", tensor, e
             continue
         if hf is None:
             if not known or match.group(2) not in BLOCK_NAMES:
-                raise ValueError(f"{path}: the GGUF file holds a tensor dabba does not know: {name!r}")
+                raise ValueError(f"{f.path}: the GGUF file holds a tensor dabba does not know: {name!r}")
             hf = f"model.layers.{match.group(1)}.{BLOCK_NAMES[match.group(2)]}"
-        value = dequantize(tensor.type_name, _from_map(tensor.data), tensor.shape)
+        yield hf, tensor, None
+
+
+def quantized_linear_types(f: GGUFFile, num_layers: int) -> dict[str, str]:
+    """The linear layers' weights the file quantizes, by checkpoint module name -> GGUF type: these
+    stay in their blocks (quantization/gguf.py). The embedding and the LM head are dequantized."""
+    return {hf.removesuffix(".weight"): tensor.type_name for hf, tensor, _ in _hf_tensors(f, num_layers)
+            if tensor.type_name not in FLOAT_TYPES and hf.endswith(".weight") and len(tensor.shape) >= 2
+            and hf not in (GLOBAL_NAMES["token_embd.weight"], GLOBAL_NAMES["output.weight"])}
+
+
+def _blocks(tensor: GGUFTensor, expert: int | None) -> GGUFBlocks:
+    """The tensor's (or one expert's) rows of blocks, a view of the file's map."""
+    flat = _from_map(tensor.data).reshape(-1)
+    matrix = flat.numel() // (tensor.shape[0] if expert is not None else 1)  # bytes of one [rows, columns]
+    data = flat[(expert or 0) * matrix:((expert or 0) + 1) * matrix].view(tensor.shape[-2], -1)
+    return GGUFBlocks(tensor.type_name, data, tensor.shape[-1])
+
+
+def iterate_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """Every tensor under its Hugging Face name: a linear layer's quantized weight as its blocks
+    (GGUFBlocks, a view of the file), anything else as float32 (a view where the file holds F32)."""
+    path = path.resolve()  # the file, so that errors name it, not its link
+    f: GGUFFile = read_gguf(path)
+    llama = f.get("general.architecture") == "llama"  # the converter interleaved its q and k (Mixtral's too)
+    quantized = quantized_linear_types(f, arch.num_hidden_layers)
+    dense_experts: dict[str, torch.Tensor] = {}  # a stacked float tensor, dequantized once for all its experts
+    for hf, tensor, expert in _hf_tensors(f, arch.num_hidden_layers):
+        if hf.removesuffix(".weight") in quantized:
+            value = _blocks(tensor, expert)
+        elif expert is not None:
+            if expert == 0:
+                dense_experts[tensor.name] = dequantize(tensor.type_name, _from_map(tensor.data), tensor.shape)
+            value = dense_experts[tensor.name][expert]
+            if expert == tensor.shape[0] - 1:
+                del dense_experts[tensor.name]
+        else:
+            value = dequantize(tensor.type_name, _from_map(tensor.data), tensor.shape)
         if llama and hf.endswith(("q_proj.weight", "q_proj.bias")):
             value = _unpermute(value, arch.num_attention_heads)
         elif llama and hf.endswith(("k_proj.weight", "k_proj.bias")):

@@ -12,6 +12,7 @@ from typing import Callable, Hashable, Iterable
 import torch
 from torch import nn
 
+from dabba.arch.checkpoint_names import checkpoint_target
 from dabba.arch.config import ArchConfig
 from dabba.distributed.tensor_parallel import KVHeadShard, current_tensor_parallel
 from dabba.layers.attention import Attention
@@ -21,16 +22,6 @@ from dabba.layers.linear import Linear
 from dabba.layers.native_form import NativeLayer, NativeMLP, NativeQKNorm
 from dabba.layers.rotary import RotaryEmbedding, apply_rotary
 from dabba.quantization.config import QuantConfig
-
-# checkpoint name fragment -> (merged parameter fragment, shard id)
-STACKED_PARAMS = {
-    ".q_proj.": (".qkv_proj.", "q"),
-    ".k_proj.": (".qkv_proj.", "k"),
-    ".v_proj.": (".qkv_proj.", "v"),
-    ".gate_proj.": (".gate_up_proj.", 0),
-    ".up_proj.": (".gate_up_proj.", 1),
-}
-
 
 class LlamaMLP(nn.Module):
     """down(act(gate) * up): SwiGLU, or GeGLU where cfg.mlp_activation says (Gemma)."""
@@ -243,11 +234,3 @@ class LlamaForCausalLM(nn.Module):
         owner = self.get_submodule(target.rsplit(".", 1)[0])
         shard_ids = owner.shard_ids if isinstance(owner, Linear) and owner.shard_ids else (None,)
         return {f"{target}#{sid}" for sid in shard_ids}
-
-
-def checkpoint_target(name: str) -> tuple[str, Hashable]:
-    """A checkpoint tensor's parameter name and shard id (q_proj -> qkv_proj, "q"; None if unmerged)."""
-    for fragment, (merged, sid) in STACKED_PARAMS.items():
-        if fragment in name:
-            return name.replace(fragment, merged), sid
-    return name, None

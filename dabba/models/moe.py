@@ -16,12 +16,13 @@ from typing import Callable, Hashable, Iterable, Iterator
 import torch
 from torch import nn
 
+from dabba.arch.checkpoint_names import checkpoint_target
 from dabba.arch.config import ArchConfig
 from dabba.distributed.tensor_parallel import current_tensor_parallel
 from dabba.layers.fused_moe import FusedMoE
 from dabba.layers.layernorm import RMSNorm
 from dabba.layers.native_form import NativeQKNorm
-from dabba.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, checkpoint_target
+from dabba.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from dabba.models.qwen3 import Qwen3Attention
 from dabba.quantization.config import QuantConfig
 

@@ -92,7 +92,9 @@ class KernelConstants:
     amx_gemv_max_rows: int  # where the GEMM runs on AMX tiles (amx_usable): the GEMV only up to here
     amx_int8_gemm_min_rows: int  # and INT8's GEMM from here
     avx2_gemm_min_rows: int  # the avx2 build: bf16's GEMM (csrc/gemm_avx2_cpu.cpp) from here, the GEMV below
-    linear_kinds: dict[str, int]  # "dense", "int8", "int4" -> LinearKind in csrc/cpu_ops.h
+    gguf_gemv_max_rows: int  # GGUF blocks: the GEMV up to here, dequantized rows through dense_linear beyond
+    linear_kinds: dict[str, int]  # "dense", "int8", "int4", "gguf" -> LinearKind in csrc/cpu_ops.h
+    gguf_types: dict[str, int]  # the GGUF types the kernels take, by name -> ggml's type id (csrc/gguf_blocks.h)
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,8 +103,11 @@ def kernel_constants() -> KernelConstants | None:
     if not load_cpu_ops():
         return None
     raw = dict(torch.ops.dabba_cpu.kernel_constants())
-    kinds = {name.removeprefix("linear_kind."): raw.pop(name) for name in list(raw) if name.startswith("linear_kind.")}
-    return KernelConstants(linear_kinds=kinds, **raw)
+    def named(prefix: str) -> dict[str, int]:
+        return {name.removeprefix(prefix): raw.pop(name) for name in list(raw) if name.startswith(prefix)}
+
+    kinds, gguf_types = named("linear_kind."), named("gguf_type.")
+    return KernelConstants(linear_kinds=kinds, gguf_types=gguf_types, **raw)
 
 
 def use_cpu_kernels(x: torch.Tensor) -> bool:

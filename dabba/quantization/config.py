@@ -2,15 +2,17 @@
 (``quantization="int8"|"int4"``) or a pre-quantized checkpoint's quantization_config."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
+from dabba.arch.checkpoint_names import shard_checkpoint_names
 from dabba.quantization.base import LinearMethod, UnquantizedLinearMethod
+from dabba.quantization.gguf import GGUFLinearMethod
 from dabba.quantization.gptq_format import AWQLinearMethod, GPTQLinearMethod
 from dabba.quantization.rtn import Int4RTNMethod, Int8RTNMethod
 
-QUANTIZATION_METHODS = ("int8", "int4")  # applied at load time; "gptq" and "awq" come from a checkpoint
+QUANTIZATION_METHODS = ("int8", "int4")  # applied at load time; "gptq", "awq" and "gguf" come from a checkpoint
 
 
 @dataclass(frozen=True)
@@ -26,9 +28,11 @@ class QuantConfig:
     group_size: int = 128
     bits: int = 4  # "gptq" checkpoints: 4 or 8
     desc_act: bool = False  # "gptq" checkpoints: act-order (g_idx not monotonic)
+    # "gguf" files: each quantized tensor's GGUF type, by its checkpoint module name ("...q_proj")
+    tensor_types: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.method not in QUANTIZATION_METHODS + ("gptq", "awq"):
+        if self.method not in QUANTIZATION_METHODS + ("gptq", "awq", "gguf"):
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.method!r}")
         if self.group_size < 1 and not (self.method == "gptq" and self.group_size == -1):
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
@@ -37,6 +41,8 @@ class QuantConfig:
     def from_checkpoint(cls, qc: dict) -> "QuantConfig":
         """config.json's quantization_config, as GPTQ tools write it."""
         method = qc.get("quant_method")
+        if method == "gguf":  # written by models/gguf_checkpoint.py from the file's tensor table
+            return cls("gguf", tensor_types=dict(qc["tensor_types"]))
         if method == "awq":
             if str(qc.get("version", "gemm")).lower() != "gemm" or qc.get("bits", qc.get("w_bit", 4)) != 4:
                 raise ValueError(f"unsupported AWQ checkpoint (version {qc.get('version')!r}, bits "
@@ -62,6 +68,11 @@ class QuantConfig:
         return Int8RTNMethod() if self.method in QUANTIZATION_METHODS else None
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethod:
+        if self.method == "gguf":  # a layer the file quantized (any of its shards) reads the blocks
+            types = [self.tensor_types.get(name) for name in shard_checkpoint_names(layer.prefix, layer.shard_ids)]
+            if not any(types):
+                return UnquantizedLinearMethod()
+            return GGUFLinearMethod([t or "F32" for t in types])
         if self.method in ("gptq", "awq"):
             group_size = self.group_size if self.group_size > 0 else layer.full_in_features
             if self.method == "gptq":

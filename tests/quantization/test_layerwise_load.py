@@ -17,7 +17,7 @@ from dabba import LLM
 from dabba.arch.config import ArchConfig
 from dabba.layers.embedding import LMHead
 from dabba.models import loader
-from dabba.models.llama import checkpoint_target
+from dabba.arch.checkpoint_names import checkpoint_target
 from dabba.models.registry import get_model_class
 from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.config import QuantConfig

@@ -1,0 +1,168 @@
+// GGUF's (ggml's) quantized blocks as they lie in the file, and their dequantization to float32:
+// the native form of dabba/quantization/gguf_blocks.py, which is the reference (equal to gguf-py's
+// gguf.quants.dequantize) and which tests hold these to, bit for bit.
+//
+// Type ids are ggml's own (the file format's GGMLQuantizationType); Python reads the ones the
+// kernels take from kernel_constants() ("gguf_type.Q4_K", ...), so they are listed only here.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace dabba::gguf {
+
+enum Type : int64_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+};
+
+struct TypeInfo {
+  const char* name;
+  Type type;
+  int64_t block_values, block_bytes;
+};
+
+constexpr TypeInfo kTypes[] = {
+    {"F32", kF32, 1, 4},        {"F16", kF16, 1, 2},        {"BF16", kBF16, 1, 2},
+    {"Q8_0", kQ8_0, 32, 34},    {"Q4_0", kQ4_0, 32, 18},    {"Q4_1", kQ4_1, 32, 20},
+    {"Q5_0", kQ5_0, 32, 22},    {"Q5_1", kQ5_1, 32, 24},    {"Q4_K", kQ4_K, 256, 144},
+    {"Q5_K", kQ5_K, 256, 176},  {"Q6_K", kQ6_K, 256, 210},
+};
+
+// The type's entry, or null for one the kernels do not take.
+inline const TypeInfo* type_info(int64_t type) {
+  for (const TypeInfo& t : kTypes)
+    if (t.type == type) return &t;
+  return nullptr;
+}
+
+inline float f16(const uint8_t* p) {  // a little-endian float16 at any alignment
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// Q4_K/Q5_K: sub-block j's 6-bit scale and min, from the super-block's 12 bytes of them.
+inline void k_scale_min(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One block of `type` at b -> its block_values floats, each computed as the reference does (one
+// rounding per operation, in its order: a product's rounding before a sum's).
+inline void dequantize_block(Type type, const uint8_t* b, float* y) {
+  switch (type) {
+    case kF32: std::memcpy(y, b, 4); return;
+    case kF16: y[0] = f16(b); return;
+    case kBF16: {
+      const uint32_t u = static_cast<uint32_t>(b[0] | (b[1] << 8)) << 16;
+      std::memcpy(y, &u, 4);
+      return;
+    }
+    case kQ8_0: {
+      const float d = f16(b);
+      for (int i = 0; i < 32; ++i) y[i] = static_cast<float>(static_cast<int8_t>(b[2 + i])) * d;
+      return;
+    }
+    case kQ4_0: {
+      const float d = f16(b);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * static_cast<float>((b[2 + i] & 0xF) - 8);
+        y[i + 16] = d * static_cast<float>((b[2 + i] >> 4) - 8);
+      }
+      return;
+    }
+    case kQ4_1: {
+      const float d = f16(b), m = f16(b + 2);
+      for (int i = 0; i < 16; ++i) {
+        const float lo = d * static_cast<float>(b[4 + i] & 0xF), hi = d * static_cast<float>(b[4 + i] >> 4);
+        y[i] = lo + m;
+        y[i + 16] = hi + m;
+      }
+      return;
+    }
+    case kQ5_0:
+    case kQ5_1: {
+      const bool with_min = type == kQ5_1;
+      const float d = f16(b), m = with_min ? f16(b + 2) : 0.f;
+      const uint8_t* qh_bytes = b + (with_min ? 4 : 2);
+      const uint8_t* qs = qh_bytes + 4;
+      uint32_t qh;
+      std::memcpy(&qh, qh_bytes, 4);
+      for (int i = 0; i < 16; ++i) {
+        const int lo = (qs[i] & 0xF) | (((qh >> i) & 1) << 4), hi = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+        if (with_min) {
+          const float a = d * static_cast<float>(lo), c = d * static_cast<float>(hi);
+          y[i] = a + m;
+          y[i + 16] = c + m;
+        } else {
+          y[i] = d * static_cast<float>(lo - 16);
+          y[i + 16] = d * static_cast<float>(hi - 16);
+        }
+      }
+      return;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      const bool five = type == kQ5_K;
+      const float d = f16(b), dmin = f16(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (five ? 48 : 16);
+      for (int j = 0; j < 8; ++j) {  // sub-block j: low nibbles of qs[32 (j/2) ...] for even j, high for odd
+        int sc, mn;
+        k_scale_min(j, scales, sc, mn);
+        const float dj = d * static_cast<float>(sc), mj = dmin * static_cast<float>(mn);
+        const uint8_t* q = qs + 32 * (j / 2);
+        for (int l = 0; l < 32; ++l) {
+          int v = (j & 1) ? (q[l] >> 4) : (q[l] & 0xF);
+          if (five) v |= ((qh[l] >> j) & 1) << 4;
+          const float p = dj * static_cast<float>(v);
+          y[32 * j + l] = p - mj;
+        }
+      }
+      return;
+    }
+    case kQ6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = f16(b + 208);
+      for (int half = 0; half < 2; ++half) {
+        for (int l = 0; l < 32; ++l) {
+          const int is = l / 16;
+          const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+          const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+          const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+          const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+          y[l] = (d * static_cast<float>(sc[is])) * static_cast<float>(q1);
+          y[l + 32] = (d * static_cast<float>(sc[is + 2])) * static_cast<float>(q2);
+          y[l + 64] = (d * static_cast<float>(sc[is + 4])) * static_cast<float>(q3);
+          y[l + 96] = (d * static_cast<float>(sc[is + 6])) * static_cast<float>(q4);
+        }
+        y += 128;
+        ql += 64;
+        qh += 32;
+        sc += 8;
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace dabba::gguf

@@ -1,0 +1,186 @@
+"""GGUF's quantized tensors as a linear method: the weight stays in the file's blocks, and every
+forward reads them there (csrc/gguf_linear_cpu.cpp on the CPU), so a Q4_K_M model holds and
+streams its 4.5-6.5 bits a weight, never a bf16 copy.
+
+A layer's weight is a list of segments of output rows in checkpoint order, each of one GGUF type:
+a merged qkv or gate_up layer gets one per shard (a Q4_K_M file keeps some v and down rows in
+Q6_K), and a shard the file stores as F32/F16/BF16 is a segment of those bytes. The kernels take
+them as one byte buffer (``blob``) and a table ``segments`` [S, 3] int64 of (type, rows, byte
+offset).
+
+The reference, in PyTorch, is ``linear_reference``: for up to the GEMV's rows, x rounded to 8-bit
+codes with a float32 scale max|x| / 127 per block of 32 values for the legacy types, of 256 for the
+K types (``quantize_activations``), times the dequantized weight, in float64; beyond, dequantized
+weights through F.linear. Off the CPU, or
+without the native kernels, ``apply`` computes that.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dabba.ops import native
+from dabba.quantization.base import LinearMethod, NativeLinearSpec
+from dabba.quantization.gguf_blocks import BLOCKS, dequantize, row_bytes
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+A8_BLOCK = 32  # activation values per scale (csrc/gguf_linear_cpu.cpp's kA8Block), legacy types
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # their activations: a scale per super-block (kSuperBlock)
+GEMV_MAX_ROWS = 8  # the reference's: csrc/cpu_ops.h's kGgufGemvMaxRows, read from the build where there is one
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A checkpoint tensor as the file holds it: ``data`` uint8 [rows, row bytes] of ``type_name``
+    blocks, for a logical [rows, columns] weight."""
+
+    type_name: str
+    data: torch.Tensor
+    columns: int
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_rows(self.type_name, self.data, self.columns, dtype)
+
+    def narrow_rows(self, start: int, length: int) -> "GGUFBlocks":
+        return GGUFBlocks(self.type_name, self.data.narrow(0, start, length), self.columns)
+
+    def narrow_columns(self, start: int, length: int) -> "GGUFBlocks":
+        """Columns start .. start + length: whole blocks only (a row-parallel rank's inputs)."""
+        block, size = BLOCKS[self.type_name]
+        if start % block or length % block:
+            raise ValueError(f"a {self.type_name} tensor cannot be cut inside its blocks of {block} columns "
+                             f"(columns {start} to {start + length})")
+        return GGUFBlocks(self.type_name, self.data.narrow(1, start // block * size, length // block * size), length)
+
+
+def dequantize_rows(type_name: str, raw: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """GGUF rows [rows, row bytes] -> [rows, columns] in ``dtype``: the native kernel where there is
+    one (parallel, no float32 temporaries of the whole tensor), else the reference."""
+    constants = native.kernel_constants() if raw.device.type == "cpu" else None
+    if constants is not None and type_name in constants.gguf_types and dtype in (torch.bfloat16, torch.float32):
+        return torch.ops.dabba_cpu.gguf_dequantize(raw.contiguous(), constants.gguf_types[type_name], columns, dtype)
+    return dequantize(type_name, raw, (raw.shape[0], columns)).to(dtype)
+
+
+def quantize_activations(x: torch.Tensor, block: int = A8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> codes [M, K'] int8 and scales [M, K' / block] float32, K' = K rounded up to
+    ``block``: per block d = max|x| / 127, codes round(x / d) (half to even), as the GEMV rounds them."""
+    m, k = x.shape
+    padded = -(-k // block) * block
+    xf = F.pad(x.float(), (0, padded - k)).view(m, -1, block)
+    d = xf.abs().amax(-1) / 127.0
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xf * inverse[..., None]).clamp(-127, 127)
+    return q.to(torch.int8).view(m, padded), d
+
+
+def linear_reference(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None = None,
+                     gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
+    """What gguf_linear computes: x [M, K] against the segments' rows, in x's dtype."""
+    k = x.shape[1]
+    if x.shape[0] > gemv_max_rows:
+        w = torch.cat([s.dequantize(x.dtype) for s in segments])
+        return F.linear(x, w, bias)
+    rounded = {}  # activation block -> x as its codes give it back
+    for block in (A8_BLOCK, 256):
+        q, d = quantize_activations(x, block)
+        rounded[block] = (q.double().view(x.shape[0], -1, block) * d.double()[..., None]).view(x.shape[0], -1)[:, :k]
+    outs = []
+    for s in segments:
+        w = s.dequantize().double()
+        a = x.double() if s.type_name in FLOAT_TYPES else rounded[256 if s.type_name in K_TYPES else A8_BLOCK]
+        outs.append(a @ w.T)
+    y = torch.cat(outs, dim=1).float().to(x.dtype)  # float32 sums, rounded to x's dtype
+    return y if bias is None else y + bias
+
+
+class GGUFLinearMethod(LinearMethod):
+    """A linear whose checkpoint tensors are GGUF blocks: each shard arrives as a GGUFBlocks and is
+    held as it came; a shard the file keeps as F32/F16/BF16 beside quantized ones arrives as a
+    float32 tensor and is held as F32 (its values exactly)."""
+
+    def __init__(self, shard_types: list[str]) -> None:
+        self.shard_types = shard_types  # per merged shard, as the file has it ("F32" for a float one)
+
+    def create_weights(self, layer: nn.Module) -> None:
+        layer.add_param("weight", torch.empty(0), output_dim=None)
+        layer.weight.weight_loader = functools.partial(self.load_shard, layer)
+        layer.gguf_shards = {}  # merged shard index -> GGUFBlocks (this rank's part)
+
+    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: GGUFBlocks | torch.Tensor,
+                   shard_id=None) -> None:
+        if not isinstance(loaded, GGUFBlocks):  # a float shard: its float32 values' bytes
+            if loaded.dim() != 2:
+                raise ValueError(f"{layer.prefix}: checkpoint tensor {tuple(loaded.shape)} is not a matrix")
+            values = loaded.float().contiguous()
+            loaded = GGUFBlocks("F32", values.view(torch.uint8).view(values.shape[0], -1), values.shape[1])
+        if shard_id is None and layer.shard_ids:  # a fused tensor: every shard's rows
+            start = 0
+            for idx, size in enumerate(layer.full_output_sizes):
+                self._store(layer, loaded.narrow_rows(start, size), idx)
+                start += size
+            if start != loaded.rows:
+                raise ValueError(f"{layer.prefix}: checkpoint tensor has {loaded.rows} rows, expected {start}")
+            return
+        if shard_id is not None and (layer.shard_ids is None or shard_id not in layer.shard_ids):
+            raise ValueError(f"{layer.prefix}: unknown shard {shard_id!r}")
+        self._store(layer, loaded, 0 if shard_id is None else layer.shard_ids.index(shard_id))
+
+    def _store(self, layer: nn.Module, t: GGUFBlocks, idx: int) -> None:
+        start, size = layer.output_slices[idx]
+        expected = (layer.full_output_sizes[idx], layer.full_in_features)
+        if (t.rows, t.columns) != expected:
+            raise ValueError(f"{layer.prefix}: checkpoint tensor {(t.rows, t.columns)} != expected {expected}")
+        if layer.parallel == "column":
+            t = t.narrow_rows(start, size)
+        elif layer.parallel == "row":
+            t = t.narrow_columns(layer.input_offset, layer.in_features)
+        layer.gguf_shards[idx] = t
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]
+        del layer.gguf_shards
+        types = native.kernel_constants().gguf_types if native.load_cpu_ops() else {}
+        blob = torch.cat([s.data.reshape(-1) for s in shards])  # copied out of the file's map
+        table, offset = [], 0
+        for s in shards:
+            table.append((types.get(s.type_name, -1), s.rows, offset))
+            offset += s.data.numel()
+        layer.segments = [GGUFBlocks(s.type_name, None, s.columns) for s in shards]  # type, columns: the reference's
+        layer.register_buffer("gguf_blob", blob, persistent=False)
+        layer.register_buffer("gguf_segments", torch.tensor(table, dtype=torch.int64), persistent=False)
+        del layer.weight
+        layer.register_parameter("weight", None)
+
+    def segments(self, layer: nn.Module) -> list[GGUFBlocks]:
+        """The layer's segments as GGUFBlockss over its blob (the reference's operands)."""
+        out = []
+        for s, (_, rows, offset) in zip(layer.segments, layer.gguf_segments.tolist()):
+            nbytes = rows * row_bytes(s.type_name, s.columns)
+            out.append(GGUFBlocks(s.type_name, layer.gguf_blob[offset:offset + nbytes].view(rows, -1), s.columns))
+        return out
+
+    def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
+        return sum(row_bytes(t, layer.in_features) * rows for t, rows in zip(self.shard_types, layer.output_sizes))
+
+    def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
+        if layer.gguf_blob.device.type != "cpu" or (layer.gguf_segments[:, 0] < 0).any():
+            return None
+        return NativeLinearSpec("gguf", layer.gguf_blob, layer.gguf_segments)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if native.native_rows(x2) and x2.dtype in (torch.bfloat16, torch.float32) and self.native_spec(layer):
+            y = torch.ops.dabba_cpu.gguf_linear(x2, layer.gguf_blob, layer.gguf_segments, bias)
+        else:
+            y = linear_reference(x2, self.segments(layer), bias)
+        return y.view(*shape[:-1], -1)

@@ -1,0 +1,78 @@
+"""Tiny GGUF files for tests, written here with gguf-py's writer (no converter, no quantizer):
+GGUF blocks of random codes with finite scales, and a small Llama whose linears take them."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from dabba.quantization.gguf import GGUFBlocks
+from dabba.quantization.gguf_blocks import BLOCKS
+
+F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2],
+              "Q5_K": [0, 2], "Q6_K": [208]}  # where each block's float16 scales sit
+FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> GGUFBlocks:
+    """Random codes with finite scales of a weight's size (about 0.01-0.1 per value)."""
+    rng = np.random.default_rng(seed)
+    if type_name in FLOAT_DTYPES:
+        values = torch.from_numpy(rng.standard_normal((rows, columns)).astype(np.float32) * 0.05)
+        return GGUFBlocks(type_name, values.to(FLOAT_DTYPES[type_name]).view(torch.uint8).view(rows, -1), columns)
+    block, size = BLOCKS[type_name]
+    raw = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
+    scale = 0.004 if type_name.endswith("K") else 0.02
+    for p in F16_FIELDS[type_name]:
+        d = (rng.uniform(0.5, 1.5, raw.shape[:2]) * scale * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
+        raw[:, :, p:p + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return GGUFBlocks(type_name, torch.from_numpy(raw.reshape(rows, -1)), columns)
+
+
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 256, 4, 2, 512, 2, 300
+# a Q4_K_M-like mix: each linear of a layer in another type
+LINEAR_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q4_0",
+                "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
+
+
+def write_llama(path, quantized: bool = True, types: dict[str, str] = LINEAR_TYPES) -> str:
+    """A small Llama whose linears hold random GGUF blocks of ``types``; ``quantized`` False writes
+    the same weights dequantized, as F32 (the reference model)."""
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(path), "llama")
+    for key, value in {"block_count": LAYERS, "context_length": 256, "embedding_length": HIDDEN,
+                       "feed_forward_length": FFN, "attention.head_count": HEADS,
+                       "attention.head_count_kv": KV_HEADS}.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    tokens = ["<s>", "</s>"] + [f"t{i}" for i in range(VOCAB - 2)]
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", [3, 3] + [1] * (VOCAB - 2))
+    w.add_array("tokenizer.ggml.merges", [])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 0)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 1)
+    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    w.add_tensor("output.weight", (rng.standard_normal((VOCAB, HIDDEN)) * 0.1).astype(np.float32))
+    head_dim = HIDDEN // HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN),
+              "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    seed = 0
+    for i in range(LAYERS):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        for name, shape in shapes.items():
+            seed += 1
+            blocks = random_blocks(types[name], *shape, seed)
+            if quantized:
+                w.add_tensor(f"blk.{i}.{name}.weight", blocks.data.numpy(), raw_shape=blocks.data.shape,
+                             raw_dtype=GGMLQuantizationType[types[name]])
+            else:
+                w.add_tensor(f"blk.{i}.{name}.weight", blocks.dequantize().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

@@ -1,0 +1,105 @@
+"""The GGUF kernels (csrc/gguf_linear_cpu.cpp) against their PyTorch reference
+(dabba/quantization/gguf.py): dequantization bit for bit, the GEMV's 8-bit-activation products
+within float32 rounding, the dequantized GEMM path within bf16's, for every type the kernels take,
+merged segments of mixed types, and bad operands refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dabba.ops import native
+from dabba.quantization.gguf import GGUFBlocks, linear_reference, quantize_activations
+from dabba.quantization.gguf_blocks import BLOCKS, dequantize
+from tests.gguf_writer import random_blocks
+
+pytestmark = pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels unavailable")
+
+TYPES = list(BLOCKS)
+def native_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None = None) -> torch.Tensor:
+    types = native.kernel_constants().gguf_types
+    blob = torch.cat([s.data.reshape(-1) for s in segments])
+    table, offset = [], 0
+    for s in segments:
+        table.append((types[s.type_name], s.rows, offset))
+        offset += s.data.numel()
+    return torch.ops.dabba_cpu.gguf_linear(x, blob, torch.tensor(table), bias)
+
+
+def columns_for(type_name: str) -> list[int]:
+    block = BLOCKS[type_name][0]
+    return [512, 768] if block == 256 else [96, 256 + 64]  # 96: a group of fewer than 8 blocks
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_native_dequantization_is_the_reference_bit_for_bit(type_name) -> None:
+    blocks = random_blocks(type_name, 19, columns_for(type_name)[1], seed=1)
+    ref = dequantize(type_name, blocks.data, (blocks.rows, blocks.columns))
+    id_ = native.kernel_constants().gguf_types[type_name]
+    ours = torch.ops.dabba_cpu.gguf_dequantize(blocks.data, id_, blocks.columns, torch.float32)
+    assert torch.equal(ours.view(torch.int32), ref.view(torch.int32))
+    ours16 = torch.ops.dabba_cpu.gguf_dequantize(blocks.data, id_, blocks.columns, torch.bfloat16)
+    assert torch.equal(ours16, ref.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_gemv_equals_the_reference_in_float32(type_name, rows) -> None:
+    for k in columns_for(type_name):
+        w = random_blocks(type_name, 37, k, seed=rows)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * 2
+        ref = linear_reference(x, [w])
+        ours = native_linear(x, [w])
+        scale = ref.abs().max().item()
+        assert (ours - ref).abs().max().item() <= 2e-6 * scale * k ** 0.5, (type_name, k)
+        # and the 8-bit activations cost little against the exact product
+        exact = F.linear(x.double(), w.dequantize().double()).float()
+        assert (ours - exact).abs().max().item() <= 0.05 * scale
+
+
+def test_activation_codes_round_as_the_kernel_does() -> None:
+    x = torch.tensor([[127.0, 0.5, -0.5, 1.5, 2.5, -127.0] + [0.0] * 26 + [0.0] * 31 + [3.0]])
+    q, d = quantize_activations(x)
+    assert d.tolist() == [[1.0, float(np.float32(3.0) / np.float32(127.0))]]
+    assert q[0, :6].tolist() == [127, 0, 0, 2, 2, -127]  # half to even
+    assert q[0, 63].item() == 127 and q[0, 32:63].abs().sum().item() == 0
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 40])
+def test_merged_segments_of_mixed_types_with_a_bias(rows) -> None:
+    k = 512
+    segments = [random_blocks("Q4_K", 24, k, 1), random_blocks("Q6_K", 8, k, 2), random_blocks("F32", 5, k, 3),
+                random_blocks("Q8_0", 16, k, 4)]
+    bias = torch.randn(53)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        ref = linear_reference(x, segments, bias.to(dtype))
+        ours = native_linear(x, segments, bias.to(dtype))
+        assert ours.dtype == dtype and ours.shape == (rows, 53)
+        tol = 2e-3 if dtype == torch.float32 else 2e-2
+        assert (ours.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K", "Q6_K"])
+def test_prefill_rows_take_the_dequantized_gemm(type_name) -> None:
+    k = columns_for(type_name)[0]
+    w = random_blocks(type_name, 70, k, seed=5)
+    x = torch.randn(33, k).to(torch.bfloat16)
+    ref = F.linear(x, w.dequantize(torch.bfloat16))
+    assert torch.allclose(native_linear(x, [w]).float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+def test_bad_operands_are_refused() -> None:
+    w = random_blocks("Q4_0", 4, 64, seed=0)
+    x = torch.randn(1, 64)
+    q4_0 = native.kernel_constants().gguf_types["Q4_0"]
+    blob = w.data.reshape(-1)
+    with pytest.raises(RuntimeError, match="lies outside"):
+        torch.ops.dabba_cpu.gguf_linear(x, blob, torch.tensor([[q4_0, 5, 0]]), None)
+    with pytest.raises(RuntimeError, match="not one the kernels take"):
+        torch.ops.dabba_cpu.gguf_linear(x, blob, torch.tensor([[10, 4, 0]]), None)  # Q2_K
+    with pytest.raises(RuntimeError, match="whole Q4_0 blocks"):
+        torch.ops.dabba_cpu.gguf_linear(torch.randn(1, 48), blob, torch.tensor([[q4_0, 1, 0]]), None)
+    with pytest.raises(RuntimeError, match="lies outside"):
+        torch.ops.dabba_cpu.gguf_linear(x, blob, torch.tensor([[q4_0, 1, -18]]), None)

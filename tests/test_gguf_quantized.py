@@ -1,0 +1,75 @@
+"""A GGUF file's quantized linears stay in their blocks (quantization/gguf.py): a small Llama of
+random blocks in seven types (tests/gguf_writer.py) holds the file's bytes, not a float copy; the
+planner counts those bytes; and it generates what the same weights written dequantized as F32
+generate, within the 8-bit activations' rounding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dabba import LLM, SamplingParams
+from dabba.arch.config import ArchConfig
+from dabba.models.gguf_checkpoint import gguf_model_dir
+from dabba.models.sizes import weights_bytes
+from dabba.quantization.config import QuantConfig
+from dabba.quantization.gguf import GGUFLinearMethod
+from tests.gguf_writer import LAYERS, write_llama
+
+PROMPT = {"prompt_token_ids": [0, 5, 9, 33, 100, 7, 8, 250, 17, 3]}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf")
+    return write_llama(d / "q.gguf"), write_llama(d / "f.gguf", quantized=False)
+
+
+def model_of(llm: LLM) -> torch.nn.Module:
+    return llm.llm_engine.engine_core.model_runner.model
+
+
+def test_the_linears_hold_the_files_blocks_and_the_planner_counts_them(files) -> None:
+    from gguf import GGUFReader
+
+    quantized, _ = files
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(quantized).tensors if t.name.startswith("blk.")
+                     and not t.name.endswith("norm.weight"))
+    llm = LLM(quantized, dtype="bfloat16", kv_cache_memory=2**22)
+    model = model_of(llm)
+    linears = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)]
+    assert len(linears) == 4 * LAYERS  # qkv, o, gate_up, down
+    assert all(m.weight is None for m in linears)
+    assert sum(m.gguf_blob.numel() for m in linears) == file_bytes
+    directory = gguf_model_dir(quantized)
+    arch = ArchConfig.from_hf(directory)
+    planned = weights_bytes(arch, torch.bfloat16, QuantConfig.from_checkpoint(arch.quantization_config))
+    others = sum(p.numel() * 2 for name, p in model.named_parameters() if p is not None)  # norms, embedding, head
+    assert planned == file_bytes + others
+
+
+def top_two(llm: LLM, prompt: list[int]) -> list[list[tuple[int, float]]]:
+    """At each prompt position after the first, the model's two likeliest next tokens (teacher forced)."""
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    return [sorted(((t, lp.logprob) for t, lp in d.items()), key=lambda x: -x[1])[:2] for d in out.prompt_logprobs[1:]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_top_tokens_and_logprobs_follow_the_dequantized_weights(files, dtype) -> None:
+    """Over 48 teacher-forced positions, the likeliest token is the reference's wherever the
+    reference's top two lie more than 0.1 nats apart (the bar the issue sets against llama.cpp),
+    and the top token's logprob differs little on average."""
+    prompt = [(7 * i * i + 3 * i + 1) % 300 for i in range(49)]
+    quantized, reference = (top_two(LLM(path, dtype=dtype, kv_cache_memory=2**22), prompt) for path in files)
+    decided = [i for i, ref in enumerate(reference) if ref[0][1] - ref[1][1] > 0.1]
+    assert len(decided) > 30
+    assert all(quantized[i][0][0] == reference[i][0][0] for i in decided)
+    differences = [abs(q[0][1] - r[0][1]) for q, r in zip(quantized, reference)]
+    assert sum(differences) / len(differences) < 0.05
+
+
+def test_greedy_decode_follows_the_dequantized_weights(files) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = [LLM(path, dtype="float32", kv_cache_memory=2**22).generate(PROMPT, params, use_tqdm=False)[0]
+            for path in files]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
