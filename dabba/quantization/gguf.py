@@ -12,7 +12,7 @@ The reference, in PyTorch, is ``linear_reference``: for up to the GEMV's rows, x
 codes with a float32 scale max|x| / 127 per block of 32 values for the legacy types, of 256 for the
 K types (``quantize_activations``), times the dequantized weight, in float64; beyond, dequantized
 weights through F.linear. Off the CPU, or
-without the native kernels, ``apply`` computes that.
+without the native kernels, ``apply`` dequantizes and calls F.linear.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ from dabba.quantization.gguf_blocks import BLOCKS, dequantize, row_bytes
 FLOAT_TYPES = ("F32", "F16", "BF16")
 A8_BLOCK = 32  # activation values per scale (csrc/gguf_linear_cpu.cpp's kA8Block), legacy types
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # their activations: a scale per super-block (kSuperBlock)
-GEMV_MAX_ROWS = 8  # the reference's: csrc/cpu_ops.h's kGgufGemvMaxRows, read from the build where there is one
 
 
 @dataclass(frozen=True)
@@ -82,9 +81,10 @@ def quantize_activations(x: torch.Tensor, block: int = A8_BLOCK) -> tuple[torch.
     return q.to(torch.int8).view(m, padded), d
 
 
-def linear_reference(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None = None,
-                     gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
-    """What gguf_linear computes: x [M, K] against the segments' rows, in x's dtype."""
+def linear_reference(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None,
+                     gemv_max_rows: int) -> torch.Tensor:
+    """What gguf_linear computes: x [M, K] against the segments' rows, in x's dtype; up to
+    ``gemv_max_rows`` rows (the build's KernelConstants.gguf_gemv_max_rows) as the GEMV does."""
     k = x.shape[1]
     if x.shape[0] > gemv_max_rows:
         w = torch.cat([s.dequantize(x.dtype) for s in segments])
@@ -154,7 +154,7 @@ class GGUFLinearMethod(LinearMethod):
         for s in shards:
             table.append((types.get(s.type_name, -1), s.rows, offset))
             offset += s.data.numel()
-        layer.segments = [GGUFBlocks(s.type_name, None, s.columns) for s in shards]  # type, columns: the reference's
+        layer.gguf_segment_types = [s.type_name for s in shards]
         layer.register_buffer("gguf_blob", blob, persistent=False)
         layer.register_buffer("gguf_segments", torch.tensor(table, dtype=torch.int64), persistent=False)
         del layer.weight
@@ -163,9 +163,9 @@ class GGUFLinearMethod(LinearMethod):
     def segments(self, layer: nn.Module) -> list[GGUFBlocks]:
         """The layer's segments as GGUFBlockss over its blob (the reference's operands)."""
         out = []
-        for s, (_, rows, offset) in zip(layer.segments, layer.gguf_segments.tolist()):
-            nbytes = rows * row_bytes(s.type_name, s.columns)
-            out.append(GGUFBlocks(s.type_name, layer.gguf_blob[offset:offset + nbytes].view(rows, -1), s.columns))
+        for type_name, (_, rows, offset) in zip(layer.gguf_segment_types, layer.gguf_segments.tolist()):
+            nbytes = rows * row_bytes(type_name, layer.in_features)
+            out.append(GGUFBlocks(type_name, layer.gguf_blob[offset:offset + nbytes].view(rows, -1), layer.in_features))
         return out
 
     def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
@@ -182,5 +182,5 @@ class GGUFLinearMethod(LinearMethod):
         if native.native_rows(x2) and x2.dtype in (torch.bfloat16, torch.float32) and self.native_spec(layer):
             y = torch.ops.dabba_cpu.gguf_linear(x2, layer.gguf_blob, layer.gguf_segments, bias)
         else:
-            y = linear_reference(x2, self.segments(layer), bias)
+            y = F.linear(x2, torch.cat([s.dequantize(x2.dtype) for s in self.segments(layer)]), bias)
         return y.view(*shape[:-1], -1)

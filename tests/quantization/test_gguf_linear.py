@@ -15,6 +15,7 @@ from dabba.quantization.gguf_blocks import BLOCKS, dequantize
 from tests.gguf_writer import random_blocks
 
 pytestmark = pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels unavailable")
+GEMV_MAX_ROWS = native.kernel_constants().gguf_gemv_max_rows if native.load_cpu_ops() else 0
 
 TYPES = list(BLOCKS)
 def native_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,7 +50,7 @@ def test_gemv_equals_the_reference_in_float32(type_name, rows) -> None:
     for k in columns_for(type_name):
         w = random_blocks(type_name, 37, k, seed=rows)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * 2
-        ref = linear_reference(x, [w])
+        ref = linear_reference(x, [w], None, GEMV_MAX_ROWS)
         ours = native_linear(x, [w])
         scale = ref.abs().max().item()
         assert (ours - ref).abs().max().item() <= 2e-6 * scale * k ** 0.5, (type_name, k)
@@ -74,7 +75,7 @@ def test_merged_segments_of_mixed_types_with_a_bias(rows) -> None:
     bias = torch.randn(53)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        ref = linear_reference(x, segments, bias.to(dtype))
+        ref = linear_reference(x, segments, bias.to(dtype), GEMV_MAX_ROWS)
         ours = native_linear(x, segments, bias.to(dtype))
         assert ours.dtype == dtype and ours.shape == (rows, 53)
         tol = 2e-3 if dtype == torch.float32 else 2e-2

@@ -1,0 +1,346 @@
+// The GGUF GEMV's parts (gguf_linear_cpu.cpp strings them together): rows of x rounded to 8-bit
+// codes, and one weight row of each type against them.
+//
+// Each row of x is rounded to 8-bit codes with a float32 scale d = max|x| / 127 per block of 32 values for
+// the legacy types (Q4_0 ... Q8_0, llama.cpp's q8_0) and per super-block of 256 for the K types
+// (llama.cpp's q8_K), and weights meet codes in integer dot products, exact in int32:
+// - legacy: a block's 32 weights in one vpdpbusd (AVX512-VNNI; vpmaddubsw + vpmaddwd on AVX2) of
+//   unsigned codes against the signed activation codes, scaled by a float fma per block: |w| by
+//   the codes with w's sign (Q8_0, Q4_0, Q5_0), or u where w = a u + min (Q4_1, Q5_1; the min
+//   meets the activation block's sum).
+// - K: vpmaddubsw pairs then vpmaddwd by each sub-block's integer scale, summed over the whole
+//   super-block in int32 and scaled once; the mins (Q4_K/Q5_K) and Q6_K's offset of 32 meet the
+//   codes' sums per sub-block.
+// F32/F16/BF16 segments dot float x with their values. Without AVX2 (the generic variant) each
+// block is dequantized and dotted with the same codes in float32.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "avx2_gemv.h"
+#include "cpu_math.h"
+#include "gguf_blocks.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define DABBA_GGUF_SIMD 1
+#endif
+
+namespace dabba::gguf {
+
+constexpr int64_t kA8Block = 32;  // legacy types' activation values per scale
+constexpr int64_t kSuperBlock = 256;  // K types' activation values per scale (a super-block)
+
+// Rows of x rounded to 8-bit codes, as the segments' types need them: per block of 32 with its own
+// scale for the legacy types (q, d, s), per super-block of 256 for the K types (qk, dk, and the
+// codes' sums per 16 and per 32 for their offsets). xf keeps x in float32 for float segments.
+struct A8Rows {
+  int64_t M = 0, K = 0;
+  int64_t blocks = 0;  // of 32: K / 32 rounded up
+  std::vector<int8_t> q;  // [M, blocks * 32]
+  std::vector<float> d, s;  // [M, blocks]: each block's scale, and scale * sum of its codes
+  std::vector<int8_t> qk;  // [M, K]
+  std::vector<float> dk;  // [M, K / 256]
+  std::vector<int16_t> sum16, sum32;  // [M, K / 16], [M, K / 32]: sums of qk's codes
+  std::vector<float> xf;  // [M, K]
+};
+
+template <typename T>
+inline float to_f32(T v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return bf16_bits_to_float(v.x);
+  else return static_cast<float>(v);
+}
+
+// x[0:n] -> codes round(x / d), d = max|x| / 127 (round half to even, as torch.round); returns d
+inline float round_block(const float* x, int64_t n, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float d = amax / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  for (int64_t k = 0; k < n; ++k) q[k] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[k] * id))));
+  return d;
+}
+
+template <typename T>
+A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants) {
+  A8Rows a;
+  a.M = x.size(0);
+  a.K = x.size(1);
+  a.blocks = (a.K + kA8Block - 1) / kA8Block;
+  a.xf.resize(a.M * a.K);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t k = 0; k < a.K; ++k) a.xf[m * a.K + k] = to_f32(xp[m * x.stride(0) + k]);
+  if (legacy) {
+    a.q.assign(a.M * a.blocks * kA8Block, 0);
+    a.d.assign(a.M * a.blocks, 0.f);
+    a.s.assign(a.M * a.blocks, 0.f);
+    for (int64_t m = 0; m < a.M; ++m) {
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const int64_t k0 = b * kA8Block, n = std::min(kA8Block, a.K - k0);
+        int8_t* q = a.q.data() + m * a.blocks * kA8Block + k0;
+        const float d = round_block(a.xf.data() + m * a.K + k0, n, q);
+        int sum = 0;
+        for (int64_t k = 0; k < n; ++k) sum += q[k];
+        a.d[m * a.blocks + b] = d;
+        a.s[m * a.blocks + b] = d * static_cast<float>(sum);
+      }
+    }
+  }
+  if (k_quants) {  // K % 256 == 0 (check_segments)
+    const int64_t supers = a.K / kSuperBlock;
+    a.qk.resize(a.M * a.K);
+    a.dk.resize(a.M * supers);
+    a.sum16.resize(a.M * a.K / 16);
+    a.sum32.resize(a.M * a.K / 32);
+    for (int64_t m = 0; m < a.M; ++m) {
+      for (int64_t sb = 0; sb < supers; ++sb)
+        a.dk[m * supers + sb] = round_block(a.xf.data() + m * a.K + sb * kSuperBlock, kSuperBlock,
+                                            a.qk.data() + m * a.K + sb * kSuperBlock);
+      for (int64_t i = 0; i < a.K / 16; ++i) {
+        int sum = 0;
+        for (int k = 0; k < 16; ++k) sum += a.qk[m * a.K + 16 * i + k];
+        a.sum16[m * a.K / 16 + i] = static_cast<int16_t>(sum);
+      }
+      for (int64_t i = 0; i < a.K / 32; ++i)
+        a.sum32[m * a.K / 32 + i] = static_cast<int16_t>(a.sum16[m * a.K / 16 + 2 * i] + a.sum16[m * a.K / 16 + 2 * i + 1]);
+    }
+  }
+  return a;
+}
+
+inline bool is_float(Type t) { return t == gguf::kF32 || t == gguf::kF16 || t == gguf::kBF16; }
+inline bool is_k_quant(Type t) { return t == gguf::kQ4_K || t == gguf::kQ5_K || t == gguf::kQ6_K; }
+
+// Float segments (F32/F16/BF16): their values against x, 256 values a step.
+template <int M>
+void dot_float_row(Type type, const uint8_t* row, const A8Rows& a, float (&out)[M]) {
+  const gguf::TypeInfo* info = gguf::type_info(type);
+  float w[256];
+  for (int m = 0; m < M; ++m) out[m] = 0.f;
+  for (int64_t k0 = 0; k0 < a.K; k0 += 256) {
+    const int64_t n = std::min<int64_t>(256, a.K - k0);
+    for (int64_t i = 0; i < n; ++i) gguf::dequantize_block(type, row + (k0 + i) * info->block_bytes, w + i);
+    for (int m = 0; m < M; ++m) {
+      const float* xf = a.xf.data() + m * a.K + k0;
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i) sum += xf[i] * w[i];
+      out[m] += sum;
+    }
+  }
+}
+
+// Without SIMD: each block dequantized and dotted with its codes in float32, times their scale.
+template <int M>
+void dot_blocks_scalar(Type type, const uint8_t* row, const A8Rows& a, float (&out)[M]) {
+  const gguf::TypeInfo* info = gguf::type_info(type);
+  const bool k = is_k_quant(type);
+  const int64_t span = k ? kSuperBlock : kA8Block;  // values per activation scale
+  float w[256];
+  for (int m = 0; m < M; ++m) out[m] = 0.f;
+  for (int64_t b = 0; b < a.K / info->block_values; ++b) {
+    gguf::dequantize_block(type, row + b * info->block_bytes, w);
+    for (int64_t j = 0; j < info->block_values / span; ++j) {
+      const int64_t k0 = b * info->block_values + j * span;
+      for (int m = 0; m < M; ++m) {
+        const int8_t* q = k ? a.qk.data() + m * a.K + k0 : a.q.data() + m * a.blocks * kA8Block + k0;
+        float sum = 0.f;
+        for (int64_t i = 0; i < span; ++i) sum += static_cast<float>(q[i]) * w[j * span + i];
+        out[m] += sum * (k ? a.dk[m * (a.K / kSuperBlock) + k0 / kSuperBlock] : a.d[m * a.blocks + k0 / kA8Block]);
+      }
+    }
+  }
+}
+
+#ifdef DABBA_GGUF_SIMD
+
+// sum over each 4 bytes of u (unsigned) times s (signed), into int32 lanes
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else  // vpmaddubsw saturates pairs at int16: callers keep u * |s| * 2 below 32768
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline __m256i nibbles_lo_hi(const uint8_t* qs) {  // 16 bytes -> 32: low nibbles, then high ones
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i bits_to_bytes(const uint8_t* p, uint8_t value) {  // 32 bits -> 32 bytes of value or 0
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(static_cast<char>(value)));
+#else
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(static_cast<char>(value)));
+#endif
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline int32_t hsum_i32x4(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
+  return _mm_cvtsi128_si32(v);
+}
+
+// Legacy blocks of 32 against per-32 codes: a float fma per block, two chains a row. Signed codes
+// (Q8_0; Q4_0 and Q5_0 less their 8 or 16) multiply |w| by the codes with w's sign; Q4_1 and
+// Q5_1 (w = a * u + min) add min * s, s the activation block's scale times its codes' sum.
+template <Type kType, int M>
+void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
+  constexpr int64_t bytes = kType == gguf::kQ8_0 ? 34 : kType == gguf::kQ4_0 ? 18 : kType == gguf::kQ4_1 ? 20
+                          : kType == gguf::kQ5_0 ? 22 : 24;
+  constexpr bool with_min = kType == gguf::kQ4_1 || kType == gguf::kQ5_1;
+  __m256 acc[M][2];
+  float off[M];
+  for (int m = 0; m < M; ++m) {
+    acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    off[m] = 0.f;
+  }
+  const int64_t ldq = a.blocks * kA8Block;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(blk) + kGemvPrefetchBytes, _MM_HINT_T0);  // avx2_gemv.h
+    const float d = gguf::f16(blk);
+    __m256i u;
+    float c = 0.f;
+    if constexpr (kType == gguf::kQ8_0) u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    if constexpr (kType == gguf::kQ4_0) u = _mm256_sub_epi8(nibbles_lo_hi(blk + 2), _mm256_set1_epi8(8));
+    if constexpr (kType == gguf::kQ4_1) { u = nibbles_lo_hi(blk + 4); c = gguf::f16(blk + 2); }
+    if constexpr (kType == gguf::kQ5_0)
+      u = _mm256_sub_epi8(_mm256_or_si256(nibbles_lo_hi(blk + 6), bits_to_bytes(blk + 2, 0x10)), _mm256_set1_epi8(16));
+    if constexpr (kType == gguf::kQ5_1) { u = _mm256_or_si256(nibbles_lo_hi(blk + 8), bits_to_bytes(blk + 4, 0x10)); c = gguf::f16(blk + 2); }
+    const __m256i magnitude = with_min ? u : _mm256_abs_epi8(u);
+    for (int m = 0; m < M; ++m) {
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + m * ldq + b * kA8Block));
+      if constexpr (!with_min) x = _mm256_sign_epi8(x, u);
+      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(magnitude, x));
+      acc[m][b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a.d[m * a.blocks + b]), acc[m][b & 1]);
+      if constexpr (with_min) off[m] += c * a.s[m * a.blocks + b];
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = hsum8(_mm256_add_ps(acc[m][0], acc[m][1])) + off[m];
+}
+
+// K super-blocks against per-256 codes, as llama.cpp's AVX2 kernels: vpmaddubsw pairs each code
+// with its weight into int16, vpmaddwd scales the pairs by the sub-block's integer scale into
+// int32, and the super-block's sum is exact; one float fma per super-block then scales it. Mins
+// (Q4_K, Q5_K) and Q6_K's offset of 32 meet the codes' sums per 32 and per 16.
+template <Type kType, int M>
+void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
+  constexpr bool q6 = kType == gguf::kQ6_K, five = kType == gguf::kQ5_K;
+  constexpr int64_t bytes = q6 ? 210 : five ? 176 : 144;
+  const int64_t supers = a.K / kSuperBlock;
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* b = row + sb * bytes;
+    for (int64_t line = 0; line < bytes; line += 64)  // memory answers late unless asked ahead (avx2_gemv.h)
+      _mm_prefetch(reinterpret_cast<const char*>(b) + kGemvPrefetchBytes + line, _MM_HINT_T0);
+    __m256i acc_i[M];
+    for (int m = 0; m < M; ++m) acc_i[m] = _mm256_setzero_si256();
+    int32_t offset[M];  // subtracted from the super-block's integer sum, in units of its scale
+    float d, dmin = 0.f;
+    if constexpr (q6) {
+      const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
+      d = gguf::f16(b + 208);
+      for (int j = 0; j < 8; ++j) {
+        const int half = j / 4, part = j % 4;
+        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32 * (part & 1)));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+        const __m256i lo = _mm256_and_si256(part < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
+        const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
+        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+        for (int m = 0; m < M; ++m) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qk.data() + m * a.K + sb * kSuperBlock + 32 * j));
+          acc_i[m] = _mm256_add_epi32(acc_i[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale));
+        }
+      }
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+      for (int m = 0; m < M; ++m) {  // 32 * sum over sub-blocks of scale * codes' sum
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum16.data() + m * a.K / 16 + sb * 16));
+        const __m256i prod = _mm256_madd_epi16(sc16, sums);
+        offset[m] = 32 * hsum_i32x4(_mm_add_epi32(_mm256_castsi256_si128(prod), _mm256_extracti128_si256(prod, 1)));
+      }
+    } else {
+      d = gguf::f16(b);
+      dmin = gguf::f16(b + 2);
+      uint32_t utmp[4];  // 8 six-bit scales, then 8 mins, as bytes (llama.cpp's unpacking)
+      std::memcpy(utmp, b + 4, 12);
+      utmp[3] = ((utmp[2] >> 4) & 0x0f0f0f0f) | (((utmp[1] >> 6) & 0x03030303) << 4);
+      const uint32_t uaux = utmp[1] & 0x3f3f3f3f;
+      utmp[1] = (utmp[2] & 0x0f0f0f0f) | (((utmp[0] >> 6) & 0x03030303) << 4);
+      utmp[2] = uaux;
+      utmp[0] &= 0x3f3f3f3f;
+      const auto* scales = reinterpret_cast<const uint8_t*>(utmp);
+      const uint8_t* qs = b + (five ? 48 : 16);
+      const __m256i qh = five ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 2)));
+        __m256i u = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(v, 4) : v, low4);
+        if constexpr (five)
+          u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+        const __m256i scale = _mm256_set1_epi16(scales[j]);
+        for (int m = 0; m < M; ++m) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qk.data() + m * a.K + sb * kSuperBlock + 32 * j));
+          acc_i[m] = _mm256_add_epi32(acc_i[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale));
+        }
+      }
+      // from registers: a load of 8 bytes across the two 4-byte stores above would wait on them
+      const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, static_cast<int>(utmp[3]), static_cast<int>(utmp[2])));
+      for (int m = 0; m < M; ++m)  // sum over sub-blocks of min * codes' sum: times dmin, not d
+        offset[m] = hsum_i32x4(_mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32.data() + m * a.K / 32 + sb * 8))));
+    }
+    for (int m = 0; m < M; ++m) {
+      const float dx = a.dk[m * supers + sb];
+      __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(acc_i[m]), _mm256_set1_ps(d * dx));
+      const float correction = q6 ? -(d * dx) * static_cast<float>(offset[m]) : -(dmin * dx) * static_cast<float>(offset[m]);
+      sum = _mm256_add_ps(sum, _mm256_setr_ps(correction, 0, 0, 0, 0, 0, 0, 0));
+      acc[m] = _mm256_add_ps(acc[m], sum);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = hsum8(acc[m]);
+}
+
+#endif  // DABBA_GGUF_SIMD
+
+// One weight row of `type` against the M rows of x.
+template <int M>
+void dot_any_row(Type type, const uint8_t* row, const A8Rows& a, float (&out)[M]) {
+  if (is_float(type)) return dot_float_row<M>(type, row, a, out);
+#ifdef DABBA_GGUF_SIMD
+  switch (type) {
+    case gguf::kQ4_K: return dot_k_row<gguf::kQ4_K, M>(row, a, out);
+    case gguf::kQ5_K: return dot_k_row<gguf::kQ5_K, M>(row, a, out);
+    case gguf::kQ6_K: return dot_k_row<gguf::kQ6_K, M>(row, a, out);
+    case gguf::kQ8_0: return dot_legacy_row<gguf::kQ8_0, M>(row, a, out);
+    case gguf::kQ4_0: return dot_legacy_row<gguf::kQ4_0, M>(row, a, out);
+    case gguf::kQ4_1: return dot_legacy_row<gguf::kQ4_1, M>(row, a, out);
+    case gguf::kQ5_0: return dot_legacy_row<gguf::kQ5_0, M>(row, a, out);
+    default: return dot_legacy_row<gguf::kQ5_1, M>(row, a, out);
+  }
+#else
+  dot_blocks_scalar<M>(type, row, a, out);
+#endif
+}
+
+}  // namespace dabba::gguf
