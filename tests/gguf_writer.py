@@ -14,15 +14,21 @@ F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0,
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
+# a scale that gives random codes values of about 0.05, a weight's size (codes' spread times the
+# sub-blocks' scales' for the K types)
+BLOCK_SCALES = {"Q8_0": 0.05 / 73, "Q4_0": 0.05 / 4.6, "Q4_1": 0.05 / 4.6, "Q5_0": 0.05 / 9.2, "Q5_1": 0.05 / 9.2,
+                "Q4_K": 0.05 / (36 * 4.6), "Q5_K": 0.05 / (36 * 9.2), "Q6_K": 0.05 / (73 * 18)}
+
+
 def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> GGUFBlocks:
-    """Random codes with finite scales of a weight's size (about 0.01-0.1 per value)."""
+    """Random codes with finite scales, of a weight's size (values of about 0.05)."""
     rng = np.random.default_rng(seed)
     if type_name in FLOAT_DTYPES:
         values = torch.from_numpy(rng.standard_normal((rows, columns)).astype(np.float32) * 0.05)
         return GGUFBlocks(type_name, values.to(FLOAT_DTYPES[type_name]).view(torch.uint8).view(rows, -1), columns)
     block, size = BLOCKS[type_name]
     raw = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
-    scale = 0.004 if type_name.endswith("K") else 0.02
+    scale = BLOCK_SCALES[type_name]
     for p in F16_FIELDS[type_name]:
         d = (rng.uniform(0.5, 1.5, raw.shape[:2]) * scale * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
         raw[:, :, p:p + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
@@ -35,10 +41,11 @@ LINEAR_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_outp
                 "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
 
 
-def write_llama(path, quantized: bool = True, types: dict[str, str] = LINEAR_TYPES) -> str:
-    """A small Llama whose linears hold random GGUF blocks of ``types``; ``quantized`` False writes
+def write_llama(path, quantized: bool = True, types: dict[str, str] = LINEAR_TYPES, embedding: str = "F32",
+                head: str | None = "F32") -> str:
+    """A small Llama whose linears hold random GGUF blocks of ``types``, its token embedding and LM
+    head of ``embedding`` and ``head`` (None: tied, no output.weight); ``quantized`` False writes
     the same weights dequantized, as F32 (the reference model)."""
-    rng = np.random.default_rng(0)
     w = GGUFWriter(str(path), "llama")
     for key, value in {"block_count": LAYERS, "context_length": 256, "embedding_length": HIDDEN,
                        "feed_forward_length": FFN, "attention.head_count": HEADS,
@@ -52,9 +59,18 @@ def write_llama(path, quantized: bool = True, types: dict[str, str] = LINEAR_TYP
     w.add_array("tokenizer.ggml.merges", [])
     w.add_uint32("tokenizer.ggml.bos_token_id", 0)
     w.add_uint32("tokenizer.ggml.eos_token_id", 1)
-    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32))
+
+    def add(name: str, type_name: str, shape: tuple[int, int], seed: int) -> None:
+        blocks = random_blocks(type_name, *shape, seed)
+        if quantized and type_name != "F32":
+            w.add_tensor(name, blocks.data.numpy(), raw_shape=blocks.data.shape, raw_dtype=GGMLQuantizationType[type_name])
+        else:
+            w.add_tensor(name, blocks.dequantize().numpy())
+
+    add("token_embd.weight", embedding, (VOCAB, HIDDEN), 1000)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    w.add_tensor("output.weight", (rng.standard_normal((VOCAB, HIDDEN)) * 0.1).astype(np.float32))
+    if head is not None:
+        add("output.weight", head, (VOCAB, HIDDEN), 1001)
     head_dim = HIDDEN // HEADS
     shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
               "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN),
@@ -65,12 +81,7 @@ def write_llama(path, quantized: bool = True, types: dict[str, str] = LINEAR_TYP
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
         for name, shape in shapes.items():
             seed += 1
-            blocks = random_blocks(types[name], *shape, seed)
-            if quantized:
-                w.add_tensor(f"blk.{i}.{name}.weight", blocks.data.numpy(), raw_shape=blocks.data.shape,
-                             raw_dtype=GGMLQuantizationType[types[name]])
-            else:
-                w.add_tensor(f"blk.{i}.{name}.weight", blocks.dequantize().numpy())
+            add(f"blk.{i}.{name}.weight", types[name], shape, seed)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -16,6 +16,7 @@ from torch import nn
 from dabba.distributed.tensor_parallel import TensorParallel, current_tensor_parallel
 from dabba.ops import native
 from dabba.quantization.base import LinearMethod
+from dabba.quantization.gguf import GGUFBlocks, GGUFLinearMethod, dequantize_rows
 from dabba.quantization.rtn import Int8RTNMethod
 
 
@@ -41,6 +42,16 @@ class VocabShard:
         param.data[:self.num_valid].copy_(loaded[self.start:self.start + self.num_valid])
         param.data[self.num_valid:].zero_()
 
+    def blocks(self, loaded: GGUFBlocks, hidden_size: int) -> GGUFBlocks:
+        """This rank's rows of a table held as GGUF blocks, copied out of the file; padding rows are
+        zero bytes, which every type reads as zeros."""
+        if (loaded.rows, loaded.columns) != (self.vocab_size, hidden_size):
+            raise ValueError(f"checkpoint tensor {(loaded.rows, loaded.columns)} != expected "
+                             f"{(self.vocab_size, hidden_size)}")
+        data = torch.zeros(self.num_rows, loaded.data.shape[1], dtype=torch.uint8)
+        data[:self.num_valid] = loaded.data[self.start:self.start + self.num_valid]
+        return GGUFBlocks(loaded.type_name, data, hidden_size)
+
 
 class VocabEmbedding(nn.Module):
     """Token ids -> rows of the weight, times ``scale`` where the family scales them (Gemma:
@@ -53,8 +64,19 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.shard = VocabShard(vocab_size)
         self.weight = self.shard.make_weight(hidden_size)
+        self.weight.weight_loader = self.load_rows
+        self.dtype = self.weight.dtype  # the model's, also once the table is held otherwise
         self.scale = scale
         self.int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes, scales): see use_int8_rows
+        self.gguf_rows: GGUFBlocks | None = None  # the table as a GGUF file's blocks: see load_rows
+
+    def load_rows(self, param: nn.Parameter, loaded: torch.Tensor | GGUFBlocks, shard_id=None) -> None:
+        """A GGUF file's quantized table stays in its blocks; a row is dequantized as it is looked up."""
+        if isinstance(loaded, GGUFBlocks):
+            self.gguf_rows = self.shard.blocks(loaded, param.shape[1])
+            self.weight = None
+            return
+        self.shard.load_rows(param, loaded, shard_id)
 
     def use_int8_rows(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """Look rows up in a tied LM head's INT8 codes ([vocab, hidden], a scale per row) and drop
@@ -77,7 +99,15 @@ class VocabEmbedding(nn.Module):
             return x
         return x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(x.dtype)
 
+    def use_gguf_rows(self, rows: GGUFBlocks) -> None:
+        """Look rows up in a tied LM head's GGUF blocks (one copy of the vocabulary, as the file has it)."""
+        self.gguf_rows = rows
+        self.weight = None
+
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_rows is not None:
+            rows = self.gguf_rows
+            return dequantize_rows(rows.type_name, rows.data[ids], rows.columns, self.dtype)
         if self.int8_rows is not None:
             codes, scales = self.int8_rows
             return F.embedding(ids, codes).to(scales.dtype) * scales[ids, None]
@@ -94,21 +124,39 @@ class LMHead(nn.Module):
         self.shard = VocabShard(vocab_size)
         self.out_features, self.in_features = self.shard.num_rows, hidden_size  # this rank's rows
         self.weight = self.shard.make_weight(hidden_size)
+        self.weight.weight_loader = self.load_rows
+        self.output_sizes = [self.out_features]
         self.quant_method = quant_method
         self._tied: list[VocabEmbedding] = []  # a list, not a submodule: the embedding stays the model's
 
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
         self._tied = [embedding]
+        if isinstance(self.quant_method, GGUFLinearMethod):  # the shared table arrives as the head's blocks
+            self.weight.weight_loader = self.load_rows
+
+    def load_rows(self, param: nn.Parameter, loaded: torch.Tensor | GGUFBlocks, shard_id=None) -> None:
+        """A GGUF file's quantized head (or tied table) is the GGUF method's one segment."""
+        if isinstance(loaded, GGUFBlocks):
+            if not isinstance(self.quant_method, GGUFLinearMethod):
+                raise ValueError("lm_head: GGUF blocks arrived for a head that does not read them")
+            self.gguf_shards = {0: self.shard.blocks(loaded, self.in_features)}
+            return
+        self.shard.load_rows(param, loaded, shard_id)
 
     @property
     def shares_packed_rows(self) -> bool:
-        """Tied, and packed as INT8 rows with a scale each (load-time int8/int4's head)."""
-        return bool(self._tied) and isinstance(self.quant_method, Int8RTNMethod)
+        """Tied, and packed as rows the embedding can read: INT8 rows with a scale each (load-time
+        int8/int4's head), or a GGUF file's blocks."""
+        return bool(self._tied) and isinstance(self.quant_method, (Int8RTNMethod, GGUFLinearMethod))
 
     def packed(self) -> None:
         """Called once the quant method has packed the weight (the loader's LayerwiseRepacking)."""
-        if self.shares_packed_rows:
+        if not self.shares_packed_rows:
+            return
+        if isinstance(self.quant_method, GGUFLinearMethod):
+            self._tied[0].use_gguf_rows(self.quant_method.segments(self)[0])
+        else:
             self._tied[0].use_int8_rows(self.qweight, self.scales)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ def gguf_model_dir(path: str | Path) -> Path:
     if not _made:
         atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _made])
     _made.append(directory)
-    types = quantized_linear_types(f, config["num_hidden_layers"])
+    types = quantized_tensor_types(f, config["num_hidden_layers"])
     if types:  # the layers that read GGUF blocks (quantization/config.py)
         config["quantization_config"] = {"quant_method": "gguf", "tensor_types": types}
     files = {"config.json": config, "generation_config.json": generation_config(f),
@@ -123,12 +123,16 @@ def _hf_tensors(f: GGUFFile, num_layers: int) -> Iterator[tuple[str, GGUFTensor,
         yield hf, tensor, None
 
 
-def quantized_linear_types(f: GGUFFile, num_layers: int) -> dict[str, str]:
-    """The linear layers' weights the file quantizes, by checkpoint module name -> GGUF type: these
-    stay in their blocks (quantization/gguf.py). The embedding and the LM head are dequantized."""
-    return {hf.removesuffix(".weight"): tensor.type_name for hf, tensor, _ in _hf_tensors(f, num_layers)
-            if tensor.type_name not in FLOAT_TYPES and hf.endswith(".weight") and len(tensor.shape) >= 2
-            and hf not in (GLOBAL_NAMES["token_embd.weight"], GLOBAL_NAMES["output.weight"])}
+def quantized_tensor_types(f: GGUFFile, num_layers: int) -> dict[str, str]:
+    """The matrices the file quantizes, by checkpoint module name -> GGUF type: these stay in their
+    blocks (quantization/gguf.py), the embedding and the LM head too. A tied head (no output.weight)
+    reads token_embd's blocks, and is listed with its type."""
+    types = {hf.removesuffix(".weight"): tensor.type_name for hf, tensor, _ in _hf_tensors(f, num_layers)
+             if tensor.type_name not in FLOAT_TYPES and hf.endswith(".weight") and len(tensor.shape) >= 2}
+    embedding = GLOBAL_NAMES["token_embd.weight"].removesuffix(".weight")
+    if "output.weight" not in f.tensors and embedding in types:
+        types[GLOBAL_NAMES["output.weight"].removesuffix(".weight")] = types[embedding]
+    return types
 
 
 def _blocks(tensor: GGUFTensor, expert: int | None) -> GGUFBlocks:
@@ -145,7 +149,7 @@ def iterate_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, to
     path = path.resolve()  # the file, so that errors name it, not its link
     f: GGUFFile = read_gguf(path)
     llama = f.get("general.architecture") == "llama"  # the converter interleaved its q and k (Mixtral's too)
-    quantized = quantized_linear_types(f, arch.num_hidden_layers)
+    quantized = quantized_tensor_types(f, arch.num_hidden_layers)
     dense_experts: dict[str, torch.Tensor] = {}  # a stacked float tensor, dequantized once for all its experts
     for hf, tensor, expert in _hf_tensors(f, arch.num_hidden_layers):
         if hf.removesuffix(".weight") in quantized:

@@ -6,7 +6,7 @@ import torch
 
 from dabba.arch.config import ArchConfig
 from dabba.distributed.tensor_parallel import TensorParallel, building_for
-from dabba.layers.embedding import LMHead
+from dabba.layers.embedding import LMHead, VocabEmbedding
 from dabba.layers.fused_moe import Expert
 from dabba.layers.linear import Linear
 from dabba.models.registry import get_model_class
@@ -44,6 +44,12 @@ def weights_bytes(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfi
             continue
         if isinstance(module, LMHead) and module.quant_method is not None:  # its own packed copy
             total += module.quant_method.packed_bytes(module, dtype, device_type)
+            continue
+        packed = (quant_config.embedding_bytes(module.shard.num_rows, module.weight.shape[1])
+                  if isinstance(module, VocabEmbedding) and quant_config is not None else None)
+        if packed is not None and id(module.weight) not in seen:  # a GGUF file's blocks
+            seen.add(id(module.weight))
+            total += packed
             continue
         for param in module.parameters(recurse=False):
             if id(param) not in seen:

@@ -9,6 +9,7 @@ from torch import nn
 from dabba.arch.checkpoint_names import shard_checkpoint_names
 from dabba.quantization.base import LinearMethod, UnquantizedLinearMethod
 from dabba.quantization.gguf import GGUFLinearMethod
+from dabba.quantization.gguf_blocks import row_bytes
 from dabba.quantization.gptq_format import AWQLinearMethod, GPTQLinearMethod
 from dabba.quantization.rtn import Int4RTNMethod, Int8RTNMethod
 
@@ -65,7 +66,14 @@ class QuantConfig:
         (llama.cpp likewise keeps output.weight at 6 to 8 bits under Q4_0.) A tied embedding
         then looks its rows up in these codes (LMHead.shares_packed_rows), so the vocabulary is
         held once. GPTQ/AWQ checkpoints leave the head as saved."""
+        if self.method == "gguf":  # a quantized output.weight (or tied token_embd) stays in its blocks
+            return GGUFLinearMethod([self.tensor_types["lm_head"]]) if "lm_head" in self.tensor_types else None
         return Int8RTNMethod() if self.method in QUANTIZATION_METHODS else None
+
+    def embedding_bytes(self, rows: int, hidden_size: int) -> int | None:
+        """A GGUF file's quantized token embedding: its blocks' bytes (None: held in the model's dtype)."""
+        type_name = self.tensor_types.get("model.embed_tokens") if self.method == "gguf" else None
+        return None if type_name is None else rows * row_bytes(type_name, hidden_size)
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethod:
         if self.method == "gguf":  # a layer the file quantized (any of its shards) reads the blocks

@@ -146,7 +146,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_shards[idx] = t
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]
+        shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]  # a Linear's, or an LMHead's one
         del layer.gguf_shards
         types = native.kernel_constants().gguf_types if native.load_cpu_ops() else {}
         blob = torch.cat([s.data.reshape(-1) for s in shards])  # copied out of the file's map
