@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.compute_peak import measure_peak
-from benchmarks.peers.bandwidth import DABBA_QUANT, bandwidth_report, copy_bandwidth
+from benchmarks.peers.bandwidth import DABBA_QUANT, bandwidth_report, copy_bandwidth, gguf_file
 from benchmarks.peers.compute import compute_report
 from benchmarks.peers.models import (BATCH, ModelRun, ModelShape, kv_budgets, kv_tokens, max_model_len, model_runs,
                                      split_list)
@@ -133,7 +133,8 @@ class Job:
 def run_dabba(job: Job, variant: str, isa: str | None = None) -> dict[str, Any]:
     w, s = job.workload, job.workload.shape
     out = Path(job.directory) / "dabba.json"
-    cmd = [sys.executable, "-m", "dabba.entrypoints.cli", "bench", w.kind, job.model.path, "--input-len",
+    model = gguf_file(job.model.gguf_dir, variant) or job.model.path  # gguf-<type>: the file llama.cpp runs
+    cmd = [sys.executable, "-m", "dabba.entrypoints.cli", "bench", w.kind, model, "--input-len",
            str(s.input_len), "--output-len", str(s.output_len), "--dataset-seed", str(s.seed), "--prefix-len",
            str(s.prefix_len), "--dtype", "bfloat16", "--max-model-len", str(max_model_len(s)),
            "--kv-cache-memory", str(job.kv_bytes), "--json-out", str(out)]
@@ -141,7 +142,7 @@ def run_dabba(job: Job, variant: str, isa: str | None = None) -> dict[str, Any]:
         cmd += ["--num-prompts", str(s.num_prompts)]
     else:
         cmd += ["--batch-size", str(s.num_prompts), "--num-iters-warmup", "1", "--num-iters", "3"]
-    if DABBA_QUANT[variant]:
+    if DABBA_QUANT.get(variant):
         cmd += ["--quantization", DABBA_QUANT[variant]]
     r = run_json(cmd, env=ISA_ENV[isa] if isa else None, json_file=out, pss_interval=job.pss_interval)
     if w.kind == "throughput":
@@ -233,7 +234,7 @@ def compare_model(m: ModelRun, args: argparse.Namespace, membw: dict[str, Any] |
             budgets[name] = kv_budgets(shape, w, kv_bytes, results[name])
     medians = {name: medians_of(runs) for name, runs in results.items()}
     checks = [c for t in TARGETS if (c := t.check(medians))]
-    bandwidth, bw_checks = bandwidth_report(m.path, medians.get("W2", {}), membw)
+    bandwidth, bw_checks = bandwidth_report(m.path, medians.get("W2", {}), membw, m.gguf_dir)
     return {"model": m.path, "name": Path(m.path).name, "shape": asdict(shape), "description": shape.describe(),
             "gguf_dir": m.gguf_dir if args.llamacpp_python else None, "batch_workload": m.batch_workload,
             "workloads": {n: asdict(WORKLOADS[n].shape) for n in names}, "kv_budget": budgets,
@@ -288,7 +289,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=f"{BATCH},W2,W3,L4",
                         help=f"comma-separated subset of {BATCH},{','.join(WORKLOADS)} (default {BATCH},W2,W3,L4)")
     parser.add_argument("--variants", default="bf16,int8,int4",
-                        help="W2's weight variants: dabba bf16,int8,int4 against llama.cpp bf16,q8_0,q4_0")
+                        help="W2's weight variants: dabba bf16,int8,int4 against llama.cpp bf16,q8_0,q4_0; "
+                        "gguf-q8_0,gguf-q4_0,gguf-q4_k_m: dabba on llama.cpp's own file")
     parser.add_argument("--batch-variants", default="bf16",
                         help="the other workloads' weight variants (default bf16; vLLM runs bf16 whatever they are)")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per engine and workload (default 3)")

@@ -124,6 +124,11 @@ def test_targets_are_the_issues() -> None:
         assert got["W2", ("dabba", v), dabba, "peak_pss_mib"] == ("<", 1.0)
         assert got["W2", ("dabba-avx2", v), ("llama.cpp", {"int8": "q8_0", "int4": "q4_0"}[v]), "decode_tok_s"] == \
             (">=", 1.1)
+    for t in ("q8_0", "q4_0", "q4_k_m"):  # dabba on llama.cpp's own file (issue 41)
+        ours, theirs = ("dabba", f"gguf-{t}"), ("llama.cpp", t)
+        assert got["W2", ours, theirs, "decode_tok_s"] == (">=", 1.2)
+        assert got["W2", ours, theirs, "ttft_s"] == ("<=", 1.0)
+        assert got["W2", ours, theirs, "peak_pss_mib"] == ("<=", 1.1)
     assert BANDWIDTH_TARGET == 0.85
 
 
@@ -146,6 +151,32 @@ def test_dabba_runs_once_per_kernel_variant_with_the_cpu_that_variant_sees(monke
     assert "--quantization" in seen[0][0] and seen[1][1] is None
     with pytest.raises(SystemExit):
         parse_args(["--model", "/m/a", "--dabba-isa", "avx9"])
+
+
+def test_a_gguf_variant_runs_dabba_on_the_file_llamacpp_runs(monkeypatch, tmp_path) -> None:
+    args = parse_args(["--model", "/m/a", "--workloads", "W2", "--variants", "gguf-q4_k_m",
+                       "--llamacpp-python", "/p/python"])
+    assert compare_peers.engines_for(WORKLOADS["W2"], args) == [("dabba", "gguf-q4_k_m"), ("llama.cpp", "q4_k_m")]
+    seen = []
+    monkeypatch.setattr(compare_peers, "run_json", lambda cmd, env=None, **kw: seen.append(cmd) or
+                        {"decode_tokens_per_s": 1.0, "ttft_s": {"p50": 0.1}, "latency_s": {"p50": 1.0},
+                         "peak_pss_mib": 1.0})
+    job = compare_peers.Job(ModelRun("/m/a", "/g"), WORKLOADS["W2"], "spec.json", 1 << 20, str(tmp_path))
+    compare_peers.run_engine("dabba", "gguf-q4_k_m", job, args)
+    assert seen[0][5] == "/g/model-q4_k_m.gguf" and "--quantization" not in seen[0]
+
+
+def test_a_gguf_variants_bytes_per_token_are_the_files(tmp_path) -> None:
+    """All of the file's tensors but token_embd where output.weight is the head (a step reads one row)."""
+    from gguf import GGUFReader
+
+    from benchmarks.peers.bandwidth import gguf_decode_bytes
+    from tests.gguf_writer import write_llama
+
+    for head in ("Q8_0", None):
+        path = write_llama(tmp_path / f"{head}.gguf", embedding="Q4_0", head=head)
+        sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+        assert gguf_decode_bytes(path) == sum(sizes.values()) - (sizes["token_embd.weight"] if head else 0)
 
 
 def test_batch_workloads_run_the_batch_variants() -> None:

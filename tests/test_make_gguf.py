@@ -33,7 +33,7 @@ def test_a_tokenizer_shorter_than_the_vocabulary_is_padded_in_a_view(checkpoints
 # The published parameter counts of the models whose shapes benchmarks/peers/make_shapes.py copies.
 PUBLISHED_PARAMS = {"smollm2-135m": 134.5e6, "qwen2.5-0.5b": 494.0e6, "llama-3.2-1b": 1235.8e6,
                     "olmoe-1b-7b": 6.92e9,  # OLMoE-1B-7B-0924: 6.92 B on its model card
-                    "gemma-3-1b": 999.89e6, "qwen2.5-1.5b": 1543.7e6}
+                    "gemma-3-1b": 999.89e6, "qwen2.5-1.5b": 1543.7e6, "tinyllama-1.1b": 1100.05e6}
 
 
 def test_the_shapes_have_the_real_models_parameter_counts() -> None:

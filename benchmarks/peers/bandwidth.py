@@ -11,6 +11,13 @@ BANDWIDTH_TARGET = 0.85  # W2 decode GB/s over the read bandwidth membw measures
 DABBA_QUANT = {"bf16": None, "int8": "int8", "int4": "int4"}  # dabba's load-time quantization per variant
 
 
+def gguf_file(gguf_dir: str, variant: str) -> str | None:
+    """The file a gguf-<type> variant serves (make_gguf.py's name); None for the other variants."""
+    from pathlib import Path
+
+    return str(Path(gguf_dir) / f"model-{variant.removeprefix('gguf-')}.gguf") if variant.startswith("gguf-") else None
+
+
 def copy_bandwidth(gib: float, iters: int) -> dict[str, Any]:
     """benchmarks/membw.py's read bandwidth of this machine, best and median GB/s."""
     import torch
@@ -20,6 +27,16 @@ def copy_bandwidth(gib: float, iters: int) -> dict[str, Any]:
     rates = read_bandwidth(int(gib * 2**30), iters)
     return {"threads": torch.get_num_threads(), "buffer_gib": gib, "read_gb_s_best": max(rates),
             "read_gb_s_median": statistics.median(rates)}
+
+
+def gguf_decode_bytes(path: str) -> int:
+    """A GGUF file's tensors' bytes less token_embd's where output.weight is the head (a step reads
+    one row of the table): dabba holds the file's blocks as they are."""
+    from dabba.arch.gguf_file import read_gguf
+
+    f = read_gguf(path)
+    total = sum(t.data.nbytes for t in f.tensors.values())
+    return total - f.tensors["token_embd.weight"].data.nbytes if "output.weight" in f.tensors else total
 
 
 def decode_bytes_per_token(model_dir: str, variant: str) -> int:
@@ -41,15 +58,16 @@ def decode_bytes_per_token(model_dir: str, variant: str) -> int:
     return total - arch.vocab_size * arch.hidden_size * torch.bfloat16.itemsize
 
 
-def bandwidth_report(model_dir: str, w2: dict[str, dict[str, float]], membw: dict[str, Any] | None
-                     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def bandwidth_report(model_dir: str, w2: dict[str, dict[str, float]], membw: dict[str, Any] | None,
+                     gguf_dir: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """dabba's W2 decode GB/s per variant, its share of membw's best read, and the checks."""
     report, checks = {}, []
     for key, m in w2.items():
         engine, variant = key.split("/")
         if engine != "dabba" or not m.get("decode_tok_s"):
             continue
-        nbytes = decode_bytes_per_token(model_dir, variant)
+        path = gguf_file(gguf_dir, variant) if gguf_dir else None
+        nbytes = gguf_decode_bytes(path) if path else decode_bytes_per_token(model_dir, variant)
         gb_s = nbytes * m["decode_tok_s"] / 1e9
         report[variant] = {"bytes_per_token": nbytes, "decode_tok_s": m["decode_tok_s"], "decode_gb_s": gb_s}
         if membw:

@@ -11,8 +11,8 @@ Run it with the llama.cpp venv's Python. Writes OUT/model-{type}.gguf and prints
   gguf-py), run in-process so that one thing can be patched without editing the tree: a BPE
   pre-tokenizer whose hash llama.cpp does not know (the test checkpoints' tokenizer is trained
   locally) is written as "gpt-2" instead of aborting the conversion.
-- q8_0 / q4_0: llama_cpp.llama_model_quantize on the bf16 file, llama.cpp's default quantize
-  parameters with ftype MOSTLY_Q8_0 / MOSTLY_Q4_0 (what `llama-quantize in out Q8_0` does).
+- q8_0, q4_0, q4_k_m, q5_k_m, q6_k: llama_cpp.llama_model_quantize on the bf16 file, llama.cpp's
+  default quantize parameters with that ftype (what `llama-quantize in out Q4_K_M` does).
 
 The converter imports torch and transformers. When this interpreter has them not (the llama.cpp
 venv has neither), give --convert-python: a Python that has them; this
@@ -35,7 +35,9 @@ from typing import Iterator
 
 log = logging.getLogger("make_gguf")
 
-QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+                "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+                "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 CONVERTED_TYPES = ("bf16", "f32", "f16")  # written by the converter itself
 ALL_TYPES = (*CONVERTED_TYPES, *QUANT_FTYPES)
 

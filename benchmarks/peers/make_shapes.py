@@ -51,13 +51,20 @@ SHAPES = {s.name: s for s in (
     Shape("qwen2.5-0.5b", "Qwen2ForCausalLM", dict(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, head_dim=64, max_position_embeddings=32768, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        gguf_types=("bf16", "q8_0", "q4_0", "q4_k_m")),
     Shape("llama-3.2-1b", "LlamaForCausalLM", dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
         tie_word_embeddings=True, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    # issue 41's: TinyLlama-1.1B (GQA 8:1, untied 32k vocabulary), GGUF in the usual presets
+    Shape("tinyllama-1.1b", "LlamaForCausalLM", dict(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        gguf_types=("bf16", "q8_0", "q4_0", "q4_k_m"), default=False),
     # a mixture of experts (issue 20): 64 experts of 1024, 8 per token; 6.9 B parameters, 1.3 B active
     Shape("olmoe-1b-7b", "OlmoeForCausalLM", dict(
         vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
@@ -106,7 +113,8 @@ def make_checkpoint(shape: Shape, model_dir: Path) -> None:
 def make_ggufs(shape: Shape, model_dir: Path, llamacpp_python: str, llama_cpp_dir: str) -> dict[str, str]:
     """make_gguf.py under the llama.cpp venv: model_dir/gguf/model-{type}.gguf for the shape's types."""
     cmd = [llamacpp_python, str(PEERS_DIR / "make_gguf.py"), "--model", str(model_dir), "--llama-cpp-dir",
-           llama_cpp_dir, "--out-dir", str(model_dir / "gguf"), "--types", ",".join(shape.gguf_types)]
+           llama_cpp_dir, "--out-dir", str(model_dir / "gguf"), "--types", ",".join(shape.gguf_types),
+           "--convert-python", sys.executable]  # this venv has the converter's torch and transformers
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

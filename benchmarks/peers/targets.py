@@ -37,6 +37,8 @@ ISA_ENV = {"avx2": {"DABBA_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONE
            "avx512": {"DABBA_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL"},
            "generic": {"DABBA_CPU_ISA": "generic", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}}
 PEER_VARIANT = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # llama.cpp's counterpart of each dabba variant
+GGUF_TYPES = ("q8_0", "q4_0", "q4_k_m")  # dabba variant gguf-<type>: dabba serves llama.cpp's own file
+PEER_VARIANT.update({f"gguf-{t}": t for t in GGUF_TYPES})
 SPEEDUP_W2 = {"bf16": 1.1, "int8": 1.3, "int4": 1.2}
 TARGETS = [
     Target("W1", DABBA, VLLM, "total_tok_s", 1.3),
@@ -48,6 +50,10 @@ TARGETS = [
     *(Target("W2", ("dabba", v), ("llama.cpp", PEER_VARIANT[v]), "peak_pss_mib", 1.2, "<=") for v in SPEEDUP_W2),
     # load-time quantization must not cost more memory than the bf16 weights it replaces
     *(Target("W2", ("dabba", v), DABBA, "peak_pss_mib", 1.0, "<") for v in ("int8", "int4")),
+    # the same GGUF file: decode 1.2x llama.cpp's, TTFT no more, peak PSS at most 1.1x (issue 41)
+    *(Target("W2", ("dabba", f"gguf-{t}"), ("llama.cpp", t), "decode_tok_s", 1.2) for t in GGUF_TYPES),
+    *(Target("W2", ("dabba", f"gguf-{t}"), ("llama.cpp", t), "ttft_s", 1.0, "<=") for t in GGUF_TYPES),
+    *(Target("W2", ("dabba", f"gguf-{t}"), ("llama.cpp", t), "peak_pss_mib", 1.1, "<=") for t in GGUF_TYPES),
     # --dabba-isa with an AVX2-only llama.cpp: the AVX2 variant keeps its lead at batch-1 decode
     *(Target("W2", ("dabba-avx2", v), ("llama.cpp", PEER_VARIANT[v]), "decode_tok_s", 1.1) for v in SPEEDUP_W2),
 ]
