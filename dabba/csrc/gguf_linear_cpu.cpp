@@ -37,6 +37,8 @@ using gguf::quantize_rows;
 using gguf::to_f32;
 using gguf::Type;
 
+constexpr int64_t kGgufGemvGrainBytes = 64 * 1024;  // the least a thread takes of a GEMV's weight
+
 struct Segment {
   Type type;
   int64_t rows, offset, row_bytes, column;  // column: its first output
@@ -58,6 +60,8 @@ std::vector<Segment> check_segments(const at::Tensor& blob, const at::Tensor& se
     const int64_t rows = s[3 * i + 1], offset = s[3 * i + 2], row_bytes = K / info->block_values * info->block_bytes;
     TORCH_CHECK(rows >= 1 && offset >= 0 && offset + rows * row_bytes <= blob.numel(),
                 "gguf_linear: segment ", i, " lies outside the weight's bytes");
+    TORCH_CHECK(out.empty() || offset >= out.back().offset + out.back().rows * out.back().row_bytes,
+                "gguf_linear: segment ", i, " overlaps or precedes the one before it (the GEMV splits their bytes)");
     out.push_back(Segment{info->type, rows, offset, row_bytes, column});
     column += rows;
   }
@@ -74,9 +78,18 @@ inline T from_f32(float f) {
 template <int M, typename T>
 void gemv_pass(const A8Rows& a, const uint8_t* blob, const std::vector<Segment>& segments, const T* bias, T* y,
                int64_t ldy) {
-  for (const Segment& seg : segments) {
-    at::parallel_for(0, seg.rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
+  // One parallel region for every segment, its range the blob's bytes: each thread takes the rows
+  // that start in its part, so threads read equal bytes whatever the mix of types (a region per
+  // segment cost a barrier each, and split a small Q6_K v among threads unevenly).
+  const int64_t begin_byte = segments.front().offset;
+  const int64_t end_byte = segments.back().offset + segments.back().rows * segments.back().row_bytes;
+  at::parallel_for(begin_byte, end_byte, kGgufGemvGrainBytes, [&](int64_t begin, int64_t end) {
+    for (const Segment& seg : segments) {
+      const int64_t seg_end = seg.offset + seg.rows * seg.row_bytes;
+      if (seg_end <= begin || seg.offset >= end) continue;
+      const int64_t first = std::max<int64_t>(0, (begin - seg.offset + seg.row_bytes - 1) / seg.row_bytes);
+      const int64_t last = std::min(seg.rows, (end - seg.offset + seg.row_bytes - 1) / seg.row_bytes);
+      for (int64_t n = first; n < last; ++n) {
         float acc[M];
         dot_any_row<M>(seg.type, blob + seg.offset + n * seg.row_bytes, a, acc);
         const int64_t col = seg.column + n;
@@ -86,8 +99,8 @@ void gemv_pass(const A8Rows& a, const uint8_t* blob, const std::vector<Segment>&
           y[m * ldy + col] = from_f32<T>(v);
         }
       }
-    });
-  }
+    }
+  });
 }
 
 template <typename T>

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dabba.ops import native
+from dabba.ops.host_memory import huge_page_bytes
 from dabba.quantization.base import LinearMethod, NativeLinearSpec
 from dabba.quantization.gguf_blocks import BLOCKS, dequantize, row_bytes
 
@@ -149,7 +150,11 @@ class GGUFLinearMethod(LinearMethod):
         shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]  # a Linear's, or an LMHead's one
         del layer.gguf_shards
         types = native.kernel_constants().gguf_types if native.load_cpu_ops() else {}
-        blob = torch.cat([s.data.reshape(-1) for s in shards])  # copied out of the file's map
+        # copied out of the file's map, onto 2 MiB pages: the GEMV streams it every step (ops/host_memory.py)
+        total = sum(s.data.numel() for s in shards)
+        blob = huge_page_bytes(total) if shards[0].data.device.type == "cpu" else torch.empty(
+            total, dtype=torch.uint8, device=shards[0].data.device)
+        torch.cat([s.data.reshape(-1) for s in shards], out=blob)
         table, offset = [], 0
         for s in shards:
             table.append((types.get(s.type_name, -1), s.rows, offset))

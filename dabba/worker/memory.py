@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dabba.attention.kv_quant import SCALE_DTYPE
+from dabba.ops.host_memory import advise_huge_pages
 
 CPU_KV_SHARE = 0.3  # of available RAM once the weights are loaded...
 CPU_KV_MAX = 4 * 2**30  # ...but at most this: the cache is zeroed up front, so it is resident
@@ -51,30 +52,6 @@ def default_kv_cache_memory(device: torch.device, bytes_wanted: int) -> int:
     else:
         budget = min(int(available_cpu_memory() * CPU_KV_SHARE), CPU_KV_MAX)
     return min(budget, bytes_wanted)
-
-
-_MADV_HUGEPAGE = 14
-_HUGE_PAGE = 2 * 2**20
-
-
-def advise_huge_pages(t: torch.Tensor) -> None:
-    """Ask Linux to back a large CPU tensor with 2 MiB pages before it is first touched.
-
-    The KV cache is read block by block at scattered addresses; with 4 KiB pages nearly every
-    block read misses the TLB. Best effort: a no-op where madvise or THP is unavailable.
-    """
-    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
-        return
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    aligned = (start + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
-    if end - aligned < _HUGE_PAGE:
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t((end - aligned) // _HUGE_PAGE * _HUGE_PAGE), _MADV_HUGEPAGE)
-    except (OSError, AttributeError):
-        pass
 
 
 # glibc mallopt parameters

@@ -104,3 +104,5 @@ def test_bad_operands_are_refused() -> None:
         torch.ops.dabba_cpu.gguf_linear(torch.randn(1, 48), blob, torch.tensor([[q4_0, 1, 0]]), None)
     with pytest.raises(RuntimeError, match="lies outside"):
         torch.ops.dabba_cpu.gguf_linear(x, blob, torch.tensor([[q4_0, 1, -18]]), None)
+    with pytest.raises(RuntimeError, match="overlaps or precedes"):
+        torch.ops.dabba_cpu.gguf_linear(x, blob, torch.tensor([[q4_0, 2, 36], [q4_0, 2, 0]]), None)
