@@ -28,12 +28,13 @@ MAX_ELEMENTS = 2**48  # past any model; keeps every size computation far from in
 @dataclass(frozen=True)
 class GGUFTensor:
     """One tensor as stored: ``shape`` in PyTorch's order (rows first: ggml's ne reversed),
-    ``data`` its bytes in the file (a read-only memory-mapped uint8 view)."""
+    ``data`` its bytes in the file (a read-only memory-mapped uint8 view), from byte ``offset``."""
 
     name: str
     type_name: str  # "Q4_K", "F16", ...
     shape: tuple[int, ...]
     data: np.ndarray
+    offset: int
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def _read(path: Path) -> GGUFFile:
                              f"the file ({size} bytes): truncated?")
         spans.append((start, start + n_bytes, t.name))
         raw = reader.data[start:start + n_bytes]
-        tensors[t.name] = GGUFTensor(t.name, type_name, tuple(reversed(dims)), raw)
+        tensors[t.name] = GGUFTensor(t.name, type_name, tuple(reversed(dims)), raw, start)
     spans.sort()
     for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
         if start < end:

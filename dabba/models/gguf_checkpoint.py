@@ -8,9 +8,8 @@ import json
 import re
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import BinaryIO, Iterator
 
 import torch
 
@@ -19,9 +18,6 @@ from dabba.arch.gguf_file import SPLIT_SHARD, GGUFFile, GGUFTensor, read_gguf
 from dabba.arch.gguf_model import generation_config, hf_config, tokenizer_config, tokenizer_json
 from dabba.quantization.gguf import FLOAT_TYPES, GGUFBlocks
 from dabba.quantization.gguf_blocks import dequantize
-
-if TYPE_CHECKING:
-    import numpy as np
 
 GGUF_LINK = "model.gguf"  # the file, in the directory made for it
 
@@ -96,11 +92,17 @@ def _unpermute(w: torch.Tensor | GGUFBlocks, n_head: int) -> torch.Tensor | GGUF
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _from_map(data: "np.ndarray") -> torch.Tensor:
-    """A read-only memory-mapped view as a tensor (never written: dequantize copies)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
-        return torch.from_numpy(data)
+def _read(file: BinaryIO, tensor: GGUFTensor, part: int = 0, parts: int = 1) -> torch.Tensor:
+    """Part ``part`` of ``parts`` equal parts of a tensor's bytes (an expert's of a stacked tensor),
+    read into memory of this process's own: through the file's map, every page copied would stay
+    mapped, and counted in the process's memory, until the whole file is read (a Q8_0 model's peak
+    was the file plus its copy)."""
+    nbytes = tensor.data.nbytes // parts
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    file.seek(tensor.offset + part * nbytes)
+    if file.readinto(buffer.numpy()) != nbytes:
+        raise ValueError(f"{file.name}: tensor {tensor.name!r} ends early: truncated while being read?")
+    return buffer
 
 
 def _hf_tensors(f: GGUFFile, num_layers: int) -> Iterator[tuple[str, GGUFTensor, int | None]]:
@@ -135,35 +137,39 @@ def quantized_tensor_types(f: GGUFFile, num_layers: int) -> dict[str, str]:
     return types
 
 
-def _blocks(tensor: GGUFTensor, expert: int | None) -> GGUFBlocks:
-    """The tensor's (or one expert's) rows of blocks, a view of the file's map."""
-    flat = _from_map(tensor.data).reshape(-1)
-    matrix = flat.numel() // (tensor.shape[0] if expert is not None else 1)  # bytes of one [rows, columns]
-    data = flat[(expert or 0) * matrix:((expert or 0) + 1) * matrix].view(tensor.shape[-2], -1)
+def _blocks(file: BinaryIO, tensor: GGUFTensor, expert: int | None) -> GGUFBlocks:
+    """The tensor's (or one expert's) rows of blocks."""
+    parts = tensor.shape[0] if expert is not None else 1
+    data = _read(file, tensor, expert or 0, parts).view(tensor.shape[-2], -1)
     return GGUFBlocks(tensor.type_name, data, tensor.shape[-1])
 
 
 def iterate_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
-    """Every tensor under its Hugging Face name: a linear layer's quantized weight as its blocks
-    (GGUFBlocks, a view of the file), anything else as float32 (a view where the file holds F32)."""
+    """Every tensor under its Hugging Face name: a quantized matrix as its blocks (GGUFBlocks),
+    anything else as float32; read from the file, not through its map (_read)."""
     path = path.resolve()  # the file, so that errors name it, not its link
     f: GGUFFile = read_gguf(path)
     llama = f.get("general.architecture") == "llama"  # the converter interleaved its q and k (Mixtral's too)
     quantized = quantized_tensor_types(f, arch.num_hidden_layers)
     dense_experts: dict[str, torch.Tensor] = {}  # a stacked float tensor, dequantized once for all its experts
-    for hf, tensor, expert in _hf_tensors(f, arch.num_hidden_layers):
-        if hf.removesuffix(".weight") in quantized:
-            value = _blocks(tensor, expert)
-        elif expert is not None:
-            if expert == 0:
-                dense_experts[tensor.name] = dequantize(tensor.type_name, _from_map(tensor.data), tensor.shape)
-            value = dense_experts[tensor.name][expert]
-            if expert == tensor.shape[0] - 1:
-                del dense_experts[tensor.name]
-        else:
-            value = dequantize(tensor.type_name, _from_map(tensor.data), tensor.shape)
-        if llama and hf.endswith(("q_proj.weight", "q_proj.bias")):
-            value = _unpermute(value, arch.num_attention_heads)
-        elif llama and hf.endswith(("k_proj.weight", "k_proj.bias")):
-            value = _unpermute(value, arch.num_key_value_heads)
-        yield hf, value
+    with open(path, "rb") as file:
+        for hf, tensor, expert in _hf_tensors(f, arch.num_hidden_layers):
+            if hf.removesuffix(".weight") in quantized:
+                value = _blocks(file, tensor, expert)
+            elif expert is not None:
+                if expert == 0:
+                    dense_experts[tensor.name] = dequantize(tensor.type_name, _read(file, tensor), tensor.shape)
+                value = dense_experts[tensor.name][expert]
+                if expert == tensor.shape[0] - 1:
+                    del dense_experts[tensor.name]
+            else:
+                value = dequantize(tensor.type_name, _read(file, tensor), tensor.shape)
+            yield hf, _unpermuted(value, hf, arch) if llama else value
+
+
+def _unpermuted(value: torch.Tensor | GGUFBlocks, hf: str, arch: ArchConfig) -> torch.Tensor | GGUFBlocks:
+    if hf.endswith(("q_proj.weight", "q_proj.bias")):
+        return _unpermute(value, arch.num_attention_heads)
+    if hf.endswith(("k_proj.weight", "k_proj.bias")):
+        return _unpermute(value, arch.num_key_value_heads)
+    return value

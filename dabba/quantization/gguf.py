@@ -11,8 +11,8 @@ offset).
 The reference, in PyTorch, is ``linear_reference``: for up to the GEMV's rows, x rounded to 8-bit
 codes with a float32 scale max|x| / 127 per block of 32 values for the legacy types, of 256 for the
 K types (``quantize_activations``), times the dequantized weight, in float64; beyond, dequantized
-weights through F.linear. Off the CPU, or
-without the native kernels, ``apply`` dequantizes and calls F.linear.
+weights through F.linear. Off the CPU, or without the native kernels, ``apply`` dequantizes and
+calls F.linear.
 """
 from __future__ import annotations
 
@@ -110,6 +110,7 @@ class GGUFLinearMethod(LinearMethod):
 
     def __init__(self, shard_types: list[str]) -> None:
         self.shard_types = shard_types  # per merged shard, as the file has it ("F32" for a float one)
+        self.native = False  # set once packed: on the CPU, every segment of a type the kernels take
 
     def create_weights(self, layer: nn.Module) -> None:
         layer.add_param("weight", torch.empty(0), output_dim=None)
@@ -150,7 +151,7 @@ class GGUFLinearMethod(LinearMethod):
         shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]  # a Linear's, or an LMHead's one
         del layer.gguf_shards
         types = native.kernel_constants().gguf_types if native.load_cpu_ops() else {}
-        # copied out of the file's map, onto 2 MiB pages: the GEMV streams it every step (ops/host_memory.py)
+        # one buffer on 2 MiB pages: the GEMV streams it every step (ops/host_memory.py)
         total = sum(s.data.numel() for s in shards)
         blob = huge_page_bytes(total) if shards[0].data.device.type == "cpu" else torch.empty(
             total, dtype=torch.uint8, device=shards[0].data.device)
@@ -160,13 +161,14 @@ class GGUFLinearMethod(LinearMethod):
             table.append((types.get(s.type_name, -1), s.rows, offset))
             offset += s.data.numel()
         layer.gguf_segment_types = [s.type_name for s in shards]
+        self.native = blob.device.type == "cpu" and all(s.type_name in types for s in shards)
         layer.register_buffer("gguf_blob", blob, persistent=False)
         layer.register_buffer("gguf_segments", torch.tensor(table, dtype=torch.int64), persistent=False)
         del layer.weight
         layer.register_parameter("weight", None)
 
     def segments(self, layer: nn.Module) -> list[GGUFBlocks]:
-        """The layer's segments as GGUFBlockss over its blob (the reference's operands)."""
+        """The layer's segments as GGUFBlocks over its blob (the reference's operands)."""
         out = []
         for type_name, (_, rows, offset) in zip(layer.gguf_segment_types, layer.gguf_segments.tolist()):
             nbytes = rows * row_bytes(type_name, layer.in_features)
@@ -177,14 +179,12 @@ class GGUFLinearMethod(LinearMethod):
         return sum(row_bytes(t, layer.in_features) * rows for t, rows in zip(self.shard_types, layer.output_sizes))
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
-        if layer.gguf_blob.device.type != "cpu" or (layer.gguf_segments[:, 0] < 0).any():
-            return None
-        return NativeLinearSpec("gguf", layer.gguf_blob, layer.gguf_segments)
+        return NativeLinearSpec("gguf", layer.gguf_blob, layer.gguf_segments) if self.native else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if native.native_rows(x2) and x2.dtype in (torch.bfloat16, torch.float32) and self.native_spec(layer):
+        if self.native and native.native_rows(x2) and x2.dtype in (torch.bfloat16, torch.float32):
             y = torch.ops.dabba_cpu.gguf_linear(x2, layer.gguf_blob, layer.gguf_segments, bias)
         else:
             y = F.linear(x2, torch.cat([s.dequantize(x2.dtype) for s in self.segments(layer)]), bias)
