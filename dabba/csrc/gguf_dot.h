@@ -200,43 +200,79 @@ inline int32_t hsum_i32x4(__m128i v) {
   return _mm_cvtsi128_si32(v);
 }
 
-// Legacy blocks of 32 against per-32 codes: a float fma per block, two chains a row. Signed codes
-// (Q8_0; Q4_0 and Q5_0 less their 8 or 16) multiply |w| by the codes with w's sign; Q4_1 and
-// Q5_1 (w = a * u + min) add min * s, s the activation block's scale times its codes' sum.
+// A legacy block's 32 codes: signed w (Q8_0; Q4_0 and Q5_0 less their 8 or 16), or u of
+// w = a * u + min (Q4_1, Q5_1; the min in c).
+template <Type kType>
+inline __m256i legacy_codes(const uint8_t* blk, float& c) {
+  if constexpr (kType == gguf::kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  if constexpr (kType == gguf::kQ4_0) return _mm256_sub_epi8(nibbles_lo_hi(blk + 2), _mm256_set1_epi8(8));
+  if constexpr (kType == gguf::kQ5_0)
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles_lo_hi(blk + 6), bits_to_bytes(blk + 2, 0x10)), _mm256_set1_epi8(16));
+  c = gguf::f16(blk + 2);
+  if constexpr (kType == gguf::kQ4_1) return nibbles_lo_hi(blk + 4);
+  return _mm256_or_si256(nibbles_lo_hi(blk + 8), bits_to_bytes(blk + 4, 0x10));  // Q5_1
+}
+
+// Legacy blocks of 32 against per-32 codes: a float fma per block. Signed codes multiply |w| by
+// the activation codes with w's sign; Q4_1 and Q5_1 (w = a * u + min) add min * s, s the
+// activation block's scale times its codes' sum. With AVX-512, Q8_0 takes two blocks a step in 512
+// bits (their 64 activation codes lie side by side): half the dot products' instructions (12 TinyLlama-
+// shaped layers, one row: 22.7 -> 26.5 GB/s). The nibble types do not gain: assembling their codes
+// for 512 bits costs the shuffles it saves (Q4_0 15.2 -> 12.8 GB/s), so they take a block a step.
 template <Type kType, int M>
 void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
   constexpr int64_t bytes = kType == gguf::kQ8_0 ? 34 : kType == gguf::kQ4_0 ? 18 : kType == gguf::kQ4_1 ? 20
                           : kType == gguf::kQ5_0 ? 22 : 24;
   constexpr bool with_min = kType == gguf::kQ4_1 || kType == gguf::kQ5_1;
-  __m256 acc[M][2];
+  __m256 acc[M];
   float off[M];
   for (int m = 0; m < M; ++m) {
-    acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    acc[m] = _mm256_setzero_ps();
     off[m] = 0.f;
   }
   const int64_t ldq = a.blocks * kA8Block;
-  for (int64_t b = 0; b < a.blocks; ++b) {
+  int64_t b = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  __m512 acc2[M];
+  for (int m = 0; m < M; ++m) acc2[m] = _mm512_setzero_ps();
+  for (; kType == gguf::kQ8_0 && b + 2 <= a.blocks; b += 2) {
+    const uint8_t* b0 = row + b * bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(b0) + kGemvPrefetchBytes, _MM_HINT_T0);  // avx2_gemv.h
+    float c0 = 0.f, c1 = 0.f;
+    const float d0 = gguf::f16(b0), d1 = gguf::f16(b0 + bytes);
+    const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(legacy_codes<kType>(b0, c0)),
+                                         legacy_codes<kType>(b0 + bytes, c1), 1);
+    const __m512i magnitude = with_min ? u : _mm512_abs_epi8(u);
+    const __mmask64 negative = _mm512_movepi8_mask(u);
+    for (int m = 0; m < M; ++m) {
+      __m512i x = _mm512_loadu_si512(a.q.data() + m * ldq + b * kA8Block);
+      if constexpr (!with_min) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+      const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, x));
+      const float* dx = a.d.data() + m * a.blocks + b;
+      const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[0]), _mm256_set1_ps(d1 * dx[1]), 1);
+      acc2[m] = _mm512_fmadd_ps(p, scale, acc2[m]);
+      if constexpr (with_min) off[m] += c0 * a.s[m * a.blocks + b] + c1 * a.s[m * a.blocks + b + 1];
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    acc[m] = _mm256_add_ps(_mm512_castps512_ps256(acc2[m]), _mm512_extractf32x8_ps(acc2[m], 1));
+#endif
+  for (; b < a.blocks; ++b) {
     const uint8_t* blk = row + b * bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(blk) + kGemvPrefetchBytes, _MM_HINT_T0);  // avx2_gemv.h
+    _mm_prefetch(reinterpret_cast<const char*>(blk) + kGemvPrefetchBytes, _MM_HINT_T0);
     const float d = gguf::f16(blk);
-    __m256i u;
     float c = 0.f;
-    if constexpr (kType == gguf::kQ8_0) u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    if constexpr (kType == gguf::kQ4_0) u = _mm256_sub_epi8(nibbles_lo_hi(blk + 2), _mm256_set1_epi8(8));
-    if constexpr (kType == gguf::kQ4_1) { u = nibbles_lo_hi(blk + 4); c = gguf::f16(blk + 2); }
-    if constexpr (kType == gguf::kQ5_0)
-      u = _mm256_sub_epi8(_mm256_or_si256(nibbles_lo_hi(blk + 6), bits_to_bytes(blk + 2, 0x10)), _mm256_set1_epi8(16));
-    if constexpr (kType == gguf::kQ5_1) { u = _mm256_or_si256(nibbles_lo_hi(blk + 8), bits_to_bytes(blk + 4, 0x10)); c = gguf::f16(blk + 2); }
+    const __m256i u = legacy_codes<kType>(blk, c);
     const __m256i magnitude = with_min ? u : _mm256_abs_epi8(u);
     for (int m = 0; m < M; ++m) {
       __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + m * ldq + b * kA8Block));
       if constexpr (!with_min) x = _mm256_sign_epi8(x, u);
       const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(magnitude, x));
-      acc[m][b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a.d[m * a.blocks + b]), acc[m][b & 1]);
+      acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a.d[m * a.blocks + b]), acc[m]);
       if constexpr (with_min) off[m] += c * a.s[m * a.blocks + b];
     }
   }
-  for (int m = 0; m < M; ++m) out[m] = hsum8(_mm256_add_ps(acc[m][0], acc[m][1])) + off[m];
+  for (int m = 0; m < M; ++m) out[m] = hsum8(acc[m]) + off[m];
 }
 
 // K super-blocks against per-256 codes, as llama.cpp's AVX2 kernels: vpmaddubsw pairs each code
