@@ -2,8 +2,8 @@
 by llama.cpp's own convert_hf_to_gguf.py (scripts/peer-llamacpp.sh unpacks it into .peers/; CI
 fails where it is missing, a developer's run skips) give transformers' greedy tokens on the source
 checkpoint (F32 and F16 files), and the tokenizer built from the file encodes text exactly as the
-source tokenizer does. (The quantized types' files come from llama-quantize, with the kernels that
-read them; their blocks are held to gguf-py in tests/quantization/test_gguf_blocks.py.)"""
+source tokenizer does. (Quantized files, made by llama.cpp's own quantizer, are held to llama.cpp's
+outputs in tests/test_gguf_llamacpp.py; their blocks to gguf-py in tests/quantization/test_gguf_blocks.py.)"""
 from __future__ import annotations
 
 import json
