@@ -257,6 +257,43 @@ void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
   for (int m = 0; m < M; ++m)
     acc[m] = _mm256_add_ps(_mm512_castps512_ps256(acc2[m]), _mm512_extractf32x8_ps(acc2[m], 1));
 #endif
+  // Eight blocks a step: their float16 scales gathered into one vector and multiplied by the eight
+  // activation scales at once, each block's product then broadcast from memory (a load, where one
+  // block at a time cost a conversion, a multiply and a shuffle each). 12 TinyLlama-shaped layers,
+  // GB/s at 1, 2 and 4 rows: Q4_0 16.5, 12.2, 8.7 -> 17.6, 14.9, 9.8; Q5_1 14.0, 11.3, 7.8 -> 16.6,
+  // 14.8, 11.4.
+  for (; kType != gguf::kQ8_0 && b + 8 <= a.blocks; b += 8) {
+    const uint8_t* g = row + b * bytes;
+    const auto half = [&](int j, int at) {
+      uint16_t h;
+      std::memcpy(&h, g + j * bytes + at, 2);
+      return static_cast<short>(h);
+    };
+    const __m256 d8 = _mm256_cvtph_ps(_mm_setr_epi16(half(0, 0), half(1, 0), half(2, 0), half(3, 0), half(4, 0),
+                                                     half(5, 0), half(6, 0), half(7, 0)));
+    alignas(32) float scale[M][8];
+    for (int m = 0; m < M; ++m) {
+      _mm256_store_ps(scale[m], _mm256_mul_ps(d8, _mm256_loadu_ps(a.d.data() + m * a.blocks + b)));
+      if constexpr (with_min) {
+        const __m256 c8 = _mm256_cvtph_ps(_mm_setr_epi16(half(0, 2), half(1, 2), half(2, 2), half(3, 2), half(4, 2),
+                                                         half(5, 2), half(6, 2), half(7, 2)));
+        off[m] += hsum8(_mm256_mul_ps(c8, _mm256_loadu_ps(a.s.data() + m * a.blocks + b)));
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* blk = g + j * bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + kGemvPrefetchBytes, _MM_HINT_T0);
+      float unused;
+      const __m256i u = legacy_codes<kType>(blk, unused);
+      const __m256i magnitude = with_min ? u : _mm256_abs_epi8(u);
+      for (int m = 0; m < M; ++m) {
+        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + m * ldq + (b + j) * kA8Block));
+        if constexpr (!with_min) x = _mm256_sign_epi8(x, u);
+        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(magnitude, x));
+        acc[m] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&scale[m][j]), acc[m]);
+      }
+    }
+  }
   for (; b < a.blocks; ++b) {
     const uint8_t* blk = row + b * bytes;
     _mm_prefetch(reinterpret_cast<const char*>(blk) + kGemvPrefetchBytes, _MM_HINT_T0);
