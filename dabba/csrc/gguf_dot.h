@@ -64,7 +64,8 @@ inline float round_block(const float* x, int64_t n, int8_t* q) {
   for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
   const float d = amax / 127.f;
   const float id = d > 0.f ? 1.f / d : 0.f;
-  for (int64_t k = 0; k < n; ++k) q[k] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[k] * id))));
+  for (int64_t k = 0; k < n; ++k)
+    q[k] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[k] * id))));
   return d;
 }
 
@@ -110,7 +111,8 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants) {
         a.sum16[m * a.K / 16 + i] = static_cast<int16_t>(sum);
       }
       for (int64_t i = 0; i < a.K / 32; ++i)
-        a.sum32[m * a.K / 32 + i] = static_cast<int16_t>(a.sum16[m * a.K / 16 + 2 * i] + a.sum16[m * a.K / 16 + 2 * i + 1]);
+        a.sum32[m * a.K / 32 + i] =
+            static_cast<int16_t>(a.sum16[m * a.K / 16 + 2 * i] + a.sum16[m * a.K / 16 + 2 * i + 1]);
     }
   }
   return a;
@@ -216,9 +218,9 @@ inline __m256i legacy_codes(const uint8_t* blk, float& c) {
 // Legacy blocks of 32 against per-32 codes: a float fma per block. Signed codes multiply |w| by
 // the activation codes with w's sign; Q4_1 and Q5_1 (w = a * u + min) add min * s, s the
 // activation block's scale times its codes' sum. With AVX-512, Q8_0 takes two blocks a step in 512
-// bits (their 64 activation codes lie side by side): half the dot products' instructions (12 TinyLlama-
-// shaped layers, one row: 22.7 -> 26.5 GB/s). The nibble types do not gain: assembling their codes
-// for 512 bits costs the shuffles it saves (Q4_0 15.2 -> 12.8 GB/s), so they take a block a step.
+// bits (their 64 activation codes lie side by side): half the dot products' instructions. The
+// nibble types do not gain from it (assembling their codes for 512 bits costs the shuffles it
+// saves, measured slower), so they take eight blocks' scales at once and a block's codes a step.
 template <Type kType, int M>
 void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
   constexpr int64_t bytes = kType == gguf::kQ8_0 ? 34 : kType == gguf::kQ4_0 ? 18 : kType == gguf::kQ4_1 ? 20
@@ -259,9 +261,7 @@ void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
 #endif
   // Eight blocks a step: their float16 scales gathered into one vector and multiplied by the eight
   // activation scales at once, each block's product then broadcast from memory (a load, where one
-  // block at a time cost a conversion, a multiply and a shuffle each). 12 TinyLlama-shaped layers,
-  // GB/s at 1, 2 and 4 rows: Q4_0 16.5, 12.2, 8.7 -> 17.6, 14.9, 9.8; Q5_1 14.0, 11.3, 7.8 -> 16.6,
-  // 14.8, 11.4.
+  // block at a time cost a conversion, a multiply and a shuffle each).
   for (; kType != gguf::kQ8_0 && b + 8 <= a.blocks; b += 8) {
     const uint8_t* g = row + b * bytes;
     const auto half = [&](int j, int at) {
@@ -344,13 +344,15 @@ void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
         const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
         const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
         for (int m = 0; m < M; ++m) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qk.data() + m * a.K + sb * kSuperBlock + 32 * j));
+          const int8_t* q = a.qk.data() + m * a.K + sb * kSuperBlock + 32 * j;
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
           acc_i[m] = _mm256_add_epi32(acc_i[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale));
         }
       }
       const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
       for (int m = 0; m < M; ++m) {  // 32 * sum over sub-blocks of scale * codes' sum
-        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum16.data() + m * a.K / 16 + sb * 16));
+        const int16_t* sum16 = a.sum16.data() + m * a.K / 16 + sb * 16;
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sum16));
         const __m256i prod = _mm256_madd_epi16(sc16, sums);
         offset[m] = 32 * hsum_i32x4(_mm_add_epi32(_mm256_castsi256_si128(prod), _mm256_extracti128_si256(prod, 1)));
       }
@@ -374,19 +376,21 @@ void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
           u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
         const __m256i scale = _mm256_set1_epi16(scales[j]);
         for (int m = 0; m < M; ++m) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qk.data() + m * a.K + sb * kSuperBlock + 32 * j));
+          const int8_t* q = a.qk.data() + m * a.K + sb * kSuperBlock + 32 * j;
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
           acc_i[m] = _mm256_add_epi32(acc_i[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale));
         }
       }
       // from registers: a load of 8 bytes across the two 4-byte stores above would wait on them
       const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, static_cast<int>(utmp[3]), static_cast<int>(utmp[2])));
       for (int m = 0; m < M; ++m)  // sum over sub-blocks of min * codes' sum: times dmin, not d
-        offset[m] = hsum_i32x4(_mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32.data() + m * a.K / 32 + sb * 8))));
+        offset[m] = hsum_i32x4(_mm_madd_epi16(
+            mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32.data() + m * a.K / 32 + sb * 8))));
     }
     for (int m = 0; m < M; ++m) {
       const float dx = a.dk[m * supers + sb];
       __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(acc_i[m]), _mm256_set1_ps(d * dx));
-      const float correction = q6 ? -(d * dx) * static_cast<float>(offset[m]) : -(dmin * dx) * static_cast<float>(offset[m]);
+      const float correction = -((q6 ? d : dmin) * dx) * static_cast<float>(offset[m]);
       sum = _mm256_add_ps(sum, _mm256_setr_ps(correction, 0, 0, 0, 0, 0, 0, 0));
       acc[m] = _mm256_add_ps(acc[m], sum);
     }

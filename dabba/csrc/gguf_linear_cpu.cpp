@@ -70,7 +70,8 @@ std::vector<Segment> check_segments(const at::Tensor& blob, const at::Tensor& se
 
 template <typename T>
 inline T from_f32(float f) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) return c10::BFloat16(float_to_bf16_bits(f), c10::BFloat16::from_bits());
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return c10::BFloat16(float_to_bf16_bits(f), c10::BFloat16::from_bits());
   else return static_cast<T>(f);
 }
 
