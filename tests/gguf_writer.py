@@ -1,39 +1,11 @@
-"""Tiny GGUF files for tests, written here with gguf-py's writer (no converter, no quantizer):
-GGUF blocks of random codes with finite scales, and a small Llama whose linears take them."""
+"""Tiny GGUF files for tests, written here with gguf-py's writer (no converter, no quantizer): a
+small Llama whose linears hold random blocks (tools/random_gguf.py)."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from dabba.quantization.gguf import GGUFBlocks
-from dabba.quantization.gguf_blocks import BLOCKS
-
-F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2],
-              "Q5_K": [0, 2], "Q6_K": [208]}  # where each block's float16 scales sit
-FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-# a scale that gives random codes values of about 0.05, a weight's size (codes' spread times the
-# sub-blocks' scales' for the K types)
-BLOCK_SCALES = {"Q8_0": 0.05 / 73, "Q4_0": 0.05 / 4.6, "Q4_1": 0.05 / 4.6, "Q5_0": 0.05 / 9.2, "Q5_1": 0.05 / 9.2,
-                "Q4_K": 0.05 / (36 * 4.6), "Q5_K": 0.05 / (36 * 9.2), "Q6_K": 0.05 / (73 * 18)}
-
-
-def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> GGUFBlocks:
-    """Random codes with finite scales, of a weight's size (values of about 0.05)."""
-    rng = np.random.default_rng(seed)
-    if type_name in FLOAT_DTYPES:
-        values = torch.from_numpy(rng.standard_normal((rows, columns)).astype(np.float32) * 0.05)
-        return GGUFBlocks(type_name, values.to(FLOAT_DTYPES[type_name]).view(torch.uint8).view(rows, -1), columns)
-    block, size = BLOCKS[type_name]
-    raw = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
-    scale = BLOCK_SCALES[type_name]
-    for p in F16_FIELDS[type_name]:
-        d = (rng.uniform(0.5, 1.5, raw.shape[:2]) * scale * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
-        raw[:, :, p:p + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return GGUFBlocks(type_name, torch.from_numpy(raw.reshape(rows, -1)), columns)
-
+from tools.random_gguf import random_blocks
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 256, 4, 2, 512, 2, 300
 # a Q4_K_M-like mix: each linear of a layer in another type

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dabba.ops import native
 from dabba.quantization.gguf import GGUFBlocks, linear_reference, quantize_activations
 from dabba.quantization.gguf_blocks import BLOCKS, dequantize
-from tests.gguf_writer import random_blocks
+from tools.random_gguf import random_blocks
 
 pytestmark = pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels unavailable")
 GEMV_MAX_ROWS = native.kernel_constants().gguf_gemv_max_rows if native.load_cpu_ops() else 0
