@@ -2,6 +2,8 @@
 // them (compile with -O3 -fno-trapping-math; see dabba/native.py).
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -21,6 +23,20 @@ inline uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN sta
   std::memcpy(&u, &f, sizeof(u));
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+}
+
+// An element of a kernel's float32 or bfloat16 operand, to float32 and back (round to nearest even).
+template <typename T>
+inline float to_float(T v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return bf16_bits_to_float(v.x);
+  else return static_cast<float>(v);
+}
+
+template <typename T>
+inline T from_float(float f) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return c10::BFloat16(float_to_bf16_bits(f), c10::BFloat16::from_bits());
+  else return static_cast<T>(f);
 }
 
 // exp(x) for x <= 0: 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (relative

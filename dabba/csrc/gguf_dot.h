@@ -52,12 +52,6 @@ struct A8Rows {
   std::vector<float> xf;  // [M, K]
 };
 
-template <typename T>
-inline float to_f32(T v) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) return bf16_bits_to_float(v.x);
-  else return static_cast<float>(v);
-}
-
 // x[0:n] -> codes round(x / d), d = max|x| / 127 (round half to even, as torch.round); returns d
 inline float round_block(const float* x, int64_t n, int8_t* q) {
   float amax = 0.f;
@@ -78,7 +72,7 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants) {
   a.xf.resize(a.M * a.K);
   const T* xp = x.data_ptr<T>();
   for (int64_t m = 0; m < a.M; ++m)
-    for (int64_t k = 0; k < a.K; ++k) a.xf[m * a.K + k] = to_f32(xp[m * x.stride(0) + k]);
+    for (int64_t k = 0; k < a.K; ++k) a.xf[m * a.K + k] = to_float(xp[m * x.stride(0) + k]);
   if (legacy) {
     a.q.assign(a.M * a.blocks * kA8Block, 0);
     a.d.assign(a.M * a.blocks, 0.f);
@@ -190,12 +184,6 @@ inline __m256i bits_to_bytes(const uint8_t* p, uint8_t value) {  // 32 bits -> 3
 #endif
 }
 
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 inline int32_t hsum_i32x4(__m128i v) {
   v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
   v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
@@ -277,7 +265,7 @@ void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
       if constexpr (with_min) {
         const __m256 c8 = _mm256_cvtph_ps(_mm_setr_epi16(half(0, 2), half(1, 2), half(2, 2), half(3, 2), half(4, 2),
                                                          half(5, 2), half(6, 2), half(7, 2)));
-        off[m] += hsum8(_mm256_mul_ps(c8, _mm256_loadu_ps(a.s.data() + m * a.blocks + b)));
+        off[m] += reduce_add8(_mm256_mul_ps(c8, _mm256_loadu_ps(a.s.data() + m * a.blocks + b)));
       }
     }
     for (int j = 0; j < 8; ++j) {
@@ -309,7 +297,7 @@ void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
       if constexpr (with_min) off[m] += c * a.s[m * a.blocks + b];
     }
   }
-  for (int m = 0; m < M; ++m) out[m] = hsum8(acc[m]) + off[m];
+  for (int m = 0; m < M; ++m) out[m] = reduce_add8(acc[m]) + off[m];
 }
 
 // K super-blocks against per-256 codes, as llama.cpp's AVX2 kernels: vpmaddubsw pairs each code
@@ -395,7 +383,7 @@ void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
       acc[m] = _mm256_add_ps(acc[m], sum);
     }
   }
-  for (int m = 0; m < M; ++m) out[m] = hsum8(acc[m]);
+  for (int m = 0; m < M; ++m) out[m] = reduce_add8(acc[m]);
 }
 
 #endif  // DABBA_GGUF_SIMD

@@ -34,7 +34,6 @@ using gguf::dot_any_row;
 using gguf::is_float;
 using gguf::is_k_quant;
 using gguf::quantize_rows;
-using gguf::to_f32;
 using gguf::Type;
 
 constexpr int64_t kGgufGemvGrainBytes = 64 * 1024;  // the least a thread takes of a GEMV's weight
@@ -68,13 +67,6 @@ std::vector<Segment> check_segments(const at::Tensor& blob, const at::Tensor& se
   return out;
 }
 
-template <typename T>
-inline T from_f32(float f) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
-    return c10::BFloat16(float_to_bf16_bits(f), c10::BFloat16::from_bits());
-  else return static_cast<T>(f);
-}
-
 // up to kGgufGemvPassRows rows of x: out[:, column of each segment ...]
 template <int M, typename T>
 void gemv_pass(const A8Rows& a, const uint8_t* blob, const std::vector<Segment>& segments, const T* bias, T* y,
@@ -96,8 +88,8 @@ void gemv_pass(const A8Rows& a, const uint8_t* blob, const std::vector<Segment>&
         const int64_t col = seg.column + n;
         for (int m = 0; m < M; ++m) {
           // rounded to x's dtype before a bias adds to it, as the reference's F.linear then + bias
-          const float v = bias ? to_f32(from_f32<T>(acc[m])) + to_f32(bias[col]) : acc[m];
-          y[m * ldy + col] = from_f32<T>(v);
+          const float v = bias ? to_float(from_float<T>(acc[m])) + to_float(bias[col]) : acc[m];
+          y[m * ldy + col] = from_float<T>(v);
         }
       }
     }

@@ -197,18 +197,6 @@ inline void int8_row(const int16_t* __restrict xq, int64_t ldx, const int8_t* __
 
 #endif  // DABBA_INT8_GEMV_AVX2
 
-template <typename T>
-inline float to_float(T v) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) return bf16_bits_to_float(v.x);
-  else return static_cast<float>(v);
-}
-
-template <typename T>
-inline T from_float(float f) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) return c10::BFloat16(float_to_bf16_bits(f), c10::BFloat16::from_bits());
-  else return static_cast<T>(f);
-}
-
 // Row m of x as int16 codes with one scale: returns the scale (1 for an all-zero row).
 template <typename T>
 float quantize_row_int16(const T* x, int64_t K, int16_t* q) {
