@@ -15,7 +15,8 @@ import torch
 
 from dabba.arch.config import ArchConfig
 from dabba.arch.gguf_file import SPLIT_SHARD, GGUFFile, GGUFTensor, read_gguf
-from dabba.arch.gguf_model import generation_config, hf_config, tokenizer_config, tokenizer_json
+from dabba.arch.gguf_model import generation_config, hf_config
+from dabba.arch.gguf_tokenizer import tokenizer_config, tokenizer_json
 from dabba.quantization.gguf import FLOAT_TYPES, GGUFBlocks
 from dabba.quantization.gguf_blocks import dequantize
 
