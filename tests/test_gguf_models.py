@@ -39,7 +39,7 @@ def llama_cpp() -> Path:
 @pytest.fixture(scope="session")
 def gguf_files(llama_cpp, checkpoints, tmp_path_factory):
     """(family, type) -> the file, converted once per session."""
-    made: dict[tuple[str, str], Path] = {}
+    made: dict[tuple[str, str, int], Path] = {}
 
     def source(family: str) -> Path:
         """The checkpoint as the converter can read it. transformers' Qwen2 tokenizer adds Qwen's
@@ -57,15 +57,18 @@ def gguf_files(llama_cpp, checkpoints, tmp_path_factory):
                 (view / f.name).symlink_to(f)
         return view
 
-    def get(family: str, gguf_type: str) -> Path:
-        if (family, gguf_type) not in made:
+    def get(family: str, gguf_type: str, split_max_tensors: int = 0) -> Path:
+        """The file; split in shards of ``split_max_tensors`` tensors, its first shard."""
+        key = (family, gguf_type, split_max_tensors)
+        if key not in made:
             out = tmp_path_factory.mktemp(f"gguf-{family}")
             result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers" / "make_gguf.py"), "--model",
                                      str(source(family)), "--llama-cpp-dir", str(llama_cpp), "--out-dir",
-                                     str(out), "--types", gguf_type], capture_output=True, text=True, cwd=REPO)
+                                     str(out), "--types", gguf_type, "--split-max-tensors", str(split_max_tensors)],
+                                    capture_output=True, text=True, cwd=REPO)
             assert result.returncode == 0, result.stderr[-3000:]
-            made[family, gguf_type] = Path(json.loads(result.stdout)[gguf_type])
-        return made[family, gguf_type]
+            made[key] = Path(json.loads(result.stdout)[gguf_type])
+        return made[key]
 
     get.source = source
     return get
@@ -104,10 +107,28 @@ def test_a_gguf_path_is_a_model_argument_and_bad_ones_are_named(gguf_files, tmp_
     bad.write_bytes(b"GGUF" + bytes(100))
     with pytest.raises(ValueError, match="model.gguf: "):
         resolve_model_dir(str(bad))
-    shard = tmp_path / "big-00001-of-00003.gguf"
-    shard.write_bytes(gguf_files("llama", "f32").read_bytes()[:64])
-    with pytest.raises(ValueError, match="split GGUF files are not read yet"):
-        resolve_model_dir(str(shard))
+
+
+def test_a_split_file_serves_whole_from_its_first_shard(gguf_files, checkpoints, tmp_path) -> None:
+    ckpt = checkpoints["llama"]
+    first = gguf_files("llama", "f32", split_max_tensors=8)
+    shards = sorted(first.parent.glob("model-f32-*-of-*.gguf"))
+    assert first == shards[0] and len(shards) >= 3, shards
+    llm = LLM(str(first), dtype="float32")
+    outs = llm.generate(token_prompts(ckpt.prompts[:4]), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [r[:16] for r in ckpt.reference[:4]]
+    with pytest.raises(ValueError, match=r"shard 1 of a GGUF file split in \d+: give its first shard"):
+        resolve_model_dir(str(shards[1]))
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    for shard in shards:
+        (copies / shard.name).write_bytes(shard.read_bytes())
+    (copies / shards[-1].name).unlink()
+    with pytest.raises(ValueError, match=f"{shards[-1].name}: no such file"):
+        resolve_model_dir(str(copies / shards[0].name))
+    (copies / shards[-1].name).write_bytes(shards[1].read_bytes())  # another shard under the last one's name
+    with pytest.raises(ValueError, match=f"{shards[-1].name}: not shard {len(shards)} of {len(shards)}"):
+        resolve_model_dir(str(copies / shards[0].name))
 
 
 def test_a_hub_repo_of_gguf_files_takes_llama_cpps_tag_and_downloads_that_file_alone(gguf_files, checkpoints,
@@ -116,21 +137,26 @@ def test_a_hub_repo_of_gguf_files_takes_llama_cpps_tag_and_downloads_that_file_a
     from tests.test_hub import greedy, run_jobs
 
     f32, f16 = gguf_files("llama", "f32").read_bytes(), gguf_files("llama", "f16").read_bytes()
+    shards = sorted(gguf_files("llama", "f32", split_max_tensors=8).parent.glob("model-f32-*-of-*.gguf"))
+    split = {f"split/tiny-BF16{shard.name.removeprefix('model-f32')}": shard.read_bytes() for shard in shards}
     repos = {"acme/tiny-GGUF": FakeRepo({"main": {"tiny-F32.gguf": f32, "tiny-F16.gguf": f16, "README.md": b"# tiny",
-                                                  "mmproj-tiny-F32.gguf": b"not the model"}})}
+                                                  "mmproj-tiny-F32.gguf": b"not the model", **split}})}
     want = greedy(checkpoints["llama"])
     cache = tmp_path / "hf"
     with FakeHub(repos) as hub:
         jobs = [{"model": "acme/tiny-GGUF:f32", "prompt": want["prompt"]},
                 {"model": "acme/tiny-GGUF:Q4_K_M", "prompt": [1]},
-                {"model": "acme/tiny-GGUF", "options": {"gguf_file": "tiny-F16.gguf"}, "prompt": want["prompt"]}]
-        first, missing, named = run_jobs(hub, cache, jobs)
+                {"model": "acme/tiny-GGUF", "options": {"gguf_file": "tiny-F16.gguf"}, "prompt": want["prompt"]},
+                {"model": "acme/tiny-GGUF:bf16", "prompt": want["prompt"]}]
+        first, missing, named, whole = run_jobs(hub, cache, jobs)
         fetched = {path.rsplit("/", 1)[-1] for method, path in hub.requests if "/resolve/" in path}
         offline = run_jobs(hub, cache, [{"model": "acme/tiny-GGUF:F32", "prompt": want["prompt"]}],
                            HF_HUB_OFFLINE="1")[0]
     assert first["token_ids"] == want["want"]
     assert missing["error"] == ("model='acme/tiny-GGUF' has no GGUF file for 'Q4_K_M' (its GGUF files: "
-                                "tiny-F16.gguf, tiny-F32.gguf)")
+                                f"{', '.join(sorted(['tiny-F16.gguf', 'tiny-F32.gguf', *(Path(n).name for n in split)]))})")
     assert named["token_ids"][:4] == want["want"][:4]
-    assert fetched == {"tiny-F32.gguf", "tiny-F16.gguf"}  # each file alone: not the README, not the projector
+    assert whole.get("token_ids") == want["want"], whole  # a split file: named as llama.cpp names it (f32 under a bf16 name)
+    # each file alone: not the README, not the projector; a split file's every shard
+    assert fetched == {"tiny-F32.gguf", "tiny-F16.gguf", *(Path(n).name for n in split)}
     assert offline["token_ids"] == want["want"]

@@ -42,8 +42,9 @@ CONVERTED_TYPES = ("bf16", "f32", "f16")  # written by the converter itself
 ALL_TYPES = (*CONVERTED_TYPES, *QUANT_FTYPES)
 
 
-def gguf_path(out_dir: Path, gguf_type: str) -> Path:
-    return out_dir / f"model-{gguf_type}.gguf"
+def gguf_path(out_dir: Path, gguf_type: str, shards: int = 1) -> Path:
+    """The file (of a split one, its first shard, llama.cpp's naming)."""
+    return out_dir / (f"model-{gguf_type}.gguf" if shards == 1 else f"model-{gguf_type}-00001-of-{shards:05d}.gguf")
 
 
 def can_convert_here() -> bool:
@@ -94,44 +95,56 @@ def padded_vocabulary(model_dir: Path) -> Iterator[Path]:
         yield view
 
 
-def convert_in_process(model_dir: Path, llama_cpp_dir: Path, out: Path, outtype: str = "bf16") -> None:
-    """convert_hf_to_gguf.py MODEL --outfile OUT --outtype OUTTYPE, in this interpreter."""
+def convert_in_process(model_dir: Path, llama_cpp_dir: Path, out: Path, outtype: str = "bf16",
+                       split_max_tensors: int = 0) -> None:
+    """convert_hf_to_gguf.py MODEL --outfile OUT --outtype OUTTYPE [--split-max-tensors N], in this
+    interpreter. Split, OUT's shards are named as the converter names them (OUT-0000k-of-0000n)."""
     # The tree's own gguf-py first: the converter expects the gguf package of its own revision.
     sys.path[:0] = [str(llama_cpp_dir / "gguf-py"), str(llama_cpp_dir)]
     patch_unknown_pre_tokenizer()
     import convert_hf_to_gguf
 
-    tmp = out.with_name(out.name + ".part")
     argv = sys.argv
-    try:
-        with padded_vocabulary(model_dir) as source, contextlib.redirect_stdout(sys.stderr):
-            # stdout carries only this script's JSON
-            sys.argv = ["convert_hf_to_gguf.py", str(source), "--outfile", str(tmp), "--outtype", outtype]
-            convert_hf_to_gguf.main()
-    finally:
-        sys.argv = argv
-    os.replace(tmp, out)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        try:
+            with padded_vocabulary(model_dir) as source, contextlib.redirect_stdout(sys.stderr):
+                # stdout carries only this script's JSON
+                sys.argv = ["convert_hf_to_gguf.py", str(source), "--outfile", str(Path(tmp) / out.name),
+                            "--outtype", outtype]
+                if split_max_tensors:
+                    sys.argv += ["--split-max-tensors", str(split_max_tensors)]
+                convert_hf_to_gguf.main()
+        finally:
+            sys.argv = argv
+        for made in sorted(Path(tmp).iterdir()):
+            os.replace(made, out.parent / made.name)
 
 
-def convert_with(python: str, model_dir: Path, llama_cpp_dir: Path, out_dir: Path, outtype: str) -> None:
+def convert_with(python: str, model_dir: Path, llama_cpp_dir: Path, out_dir: Path, outtype: str,
+                 split_max_tensors: int = 0) -> None:
     """Run this script under another Python (one with torch + transformers) for a converted file."""
     cmd = [python, os.path.abspath(__file__), "--model", str(model_dir), "--llama-cpp-dir", str(llama_cpp_dir),
-           "--out-dir", str(out_dir), "--types", outtype]
+           "--out-dir", str(out_dir), "--types", outtype, "--split-max-tensors", str(split_max_tensors)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
 def make_converted(model_dir: Path, llama_cpp_dir: Path, out_dir: Path, convert_python: str | None,
-                   outtype: str = "bf16") -> Path:
-    out = gguf_path(out_dir, outtype)
+                   outtype: str = "bf16", split_max_tensors: int = 0) -> Path:
+    if split_max_tensors:  # the converter's shards: as many as its tensors take
+        out = next(iter(sorted(out_dir.glob(f"model-{outtype}-00001-of-*.gguf"))), gguf_path(out_dir, outtype, 2))
+    else:
+        out = gguf_path(out_dir, outtype)
     if out.exists():
         log.info("exists: %s", out)
     elif convert_python is None:
         if not can_convert_here():
             sys.exit(f"{sys.executable} lacks torch/transformers, which convert_hf_to_gguf.py imports: "
                      "pass --convert-python PY (a Python that has them)")
-        convert_in_process(model_dir, llama_cpp_dir, out, outtype)
+        convert_in_process(model_dir, llama_cpp_dir, gguf_path(out_dir, outtype), outtype, split_max_tensors)
     else:
-        convert_with(convert_python, model_dir, llama_cpp_dir, out_dir, outtype)
+        convert_with(convert_python, model_dir, llama_cpp_dir, out_dir, outtype, split_max_tensors)
+    if split_max_tensors:
+        return sorted(out_dir.glob(f"model-{outtype}-00001-of-*.gguf"))[0]
     return out
 
 
@@ -167,12 +180,16 @@ def main() -> None:
     parser.add_argument("--convert-python", help="Python with torch + transformers for the bf16 conversion "
                         "(default: this one)")
     parser.add_argument("--nthread", type=int, default=2, help="quantization threads")
+    parser.add_argument("--split-max-tensors", type=int, default=0,
+                        help="the converted types split in shards of at most N tensors (the first shard's path is "
+                        "printed); the quantized types are made from an unsplit bf16 file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
 
     out_dir = args.out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {t: str(make_converted(args.model.resolve(), args.llama_cpp_dir.resolve(), out_dir, args.convert_python, t))
+    paths = {t: str(make_converted(args.model.resolve(), args.llama_cpp_dir.resolve(), out_dir, args.convert_python, t,
+                                   args.split_max_tensors))
              for t in args.types if t in CONVERTED_TYPES}
     quantized = [t for t in args.types if t in QUANT_FTYPES]
     bf16 = make_converted(args.model.resolve(), args.llama_cpp_dir.resolve(), out_dir, args.convert_python) \

@@ -21,6 +21,8 @@ import numpy as np
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # one shard of a file llama.cpp's gguf-split cut in pieces: name-00001-of-00003.gguf
 SPLIT_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS = "split.count", "split.no", "split.tensors.count"  # split.no counts from 0
+MAX_SHARDS = 99999  # what five digits name
 MAX_DIMS = 4
 MAX_ELEMENTS = 2**48  # past any model; keeps every size computation far from int64's end
 
@@ -28,17 +30,22 @@ MAX_ELEMENTS = 2**48  # past any model; keeps every size computation far from in
 @dataclass(frozen=True)
 class GGUFTensor:
     """One tensor as stored: ``shape`` in PyTorch's order (rows first: ggml's ne reversed),
-    ``data`` its bytes in the file (a read-only memory-mapped uint8 view), from byte ``offset``."""
+    ``data`` its bytes in ``file`` (a read-only memory-mapped uint8 view), from byte ``offset``
+    (the shard that holds it, in a split file)."""
 
     name: str
     type_name: str  # "Q4_K", "F16", ...
     shape: tuple[int, ...]
     data: np.ndarray
     offset: int
+    file: Path
 
 
 @dataclass(frozen=True)
 class GGUFFile:
+    """A GGUF file, or a split one whole: ``path`` the (first) file, ``metadata`` the first
+    shard's, ``tensors`` every shard's."""
+
     path: Path
     metadata: dict[str, Any]  # key -> str, int, float, bool or a list of them
     tensors: dict[str, GGUFTensor]
@@ -85,8 +92,38 @@ def _value(field: Any) -> Any:
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
-    """The file's metadata and tensors, checked; a ValueError naming the file otherwise."""
-    path = Path(path)
+    """The file's metadata and tensors, checked; a ValueError naming the file otherwise. The first
+    shard of a split file (llama.cpp's gguf-split, or the converter's --split-max-*) reads every
+    shard, found beside it by llama.cpp's naming, as one file."""
+    first = _checked(Path(path))
+    count = first.get(SPLIT_COUNT, 1)
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_SHARDS:
+        raise ValueError(f"{path}: metadata {SPLIT_COUNT!r} is {count!r}, not a shard count")
+    if count == 1:
+        return first
+    names = SPLIT_SHARD.search(first.path.name)
+    if first.get(SPLIT_NO) != 0 or names is None or names.group(1) != "00001" or int(names.group(2)) != count:
+        raise ValueError(f"{path}: shard {first.get(SPLIT_NO)!r} of a GGUF file split in {count}: give its first "
+                         f"shard, named <name>-00001-of-{count:05d}.gguf")
+    tensors = dict(first.tensors)
+    for number in range(1, count):
+        shard_path = first.path.with_name(f"{first.path.name[:names.start()]}-{number + 1:05d}-of-{count:05d}.gguf")
+        shard = _checked(shard_path)
+        if shard.get(SPLIT_NO) != number or shard.get(SPLIT_COUNT) != count:
+            raise ValueError(f"{shard_path}: not shard {number + 1} of {count} ({SPLIT_NO} {shard.get(SPLIT_NO)!r}, "
+                             f"{SPLIT_COUNT} {shard.get(SPLIT_COUNT)!r})")
+        for name, tensor in shard.tensors.items():
+            if name in tensors:
+                raise ValueError(f"{shard_path}: tensor {name!r} is in two shards")
+            tensors[name] = tensor
+    expected = first.get(SPLIT_TENSORS)
+    if expected is not None and expected != len(tensors):
+        raise ValueError(f"{path}: {SPLIT_TENSORS} says {expected!r} tensors, the {count} shards hold {len(tensors)}")
+    return GGUFFile(first.path, first.metadata, tensors)
+
+
+def _checked(path: Path) -> GGUFFile:
+    """One file, its errors a ValueError naming it."""
     try:
         return _read(path)
     except ValueError as e:
@@ -136,7 +173,7 @@ def _read(path: Path) -> GGUFFile:
                              f"the file ({size} bytes): truncated?")
         spans.append((start, start + n_bytes, t.name))
         raw = reader.data[start:start + n_bytes]
-        tensors[t.name] = GGUFTensor(t.name, type_name, tuple(reversed(dims)), raw, start)
+        tensors[t.name] = GGUFTensor(t.name, type_name, tuple(reversed(dims)), raw, start, path)
     spans.sort()
     for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
         if start < end:

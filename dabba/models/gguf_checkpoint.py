@@ -4,7 +4,9 @@ and a link to the file itself, whose tensors the loader then reads by their GGUF
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -14,7 +16,7 @@ from typing import BinaryIO, Iterator
 import torch
 
 from dabba.arch.config import ArchConfig
-from dabba.arch.gguf_file import SPLIT_SHARD, GGUFFile, GGUFTensor, read_gguf
+from dabba.arch.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from dabba.arch.gguf_model import generation_config, hf_config
 from dabba.arch.gguf_tokenizer import tokenizer_config, tokenizer_json
 from dabba.quantization.gguf import FLOAT_TYPES, GGUFBlocks
@@ -44,10 +46,9 @@ _made: list[Path] = []
 
 
 def gguf_model_dir(path: str | Path) -> Path:
-    """The checkpoint directory of a GGUF file (the first shard of a split one is refused, for now)."""
-    path = Path(path).expanduser().resolve()
-    if SPLIT_SHARD.search(path.name):
-        raise ValueError(f"{path}: split GGUF files are not read yet; merge them with llama.cpp's gguf-split --merge")
+    """The checkpoint directory of a GGUF file (of a split one, its first shard). The path is not
+    resolved: a shard in the Hugging Face cache is a link to a blob, and its name finds the others."""
+    path = Path(os.path.abspath(Path(path).expanduser()))
     f = read_gguf(path)
     config = hf_config(f)
     tokenizer = tokenizer_json(f, config["vocab_size"])
@@ -148,13 +149,18 @@ def _blocks(file: BinaryIO, tensor: GGUFTensor, expert: int | None) -> GGUFBlock
 def iterate_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Every tensor under its Hugging Face name: a quantized matrix as its blocks (GGUFBlocks),
     anything else as float32; read from the file, not through its map (_read)."""
-    path = path.resolve()  # the file, so that errors name it, not its link
+    if path.is_symlink():  # the directory's link: the file as given, so that errors name it (and its shards)
+        path = Path(os.path.abspath(path.parent / os.readlink(path)))
     f: GGUFFile = read_gguf(path)
     llama = f.get("general.architecture") == "llama"  # the converter interleaved its q and k (Mixtral's too)
     quantized = quantized_tensor_types(f, arch.num_hidden_layers)
     dense_experts: dict[str, torch.Tensor] = {}  # a stacked float tensor, dequantized once for all its experts
-    with open(path, "rb") as file:
+    with contextlib.ExitStack() as stack:
+        files: dict[Path, BinaryIO] = {}  # each shard's, opened once
         for hf, tensor, expert in _hf_tensors(f, arch.num_hidden_layers):
+            if tensor.file not in files:
+                files[tensor.file] = stack.enter_context(open(tensor.file, "rb"))
+            file = files[tensor.file]
             if hf.removesuffix(".weight") in quantized:
                 value = _blocks(file, tensor, expert)
             elif expert is not None:

@@ -4,7 +4,7 @@ A repo id is resolved with huggingface_hub, as every peer engine does: its cache
 ``HF_HUB_CACHE``, or ``download_dir``), revisions, ``HF_TOKEN`` for gated and private repos,
 ``HF_HUB_OFFLINE``, ``HF_ENDPOINT`` and its progress bars. Only what dabba reads is downloaded:
 configs, tokenizer files and safetensors (never pickled weights, which dabba refuses to load),
-or one GGUF file of a repo of them.
+or one GGUF file of a repo of them (every shard of a split one).
 """
 from __future__ import annotations
 
@@ -91,8 +91,8 @@ def pick_gguf(files: list[str], tag: str, where: str) -> str:
 def resolve_gguf(repo_id: str, tag: str | None, gguf_file: str | None, revision: str | None,
                  download_dir: str | None, field: str = "model") -> Path:
     """The local path of one GGUF file of a Hub repo (``gguf_file`` by its path in the repo, else
-    the one ``tag`` names), downloaded alone into the cache where needed; offline, what the cache
-    holds."""
+    the one ``tag`` names), downloaded alone (a split file: its shards) into the cache where
+    needed; offline, what the cache holds."""
     from huggingface_hub import hf_hub_download, list_repo_files
 
     where = f"{field}={repo_id!r}{_at(revision)}"
@@ -105,11 +105,16 @@ def resolve_gguf(repo_id: str, tag: str | None, gguf_file: str | None, revision:
             files = _hub_call(lambda: list_repo_files(repo_id, revision=revision), repo_id, revision, download_dir,
                               field)
         gguf_file = pick_gguf(files, tag or "", where)
-    if SPLIT_SHARD.search(gguf_file):
-        raise ValueError(f"{where}: {gguf_file} is a shard of a split GGUF file, which dabba does not read yet "
-                         "(merge the shards with llama.cpp's gguf-split --merge)")
-    return Path(_hub_call(lambda: hf_hub_download(repo_id, gguf_file, revision=revision, cache_dir=download_dir),
-                          repo_id, revision, download_dir, field))
+    shard = SPLIT_SHARD.search(gguf_file)
+    if shard and shard.group(1) != "00001":
+        raise ValueError(f"{where}: {gguf_file} is shard {int(shard.group(1))} of a split GGUF file: name its first "
+                         "shard (-00001-of-...)")
+    count = int(shard.group(2)) if shard else 1
+    names = [f"{gguf_file[:shard.start()]}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)] if shard \
+        else [gguf_file]  # a split file's every shard, beside the first as llama.cpp looks for them
+    paths = [_hub_call(lambda: hf_hub_download(repo_id, name, revision=revision, cache_dir=download_dir),
+                       repo_id, revision, download_dir, field) for name in names]
+    return Path(paths[0])
 
 
 def _hub_call(call: Callable[[], T], repo_id: str, revision: str | None, download_dir: str | None,
