@@ -1,16 +1,20 @@
-"""Write tiny random-weight Hugging Face checkpoints (and a small trained BPE tokenizer).
+"""Write tiny random-weight Hugging Face checkpoints (and a small trained BPE tokenizer, byte-level
+or SentencePiece).
 
 No downloads: the tokenizer is trained on the docstrings of Python's standard library, the
 weights are random through `transformers` configs. Used by the tests and by the README's main
-job until the bundled demo model exists. Needs the dev extra (transformers).
+job until the bundled demo model exists. Needs the dev extra (transformers; sentencepiece for a
+SentencePiece tokenizer).
 
-    python -m tools.tiny_checkpoint OUT_DIR [--arch LlamaForCausalLM]
+    python -m tools.tiny_checkpoint OUT_DIR [--arch LlamaForCausalLM] [--sentencepiece llama|gemma]
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import importlib
+import inspect
+import io
 import json
 import re
 import sysconfig
@@ -25,16 +29,26 @@ STDLIB_MODULES = ("json", "os", "re", "collections", "functools", "itertools", "
                   "dataclasses", "subprocess", "threading", "asyncio", "random", "string", "textwrap")
 
 
-def training_corpus() -> list[str]:
+def training_corpus(own_only: bool = False) -> list[str]:
+    """The docstrings of STDLIB_MODULES and their attributes. ``own_only``: only those of the
+    classes and functions each module defines, not what it imports, nor a submodule or a hook that
+    a test runner put there (pytest's threading.excepthook): the same corpus in every process."""
     texts = []
     for name in STDLIB_MODULES:
         module = importlib.import_module(name)
         texts.append(module.__doc__ or "")
         for attr in sorted(dir(module)):
-            doc = getattr(getattr(module, attr, None), "__doc__", None)
-            if isinstance(doc, str):
+            value = getattr(module, attr, None)
+            doc = getattr(value, "__doc__", None)
+            if isinstance(doc, str) and (not own_only or _defined_in(value, name)):
                 texts.append(doc)
     return texts
+
+
+def _defined_in(value: Any, module: str) -> bool:
+    owner = getattr(value, "__module__", None)
+    return (inspect.isclass(value) or inspect.isroutine(value)) and isinstance(owner, str) and \
+        (owner == module or owner.startswith(module + "."))
 
 
 def stdlib_sources() -> Iterator[str]:
@@ -65,6 +79,59 @@ def train_tokenizer(vocab_size: int = 1024, corpus: str = "docstrings"):
     return tok
 
 
+# SentencePiece models as Llama 2's is laid out: <unk> <s> </s>, then a control and a user-defined piece
+SPM_CONTROL, SPM_USER_DEFINED = ("<pad>",), ("<sep>",)
+# style -> whether the model prepends a space to the text (Llama 2, Mistral, Phi-3) or not (Gemma)
+SENTENCEPIECE_STYLES = {"llama": True, "gemma": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _sentencepiece_model(vocab_size: int, add_dummy_prefix: bool) -> bytes:
+    import sentencepiece as spm
+
+    lines = [line for doc in training_corpus(own_only=True) for line in doc.splitlines() if line.strip()]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, split_digits=True, allow_whitespace_only_pieces=True, add_dummy_prefix=add_dummy_prefix,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, character_coverage=0.9995,
+        control_symbols=list(SPM_CONTROL), user_defined_symbols=list(SPM_USER_DEFINED), num_threads=1,
+        minloglevel=2)
+    return model.getvalue()
+
+
+def train_sentencepiece(path: str | Path, vocab_size: int = 1000, add_dummy_prefix: bool = True) -> Path:
+    """Write a SentencePiece BPE tokenizer.model as Llama 2's is made (byte fallback, no
+    normalization, digits split; Gemma's: no dummy prefix) trained on the docstrings, in a
+    fraction of a second. The text outside them (CJK, emoji) falls back to byte pieces."""
+    path = Path(path)
+    path.write_bytes(_sentencepiece_model(vocab_size, add_dummy_prefix))
+    return path
+
+
+def save_sentencepiece_tokenizer(out_dir: Path, style: str, vocab_size: int) -> int:
+    """tokenizer.model and the transformers tokenizer made from it (a LlamaTokenizer; Gemma's
+    style without the prefix space), as llama.cpp's converter reads them; their vocabulary size.
+
+    transformers 5 writes neither tokenizer.model nor tokenizer_config.json's added_tokens_decoder,
+    which the converter reads for the user-defined and control pieces (transformers 4 wrote
+    both): they are written here."""
+    from transformers import LlamaTokenizer
+
+    train_sentencepiece(out_dir / "tokenizer.model", vocab_size, SENTENCEPIECE_STYLES[style])
+    prefix = None if SENTENCEPIECE_STYLES[style] else False  # None: the converter writes no add_space_prefix
+    tok = LlamaTokenizer.from_pretrained(out_dir, add_prefix_space=prefix, add_bos_token=True,
+                                         pad_token=SPM_CONTROL[0], legacy=False)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out_dir)
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["added_tokens_decoder"] = {str(i): {**t.__getstate__(), "content": t.content}
+                                      for i, t in tok.added_tokens_decoder.items()}
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return len(tok.get_vocab())
+
+
 ARCH_CONFIGS = {
     "Gemma2ForCausalLM": "Gemma2Config",
     "Gemma3ForCausalLM": "Gemma3TextConfig",
@@ -79,10 +146,26 @@ ARCH_CONFIGS = {
 }
 
 
+def save_byte_level_tokenizer(out_dir: Path, vocab_size: int, corpus: str) -> int:
+    """The byte-level BPE tokenizer (train_tokenizer) with <s> </s> <pad>; its vocabulary size."""
+    import transformers
+
+    tok = train_tokenizer(vocab_size, corpus)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return tok.get_vocab_size()
+
+
 def make_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", seed: int = 0,
                     max_shard_size: str | None = None, dtype: str = "float32", norm_std: float | None = None,
-                    tokenizer_vocab_size: int = 1024, tokenizer_corpus: str = "docstrings", **overrides: Any) -> Path:
+                    tokenizer_vocab_size: int = 1024, tokenizer_corpus: str = "docstrings",
+                    sentencepiece: str | None = None, **overrides: Any) -> Path:
     """Save a random-weight model of ``arch`` with a trained tokenizer into ``out_dir``.
+
+    ``sentencepiece``: "llama" or "gemma" (SENTENCEPIECE_STYLES) saves a SentencePiece tokenizer
+    instead of the byte-level one (save_sentencepiece_tokenizer); its special ids are Llama 2's.
 
     ``norm_std``: add N(0, norm_std) noise to every RMSNorm weight, which transformers initialises
     to the identity (ones; Gemma's (1 + w) zeros), so that a norm loaded into the wrong place or
@@ -92,15 +175,17 @@ def make_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", seed: i
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(tokenizer_vocab_size, tokenizer_corpus)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out_dir)
+    if sentencepiece is None:
+        vocab_size = save_byte_level_tokenizer(out_dir, tokenizer_vocab_size, tokenizer_corpus)
+        special_ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    else:
+        vocab_size = save_sentencepiece_tokenizer(out_dir, sentencepiece, tokenizer_vocab_size)
+        special_ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=3)
 
     params: dict[str, Any] = dict(
-        vocab_size=tok.get_vocab_size(), hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=512,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+        tie_word_embeddings=False, **special_ids,
     )
     params.update(overrides)
     config = getattr(transformers, ARCH_CONFIGS[arch])(**params)
@@ -143,8 +228,10 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--arch", default="LlamaForCausalLM", choices=sorted(ARCH_CONFIGS))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--sentencepiece", choices=sorted(SENTENCEPIECE_STYLES),
+                        help="a SentencePiece tokenizer in this style instead of the byte-level one")
     args = parser.parse_args()
-    print(make_checkpoint(args.out_dir, args.arch, dtype=args.dtype))
+    print(make_checkpoint(args.out_dir, args.arch, dtype=args.dtype, sentencepiece=args.sentencepiece))
 
 
 if __name__ == "__main__":
