@@ -115,6 +115,14 @@ def checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
     return result
 
 
+@pytest.fixture(scope="session")
+def gguf_sources(checkpoints, tmp_path_factory) -> dict[str, Checkpoint]:
+    """Each family's checkpoint as a GGUF file can hold it (tests/gguf_families.py)."""
+    from tests.gguf_families import make_gguf_sources
+
+    return make_gguf_sources(checkpoints, tmp_path_factory)
+
+
 @pytest.fixture(params=sorted(CHECKPOINTS))
 def checkpoint(request, checkpoints) -> Checkpoint:
     return checkpoints[request.param]

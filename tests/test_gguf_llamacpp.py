@@ -16,21 +16,27 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dabba import LLM, SamplingParams
+from tests.gguf_families import LLAMA_CPP, REPO, converter_view, make_gguf
 from tools.tiny_checkpoint import make_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
 PEER_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
-LLAMA_CPP = REPO / ".peers" / "llama.cpp"
 TYPES = ["q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"]
 NEW = 32
 MARGIN = 0.1  # nats: where llama.cpp's top two lie closer, either token is the model's
 MEAN_LOGPROB_DIFFERENCE = 0.02  # nats
+# every family but llama (the shapes below) on a file of the default preset, Q4_K_M, but the
+# mixtures of experts: a token's experts are a discrete choice, and where two experts' router
+# logits nearly tie, the quantization's noise upstream flips it and moves the next token by more
+# than MARGIN without any near tie among the tokens (seen on these random checkpoints, twice in six
+# prompts at Q4_K_M). At Q8_0, with one such prompt allowed (ROUTING_FLIPS), they hold the bar.
+FAMILY_TYPES = {"qwen2": "q4_k_m", "qwen3": "q4_k_m", "phi3": "q4_k_m", "gemma3": "q4_k_m", "mixtral": "q8_0",
+                "qwen3moe": "q8_0", "olmoe": "q8_0"}
+MOE_FAMILIES, ROUTING_FLIPS = ("mixtral", "qwen3moe", "olmoe"), 1
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +67,8 @@ def quantized(peer_python, sources, tmp_path_factory):
 
     def get(shape: str, gguf_type: str) -> Path:
         if shape not in {s for s, _ in made}:
-            out = tmp_path_factory.mktemp("gguf")
-            result = subprocess.run([str(peer_python), str(REPO / "benchmarks" / "peers" / "make_gguf.py"), "--model",
-                                     str(sources[shape][0]), "--llama-cpp-dir", str(LLAMA_CPP), "--out-dir", str(out),
-                                     "--types", ",".join(TYPES), "--convert-python", sys.executable],
-                                    capture_output=True, text=True, cwd=REPO, timeout=600)
-            assert result.returncode == 0, result.stderr[-3000:]
-            made.update({(shape, t): Path(p) for t, p in json.loads(result.stdout.splitlines()[-1]).items()})
+            files = make_gguf(sources[shape][0], tmp_path_factory.mktemp("gguf"), TYPES, str(peer_python))
+            made.update({(shape, t): path for t, path in files.items()})
         return made[shape, gguf_type]
 
     return get
@@ -82,16 +83,20 @@ def llamacpp_greedy(python: Path, path: Path, prompts: list[list[int]], tmp_path
     return json.loads((tmp_path / "out.json").read_text())
 
 
-def compare(ours, theirs: list[list[dict]]) -> list[float]:
+def compare(ours, theirs: list[list[dict]], routing_flips: int = 0) -> list[float]:
     """The log-probability differences at the positions whose contexts agree; dabba's token is
     llama.cpp's at each of them, and where it is not, llama.cpp's margin is within MARGIN (the
-    contexts part there)."""
+    contexts part there), but for up to ``routing_flips`` prompts (a mixture of experts' choice
+    flipped by a near tie among its router's logits, which the tokens' margin does not show)."""
     differences = []
     for prompt, (mine, steps) in enumerate(zip(ours, theirs)):
         for i, step in enumerate(steps):
             token = mine.token_ids[i]
             if token != step["token"]:
                 margin = step["logprob"] - step["runner_up"]
+                if margin > MARGIN and routing_flips:
+                    routing_flips -= 1
+                    break
                 assert margin <= MARGIN, (f"prompt {prompt}, position {i}: dabba {token}, llama.cpp {step['token']} "
                                           f"with a margin of {margin:.3f} nats")
                 break
@@ -118,3 +123,20 @@ def test_greedy_tokens_and_logprobs_follow_llamacpp(shape, gguf_type, peer_pytho
         ours = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
         differences = compare(ours, theirs)
         assert sum(differences) / len(differences) <= bound, (chunk, sum(differences) / len(differences))
+
+
+@pytest.mark.parametrize("family", FAMILY_TYPES)
+def test_each_family_follows_llamacpp(family, peer_python, gguf_sources, tmp_path) -> None:
+    """Every family, decoded through the GEMV as the shapes above (Q4_K_M at these widths:
+    llama-quantize's fallbacks Q5_0, Q5_1 and Q8_0, and Q6_K where a row holds 256 values)."""
+    ckpt = gguf_sources[family]
+    view = converter_view(family, ckpt.path, tmp_path / "source")
+    gguf_type = FAMILY_TYPES[family]
+    path = make_gguf(view, tmp_path / "gguf", [gguf_type], str(peer_python))[gguf_type]
+    prompts = [p[:40] for p in ckpt.prompts[:6]]
+    theirs = llamacpp_greedy(peer_python, path, prompts, tmp_path)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22, max_num_batched_tokens=8)
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
+    ours = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    differences = compare(ours, theirs, ROUTING_FLIPS if family in MOE_FAMILIES else 0)
+    assert sum(differences) / len(differences) <= MEAN_LOGPROB_DIFFERENCE, sum(differences) / len(differences)

@@ -6,9 +6,7 @@ source tokenizer does. (Quantized files, made by llama.cpp's own quantizer, are 
 outputs in tests/test_gguf_llamacpp.py; their blocks to gguf-py in tests/quantization/test_gguf_blocks.py.)"""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,10 +18,9 @@ from dabba.models.gguf_checkpoint import gguf_model_dir
 from dabba.models.hub import resolve_model_dir
 
 from tests.conftest import token_prompts
+from tests.gguf_families import LLAMA_CPP, converter_view, make_gguf
 
-REPO = Path(__file__).resolve().parents[1]
-LLAMA_CPP = REPO / ".peers" / "llama.cpp"
-FAMILIES = ["llama", "qwen2", "qwen3", "mixtral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3moe", "olmoe", "phi3", "gemma3"]
 MULTILINGUAL = "Héllo, wörld! 你好，世界 — καλημέρα κόσμε; Привет 123 4567 def f(x):\n\treturn x**2  # ✓ 🐍"
 
 
@@ -37,37 +34,19 @@ def llama_cpp() -> Path:
 
 
 @pytest.fixture(scope="session")
-def gguf_files(llama_cpp, checkpoints, tmp_path_factory):
+def gguf_files(llama_cpp, gguf_sources, tmp_path_factory):
     """(family, type) -> the file, converted once per session."""
     made: dict[tuple[str, str, int], Path] = {}
 
     def source(family: str) -> Path:
-        """The checkpoint as the converter can read it. transformers' Qwen2 tokenizer adds Qwen's
-        <|endoftext|> to a vocabulary without it, past the tiny checkpoint's vocab_size (the
-        converter then refuses it): a view whose pad token is named so. The weights and the
-        token ids, so the reference, are the checkpoint's."""
-        src = checkpoints[family].path
-        if not family.startswith("qwen"):
-            return src
-        view = tmp_path_factory.mktemp(f"source-{family}")
-        for f in src.iterdir():
-            if f.name in ("tokenizer.json", "tokenizer_config.json"):
-                (view / f.name).write_text(f.read_text().replace('"<pad>"', '"<|endoftext|>"'))
-            else:
-                (view / f.name).symlink_to(f)
-        return view
+        return converter_view(family, gguf_sources[family].path, tmp_path_factory.mktemp(f"source-{family}"))
 
     def get(family: str, gguf_type: str, split_max_tensors: int = 0) -> Path:
         """The file; split in shards of ``split_max_tensors`` tensors, its first shard."""
         key = (family, gguf_type, split_max_tensors)
         if key not in made:
-            out = tmp_path_factory.mktemp(f"gguf-{family}")
-            result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers" / "make_gguf.py"), "--model",
-                                     str(source(family)), "--llama-cpp-dir", str(llama_cpp), "--out-dir",
-                                     str(out), "--types", gguf_type, "--split-max-tensors", str(split_max_tensors)],
-                                    capture_output=True, text=True, cwd=REPO)
-            assert result.returncode == 0, result.stderr[-3000:]
-            made[key] = Path(json.loads(result.stdout)[gguf_type])
+            made[key] = make_gguf(source(family), tmp_path_factory.mktemp(f"gguf-{family}"), [gguf_type],
+                                  sys.executable, "--split-max-tensors", str(split_max_tensors))[gguf_type]
         return made[key]
 
     get.source = source
@@ -76,8 +55,9 @@ def gguf_files(llama_cpp, checkpoints, tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("gguf_type", ["f32", "f16"])
-def test_greedy_tokens_equal_transformers_on_the_source_checkpoint(family, gguf_type, gguf_files, checkpoints) -> None:
-    ckpt = checkpoints[family]
+def test_greedy_tokens_equal_transformers_on_the_source_checkpoint(family, gguf_type, gguf_files,
+                                                                    gguf_sources) -> None:
+    ckpt = gguf_sources[family]
     path = gguf_files(family, gguf_type)
     llm = LLM(str(path), dtype="float32")
     params = SamplingParams(max_tokens=len(ckpt.reference[0]), temperature=0, ignore_eos=True)
@@ -156,7 +136,7 @@ def test_a_hub_repo_of_gguf_files_takes_llama_cpps_tag_and_downloads_that_file_a
     assert missing["error"] == ("model='acme/tiny-GGUF' has no GGUF file for 'Q4_K_M' (its GGUF files: "
                                 f"{', '.join(sorted(['tiny-F16.gguf', 'tiny-F32.gguf', *(Path(n).name for n in split)]))})")
     assert named["token_ids"][:4] == want["want"][:4]
-    assert whole.get("token_ids") == want["want"], whole  # a split file: named as llama.cpp names it (f32 under a bf16 name)
+    assert whole.get("token_ids") == want["want"], whole  # a split file, named as llama.cpp names it
     # each file alone: not the README, not the projector; a split file's every shard
     assert fetched == {"tiny-F32.gguf", "tiny-F16.gguf", *(Path(n).name for n in split)}
     assert offline["token_ids"] == want["want"]

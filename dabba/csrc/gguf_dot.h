@@ -39,7 +39,7 @@ constexpr int64_t kA8Block = 32;  // legacy types' activation values per scale
 constexpr int64_t kSuperBlock = 256;  // K types' activation values per scale (a super-block)
 
 // Rows of x rounded to 8-bit codes, as the segments' types need them: per block of 32 with its own
-// scale for the legacy types (q, d, s), per super-block of 256 for the K types (qk, dk, and the
+// float16 scale for the legacy types (q, d, s), per super-block of 256 for the K types (qk, dk, and the
 // codes' sums per 16 and per 32 for their offsets). xf keeps x in float32 for float segments.
 struct A8Rows {
   int64_t M = 0, K = 0;
@@ -84,8 +84,9 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants) {
         const float d = round_block(a.xf.data() + m * a.K + k0, n, q);
         int sum = 0;
         for (int64_t k = 0; k < n; ++k) sum += q[k];
-        a.d[m * a.blocks + b] = d;
-        a.s[m * a.blocks + b] = d * static_cast<float>(sum);
+        // held as float16, as llama.cpp's Q8_0/Q8_1 activation blocks hold them (the codes come from d itself)
+        a.d[m * a.blocks + b] = static_cast<float>(c10::Half(d));
+        a.s[m * a.blocks + b] = static_cast<float>(c10::Half(d * static_cast<float>(sum)));
       }
     }
   }

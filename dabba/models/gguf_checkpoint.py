@@ -37,11 +37,22 @@ BLOCK_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # a MoE block's router
 }
+# where a family's blocks name them otherwise: Phi-3's fused projections, Gemma's four norms
+FAMILY_BLOCK_NAMES = {
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gemma2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+}
+FAMILY_BLOCK_NAMES["gemma3"] = FAMILY_BLOCK_NAMES["gemma2"]
+# Gemma's norms scale by (1 + w): llama.cpp's converter stores 1 + w, the checkpoint w
+NORM_SHIFTED = ("gemma2", "gemma3")
 # a MoE block's experts, stacked [experts, rows, columns]: each expert's own tensor under these names
 EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                 "ffn_down_exps.weight": "down_proj"}
 BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
-CONFIG_TENSORS = ("rope_freqs.weight",)  # read into the config (arch/gguf_model.py), not weights
+# read into the config (arch/gguf_model.py), not weights
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _made: list[Path] = []
 
 
@@ -110,6 +121,7 @@ def _read(file: BinaryIO, tensor: GGUFTensor, part: int = 0, parts: int = 1) -> 
 def _hf_tensors(f: GGUFFile, num_layers: int) -> Iterator[tuple[str, GGUFTensor, int | None]]:
     """Each tensor under its Hugging Face name, with the expert it holds where a stacked MoE
     tensor [experts, rows, columns] holds one per expert (the same tensor once per expert)."""
+    block_names = BLOCK_NAMES | FAMILY_BLOCK_NAMES.get(f.get("general.architecture"), {})
     for name, tensor in f.tensors.items():
         if name in CONFIG_TENSORS:
             continue
@@ -121,9 +133,9 @@ def _hf_tensors(f: GGUFFile, num_layers: int) -> Iterator[tuple[str, GGUFTensor,
                 yield f"model.layers.{match.group(1)}.mlp.experts.{e}.{EXPERT_NAMES[match.group(2)]}.weight", tensor, e
             continue
         if hf is None:
-            if not known or match.group(2) not in BLOCK_NAMES:
+            if not known or match.group(2) not in block_names:
                 raise ValueError(f"{f.path}: the GGUF file holds a tensor dabba does not know: {name!r}")
-            hf = f"model.layers.{match.group(1)}.{BLOCK_NAMES[match.group(2)]}"
+            hf = f"model.layers.{match.group(1)}.{block_names[match.group(2)]}"
         yield hf, tensor, None
 
 
@@ -152,7 +164,8 @@ def iterate_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, to
     if path.is_symlink():  # the directory's link: the file as given, so that errors name it (and its shards)
         path = Path(os.path.abspath(path.parent / os.readlink(path)))
     f: GGUFFile = read_gguf(path)
-    llama = f.get("general.architecture") == "llama"  # the converter interleaved its q and k (Mixtral's too)
+    family = f.get("general.architecture")
+    llama = family == "llama"  # the converter interleaved its q and k (Mixtral's too)
     quantized = quantized_tensor_types(f, arch.num_hidden_layers)
     dense_experts: dict[str, torch.Tensor] = {}  # a stacked float tensor, dequantized once for all its experts
     with contextlib.ExitStack() as stack:
@@ -171,6 +184,8 @@ def iterate_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, to
                     del dense_experts[tensor.name]
             else:
                 value = dequantize(tensor.type_name, _read(file, tensor), tensor.shape)
+                if family in NORM_SHIFTED and hf.endswith("norm.weight"):
+                    value -= 1.0
             yield hf, _unpermuted(value, hf, arch) if llama else value
 
 

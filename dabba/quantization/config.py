@@ -77,7 +77,9 @@ class QuantConfig:
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethod:
         if self.method == "gguf":  # a layer the file quantized (any of its shards) reads the blocks
-            types = [self.tensor_types.get(name) for name in shard_checkpoint_names(layer.prefix, layer.shard_ids)]
+            fused = self.tensor_types.get(layer.prefix)  # one tensor for every shard (Phi-3's qkv_proj, gate_up_proj)
+            names = shard_checkpoint_names(layer.prefix, layer.shard_ids)
+            types = [fused] * len(names) if fused else [self.tensor_types.get(name) for name in names]
             if not any(types):
                 return UnquantizedLinearMethod()
             return GGUFLinearMethod([t or "F32" for t in types])

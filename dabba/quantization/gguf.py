@@ -9,8 +9,9 @@ them as one byte buffer (``blob``) and a table ``segments`` [S, 3] int64 of (typ
 offset).
 
 The reference, in PyTorch, is ``linear_reference``: for up to the GEMV's rows, x rounded to 8-bit
-codes with a float32 scale max|x| / 127 per block of 32 values for the legacy types, of 256 for the
-K types (``quantize_activations``), times the dequantized weight, in float64; beyond, dequantized
+codes with a scale max|x| / 127 per block of 32 values for the legacy types (held as float16), of
+256 for the K types (float32) (``quantize_activations``), times the dequantized weight, in float64
+(Q4_1/Q5_1's mins times the codes' sum as llama.cpp's Q8_1 holds it); beyond, dequantized
 weights through F.linear. Off the CPU, or without the native kernels, ``apply`` dequantizes and
 calls F.linear.
 """
@@ -31,6 +32,7 @@ from dabba.quantization.gguf_blocks import BLOCKS, dequantize, row_bytes
 FLOAT_TYPES = ("F32", "F16", "BF16")
 A8_BLOCK = 32  # activation values per scale (csrc/gguf_linear_cpu.cpp's kA8Block), legacy types
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # their activations: a scale per super-block (kSuperBlock)
+MIN_TYPES = ("Q4_1", "Q5_1")  # blocks with a min beside the scale (float16 at bytes 2-3)
 
 
 @dataclass(frozen=True)
@@ -72,14 +74,30 @@ def dequantize_rows(type_name: str, raw: torch.Tensor, columns: int, dtype: torc
 
 def quantize_activations(x: torch.Tensor, block: int = A8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> codes [M, K'] int8 and scales [M, K' / block] float32, K' = K rounded up to
-    ``block``: per block d = max|x| / 127, codes round(x / d) (half to even), as the GEMV rounds them."""
+    ``block``: per block d = max|x| / 127, codes round(x / d) (half to even), as the GEMV rounds them.
+    The legacy types' blocks of 32 keep d as float16 (llama.cpp's Q8_0 and Q8_1 do), the K types'
+    super-blocks as float32 (Q8_K)."""
     m, k = x.shape
     padded = -(-k // block) * block
     xf = F.pad(x.float(), (0, padded - k)).view(m, -1, block)
     d = xf.abs().amax(-1) / 127.0
     inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(xf * inverse[..., None]).clamp(-127, 127)
-    return q.to(torch.int8).view(m, padded), d
+    return q.to(torch.int8).view(m, padded), d.half().float() if block == A8_BLOCK else d
+
+
+def _min_offsets(x: torch.Tensor, s: GGUFBlocks) -> torch.Tensor:
+    """Q4_1/Q5_1 add each block's min m times the activations' block sum, which llama.cpp's Q8_1
+    (and the GEMV) holds as float16(d * sum), not as float16(d) * sum: m * the difference, [M, rows]."""
+    m, k = x.shape
+    xf = F.pad(x.float(), (0, -k % A8_BLOCK)).view(m, -1, A8_BLOCK)
+    d = xf.abs().amax(-1) / 127.0
+    q, d16 = quantize_activations(x)
+    sums = q.view(m, -1, A8_BLOCK).sum(-1).float()
+    delta = (d * sums).half().double() - d16.double() * sums.double()
+    block_bytes = BLOCKS[s.type_name][1]
+    mins = s.data.view(s.rows, -1, block_bytes)[:, :, 2:4].contiguous().view(torch.float16).squeeze(-1).double()
+    return delta @ mins.T
 
 
 def linear_reference(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None,
@@ -98,7 +116,7 @@ def linear_reference(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Te
     for s in segments:
         w = s.dequantize().double()
         a = x.double() if s.type_name in FLOAT_TYPES else rounded[256 if s.type_name in K_TYPES else A8_BLOCK]
-        outs.append(a @ w.T)
+        outs.append(a @ w.T + (_min_offsets(x, s) if s.type_name in MIN_TYPES else 0))
     y = torch.cat(outs, dim=1).float().to(x.dtype)  # float32 sums, rounded to x's dtype
     return y if bias is None else y + bias
 
