@@ -18,10 +18,12 @@ from tools.tiny_checkpoint import make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_CPP = REPO / ".peers" / "llama.cpp"
-# Qwen3-MoE: the converter maps no dense MLP in a MoE file (mlp_only_layers). Gemma 3: the file
-# names no sliding pattern (every sixth layer global) nor query_pre_attn_scalar (head_dim's).
+# Qwen3-MoE: the converter maps no dense MLP in a MoE file (mlp_only_layers). Gemma 2/3: the file
+# names no query_pre_attn_scalar (head_dim's), nor Gemma 3's sliding pattern (every sixth layer
+# global); Gemma 2's converter drops an untied head and reads its vocabulary as SentencePiece.
 GGUF_VARIANTS = {"qwen3moe": dict(mlp_only_layers=[]),
-                 "gemma3": dict(num_hidden_layers=7, sliding_window_pattern=6, query_pre_attn_scalar=32)}
+                 "gemma3": dict(num_hidden_layers=7, sliding_window_pattern=6, query_pre_attn_scalar=32),
+                 "gemma2": dict(query_pre_attn_scalar=24, tie_word_embeddings=True, sentencepiece="gemma")}
 
 
 def make_gguf_sources(checkpoints: dict[str, Checkpoint], tmp_path_factory) -> dict[str, Checkpoint]:

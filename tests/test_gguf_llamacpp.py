@@ -34,7 +34,8 @@ MEAN_LOGPROB_DIFFERENCE = 0.02  # nats
 # logits nearly tie, the quantization's noise upstream flips it and moves the next token by more
 # than MARGIN without any near tie among the tokens (seen on these random checkpoints, twice in six
 # prompts at Q4_K_M). At Q8_0, with one such prompt allowed (ROUTING_FLIPS), they hold the bar.
-FAMILY_TYPES = {"qwen2": "q4_k_m", "qwen3": "q4_k_m", "phi3": "q4_k_m", "gemma3": "q4_k_m", "mixtral": "q8_0",
+FAMILY_TYPES = {"qwen2": "q4_k_m", "qwen3": "q4_k_m", "phi3": "q4_k_m", "gemma3": "q4_k_m", "gemma2": "q4_k_m",
+                "mixtral": "q8_0",
                 "qwen3moe": "q8_0", "olmoe": "q8_0"}
 MOE_FAMILIES, ROUTING_FLIPS = ("mixtral", "qwen3moe", "olmoe"), 1
 

@@ -20,7 +20,7 @@ from dabba.models.hub import resolve_model_dir
 from tests.conftest import token_prompts
 from tests.gguf_families import LLAMA_CPP, converter_view, make_gguf
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3moe", "olmoe", "phi3", "gemma3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3moe", "olmoe", "phi3", "gemma3", "gemma2"]
 MULTILINGUAL = "Héllo, wörld! 你好，世界 — καλημέρα κόσμε; Привет 123 4567 def f(x):\n\treturn x**2  # ✓ 🐍"
 
 
