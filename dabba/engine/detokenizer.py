@@ -2,7 +2,8 @@
 
 ``tokenizers``' DecodeStream emits text only once the bytes decoded so far form whole UTF-8
 characters, so a character split across byte-level BPE tokens never shows up as U+FFFD, and
-the pieces concatenate to the full decode. Stop strings are searched only where a new piece
+the pieces concatenate to the full decode (but where byte fallback makes bytes already streamed
+invalid UTF-8: _step). Stop strings are searched only where a new piece
 could complete one, and the last ``len(longest stop) - 1`` characters are held back from
 streamed text while they could still turn out to be the start of a stop string.
 """
@@ -36,7 +37,7 @@ class IncrementalDetokenizer:
             if self.stopped:
                 break
             self.token_ids.append(token_id)
-            piece = self.stream.step(self.tokenizer.hf_tokenizer, token_id)
+            piece = self._step(token_id)
             if not piece:
                 continue
             search_from = max(0, len(self.text) - self.hold_back)
@@ -48,6 +49,26 @@ class IncrementalDetokenizer:
                 self.stopped = True
                 return stop
         return None
+
+    def _step(self, token_id: int) -> str | None:
+        """The stream's next piece. Under byte fallback a byte token can make the bytes before it,
+        streamed already as a character of their own ("C", then 0xBF), part of invalid UTF-8, which
+        a whole decode writes as U+FFFD: tokenizers' DecodeStream then refuses to go on. The text
+        goes on with what this token adds to the whole decode (all of what the whole decode adds to
+        the streamed text, where it still extends it), and the stream starts again from this token."""
+        try:
+            return self.stream.step(self.tokenizer.hf_tokenizer, token_id)
+        except Exception as e:  # tokenizers raises its own Exception
+            if "Invalid prefix" not in str(e):
+                raise
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        alone = self.stream.step(self.tokenizer.hf_tokenizer, token_id)  # and the next token's context
+        whole, before = (self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+                         for ids in (self.token_ids, self.token_ids[:-1]))
+        for streamed in (self.text, before):
+            if whole.startswith(streamed):
+                return whole[len(streamed):]
+        return alone
 
     def _find_stop(self, search_from: int) -> tuple[int, str] | None:
         best = None

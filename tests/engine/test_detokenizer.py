@@ -104,6 +104,33 @@ def test_unfinished_character_at_the_end_decodes_as_a_full_decode(tokenizer) -> 
     assert tokenizer.decode(ids).startswith("a ") and tokenizer.decode(ids).endswith(REPLACEMENT)
 
 
+@pytest.fixture(scope="module")
+def sentencepiece(tmp_path_factory) -> Tokenizer:
+    """A SentencePiece tokenizer with byte fallback (Llama 2's kind): characters outside its
+    vocabulary are <0xNN> byte tokens, which a model may emit in any order."""
+    from tools.tiny_checkpoint import save_sentencepiece_tokenizer
+
+    directory = tmp_path_factory.mktemp("sentencepiece")
+    save_sentencepiece_tokenizer(directory, "llama", 1000)
+    return Tokenizer(directory)
+
+
+def test_a_byte_that_unmakes_a_streamed_character_does_not_stop_the_stream(sentencepiece) -> None:
+    """<0x43> streams as "C"; <0xBF> after it makes the pair invalid UTF-8, which the whole decode
+    writes as two U+FFFD: the stream goes on, and the finished text is the whole decode."""
+    hf = sentencepiece.hf_tokenizer
+    ids = [hf.token_to_id(t) for t in ("<0x43>", "<0xBF>", "\u2581the", "\u2581list", "<0xF0>", "<0x9F>",
+                                       "<0x99>", "<0x82>")]
+    assert None not in ids
+    for params in ({}, {"stop": ["xyz"]}):
+        detok = detokenizer(sentencepiece, **params)
+        matches, texts = feed_one_by_one(detok, ids)
+        assert matches == [None] * len(ids)
+        if not params:  # (a stop string holds the last characters back)
+            assert texts[0] == "C" and texts[-1].endswith(" the list🙂")
+        assert detok.output_text(finished=True) == sentencepiece.decode(ids) == "\ufffd\ufffd the list🙂"
+
+
 @pytest.mark.parametrize("include_stop", [False, True])
 def test_stop_string_spanning_several_tokens(tokenizer, include_stop) -> None:
     text, stop = "Return a new list.", "a new li"  # starts inside " a", ends inside " list"
