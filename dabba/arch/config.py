@@ -27,7 +27,7 @@ REFUSED_ARCHITECTURES = {
 MLP_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # freq_factors: llama.cpp's rope_freqs (a GGUF file's per-frequency divisors, as its converter
 # writes Llama 3's scaling); no Hugging Face config has it
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "freq_factors")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "freq_factors", "yarn")
 # transformers' Phi3Config reads these as longrope ("su": Phi-3's first long-context configs)
 PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
 PHI3_ROPE_TYPES = ("default", "longrope")  # all that transformers' Phi3Config.validate_rope accepts
@@ -39,12 +39,18 @@ class RopeScaling:
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 and longrope
+    original_max_position_embeddings: int = 8192  # llama3, longrope and yarn
     # longrope: the per-frequency divisors (rotary_dim / 2 each) and the factor cos/sin are
-    # multiplied by (transformers' attention_scaling: sqrt(1 + ln(factor) / ln(original)) unless given)
+    # multiplied by (transformers' attention_scaling: sqrt(1 + ln(factor) / ln(original)) unless given;
+    # yarn's: 0.1 ln(factor) + 1 unless given, or from its mscale and mscale_all_dim)
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    # yarn: the ramp between extrapolated and interpolated frequencies, in rotations over the
+    # original window (transformers' beta_fast, beta_slow; truncate rounds its ends outward)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
     freq_factors: tuple[float, ...] = ()  # freq_factors: each frequency's divisor (rotary_dim / 2 of them)
 
 
@@ -195,6 +201,8 @@ class ArchConfig:
         rotary_dim = _rotary_dim(head_dim, partial_rotary_factor)
         if rope_type == "longrope":
             scaling = _longrope_scaling(arch, cfg, rope, rotary_dim or head_dim, max_position_embeddings)
+        elif rope_type == "yarn":
+            scaling = _yarn_scaling(rope, max_position_embeddings)
         else:
             scaling = RopeScaling(
                 rope_type=rope_type,
@@ -365,6 +373,24 @@ def _longrope_scaling(arch: str, cfg: dict[str, Any], rope: dict[str, Any], rota
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
                        attention_factor=float(attention_factor), **factors)
+
+
+def _yarn_scaling(rope: dict[str, Any], max_position_embeddings: int) -> RopeScaling:
+    """YaRN (Qwen2.5/Qwen3 long context, DeepSeek) as transformers' _compute_yarn_parameters reads it."""
+    original = int(rope.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = rope.get("factor")
+    factor = float(factor) if factor is not None else max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling(rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention_factor), beta_fast=float(rope.get("beta_fast") or 32),
+                       beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(rope.get("truncate", True)))
 
 
 def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:

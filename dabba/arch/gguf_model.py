@@ -7,6 +7,7 @@ What dabba cannot map is refused naming it: the architecture, a rope scaling, a 
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dabba.arch.gguf_file import GGUFFile
@@ -100,14 +101,41 @@ def _rope(f: GGUFFile, arch: str) -> dict[str, Any]:
     scaling = f.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         rope.update(rope_type="linear", factor=float(_need(f, f"{arch}.rope.scaling.factor", (int, float))))
+    elif scaling == "yarn":
+        rope.update(_yarn(f, arch))
     elif scaling != "none" and not (arch == "phi3" and scaling == "longrope"):  # Phi-3's: _phi3
-        raise ValueError(f"{f.path}: rope scaling {scaling!r} is not read from GGUF yet (none, linear, Phi-3's "
-                         "longrope and rope_freqs.weight are)")
+        raise ValueError(f"{f.path}: rope scaling {scaling!r} is not read from GGUF yet (none, linear, yarn, "
+                         "Phi-3's longrope and rope_freqs.weight are)")
     if "rope_freqs.weight" in f.tensors:  # Llama 3's scaling, as the converter writes it: a divisor per frequency
         freqs = f.tensors["rope_freqs.weight"]
         if freqs.type_name != "F32" or len(freqs.shape) != 1:
             raise ValueError(f"{f.path}: rope_freqs.weight is {freqs.type_name} {freqs.shape}, not a float32 vector")
         rope.update(rope_type="freq_factors", freq_factors=freqs.data.view("<f4").tolist())
+    return rope
+
+
+def _yarn(f: GGUFFile, arch: str) -> dict[str, Any]:
+    """YaRN's parameters as transformers names them, meaning what llama.cpp makes of the file's keys:
+    cos and sin scaled by 0.1 ln(factor) + 1 (over yarn_log_multiplier's, where the file has one),
+    times rope.scaling.attn_factor."""
+    key = f"{arch}.rope.scaling"
+    factor = float(_need(f, f"{key}.factor", (int, float)))
+    rope: dict[str, Any] = {"rope_type": "yarn", "factor": factor,
+                            "original_max_position_embeddings": _size(f, f"{key}.original_context_length")}
+    if f.get(f"{key}.yarn_ext_factor", 1.0) != 1.0:
+        raise ValueError(f"{f.path}: {key}.yarn_ext_factor {f.get(f'{key}.yarn_ext_factor')!r} is not 1: a partial "
+                         "YaRN ramp, which transformers' YaRN has not")
+
+    def number(name: str, default: float) -> float:
+        return float(_need(f, f"{key}.{name}", (int, float))) if f.get(f"{key}.{name}") is not None else default
+
+    rope.update(beta_fast=number("yarn_beta_fast", 32.0), beta_slow=number("yarn_beta_slow", 1.0))
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    log_mul = number("yarn_log_multiplier", 0.0)
+    rope["attention_factor"] = (mscale(1.0) / mscale(log_mul) if log_mul else mscale(1.0)) * number("attn_factor", 1.0)
     return rope
 
 

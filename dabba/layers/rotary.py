@@ -1,6 +1,6 @@
 """Rotary position embedding (half-rotation layout, as Llama/Qwen/Phi checkpoints use), with
-"linear", "llama3", "longrope" and per-frequency ("freq_factors", from GGUF files) scaling, over the whole head or its first rotary_dim
-dims (partial rotary: the rest pass through)."""
+"linear", "llama3", "longrope", "yarn" and per-frequency ("freq_factors", from GGUF files) scaling,
+over the whole head or its first rotary_dim dims (partial rotary: the rest pass through)."""
 from __future__ import annotations
 
 import math
@@ -19,6 +19,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, max_positio
     if scaling.rope_type == "longrope":  # as transformers' _compute_longrope_parameters, op for op
         factors = scaling.long_factor if use_long_factors(scaling, max_position) else scaling.short_factor
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     inv_freq = 1.0 / (theta ** exponents)
     if scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
@@ -35,6 +37,26 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, max_positio
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
     return inv_freq
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN, as transformers' _compute_yarn_parameters, op for op: the frequencies that turn more
+    than beta_fast times over the original window keep their value, those under beta_slow are
+    divided by the factor, a linear ramp between."""
+    def correction_dim(rotations: float) -> float:
+        window = scaling.original_max_position_embeddings
+        return dim * math.log(window / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return 1.0 / (scaling.factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
 
 
 def use_long_factors(scaling: RopeScaling, max_position: int) -> bool:
@@ -67,7 +89,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables of ``rotary_dim`` columns (the head_dim, or its rotated part) for positions
-    below ``max_position``; longrope's attention factor is folded into them, as transformers does."""
+    below ``max_position``; longrope's and yarn's attention factor is folded into them, as transformers does."""
 
     def __init__(self, rotary_dim: int, max_position: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
@@ -77,7 +99,7 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
             cos, sin = emb.cos(), emb.sin()
-            if scaling.rope_type == "longrope":
+            if scaling.rope_type in ("longrope", "yarn"):
                 cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
         self.register_buffer("cos_cache", cos.to(device), persistent=False)
         self.register_buffer("sin_cache", sin.to(device), persistent=False)
