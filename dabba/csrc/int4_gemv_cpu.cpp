@@ -320,6 +320,53 @@ at::Tensor int4_amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
+// More rows than the GEMV takes, bf16, without AMX (Zen 4 and 5; a Xeon before Sapphire Rapids
+// with AVX512-BF16): the weight dequantized to bf16 once per call, then dense_linear, the bf16 GEMM
+// every dense layer takes, from kInt4DequantMinRows rows (below, tinygemm's float32 FMAs cost less
+// than dequantizing the whole weight).
+bool dequant_takes(const at::Tensor& x, int64_t group_size, const at::Tensor& scale_zero) {
+  return x.size(0) >= kInt4DequantMinRows && x.scalar_type() == at::kBFloat16 &&
+         scale_zero.scalar_type() == at::kBFloat16 && group_size % 16 == 0 && gemv_block_rows() == kInt4BlockRows;
+}
+
+// Rows [block * 64, block * 64 + 64) of W as bf16 [N, K] rows: per 16 k (within one group) and 16
+// rows, (q - 8) * scale + zero in float32, transposed in registers to k along each row, rounded once.
+void dequantize_blocks(const uint8_t* packed, const uint32_t* scale_zero, int64_t group_size, int64_t K, int64_t N,
+                       uint16_t* w, int64_t block_begin, int64_t block_end) {
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    const uint8_t* block = packed + b * K * 32;
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+      for (int r = 0; r < 4; ++r) {  // rows 16r.. of the block: bytes (r % 2) * 16.., nibble r / 2
+        __m512 scale, offset;
+        int4_scale_offset(scale_zero + (k0 / group_size) * N + b * kInt4BlockRows + 16 * r, scale, offset);
+        __m512i v[16];
+        for (int kk = 0; kk < 16; ++kk) {
+          const uint8_t* bytes = block + (k0 + kk) * 32 + (r % 2) * 16;
+          __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+          q = r < 2 ? _mm512_and_si512(q, _mm512_set1_epi32(15)) : _mm512_srli_epi32(q, 4);
+          v[kk] = _mm512_castps_si512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, offset));
+        }
+        transpose16(v);  // v[row] = row 16r + row's 16 k
+        uint16_t* out = w + (b * kInt4BlockRows + 16 * r) * K + k0;
+        for (int row = 0; row < 16; ++row)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * K),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(v[row])));
+      }
+    }
+  }
+}
+
+at::Tensor int4_dequantize_bf16(const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero) {
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  at::Tensor w = at::empty({N, K}, packed.options().dtype(at::kBFloat16));
+  const auto* sz = reinterpret_cast<const uint32_t*>(scale_zero.data_ptr());
+  auto* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
+  at::parallel_for(0, N / kInt4BlockRows, 1, [&](int64_t begin, int64_t end) {
+    dequantize_blocks(packed.data_ptr<uint8_t>(), sz, group_size, K, N, wp, begin, end);
+  });
+  return w;
+}
+
 #endif  // DABBA_HAVE_BF16_GEMM
 
 }  // namespace
@@ -327,7 +374,8 @@ at::Tensor int4_amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t 
 #endif  // DABBA_HAVE_INT4_GEMV
 
 // The one place an INT4 linear picks its kernel: the GEMV above for up to kInt4GemvMaxRows rows;
-// beyond, the AMX GEMM on blocks dequantized to bf16 where the CPU has AMX and x is bf16; else (and
+// beyond, the AMX GEMM on blocks dequantized to bf16 where the CPU has AMX and x is bf16; without
+// AMX, from kInt4DequantMinRows bf16 rows, the weight dequantized to bf16 and dense_linear; else (and
 // where PyTorch packed another layout) PyTorch's tinygemm. ``native`` false forces tinygemm (the
 // tests hold the others equal to it within rounding).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
@@ -337,6 +385,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t gr
   if (native && packed_operands(x, packed, group_size, scale_zero)) {
 #ifdef DABBA_HAVE_BF16_GEMM
     if (amx_takes(x, group_size, scale_zero, bias)) return int4_amx_gemm(x, packed, group_size, scale_zero, bias);
+    if (dequant_takes(x, group_size, scale_zero))
+      return dense_linear(x, int4_dequantize_bf16(packed, group_size, scale_zero), bias);
 #endif
     if (gemv_takes(x, scale_zero)) y = int4_gemv(x, packed, group_size, scale_zero);
   }
@@ -345,9 +395,23 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t gr
   return bias.has_value() ? y + *bias : y;
 }
 
+// The weight as bf16 [N, K], as int4_linear dequantizes it past kInt4DequantMinRows rows without AMX;
+// none where that path is not built or the operands are not its (64-row blocks, bf16 scales, groups
+// of a multiple of 16).
+c10::optional<at::Tensor> int4_dequantize(const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero) {
+#if defined(DABBA_HAVE_INT4_GEMV) && defined(DABBA_HAVE_BF16_GEMM)
+  const at::Tensor x = at::empty({kInt4DequantMinRows, packed.size(1) * 2}, packed.options().dtype(at::kBFloat16));
+  if (packed_operands(x, packed, group_size, scale_zero) && dequant_takes(x, group_size, scale_zero))
+    return int4_dequantize_bf16(packed, group_size, scale_zero);
+#endif
+  return c10::nullopt;
+}
+
 }  // namespace dabba
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor? bias, bool native=True) -> Tensor");
   m.impl("int4_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::int4_linear));
+  m.def("int4_dequantize(Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor?");
+  m.impl("int4_dequantize", c10::DispatchKey::CPU, TORCH_FN(dabba::int4_dequantize));
 }

@@ -87,6 +87,7 @@ class KernelConstants:
     gemm_row_block: int  # the GEMM computes x's rows this many at a time
     int8_gemv_max_rows: int  # INT8 codes: the GEMV up to here
     int4_gemv_max_rows: int  # INT4 codes (PyTorch's packed layout): dabba's GEMV up to here, tinygemm beyond
+    int4_dequant_min_rows: int  # without AMX, bf16 rows from here: the codes dequantized to bf16 + dense_linear
     int8_gemm_min_rows: int  # INT8's GEMM from here to gemm_max_rows (bf16 activations)
     int8_dequant_min_rows: int  # past the GEMM (or float32 from here) INT8 dequantizes its codes
     amx_gemv_max_rows: int  # where the GEMM runs on AMX tiles (amx_usable): the GEMV only up to here

@@ -1,6 +1,7 @@
 """dabba's INT4 kernels (csrc/int4_gemv_cpu.cpp: the GEMV up to int4_gemv_max_rows rows of x, on
-AVX-512 or AVX2, the AMX GEMM beyond where the CPU has AMX and x is bf16) against the exact product
-of the dequantized weight and against PyTorch's tinygemm, which they replace."""
+AVX-512 or AVX2, the AMX GEMM beyond where the CPU has AMX and x is bf16, without AMX from
+int4_dequant_min_rows bf16 rows the weight dequantized to bf16 and dense_linear) against the exact
+product of the dequantized weight and against PyTorch's tinygemm, which they replace."""
 from __future__ import annotations
 
 import os
@@ -58,9 +59,37 @@ def test_int4_linear_equals_the_dequantized_product(rows, n, k, group_size, dtyp
     tolerance = (2**-7 if dtype == torch.bfloat16 else 2e-5) * exact.abs().max().item()
     assert (ours.double() - exact).abs().max().item() <= tolerance
     assert (tinygemm.double() - exact).abs().max().item() <= tolerance
+    constants = native.kernel_constants()
     amx = dtype == torch.bfloat16 and native.amx_usable(k)
-    if n % pytorch_block_rows() or (rows > native.kernel_constants().int4_gemv_max_rows and not amx):
+    dequantized = dequantizes(packed, group_size, scale_zero) and rows >= constants.int4_dequant_min_rows and \
+        dtype == torch.bfloat16
+    if n % pytorch_block_rows() or (rows > constants.int4_gemv_max_rows and not amx and not dequantized):
         assert torch.equal(ours, tinygemm)  # tinygemm takes these (the GEMV reads whole blocks)
+    if dequantized and not amx:  # the bf16 weight through dense_linear
+        w = torch.ops.dabba_cpu.int4_dequantize(packed, group_size, scale_zero)
+        assert torch.equal(ours, torch.ops.dabba_cpu.dense_linear(x, w, bias))
+
+
+def dequantizes(packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor) -> bool:
+    """Whether this build dequantizes these operands to bf16 past int4_dequant_min_rows (without AMX)."""
+    return torch.ops.dabba_cpu.int4_dequantize(packed[:64], group_size, scale_zero[:, :64]) is not None \
+        if packed.shape[0] >= 64 else False
+
+
+@pytest.mark.parametrize("n, k, group_size", [(128, 256, 32), (192, 512, 64), (2048, 1536, 128), (64, 128, 128)])
+def test_the_dequantized_weight_is_the_codes_meaning_rounded_to_bf16(n, k, group_size) -> None:
+    """What int4_linear multiplies without AMX past int4_dequant_min_rows bf16 rows: (q - 8) * scale
+    + zero, each weight rounded to bf16 once (within one bf16 rounding of the exact value)."""
+    if not native.load_cpu_ops():
+        pytest.skip("native kernels unavailable")
+    packed, scale_zero, weight = packed_weight(n, k, group_size, torch.bfloat16, seed=n + k)
+    w = torch.ops.dabba_cpu.int4_dequantize(packed, group_size, scale_zero)
+    if w is None:
+        assert native.loaded_variant() != "avx512" or pytorch_block_rows() != 64
+        pytest.skip("this build or PyTorch's packing has no dequantizing path")
+    assert w.dtype == torch.bfloat16 and w.shape == (n, k)
+    assert torch.equal(w, weight.float().to(torch.bfloat16)) or \
+        ((w.double() - weight).abs() <= weight.abs() * 2**-8 + 1e-30).all()
 
 
 @pytest.mark.skipif(native.loaded_variant() != "avx2" or pytorch_block_rows() != 64,
