@@ -23,3 +23,13 @@ def test_large_buffers_start_on_a_huge_page_and_hold_what_is_written() -> None:
 def test_small_buffers_are_ordinary_tensors() -> None:
     t = huge_page_bytes(1000)
     assert t.numel() == 1000 and t.dtype == torch.uint8
+
+
+def test_a_weight_moves_onto_huge_pages_with_its_values_dtype_and_shape() -> None:
+    from dabba.ops.host_memory import on_huge_pages
+
+    codes = torch.randint(-127, 128, (1024, 4096), dtype=torch.int8)  # 4 MiB
+    moved = on_huge_pages(codes)
+    assert moved.data_ptr() % HUGE_PAGE == 0 and moved.dtype == codes.dtype and torch.equal(moved, codes)
+    small = torch.ones(16, dtype=torch.bfloat16)
+    assert on_huge_pages(small) is small

@@ -46,3 +46,14 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
     t = whole[offset:offset + nbytes]
     advise_huge_pages(t)
     return t
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied onto 2 MiB pages (huge_page_bytes): a quantized weight the GEMV streams every
+    step. Off the CPU, or smaller than a huge page, ``t`` itself."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or nbytes < HUGE_PAGE:
+        return t
+    out = huge_page_bytes(nbytes).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dabba.ops.host_memory import on_huge_pages
 from dabba.quantization.base import NativeLinearSpec
 
 
@@ -13,8 +14,8 @@ def register_int4_for_cpu(layer: nn.Module, codes: torch.Tensor, scale: torch.Te
                           dtype: torch.dtype) -> None:
     """codes [out, in] in [0, 16), scale/zero [out, groups] -> PyTorch's int4 CPU ("tinygemm")
     layout. tinygemm computes (q - 8) * scale + zero, so its zero is (8 - z) * s."""
-    layer.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1),
-                          persistent=False)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    layer.register_buffer("qweight", on_huge_pages(packed), persistent=False)
     scale_zero = torch.stack([scale.float(), (8 - zero).float() * scale.float()], dim=-1)  # [out, groups, 2]
     layer.register_buffer("scales_and_zeros", scale_zero.transpose(0, 1).contiguous().to(dtype), persistent=False)
 

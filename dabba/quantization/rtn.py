@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dabba.ops import native
+from dabba.ops.host_memory import on_huge_pages
 from dabba.quantization.base import LinearMethod, NativeLinearSpec
 from dabba.quantization.kernels import int4_bytes, int4_matmul_cpu, int4_native_spec, register_int4_for_cpu
 
@@ -98,7 +99,7 @@ class Int8RTNMethod(LinearMethod):
         qw = quantize_rows(w, 8, w.shape[1], symmetric=True, codes_dtype=torch.int8,
                            r_max=getattr(layer, "row_absmax", None))
         _drop_weight(layer)
-        layer.register_buffer("qweight", qw.q, persistent=False)  # [out, in]
+        layer.register_buffer("qweight", on_huge_pages(qw.q), persistent=False)  # [out, in]
         layer.register_buffer("scales", qw.scale[:, 0].to(w.dtype), persistent=False)  # [out]
 
     def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
