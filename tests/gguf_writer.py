@@ -14,12 +14,13 @@ LINEAR_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_outp
 
 
 def write_llama(path, quantized: bool = True, types: dict[str, str] = LINEAR_TYPES, embedding: str = "F32",
-                head: str | None = "F32") -> str:
+                head: str | None = "F32", layers: int = LAYERS) -> str:
     """A small Llama whose linears hold random GGUF blocks of ``types``, its token embedding and LM
     head of ``embedding`` and ``head`` (None: tied, no output.weight); ``quantized`` False writes
-    the same weights dequantized, as F32 (the reference model)."""
+    the same weights dequantized, as F32 (the reference model). Fewer ``layers`` keep the first
+    ones of the file with more (a draft model that agrees with it some of the time)."""
     w = GGUFWriter(str(path), "llama")
-    for key, value in {"block_count": LAYERS, "context_length": 256, "embedding_length": HIDDEN,
+    for key, value in {"block_count": layers, "context_length": 256, "embedding_length": HIDDEN,
                        "feed_forward_length": FFN, "attention.head_count": HEADS,
                        "attention.head_count_kv": KV_HEADS}.items():
         w.add_uint32(f"llama.{key}", value)
@@ -48,7 +49,7 @@ def write_llama(path, quantized: bool = True, types: dict[str, str] = LINEAR_TYP
               "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN),
               "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
     seed = 0
-    for i in range(LAYERS):
+    for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
         for name, shape in shapes.items():

@@ -129,6 +129,9 @@ class GGUFLinearMethod(LinearMethod):
     def __init__(self, shard_types: list[str]) -> None:
         self.shard_types = shard_types  # per merged shard, as the file has it ("F32" for a float one)
         self.native = False  # set once packed: on the CPU, every segment of a type the kernels take
+        # a row-parallel rank's inputs must be whole blocks: Linear refuses, naming the layer, a
+        # split inside one before loading (the types' blocks, of 1, 32 or 256 values, nest)
+        self.group_size = max(BLOCKS[t][0] for t in shard_types)
 
     def create_weights(self, layer: nn.Module) -> None:
         layer.add_param("weight", torch.empty(0), output_dim=None)
