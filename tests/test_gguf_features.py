@@ -5,15 +5,13 @@ tensor and data parallelism, the 8-bit KV caches. Two files: the writer's seven-
 Q4_K_M-like file of K types only; both with a Q4_K token embedding and a Q6_K LM head, as
 Q4_K_M files hold them.
 
-Greedy tokens are compared by ``assert_follows``, not for equality: a step of up to 8 rows runs the
-GEMV, which rounds activations to 8-bit codes, and a longer one dequantized weights through the
-GEMM on float activations (quantization/gguf.py). A row's logits thus depend on how many rows
-share its step (up to ~0.06 nats), and a float difference of summation order anywhere upstream
-can move a code by one. Where a feature changes neither, the tokens are equal; where it does, they
-are equal up to a position where the reference's top one and the token picked instead lie within
-the bar that tests/test_gguf_quantized.py sets. The prompts' lengths keep the rows of most
-comparisons on one path (prefills and 16-token chunks over 8 rows, decodes under), so that most
-are compared whole."""
+Greedy tokens are equal (``assert_same``): a step of up to 8 rows runs the GEMV, which rounds
+activations to 8-bit codes, and a longer one the GEMM on dequantized weights with the activations
+rounded to the same codes (quantization/gguf.py), so a row's logits do not depend on how many rows
+share its step but for float32 summation order. Where a feature changes that order upstream
+(tensor parallelism's all-reduce, another attention backend over an 8-bit cache) a code can move
+by one, and the tokens are held by ``assert_follows``: equal up to a position where the reference's
+top one and the token picked instead lie within the bar that tests/test_gguf_quantized.py sets."""
 from __future__ import annotations
 
 import asyncio
@@ -76,6 +74,12 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def assert_same(ours: list[list[int]], reference: list[CompletionOutput]) -> None:
+    """Each greedy output is the reference's (as long as it runs: a request may stop sooner)."""
+    assert [list(t) for t in ours] == [list(r.token_ids[:len(t)]) for t, r in zip(ours, reference)]
+    assert len(ours) == len(reference) and all(len(t) > 0 for t in ours)
+
+
 def assert_follows(ours: list[list[int]], reference: list[CompletionOutput]) -> None:
     """Each greedy output is the reference's, or is up to a position where the reference holds
     its token within MARGIN nats of its own top one (among its top five)."""
@@ -127,7 +131,7 @@ def test_continuous_batching_gives_each_prompt_its_own_tokens(model, alone) -> N
         steps += 1
     outputs = [results[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
     assert [len(o) for o in outputs] == [p.max_tokens for p in params]
-    assert_follows(outputs, alone)
+    assert_same(outputs, alone)
 
 
 def test_prefix_caching_reports_the_cached_tokens_and_keeps_the_tokens(model) -> None:
@@ -143,7 +147,7 @@ def test_prefix_caching_reports_the_cached_tokens_and_keeps_the_tokens(model) ->
     outputs = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]  # one after another
     assert [o.num_cached_tokens for o in outputs] == [0, 64, 64]
     assert llm.get_stats().prefix_cache_hit_tokens == 2 * 64
-    assert_follows(token_ids(outputs), expected)
+    assert_same(token_ids(outputs), expected)
 
 
 def test_chunked_prefill_gives_the_whole_prompts_tokens(model, alone) -> None:
@@ -161,14 +165,15 @@ def test_chunked_prefill_gives_the_whole_prompts_tokens(model, alone) -> None:
     llm.llm_engine.engine_core.model_runner.execute_model = spy
     one_by_one = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in token_prompts(PROMPTS)]
     assert chunks.count(16) >= sum(n // 16 for n in PROMPT_LENS) - 1 and min(chunks) > 8
-    assert_follows(one_by_one, alone)
+    assert_same(one_by_one, alone)
     llm.reset_prefix_cache()
-    assert_follows(token_ids(run_checked(llm, token_prompts(PROMPTS), GREEDY)), alone)
+    assert_same(token_ids(run_checked(llm, token_prompts(PROMPTS), GREEDY)), alone)
 
 
 def test_prefill_in_chunks_of_8_rows_stays_within_the_quantization_bar(model) -> None:
-    """Chunks of up to 8 rows take the GEMV, whose activations are 8-bit codes, where the whole
-    prompt takes the GEMM: teacher forced over 109 positions, the top token is the whole
+    """Chunks of up to 8 rows take the GEMV, the whole prompt the GEMM, both on the same 8-bit
+    codes of the activations; but attention over a prompt in chunks sums in another order, which
+    can move a code by one: teacher forced over 109 positions, the top token is the whole
     prompt's wherever its top two lie more than MARGIN apart, and its logprob differs little on
     average (tests/test_gguf_quantized.py's bar against the dequantized weights)."""
     llm = engine(model, max_num_batched_tokens=8)
@@ -198,18 +203,17 @@ def one_layer(model, tmp_path_factory) -> str:
 @pytest.mark.parametrize("draft", ["ngram", "self", "one_layer"])
 def test_speculative_decoding_gives_plain_decodings_tokens(model, alone, one_layer, draft) -> None:
     """One request at a time: a step verifies 1 + 3 rows, within the GEMV as a plain decode.
-    The model as its own draft accepts nearly all (not all, as a dense model's does: its KV of the
-    token just sampled comes from its catch-up's GEMM, the target's from the verifying GEMV); its
-    first layer alone some (tests/test_spec_decode_draft.py's two drafts)."""
+    The model as its own draft accepts its every draft, as a dense model's does; its first layer
+    alone some (tests/test_spec_decode_draft.py's two drafts)."""
     config = NGRAM if draft == "ngram" else {"model": model if draft == "self" else one_layer,
                                               "num_speculative_tokens": 3, "adaptive_drafts": False}
     llm = engine(model, speculative_config=config)
     outputs = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in token_prompts(PROMPTS)]
-    assert_follows(outputs, alone)
+    assert_same(outputs, alone)
     stats = llm.get_stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
     if draft == "self":
-        assert stats.spec_acceptance_rate > 0.8
+        assert stats.spec_acceptance_rate == 1.0
     elif draft == "one_layer":
         assert stats.spec_acceptance_rate < 0.5
 
@@ -263,7 +267,7 @@ def test_a_split_inside_a_block_is_refused(model, threaded) -> None:
 
 def test_data_parallel_replicas_give_one_engines_tokens_and_route_by_prefix(splittable) -> None:
     """Two replicas, each loading the file in a worker process of its own: all prompts at once
-    give one engine's tokens (the replicas' batches are not its: assert_follows); prompts sharing
+    give one engine's tokens; prompts sharing
     a prefix go, one at a time, to the replica that caches it."""
     reference = engine(splittable, enable_prefix_caching=False)
     expected = [reference.generate(p, GREEDY, use_tqdm=False)[0].outputs[0] for p in token_prompts(PROMPTS)]
@@ -273,7 +277,7 @@ def test_data_parallel_replicas_give_one_engines_tokens_and_route_by_prefix(spli
     try:
         outputs = asyncio.run(test_data_parallel.generate(replicas, PROMPTS, "all"))
         assert [len(o) for o in outputs] == [test_data_parallel.GREEDY.max_tokens] * len(PROMPTS)
-        assert_follows(outputs, expected)
+        assert_same(outputs, expected)
         assert min(replicas.router.routed) >= 1
         prefix = PROMPTS[-1][:64]  # four blocks
         asyncio.run(test_data_parallel.generate(replicas, [prefix + [5, 6, 7]], "first"))

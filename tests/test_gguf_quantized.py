@@ -79,14 +79,21 @@ def test_top_tokens_and_logprobs_follow_the_dequantized_weights(files, dtype) ->
     assert sum(differences) / len(differences) < 0.05
 
 
+# The quantized model rounds every activation to 8-bit codes (the prompt's too, as llama.cpp does),
+# the reference none: their logits part by up to about 0.06 nats at a position, so their top two's
+# difference by up to twice that. A nearer pair may go either way.
+GREEDY_MARGIN = 0.15
+
+
 def test_greedy_decode_follows_the_dequantized_weights(files) -> None:
     """Decode (the native layer loop, the GEMV) picks the reference's tokens until a position
-    where the reference's own top two lie within 0.1 nats, where either pick is the model's."""
+    where the reference's own top two lie within GREEDY_MARGIN, where either pick is the model's."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     quantized, reference = (LLM(path, dtype="float32", kv_cache_memory=2**22).generate(
         PROMPT, params, use_tqdm=False)[0].outputs[0] for path in files)
     for i, (ours, theirs) in enumerate(zip(quantized.token_ids, reference.token_ids)):
         if ours != theirs:
             top = sorted((lp.logprob for lp in reference.logprobs[i].values()), reverse=True)
-            assert top[0] - top[1] <= 0.1, f"position {i}: {ours} against {theirs}, margin {top[0] - top[1]:.3f}"
+            margin = top[0] - top[1]
+            assert margin <= GREEDY_MARGIN, f"position {i}: {ours} against {theirs}, margin {margin:.3f}"
             break

@@ -84,9 +84,11 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants) {
         const float d = round_block(a.xf.data() + m * a.K + k0, n, q);
         int sum = 0;
         for (int64_t k = 0; k < n; ++k) sum += q[k];
-        // held as float16, as llama.cpp's Q8_0/Q8_1 activation blocks hold them (the codes come from d itself)
+        // d held as float16, as llama.cpp's Q8_0/Q8_1 activation blocks hold it (the codes come from d
+        // itself); s from it exactly, as the GEMM's rounded x sums (llama.cpp's Q8_1 rounds d * sum to
+        // float16: a 2^-11 difference in Q4_1/Q5_1's min term, kept out so that both paths agree)
         a.d[m * a.blocks + b] = static_cast<float>(c10::Half(d));
-        a.s[m * a.blocks + b] = static_cast<float>(c10::Half(d * static_cast<float>(sum)));
+        a.s[m * a.blocks + b] = a.d[m * a.blocks + b] * static_cast<float>(sum);
       }
     }
   }
@@ -140,26 +142,17 @@ void dot_blocks_scalar(Type type, const uint8_t* row, const A8Rows& a, float (&o
   const gguf::TypeInfo* info = gguf::type_info(type);
   const bool k = is_k_quant(type);
   const int64_t span = k ? kSuperBlock : kA8Block;  // values per activation scale
-  const bool with_min = type == gguf::kQ4_1 || type == gguf::kQ5_1;  // w = a * u + min, min at bytes 2-3
   float w[256];
   for (int m = 0; m < M; ++m) out[m] = 0.f;
   for (int64_t b = 0; b < a.K / info->block_values; ++b) {
     gguf::dequantize_block(type, row + b * info->block_bytes, w);
-    const float min = with_min ? gguf::f16(row + b * info->block_bytes + 2) : 0.f;
     for (int64_t j = 0; j < info->block_values / span; ++j) {
       const int64_t k0 = b * info->block_values + j * span;
       for (int m = 0; m < M; ++m) {
         const int8_t* q = k ? a.qk.data() + m * a.K + k0 : a.q.data() + m * a.blocks * kA8Block + k0;
         float sum = 0.f;
-        int qsum = 0;
-        for (int64_t i = 0; i < span; ++i) {
-          sum += static_cast<float>(q[i]) * w[j * span + i];
-          qsum += q[i];
-        }
-        const float d = k ? a.dk[m * (a.K / kSuperBlock) + k0 / kSuperBlock] : a.d[m * a.blocks + k0 / kA8Block];
-        out[m] += sum * d;
-        if (with_min)  // the min times the codes' sum as the activations hold it (s), not as d * sum
-          out[m] += min * (a.s[m * a.blocks + k0 / kA8Block] - d * static_cast<float>(qsum));
+        for (int64_t i = 0; i < span; ++i) sum += static_cast<float>(q[i]) * w[j * span + i];
+        out[m] += sum * (k ? a.dk[m * (a.K / kSuperBlock) + k0 / kSuperBlock] : a.d[m * a.blocks + k0 / kA8Block]);
       }
     }
   }

@@ -8,8 +8,9 @@
 // Decode's few rows (up to kGgufGemvMaxRows, passes of kGgufGemvPassRows) take the GEMV: x rounded
 // to 8-bit codes, integer dot products with the blocks as they lie (gguf_dot.h).
 //
-// Beyond the GEMV's rows (prefills, batches) each segment is dequantized to x's dtype some rows at
-// a time and multiplied by dense_linear (the GEMM, AMX tiles where the CPU has them).
+// Beyond the GEMV's rows (prefills, batches) x is rounded to the same 8-bit codes (given back as
+// q * d, as llama.cpp's CPU backend rounds every batch), and each segment is dequantized to x's dtype
+// some rows at a time and multiplied by dense_linear (the GEMM, AMX tiles where the CPU has them).
 //
 // The PyTorch reference (dabba/quantization/gguf.py: linear_reference, dequantize then F.linear
 // beyond the GEMV) is what tests hold this to.
@@ -135,6 +136,28 @@ void dequantize_rows(at::Tensor& out, const uint8_t* raw, Type type, int64_t row
   });
 }
 
+// x [M, K] as its 8-bit codes give it back, in x's dtype: q * d per block of 32 values with d held as
+// float16 (the legacy types' activations, llama.cpp's Q8_0), or of 256 with a float32 d (the K
+// types', Q8_K), rounded as quantize_rows rounds them for the GEMV.
+at::Tensor rounded_activations(const at::Tensor& x, bool k_quants) {
+  const int64_t M = x.size(0), K = x.size(1), block = k_quants ? gguf::kSuperBlock : gguf::kA8Block;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, K}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    int8_t q[gguf::kSuperBlock];
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t k0 = 0; k0 < K; k0 += block) {
+        const int64_t n = std::min(block, K - k0);
+        float d = gguf::round_block(xp + m * K + k0, n, q);
+        if (!k_quants) d = static_cast<float>(c10::Half(d));
+        for (int64_t i = 0; i < n; ++i) op[m * K + k0 + i] = static_cast<float>(q[i]) * d;
+      }
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
 }  // namespace
 
 at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t K, c10::ScalarType dtype) {
@@ -169,9 +192,16 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blob, const at::Te
     else gemv<float>(out, x, raw, segs, bias);
     return out;
   }
-  // a prefill or a batch: segments dequantized some rows at a time, through dense_linear
+  // a prefill or a batch: x rounded to the codes the GEMV multiplies (so that a row's result does not
+  // depend on how many rows share the step), each segment dequantized some rows at a time, through
+  // dense_linear
   const at::Tensor xc = x.contiguous();
+  at::Tensor x_legacy, x_k;  // x as its per-32 and per-256 codes give it back, where a segment needs it
   for (const Segment& seg : segs) {
+    const bool k = is_k_quant(seg.type);
+    at::Tensor& rounded = k ? x_k : x_legacy;
+    if (!is_float(seg.type) && !rounded.defined()) rounded = rounded_activations(xc, k);
+    const at::Tensor& xs = is_float(seg.type) ? xc : rounded;
     const int64_t chunk = std::max<int64_t>(16, kGgufDequantChunkValues / K);
     for (int64_t r = 0; r < seg.rows; r += chunk) {
       const int64_t rows = std::min(chunk, seg.rows - r);
@@ -179,7 +209,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blob, const at::Te
       dequantize_rows(w, raw + seg.offset + r * seg.row_bytes, seg.type, rows, K, seg.row_bytes);
       const c10::optional<at::Tensor> b =
           bias.has_value() ? c10::optional<at::Tensor>(bias->narrow(0, seg.column + r, rows)) : c10::nullopt;
-      out.narrow(1, seg.column + r, rows).copy_(dense_linear(xc, w, b));
+      out.narrow(1, seg.column + r, rows).copy_(dense_linear(xs, w, b));
     }
   }
   return out;

@@ -10,10 +10,10 @@ offset).
 
 The reference, in PyTorch, is ``linear_reference``: for up to the GEMV's rows, x rounded to 8-bit
 codes with a scale max|x| / 127 per block of 32 values for the legacy types (held as float16), of
-256 for the K types (float32) (``quantize_activations``), times the dequantized weight, in float64
-(Q4_1/Q5_1's mins times the codes' sum as llama.cpp's Q8_1 holds it); beyond, dequantized
-weights through F.linear. Off the CPU, or without the native kernels, ``apply`` dequantizes and
-calls F.linear.
+256 for the K types (float32) (``quantize_activations``), times the dequantized weight, in float64;
+beyond, x as those codes give it back (``rounded_activations``) and dequantized weights through
+F.linear, so that a row's result does not depend on how many rows share its step. Off the CPU, or
+without the native kernels, ``apply`` does the latter at any row count.
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ from dabba.quantization.gguf_blocks import BLOCKS, dequantize, row_bytes
 FLOAT_TYPES = ("F32", "F16", "BF16")
 A8_BLOCK = 32  # activation values per scale (csrc/gguf_linear_cpu.cpp's kA8Block), legacy types
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # their activations: a scale per super-block (kSuperBlock)
-MIN_TYPES = ("Q4_1", "Q5_1")  # blocks with a min beside the scale (float16 at bytes 2-3)
 
 
 @dataclass(frozen=True)
@@ -86,18 +85,22 @@ def quantize_activations(x: torch.Tensor, block: int = A8_BLOCK) -> tuple[torch.
     return q.to(torch.int8).view(m, padded), d.half().float() if block == A8_BLOCK else d
 
 
-def _min_offsets(x: torch.Tensor, s: GGUFBlocks) -> torch.Tensor:
-    """Q4_1/Q5_1 add each block's min m times the activations' block sum, which llama.cpp's Q8_1
-    (and the GEMV) holds as float16(d * sum), not as float16(d) * sum: m * the difference, [M, rows]."""
+def rounded_activations(x: torch.Tensor, type_name: str) -> torch.Tensor:
+    """x as the 8-bit codes a segment of ``type_name`` multiplies give it back (q * d), in x's
+    dtype; x itself for a float segment."""
+    if type_name in FLOAT_TYPES:
+        return x
+    block = 256 if type_name in K_TYPES else A8_BLOCK
+    q, d = quantize_activations(x, block)
     m, k = x.shape
-    xf = F.pad(x.float(), (0, -k % A8_BLOCK)).view(m, -1, A8_BLOCK)
-    d = xf.abs().amax(-1) / 127.0
-    q, d16 = quantize_activations(x)
-    sums = q.view(m, -1, A8_BLOCK).sum(-1).float()
-    delta = (d * sums).half().double() - d16.double() * sums.double()
-    block_bytes = BLOCKS[s.type_name][1]
-    mins = s.data.view(s.rows, -1, block_bytes)[:, :, 2:4].contiguous().view(torch.float16).squeeze(-1).double()
-    return delta @ mins.T
+    return (q.float().view(m, -1, block) * d[..., None]).view(m, -1)[:, :k].to(x.dtype)
+
+
+def dequantized_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None) -> torch.Tensor:
+    """Prefill's and batches' GGUF linear in PyTorch: each segment's dequantized rows against x
+    rounded as that segment's type rounds it."""
+    y = torch.cat([F.linear(rounded_activations(x, s.type_name), s.dequantize(x.dtype)) for s in segments], dim=1)
+    return y if bias is None else y + bias
 
 
 def linear_reference(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None,
@@ -106,8 +109,7 @@ def linear_reference(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Te
     ``gemv_max_rows`` rows (the build's KernelConstants.gguf_gemv_max_rows) as the GEMV does."""
     k = x.shape[1]
     if x.shape[0] > gemv_max_rows:
-        w = torch.cat([s.dequantize(x.dtype) for s in segments])
-        return F.linear(x, w, bias)
+        return dequantized_linear(x, segments, bias)
     rounded = {}  # activation block -> x as its codes give it back
     for block in (A8_BLOCK, 256):
         q, d = quantize_activations(x, block)
@@ -116,7 +118,7 @@ def linear_reference(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Te
     for s in segments:
         w = s.dequantize().double()
         a = x.double() if s.type_name in FLOAT_TYPES else rounded[256 if s.type_name in K_TYPES else A8_BLOCK]
-        outs.append(a @ w.T + (_min_offsets(x, s) if s.type_name in MIN_TYPES else 0))
+        outs.append(a @ w.T)
     y = torch.cat(outs, dim=1).float().to(x.dtype)  # float32 sums, rounded to x's dtype
     return y if bias is None else y + bias
 
@@ -208,5 +210,5 @@ class GGUFLinearMethod(LinearMethod):
         if self.native and native.native_rows(x2) and x2.dtype in (torch.bfloat16, torch.float32):
             y = torch.ops.dabba_cpu.gguf_linear(x2, layer.gguf_blob, layer.gguf_segments, bias)
         else:
-            y = F.linear(x2, torch.cat([s.dequantize(x2.dtype) for s in self.segments(layer)]), bias)
+            y = dequantized_linear(x2, self.segments(layer), bias)
         return y.view(*shape[:-1], -1)
