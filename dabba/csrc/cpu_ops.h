@@ -185,10 +185,12 @@ void int8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
 // (the tests' reference). Qwen2.5-1.5B's 28 layers against tinygemm: the GEMV 95.5 ms at 8 rows
 // (131.8); the AMX GEMM 127.5 at 9 (200.1), 105.5 at 16, 120.4 at 32 (489.9), 482 at 256 (3835):
 // it pays about 100 ms to dequantize whatever the rows, so the GEMV keeps up to 8. Without AMX (bf16
-// x, AVX512-BF16) from kInt4DequantMinRows rows the weight is dequantized to bf16 once per call and
-// multiplied by dense_linear: prefill's GEMM at the bf16 rate instead of tinygemm's float32 FMAs.
+// x, AVX512-BF16) from kInt4DequantMinRows rows the weight is dequantized to bf16 once per call,
+// kInt4DequantChunkValues values at a time, each chunk multiplied by dense_linear: prefill's GEMM at
+// the bf16 rate instead of tinygemm's float32 FMAs.
 constexpr int kInt4GemvMaxRows = 8;
 constexpr int kInt4DequantMinRows = 32;
+constexpr int64_t kInt4DequantChunkValues = 1 << 20;
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
                        const c10::optional<at::Tensor>& bias, bool native = true);
 

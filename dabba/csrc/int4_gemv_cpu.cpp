@@ -329,10 +329,12 @@ bool dequant_takes(const at::Tensor& x, int64_t group_size, const at::Tensor& sc
          scale_zero.scalar_type() == at::kBFloat16 && group_size % 16 == 0 && gemv_block_rows() == kInt4BlockRows;
 }
 
-// Rows [block * 64, block * 64 + 64) of W as bf16 [N, K] rows: per 16 k (within one group) and 16
-// rows, (q - 8) * scale + zero in float32, transposed in registers to k along each row, rounded once.
+// W's blocks [block_begin, block_end) (64 rows each) as bf16 rows of w, from its row 0: per 16 k
+// (within one group) and 16 rows, (q - 8) * scale + zero in float32, transposed in registers to k
+// along each row, rounded once.
 void dequantize_blocks(const uint8_t* packed, const uint32_t* scale_zero, int64_t group_size, int64_t K, int64_t N,
                        uint16_t* w, int64_t block_begin, int64_t block_end) {
+  w -= block_begin * kInt4BlockRows * K;  // w's row 0 is the first block's
   for (int64_t b = block_begin; b < block_end; ++b) {
     const uint8_t* block = packed + b * K * 32;
     for (int64_t k0 = 0; k0 < K; k0 += 16) {
@@ -356,15 +358,34 @@ void dequantize_blocks(const uint8_t* packed, const uint32_t* scale_zero, int64_
   }
 }
 
-at::Tensor int4_dequantize_bf16(const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero) {
+// W's blocks [begin, end) dequantized into w's first rows (bf16, [>= (end - begin) * 64, K]).
+void int4_dequantize_into(at::Tensor& w, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
+                          int64_t begin, int64_t end) {
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  at::Tensor w = at::empty({N, K}, packed.options().dtype(at::kBFloat16));
   const auto* sz = reinterpret_cast<const uint32_t*>(scale_zero.data_ptr());
   auto* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
-  at::parallel_for(0, N / kInt4BlockRows, 1, [&](int64_t begin, int64_t end) {
-    dequantize_blocks(packed.data_ptr<uint8_t>(), sz, group_size, K, N, wp, begin, end);
+  at::parallel_for(begin, end, 1, [&](int64_t b0, int64_t b1) {
+    dequantize_blocks(packed.data_ptr<uint8_t>(), sz, group_size, K, N, wp + (b0 - begin) * kInt4BlockRows * K, b0, b1);
   });
-  return w;
+}
+
+// y = x W^T (+ b), W dequantized kInt4DequantChunkValues values at a time into one buffer and each
+// chunk multiplied by dense_linear: the chunk stays in the caches for the GEMM, and no fresh
+// weight-sized allocation is faulted in per call.
+at::Tensor int4_dequant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
+                               const at::Tensor& scale_zero, const c10::optional<at::Tensor>& bias) {
+  const int64_t N = packed.size(0), K = packed.size(1) * 2, blocks = N / kInt4BlockRows;
+  const int64_t chunk = std::max<int64_t>(1, kInt4DequantChunkValues / (kInt4BlockRows * K));  // blocks
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  at::Tensor w = at::empty({std::min(chunk, blocks) * kInt4BlockRows, K}, x.options());
+  for (int64_t b = 0; b < blocks; b += chunk) {
+    const int64_t end = std::min(blocks, b + chunk), rows = (end - b) * kInt4BlockRows;
+    int4_dequantize_into(w, packed, group_size, scale_zero, b, end);
+    const c10::optional<at::Tensor> bb =
+        bias.has_value() ? c10::optional<at::Tensor>(bias->narrow(0, b * kInt4BlockRows, rows)) : c10::nullopt;
+    out.narrow(1, b * kInt4BlockRows, rows).copy_(dense_linear(x, w.narrow(0, 0, rows), bb));
+  }
+  return out;
 }
 
 #endif  // DABBA_HAVE_BF16_GEMM
@@ -385,8 +406,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t gr
   if (native && packed_operands(x, packed, group_size, scale_zero)) {
 #ifdef DABBA_HAVE_BF16_GEMM
     if (amx_takes(x, group_size, scale_zero, bias)) return int4_amx_gemm(x, packed, group_size, scale_zero, bias);
-    if (dequant_takes(x, group_size, scale_zero))
-      return dense_linear(x, int4_dequantize_bf16(packed, group_size, scale_zero), bias);
+    if (dequant_takes(x, group_size, scale_zero)) return int4_dequant_linear(x, packed, group_size, scale_zero, bias);
 #endif
     if (gemv_takes(x, scale_zero)) y = int4_gemv(x, packed, group_size, scale_zero);
   }
@@ -401,8 +421,23 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t gr
 c10::optional<at::Tensor> int4_dequantize(const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero) {
 #if defined(DABBA_HAVE_INT4_GEMV) && defined(DABBA_HAVE_BF16_GEMM)
   const at::Tensor x = at::empty({kInt4DequantMinRows, packed.size(1) * 2}, packed.options().dtype(at::kBFloat16));
-  if (packed_operands(x, packed, group_size, scale_zero) && dequant_takes(x, group_size, scale_zero))
-    return int4_dequantize_bf16(packed, group_size, scale_zero);
+  if (packed_operands(x, packed, group_size, scale_zero) && dequant_takes(x, group_size, scale_zero)) {
+    at::Tensor w = at::empty({packed.size(0), x.size(1)}, x.options());
+    int4_dequantize_into(w, packed, group_size, scale_zero, 0, packed.size(0) / kInt4BlockRows);
+    return w;
+  }
+#endif
+  return c10::nullopt;
+}
+
+// The path int4_linear takes without AMX past kInt4DequantMinRows rows, on any CPU it is built for
+// (the tests run it where AMX takes int4_linear); none where it is not built or not these operands'.
+c10::optional<at::Tensor> int4_dequant_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
+                                                 const at::Tensor& scale_zero, const c10::optional<at::Tensor>& bias) {
+#if defined(DABBA_HAVE_INT4_GEMV) && defined(DABBA_HAVE_BF16_GEMM)
+  if (packed_operands(x, packed, group_size, scale_zero) && dequant_takes(x, group_size, scale_zero) &&
+      x.is_contiguous() && (!bias.has_value() || bias->scalar_type() == at::kBFloat16))
+    return int4_dequant_linear(x, packed, group_size, scale_zero, bias);
 #endif
   return c10::nullopt;
 }
@@ -413,5 +448,7 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor? bias, bool native=True) -> Tensor");
   m.impl("int4_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::int4_linear));
   m.def("int4_dequantize(Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor?");
+  m.def("int4_dequant_linear(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor? bias) -> Tensor?");
+  m.impl("int4_dequant_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::int4_dequant_linear_op));
   m.impl("int4_dequantize", c10::DispatchKey::CPU, TORCH_FN(dabba::int4_dequantize));
 }

@@ -37,7 +37,7 @@ def pytorch_block_rows() -> int:
     return 64 if packed[1].item() == codes[1, 0] | codes[33, 0] << 4 else 32
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 33, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 33, 100])  # (2048 rows of K 1536: 4 chunks)
 @pytest.mark.parametrize("n, k, group_size, dtype", [
     (128, 256, 32, torch.bfloat16), (192, 512, 64, torch.float32), (64, 128, 128, torch.float32),
     (2048, 1536, 128, torch.bfloat16), (96, 256, 64, torch.bfloat16), (96, 256, 64, torch.float32),
@@ -65,9 +65,13 @@ def test_int4_linear_equals_the_dequantized_product(rows, n, k, group_size, dtyp
         dtype == torch.bfloat16
     if n % pytorch_block_rows() or (rows > constants.int4_gemv_max_rows and not amx and not dequantized):
         assert torch.equal(ours, tinygemm)  # tinygemm takes these (the GEMV reads whole blocks)
-    if dequantized and not amx:  # the bf16 weight through dense_linear
+    if dequantized:  # the bf16 weight through dense_linear, a chunk at a time: what int4_linear takes without AMX
+        chunked = torch.ops.dabba_cpu.int4_dequant_linear(x, packed, group_size, scale_zero, bias)
         w = torch.ops.dabba_cpu.int4_dequantize(packed, group_size, scale_zero)
-        assert torch.equal(ours, torch.ops.dabba_cpu.dense_linear(x, w, bias))
+        assert torch.equal(chunked, torch.ops.dabba_cpu.dense_linear(x, w, bias))
+        assert (chunked.double() - exact).abs().max().item() <= tolerance
+        if not amx:
+            assert torch.equal(ours, chunked)
 
 
 def dequantizes(packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor) -> bool:
