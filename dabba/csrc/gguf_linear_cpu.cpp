@@ -136,6 +136,37 @@ void dequantize_rows(at::Tensor& out, const uint8_t* raw, Type type, int64_t row
   });
 }
 
+// x[0:n] as its codes give it back, out = round(x / d) * d with d = max|x| / 127 (as float16 where
+// ``half``): gguf::round_block's codes (the same products, rounded half to even), 8 lanes a step.
+inline void round_run(const float* x, int64_t n, bool half, float* out) {
+  float amax = 0.f;
+  int64_t i = 0;
+#ifdef DABBA_GGUF_SIMD
+  __m256 vmax = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float v : lanes) amax = std::max(amax, v);
+#endif
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float d = amax / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  const float back = half ? static_cast<float>(c10::Half(d)) : d;
+  i = 0;
+#ifdef DABBA_GGUF_SIMD
+  const __m256 vid = _mm256_set1_ps(id), vback = _mm256_set1_ps(back);
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (; i + 8 <= n; i += 8) {
+    __m256 q = _mm256_mul_ps(_mm256_loadu_ps(x + i), vid);
+    q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(q, vback));
+  }
+#endif
+  for (; i < n; ++i) out[i] = std::max(-127.f, std::min(127.f, std::nearbyint(x[i] * id))) * back;
+}
+
 // x [M, K] as its 8-bit codes give it back, in x's dtype: q * d per block of 32 values with d held as
 // float16 (the legacy types' activations, llama.cpp's Q8_0), or of 256 with a float32 d (the K
 // types', Q8_K), rounded as quantize_rows rounds them for the GEMV.
@@ -146,14 +177,9 @@ at::Tensor rounded_activations(const at::Tensor& x, bool k_quants) {
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    int8_t q[gguf::kSuperBlock];
     for (int64_t m = begin; m < end; ++m)
-      for (int64_t k0 = 0; k0 < K; k0 += block) {
-        const int64_t n = std::min(block, K - k0);
-        float d = gguf::round_block(xp + m * K + k0, n, q);
-        if (!k_quants) d = static_cast<float>(c10::Half(d));
-        for (int64_t i = 0; i < n; ++i) op[m * K + k0 + i] = static_cast<float>(q[i]) * d;
-      }
+      for (int64_t k0 = 0; k0 < K; k0 += block)
+        round_run(xp + m * K + k0, std::min(block, K - k0), !k_quants, op + m * K + k0);
   });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }

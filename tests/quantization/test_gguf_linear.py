@@ -106,3 +106,21 @@ def test_bad_operands_are_refused() -> None:
         torch.ops.dabba_cpu.gguf_linear(x, blob, torch.tensor([[q4_0, 1, -18]]), None)
     with pytest.raises(RuntimeError, match="overlaps or precedes"):
         torch.ops.dabba_cpu.gguf_linear(x, blob, torch.tensor([[q4_0, 2, 36], [q4_0, 2, 0]]), None)
+
+
+@pytest.mark.skipif(not native.load_cpu_ops(), reason="native kernels unavailable")
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16"])
+def test_a_row_gives_the_same_result_alone_and_in_a_batch(type_name) -> None:
+    """The GEMM (past the GEMV's rows) multiplies the activations' 8-bit codes as the GEMV does: a
+    row's result alone and among 40 differs by float32 summation order only, far below what the
+    codes' rounding itself moves (checked against x unrounded)."""
+    k = 512 + 32 if type_name not in ("Q4_K", "Q5_K", "Q6_K") else 512  # a partial last block for the legacy types
+    seg = random_blocks(type_name, 48, k, 7)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 3, k)
+    batched = native_linear(x, [seg])
+    alone = torch.cat([native_linear(x[i:i + 1], [seg]) for i in range(x.shape[0])])
+    unrounded = F.linear(x, seg.dequantize())
+    scale = unrounded.abs().max().item()
+    assert (batched - alone).abs().max().item() <= 2e-6 * scale
+    if type_name != "F16":
+        assert (batched - unrounded).abs().max().item() > 100 * (batched - alone).abs().max().item()
