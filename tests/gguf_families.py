@@ -55,7 +55,8 @@ def converter_view(family: str, checkpoint: Path, directory: Path) -> Path:
         if f.name in ("tokenizer.json", "tokenizer_config.json") and family.startswith("qwen"):
             (directory / f.name).write_text(f.read_text().replace('"<pad>"', '"<|endoftext|>"'))
         elif f.name == "tokenizer_config.json":
-            (directory / f.name).write_text(json.dumps(json.loads(f.read_text()) | {"tokenizer_class": "GPT2Tokenizer"}))
+            config = json.loads(f.read_text()) | {"tokenizer_class": "GPT2Tokenizer"}
+            (directory / f.name).write_text(json.dumps(config))
         else:
             (directory / f.name).symlink_to(f)
     return directory

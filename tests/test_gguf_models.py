@@ -133,8 +133,8 @@ def test_a_hub_repo_of_gguf_files_takes_llama_cpps_tag_and_downloads_that_file_a
         offline = run_jobs(hub, cache, [{"model": "acme/tiny-GGUF:F32", "prompt": want["prompt"]}],
                            HF_HUB_OFFLINE="1")[0]
     assert first["token_ids"] == want["want"]
-    assert missing["error"] == ("model='acme/tiny-GGUF' has no GGUF file for 'Q4_K_M' (its GGUF files: "
-                                f"{', '.join(sorted(['tiny-F16.gguf', 'tiny-F32.gguf', *(Path(n).name for n in split)]))})")
+    listed = ", ".join(sorted(["tiny-F16.gguf", "tiny-F32.gguf", *(Path(n).name for n in split)]))
+    assert missing["error"] == f"model='acme/tiny-GGUF' has no GGUF file for 'Q4_K_M' (its GGUF files: {listed})"
     assert named["token_ids"][:4] == want["want"][:4]
     assert whole.get("token_ids") == want["want"], whole  # a split file, named as llama.cpp names it
     # each file alone: not the README, not the projector; a split file's every shard

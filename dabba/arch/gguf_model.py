@@ -1,7 +1,7 @@
 """A GGUF file as the checkpoint files the rest of dabba reads: its metadata mapped to a Hugging
-Face config.json (the family and its hyperparameters), generation_config.json and
-generation_config.json. Its vocabulary is arch/gguf_tokenizer.py's; the weights stay in the file
-(models/gguf_checkpoint.py reads them by their GGUF names).
+Face config.json (the family and its hyperparameters) and generation_config.json. Its vocabulary
+is arch/gguf_tokenizer.py's; the weights stay in the file (models/gguf_checkpoint.py reads them by
+their GGUF names).
 
 What dabba cannot map is refused naming it: the architecture, a rope scaling, a count that is not one.
 """
@@ -47,7 +47,9 @@ def _size(f: GGUFFile, key: str, default: int | None = None) -> int:
 
 def _float_vector(f: GGUFFile, name: str, length: int) -> list[float]:
     """A small float32 tensor the converter wrote for the config (rope factors)."""
-    t = f.tensors[name]
+    t = f.tensors.get(name)
+    if t is None:
+        raise ValueError(f"{f.path}: the GGUF file lacks the tensor {name!r}")
     if t.type_name != "F32" or t.shape != (length,):
         raise ValueError(f"{f.path}: {name} is {t.type_name} {t.shape}, not {length} float32 values")
     return t.data.view("<f4").tolist()
@@ -160,7 +162,8 @@ def _experts(f: GGUFFile, arch: str, cfg: dict[str, Any]) -> None:
         cfg["intermediate_size"] = _size(f, "olmoe.expert_feed_forward_length", cfg["intermediate_size"])
         return
     cfg["moe_intermediate_size"] = _size(f, "qwen3moe.expert_feed_forward_length")
-    cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors]
+    layers = range(cfg["num_hidden_layers"])
+    cfg["mlp_only_layers"] = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors]
 
 
 def _phi3(f: GGUFFile, cfg: dict[str, Any]) -> None:

@@ -448,7 +448,8 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor? bias, bool native=True) -> Tensor");
   m.impl("int4_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::int4_linear));
   m.def("int4_dequantize(Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor?");
-  m.def("int4_dequant_linear(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor? bias) -> Tensor?");
+  m.def("int4_dequant_linear(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor? bias) -> "
+        "Tensor?");
   m.impl("int4_dequant_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::int4_dequant_linear_op));
   m.impl("int4_dequantize", c10::DispatchKey::CPU, TORCH_FN(dabba::int4_dequantize));
 }
