@@ -143,7 +143,7 @@ def test_gemma3_attention_ignores_attn_logit_softcapping() -> None:
 @pytest.mark.parametrize("change, message", [
     ({"hidden_activation": "gelu"}, r"unsupported hidden_activation 'gelu'"),
     ({"hidden_activation": "relu"}, r"unsupported hidden_activation 'relu'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, r"unsupported rope_scaling type 'yarn' for Gemma3"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, r"unsupported rope_scaling type 'dynamic' for Gemma3"),
     ({"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}},
      r"unsupported rope_scaling type 'dynamic'"),
     ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},

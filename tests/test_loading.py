@@ -58,7 +58,7 @@ def test_remote_code_is_refused(checkpoints, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}, "rope_scaling type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}}, "rope_scaling type 'dynamic'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config 'bitsandbytes'"),
