@@ -14,6 +14,8 @@ dabba/csrc's comments come from here.
   against (a wrong kernel's timing means nothing).
 - int8_prefill: the INT8 linear at prefill's row counts, _weight_int8pack_mm against codes
   dequantized per call + dabba's linear (what rows past gemm_max_rows get).
+- int4_prefill: the INT4 linear at prefill's row counts, tinygemm against the codes dequantized to
+  bf16 a chunk at a time + dense_linear (int4_linear's path without AMX) and int4_linear as chosen.
 - attention: decode over --decode-seqs sequences of --decode-context positions (blocks shuffled, as
   a long-running server's are, and in order), and one prompt of each --prompt-lens, per layer: as
   the backend runs it (layer_us: its bf16 passes on AMX tiles where the CPU has them and
@@ -137,6 +139,38 @@ def bench_int8_prefill(shape: Shape, layers: int, rows: list[int], repeats: int)
     return out
 
 
+def bench_int4_prefill(shape: Shape, layers: int, rows: list[int], repeats: int,
+                       group_size: int = 32) -> list[dict[str, Any]]:
+    """The INT4 linear at prefill's row counts: PyTorch's tinygemm, the codes dequantized to bf16 a
+    chunk at a time through dense_linear (what int4_linear takes without AMX; null where this build
+    has it not), and int4_linear as it chooses here (the AMX GEMM where the CPU has AMX)."""
+    g = torch.Generator().manual_seed(0)
+    weights = []
+    for _ in range(layers):
+        for n, k in shape.linears():
+            codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+            pairs = torch.stack([torch.rand(k // group_size, n, generator=g) / 100,
+                                 torch.randn(k // group_size, n, generator=g) / 100], dim=-1)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            weights.append((packed, pairs.bfloat16().contiguous(), k))
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k).bfloat16() for _, _, k in weights}
+        ops = torch.ops.dabba_cpu
+        tinygemm = lambda w: torch.ops.aten._weight_int4pack_mm_for_cpu(xs[w[2]], w[0], group_size, w[1])  # noqa: E731
+        chunked = lambda w: ops.int4_dequant_linear(xs[w[2]], w[0], group_size, w[1], None)  # noqa: E731
+        chosen = lambda w: ops.int4_linear(xs[w[2]], w[0], group_size, w[1], None, True)  # noqa: E731
+        built = all(chunked(w) is not None for w in weights)
+        out.append({
+            "rows": m, "tinygemm_ms": best_ms(lambda: [tinygemm(w) for w in weights], repeats),
+            "dequantized_chunks_ms": best_ms(lambda: [chunked(w) for w in weights], repeats) if built else None,
+            "int4_linear_ms": best_ms(lambda: [chosen(w) for w in weights], repeats),
+            "agrees": agree([chosen(w) for w in weights[:4]] + ([chunked(w) for w in weights[:4]] if built else []),
+                            [tinygemm(w) for w in weights[:4]] * (2 if built else 1)),
+        })
+    return out
+
+
 def _attention_case(shape: Shape, query_lens: list[int], context_lens: list[int], shuffle: bool,
                     seed: int = 0, amx: bool = True) -> tuple[Callable[[], Any], int]:
     """One layer's CPU-backend attention for a step of these requests; returns (run, KV bytes read).
@@ -229,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape": asdict(shape), "layers": args.layers, "threads": torch.get_num_threads(),
         "linear": bench_linear(shape, args.layers, ints(args.linear_rows), args.repeats),
         "int8_prefill": bench_int8_prefill(shape, args.layers, ints(args.prefill_rows), args.repeats),
+        "int4_prefill": bench_int4_prefill(shape, args.layers, ints(args.prefill_rows), args.repeats),
         "attention": bench_attention(shape, args.layers, args.decode_seqs, args.decode_context,
                                      ints(args.prompt_lens), args.repeats),
     }

@@ -18,6 +18,7 @@ def test_kernels_benchmark_reports_each_kernel(capsys) -> None:
     assert [row["rows"] for row in result["linear"]] == [1, 7, 13, 300]
     assert [row["rows"] for row in result["int8_prefill"]] == [100]
     assert result["int8_prefill"][0]["agrees"] is True
+    assert [row["rows"] for row in result["int4_prefill"]] == [100] and result["int4_prefill"][0]["agrees"] is True
     limits = native.kernel_constants()
     amx = native.amx_usable(64)  # the GEMM on AMX tiles, with its own thresholds
     if native.gemv_available() and native.gemm_available():
