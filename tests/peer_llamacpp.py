@@ -8,7 +8,11 @@ PROMPTS.json: a list of token-id lists. OUT.json: per prompt, per generated posi
 token, its log-probability and the runner-up's (float64 log-softmax of llama.cpp's logits), with
 a float32 KV cache, as dabba's under dtype float32.
 llama.cpp's repacked CPU weight kernels (extra buffer types) are off: they crash on some CPUs with
-AMX, and they compute what the plain kernels do.
+AMX, and they compute what the plain kernels do. Its flash attention is off too: on the CPU it
+rounds inside to float16 (outputs 5e-4 from float32's attention on these files), which every
+8-bit activation rounding downstream then amplifies (a code moved by one is 1/127 of its block).
+Without it, layer by layer, llama.cpp's and dabba's outputs on a quantized file agree to float32
+summation order until such a rounding falls on a near-half.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ def main() -> None:
     cparams.n_threads = cparams.n_threads_batch = 2
     cparams.no_perf = True
     cparams.type_k = cparams.type_v = lc.GGML_TYPE_F32  # as dabba's float32 cache (llama.cpp's default: f16)
+    cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED  # float32 attention (see the docstring)
     ctx = lc.llama_init_from_model(model, cparams)
     assert ctx, "cannot create a context"
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))

@@ -52,15 +52,27 @@ struct A8Rows {
   std::vector<float> xf;  // [M, K]
 };
 
-// x[0:n] -> codes round(x / d), d = max|x| / 127 (round half to even, as torch.round); returns d
-inline float round_block(const float* x, int64_t n, int8_t* q) {
-  float amax = 0.f;
-  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
-  const float d = amax / 127.f;
-  const float id = d > 0.f ? 1.f / d : 0.f;
+// x[0:n] -> 8-bit codes, returning their scale d (x ~ code * d), rounded code for code as llama.cpp's
+// x86 kernels round activations (half to even): the legacy types' blocks as quantize_row_q8_0,
+// codes x * (127 / max|x|) and d = max|x| / 127; the K types' super-blocks as quantize_row_q8_K,
+// codes x * (-127 / x_m), x_m the first value of the largest magnitude, and d = 1 / (-127 / x_m).
+// (1 / d in place of 127 / max|x| moves a code where x sits at a half, as GGUF's quantized
+// embeddings put it often.)
+inline float round_block(const float* x, int64_t n, int8_t* q, bool k_quants) {
+  float amax = 0.f, xm = 0.f;
   for (int64_t k = 0; k < n; ++k)
-    q[k] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[k] * id))));
-  return d;
+    if (std::fabs(x[k]) > amax) {
+      amax = std::fabs(x[k]);
+      xm = x[k];
+    }
+  if (amax == 0.f) {
+    std::fill(q, q + n, int8_t{0});
+    return 0.f;
+  }
+  const float scale = k_quants ? -127.f / xm : 127.f / amax;
+  for (int64_t k = 0; k < n; ++k)
+    q[k] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[k] * scale))));
+  return k_quants ? 1.f / scale : amax / 127.f;
 }
 
 template <typename T>
@@ -81,7 +93,7 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants) {
       for (int64_t b = 0; b < a.blocks; ++b) {
         const int64_t k0 = b * kA8Block, n = std::min(kA8Block, a.K - k0);
         int8_t* q = a.q.data() + m * a.blocks * kA8Block + k0;
-        const float d = round_block(a.xf.data() + m * a.K + k0, n, q);
+        const float d = round_block(a.xf.data() + m * a.K + k0, n, q, false);
         int sum = 0;
         for (int64_t k = 0; k < n; ++k) sum += q[k];
         // d held as float16, as llama.cpp's Q8_0/Q8_1 activation blocks hold it (the codes come from d
@@ -101,7 +113,7 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants) {
     for (int64_t m = 0; m < a.M; ++m) {
       for (int64_t sb = 0; sb < supers; ++sb)
         a.dk[m * supers + sb] = round_block(a.xf.data() + m * a.K + sb * kSuperBlock, kSuperBlock,
-                                            a.qk.data() + m * a.K + sb * kSuperBlock);
+                                            a.qk.data() + m * a.K + sb * kSuperBlock, true);
       for (int64_t i = 0; i < a.K / 16; ++i) {
         int sum = 0;
         for (int k = 0; k < 16; ++k) sum += a.qk[m * a.K + 16 * i + k];

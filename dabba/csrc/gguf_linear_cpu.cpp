@@ -136,9 +136,9 @@ void dequantize_rows(at::Tensor& out, const uint8_t* raw, Type type, int64_t row
   });
 }
 
-// x[0:n] as its codes give it back, out = round(x / d) * d with d = max|x| / 127 (as float16 where
-// ``half``): gguf::round_block's codes (the same products, rounded half to even), 8 lanes a step.
-inline void round_run(const float* x, int64_t n, bool half, float* out) {
+// x[0:n] as its codes give it back (code * d): gguf::round_block's codes and scale (the same
+// products, rounded half to even), the scale held as float16 where ``half``, 8 lanes a step.
+inline void round_run(const float* x, int64_t n, bool k_quants, float* out) {
   float amax = 0.f;
   int64_t i = 0;
 #ifdef DABBA_GGUF_SIMD
@@ -150,21 +150,30 @@ inline void round_run(const float* x, int64_t n, bool half, float* out) {
   for (float v : lanes) amax = std::max(amax, v);
 #endif
   for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float d = amax / 127.f;
-  const float id = d > 0.f ? 1.f / d : 0.f;
-  const float back = half ? static_cast<float>(c10::Half(d)) : d;
+  if (amax == 0.f) {
+    std::fill(out, out + n, 0.f);
+    return;
+  }
+  float xm = amax;  // the first value of the largest magnitude, with its sign
+  for (int64_t k = 0; k < n; ++k)
+    if (std::fabs(x[k]) == amax) {
+      xm = x[k];
+      break;
+    }
+  const float scale = k_quants ? -127.f / xm : 127.f / amax;
+  const float back = k_quants ? 1.f / scale : static_cast<float>(c10::Half(amax / 127.f));
   i = 0;
 #ifdef DABBA_GGUF_SIMD
-  const __m256 vid = _mm256_set1_ps(id), vback = _mm256_set1_ps(back);
+  const __m256 vscale = _mm256_set1_ps(scale), vback = _mm256_set1_ps(back);
   const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   for (; i + 8 <= n; i += 8) {
-    __m256 q = _mm256_mul_ps(_mm256_loadu_ps(x + i), vid);
+    __m256 q = _mm256_mul_ps(_mm256_loadu_ps(x + i), vscale);
     q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
     _mm256_storeu_ps(out + i, _mm256_mul_ps(q, vback));
   }
 #endif
-  for (; i < n; ++i) out[i] = std::max(-127.f, std::min(127.f, std::nearbyint(x[i] * id))) * back;
+  for (; i < n; ++i) out[i] = std::max(-127.f, std::min(127.f, std::nearbyint(x[i] * scale))) * back;
 }
 
 // x [M, K] as its 8-bit codes give it back, in x's dtype: q * d per block of 32 values with d held as
@@ -179,7 +188,7 @@ at::Tensor rounded_activations(const at::Tensor& x, bool k_quants) {
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t k0 = 0; k0 < K; k0 += block)
-        round_run(xp + m * K + k0, std::min(block, K - k0), !k_quants, op + m * K + k0);
+        round_run(xp + m * K + k0, std::min(block, K - k0), k_quants, op + m * K + k0);
   });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }

@@ -72,17 +72,27 @@ def dequantize_rows(type_name: str, raw: torch.Tensor, columns: int, dtype: torc
 
 
 def quantize_activations(x: torch.Tensor, block: int = A8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> codes [M, K'] int8 and scales [M, K' / block] float32, K' = K rounded up to
-    ``block``: per block d = max|x| / 127, codes round(x / d) (half to even), as the GEMV rounds them.
-    The legacy types' blocks of 32 keep d as float16 (llama.cpp's Q8_0 and Q8_1 do), the K types'
-    super-blocks as float32 (Q8_K)."""
+    """x [M, K] -> codes [M, K'] int8 and scales [M, K' / block] float32 (x ~ code * scale), K' = K
+    rounded up to ``block``, rounded code for code as llama.cpp's x86 kernels round activations (half
+    to even): per block of 32 (the legacy types) codes x * (127 / max|x|) and scale max|x| / 127, held
+    as float16 (quantize_row_q8_0); per 256 (the K types) codes x * (-127 / x_m), x_m the block's
+    first value of the largest magnitude, and scale 1 / (-127 / x_m) (quantize_row_q8_K)."""
     m, k = x.shape
     padded = -(-k // block) * block
     xf = F.pad(x.float(), (0, padded - k)).view(m, -1, block)
-    d = xf.abs().amax(-1) / 127.0
-    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(xf * inverse[..., None]).clamp(-127, 127)
-    return q.to(torch.int8).view(m, padded), d.half().float() if block == A8_BLOCK else d
+    amax = xf.abs().amax(-1)
+    # tensor / tensor: a scalar over a tensor (or a tensor over a scalar) is computed with a reciprocal,
+    # rounded twice, which moves the codes of x at halves away from the kernels'
+    full = functools.partial(torch.full_like, amax)
+    if block == A8_BLOCK:
+        scale = torch.where(amax > 0, full(127.0) / amax, full(0.0))
+        d = (amax / full(127.0)).half().float()
+    else:
+        xm = xf.gather(-1, xf.abs().argmax(-1, keepdim=True)).squeeze(-1)  # argmax: the first of the largest
+        scale = torch.where(amax > 0, full(-127.0) / xm, full(0.0))
+        d = torch.where(amax > 0, full(1.0) / scale, full(0.0))
+    q = torch.round(xf * scale[..., None]).clamp(-127, 127)
+    return q.to(torch.int8).view(m, padded), d
 
 
 def rounded_activations(x: torch.Tensor, type_name: str) -> torch.Tensor:
