@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from dabba.arch.config import RopeScaling
+from dabba.arch.rope_scaling import RopeScaling
 from dabba.ops import native
 
 
