@@ -108,8 +108,16 @@ def rounded_activations(x: torch.Tensor, type_name: str) -> torch.Tensor:
 
 def dequantized_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None) -> torch.Tensor:
     """Prefill's and batches' GGUF linear in PyTorch: each segment's dequantized rows against x
-    rounded as that segment's type rounds it."""
-    y = torch.cat([F.linear(rounded_activations(x, s.type_name), s.dequantize(x.dtype)) for s in segments], dim=1)
+    rounded as that segment's type rounds it (once per kind of rounding: a merged layer's segments
+    mostly share one)."""
+    rounded: dict[str, torch.Tensor] = {}
+    outs = []
+    for s in segments:
+        kind = "float" if s.type_name in FLOAT_TYPES else "k" if s.type_name in K_TYPES else "legacy"
+        if kind not in rounded:
+            rounded[kind] = rounded_activations(x, s.type_name)
+        outs.append(F.linear(rounded[kind], s.dequantize(x.dtype)))
+    y = torch.cat(outs, dim=1)
     return y if bias is None else y + bias
 
 
