@@ -106,8 +106,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise ValueError(f"{path}: shard {first.get(SPLIT_NO)!r} of a GGUF file split in {count}: give its first "
                          f"shard, named <name>-00001-of-{count:05d}.gguf")
     tensors = dict(first.tensors)
-    for number in range(1, count):
-        shard_path = first.path.with_name(f"{first.path.name[:names.start()]}-{number + 1:05d}-of-{count:05d}.gguf")
+    for number, name in enumerate(shard_names(first.path.name)[1:], start=1):
+        shard_path = first.path.with_name(name)
         shard = _checked(shard_path)
         if shard.get(SPLIT_NO) != number or shard.get(SPLIT_COUNT) != count:
             raise ValueError(f"{shard_path}: not shard {number + 1} of {count} ({SPLIT_NO} {shard.get(SPLIT_NO)!r}, "
@@ -120,6 +120,16 @@ def read_gguf(path: str | Path) -> GGUFFile:
     if expected is not None and expected != len(tensors):
         raise ValueError(f"{path}: {SPLIT_TENSORS} says {expected!r} tensors, the {count} shards hold {len(tensors)}")
     return GGUFFile(first.path, first.metadata, tensors)
+
+
+def shard_names(name: str) -> list[str]:
+    """A split file's first shard's name (or path) -> every shard's, as llama.cpp names them; any
+    other name -> itself alone."""
+    match = SPLIT_SHARD.search(name)
+    if match is None:
+        return [name]
+    count = int(match.group(2))
+    return [f"{name[:match.start()]}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
 
 
 def _checked(path: Path) -> GGUFFile:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from dabba.arch.gguf_file import SPLIT_SHARD
+from dabba.arch.gguf_file import SPLIT_SHARD, shard_names
 
 T = TypeVar("T")
 CONFIG_FILES = ["config.json", "generation_config.json"]
@@ -109,11 +109,9 @@ def resolve_gguf(repo_id: str, tag: str | None, gguf_file: str | None, revision:
     if shard and shard.group(1) != "00001":
         raise ValueError(f"{where}: {gguf_file} is shard {int(shard.group(1))} of a split GGUF file: name its first "
                          "shard (-00001-of-...)")
-    count = int(shard.group(2)) if shard else 1
-    names = [f"{gguf_file[:shard.start()]}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)] if shard \
-        else [gguf_file]  # a split file's every shard, beside the first as llama.cpp looks for them
     paths = [_hub_call(lambda: hf_hub_download(repo_id, name, revision=revision, cache_dir=download_dir),
-                       repo_id, revision, download_dir, field) for name in names]
+                       repo_id, revision, download_dir, field)
+             for name in shard_names(gguf_file)]  # a split file's every shard, beside the first
     return Path(paths[0])
 
 
