@@ -63,7 +63,7 @@ class ModelConfig:
     max_model_len: int | None = _help("Longest sequence (prompt + output) in tokens; default: the model's limit.", None)
     device: str = _help('"auto" (CUDA if available, else CPU), "cpu" or "cuda".', "auto")
     seed: int = _help("Seed for requests that sample without a seed of their own.", 0)
-    quantization: str | None = _help('Weight quantization at load time: "int8" (per channel) or "int4" (groups of 128; 64 or 32 where 128 does not tile a layer), round to nearest.', None)
+    quantization: str | None = _help('Weight quantization at load time: "int8" (per channel) or "int4" (groups of 128; 64 or 32 where 128 does not tile a layer), round to nearest; "w8a8": int8 weights times activations rounded to int8 per token at run time (integer GEMMs).', None)
     attention_backend: str = _help('"auto" (native CPU kernels on CPU, else the reference), "torch_ref" or "cpu".', "auto")
     native_layer_loop: str = _help(
         '"auto": run every step\'s layers in the native C++ loop (csrc/decode_cpu.cpp) where it computes exactly '
@@ -78,8 +78,8 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f'device must be "auto", "cpu" or "cuda[:N]", got {self.device!r}')
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f'quantization must be "int8", "int4" or None, got {self.quantization!r}')
+        if self.quantization not in (None, "int8", "int4", "w8a8"):
+            raise ValueError(f'quantization must be "int8", "int4", "w8a8" or None, got {self.quantization!r}')
         if self.attention_backend not in ("auto", "torch_ref", "cpu"):
             raise ValueError(f'attention_backend must be "auto", "torch_ref" or "cpu", got {self.attention_backend!r}')
         if self.native_layer_loop not in NATIVE_LAYER_LOOP:

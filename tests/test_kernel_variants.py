@@ -49,6 +49,7 @@ def test_each_variant_has_its_own_library_name():
 # the scheduling (preemption, prefix caching) or turn the kernels off, the same on every variant.
 KERNEL_SUITES = ("tests/test_native.py", "tests/layers", "tests/attention", "tests/test_native_layer_loop.py",
                  "tests/quantization/test_int4_linear.py", "tests/quantization/test_gguf_linear.py",
+                 "tests/quantization/test_w8a8_linear.py",
                  "tests/test_sampling.py",
                  "tests/test_parity.py::test_greedy_matches_transformers",
                  "tests/test_parity.py::test_greedy_with_chunked_prefill")

@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+
 #include <cstdint>
 
 namespace dabba {
@@ -114,6 +116,16 @@ constexpr int kGemmRowBlock = 16;
 bool amx_usable(int64_t K);
 constexpr int kAmxGemvMaxRows = 0;
 constexpr int kAmxInt8GemmMinRows = 7;
+// w8a8_cpu.cpp: INT8 weights times activations rounded to 8-bit codes per row. The weight packed in
+// blocks of kW8A8Columns channels, K padded to a multiple of kW8A8Depth (dabba/quantization/w8a8.py
+// packs it); at most kW8A8MaxInputs inputs, so that the int32 sums cannot overflow (255 * 128 * K).
+constexpr int64_t kW8A8Columns = 16;
+constexpr int64_t kW8A8Depth = 64;
+constexpr int64_t kW8A8MaxInputs = 32768;
+// From this many rows the sums run on AMX-INT8 tiles where the CPU has them (VNNI below).
+constexpr int kAmxW8A8MinRows = 16;
+// The kernel w8a8_linear takes for M rows of K inputs here: "amx", "vnni", "avx2" or "scalar".
+std::string w8a8_path(int64_t M, int64_t K);
 bool gemm_available();
 // amx: take the AMX tiles where the CPU has them (gemm_amx_cpu.cpp); false keeps the AVX512-BF16
 // ones, the reference.

@@ -28,6 +28,10 @@ c10::Dict<std::string, int64_t> kernel_constants() {
   constants.insert("linear_kind.int4", static_cast<int64_t>(LinearKind::kInt4));
   constants.insert("linear_kind.gguf", static_cast<int64_t>(LinearKind::kGguf));
   constants.insert("gguf_gemv_max_rows", kGgufGemvMaxRows);
+  constants.insert("w8a8_columns", kW8A8Columns);
+  constants.insert("w8a8_depth", kW8A8Depth);
+  constants.insert("w8a8_max_inputs", kW8A8MaxInputs);
+  constants.insert("amx_w8a8_min_rows", kAmxW8A8MinRows);
   for (const gguf::TypeInfo& t : gguf::kTypes) constants.insert(std::string("gguf_type.") + t.name, t.type);
   return constants;
 }

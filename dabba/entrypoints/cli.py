@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                          cmd_eval_kl_divergence)
     kld.add_argument("--reference", required=True, help="the reference checkpoint (same tokenizer)")
     kld.add_argument("--data", required=True, help="a UTF-8 text file")
-    kld.add_argument("--quantization", choices=["int8", "int4"], default=None, help="quantize MODEL at load time")
+    kld.add_argument("--quantization", choices=["int8", "int4", "w8a8"], default=None, help="quantize MODEL at load time")
     kld.add_argument("--dtype", default="auto", help='"auto" (the reference\'s), "bfloat16", "float16", "float32"')
     kld.add_argument("--max-length", type=int, default=256, help="tokens per window (default: 256)")
     kld.add_argument("--max-windows", type=int, default=64, help="non-overlapping windows to score (default: 64)")
@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory", type=parse_bytes, default=None,
                     help="instead: memory for weights and KV cache together; the KV cache gets the rest")
     pl.add_argument("--max-model-len", type=int, default=None, help="sequence length (default: the model's limit)")
-    pl.add_argument("--quantization", choices=["none", "int8", "int4"], default=None,
+    pl.add_argument("--quantization", choices=["none", "int8", "int4", "w8a8"], default=None,
                     help="only this weight quantization")
     pl.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default=None, help="only this KV dtype")
     pl.add_argument("--dtype", default="auto", help='"auto" (config.json\'s), "bfloat16", "float16", "float32"')

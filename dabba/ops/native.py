@@ -94,6 +94,10 @@ class KernelConstants:
     amx_int8_gemm_min_rows: int  # and INT8's GEMM from here
     avx2_gemm_min_rows: int  # the avx2 build: bf16's GEMM (csrc/gemm_avx2_cpu.cpp) from here, the GEMV below
     gguf_gemv_max_rows: int  # GGUF blocks: the GEMV up to here, dequantized rows through dense_linear beyond
+    w8a8_columns: int  # W8A8's packed weight: blocks of this many output channels ...
+    w8a8_depth: int  # ... with K padded to a multiple of this (csrc/w8a8_cpu.cpp)
+    w8a8_max_inputs: int  # the most inputs its int32 sums hold
+    amx_w8a8_min_rows: int  # W8A8 on AMX-INT8 tiles from here, where the CPU has them
     linear_kinds: dict[str, int]  # "dense", "int8", "int4", "gguf" -> LinearKind in csrc/cpu_ops.h
     gguf_types: dict[str, int]  # the GGUF types the kernels take, by name -> ggml's type id (csrc/gguf_blocks.h)
 

@@ -12,8 +12,9 @@ from dabba.quantization.gguf import GGUFLinearMethod
 from dabba.quantization.gguf_blocks import row_bytes
 from dabba.quantization.gptq_format import AWQLinearMethod, GPTQLinearMethod
 from dabba.quantization.rtn import Int4RTNMethod, Int8RTNMethod
+from dabba.quantization.w8a8 import W8A8Method
 
-QUANTIZATION_METHODS = ("int8", "int4")  # applied at load time; "gptq", "awq" and "gguf" come from a checkpoint
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8")  # applied at load time; "gptq", "awq" and "gguf" come from a checkpoint
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class QuantConfig:
 
     int8: symmetric, per output channel. int4: asymmetric with an integer zero point, per group
     of ``group_size`` input channels (64 or 32 for a layer whose width the group does not tile).
+    w8a8: int8's codes, times activations rounded to INT8 per token at run time (w8a8.py).
     Scale s = (r_max - r_min) / (2^bits - 1).
     """
 
@@ -91,6 +93,8 @@ class QuantConfig:
 
         if self.method == "int8":
             return Int8RTNMethod()
+        if self.method == "w8a8":
+            return W8A8Method()
         # Groups must tile the layer's input width (SmolLM's 576 is not a multiple of 128):
         # fall back to smaller groups, or leave the layer unquantized.
         for group_size in (self.group_size, 64, 32):  # of the whole layer's width, the same at every tensor-parallel size

@@ -23,12 +23,12 @@ from dabba.models.resolved_config import resolve_config
 from dabba.models.sizes import parameter_counts, weights_bytes
 from dabba.quantization.config import QuantConfig
 
-WEIGHT_QUANTIZATIONS = (None, "int8", "int4")
+WEIGHT_QUANTIZATIONS = (None, "int8", "int4")  # the rows of a plan asked for none; "w8a8" when asked (int8's bytes)
 
 
 @dataclass
 class PlanRow:
-    quantization: str  # "none", "int8", "int4", or the checkpoint's own ("gptq", "awq")
+    quantization: str  # "none", "int8", "int4", "w8a8", or the checkpoint's own ("gptq", "awq")
     kv_cache_dtype: str
     weights_bytes: int
     kv_cache_memory: int  # the budget, or with total_memory what the weights leave of it
@@ -111,8 +111,8 @@ def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_l
             raise ValueError(f"quantization={quantization!r}: this checkpoint is already quantized")
         weight_options = [(resolved.quant_config.method, resolved.quant_config)]
     else:
-        if quantization not in WEIGHT_QUANTIZATIONS + ("none",):
-            raise ValueError(f"quantization must be 'none', 'int8', 'int4' or None (all), got {quantization!r}")
+        if quantization not in WEIGHT_QUANTIZATIONS + ("none", "w8a8"):
+            raise ValueError(f"quantization must be 'none', 'int8', 'int4', 'w8a8' or None (all), got {quantization!r}")
         chosen = WEIGHT_QUANTIZATIONS if quantization is None else [None if quantization == "none" else quantization]
         weight_options = [(q or "none", QuantConfig(q) if q else None) for q in chosen]
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:

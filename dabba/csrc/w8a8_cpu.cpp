@@ -1,0 +1,484 @@
+// W8A8: x W^T + b with INT8 weights (symmetric, a float32 scale per output channel) and x rounded
+// to 8-bit codes per row at run time, multiplied in integers and summed exactly in int32.
+//
+// x's row m becomes unsigned codes u (0..255) with a scale s_m and a zero point z_m: symmetric,
+// q = round(x * 127 / max|x|) in -127..127 and u = q + 128 (z = 128); asymmetric, over
+// [min(x, 0), max(x, 0)], u = round(x * 255 / range) + round(-min * 255 / range) (z that). Then
+//   y[m, n] = float(sum_k u[m, k] w[n, k] - z_m * wsum[n]) * (s_m * sw[n])   (+ b[n], after y is
+// rounded to x's dtype), wsum[n] = sum_k w[n, k]: unsigned times signed bytes is what vpdpbusd and
+// AMX's TDPBUSD multiply, and the zero point's correction is one product per output.
+//
+// The weight is packed once at load (dabba/quantization/w8a8.py: pack_weight): blocks of
+// kW8A8Columns output channels, each [Kp / 4][16][4] bytes (4 consecutive k of 16 channels in 64
+// bytes), K padded with zero codes to Kp, a multiple of kW8A8Depth. 64 bytes are a vpdpbusd's
+// weight operand for 16 channels, and 16 of them (64 k) an AMX B tile as it lies.
+//
+// Kernels (the same int32 sums, so the same outputs bit for bit; chosen in w8a8_path):
+// AMX-INT8 tiles (32 x 32 outputs a step) from kAmxW8A8MinRows rows where the CPU and the OS have
+// them; AVX512-VNNI (4 rows x 64 channels of vpdpbusd); AVX2 (codes widened to int16, vpmaddwd);
+// scalar elsewhere. Sums carry in an int32 block between ranges of K (cache blocking), exactly.
+// The activation rounding is the packing: one pass over x writes the codes the kernels read.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+// The epilogue's product and the bias's addition are two roundings in the reference: GCC would
+// otherwise contract them into one fma in the float32 outputs.
+#pragma GCC optimize("fp-contract=off")
+
+#include "bf16_tiles.h"
+#include "cpu_math.h"
+#include "cpu_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(DABBA_HAVE_AMX) && defined(__AMX_INT8__)
+#include <cpuid.h>
+#define DABBA_W8A8_AMX 1
+#endif
+
+namespace dabba {
+namespace {
+
+constexpr int64_t kMc = 128;  // rows of codes, ...
+constexpr int64_t kKc = 1024;  // ... their range of K, ...
+constexpr int64_t kNcBlocks = 16;  // ... and the blocks of 16 channels whose sums one int32 block holds
+
+// f(T{}) for x's dtype: bf16 or float32 (checked by the caller)
+template <typename F>
+void with_x_type(const at::Tensor& x, F&& f) {
+  if (x.scalar_type() == at::kBFloat16) f(c10::BFloat16{});
+  else f(float{});
+}
+
+struct Codes {
+  std::vector<uint8_t> u;  // [rows, Kp], rows padded to a multiple of 32 with code 0
+  std::vector<float> scale;  // [M]
+  std::vector<int32_t> zero;  // [M]
+  int64_t M = 0, Kp = 0;
+};
+
+#if defined(__AVX2__)
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 codes in 0..255 held as floats -> 8 bytes at u
+inline void store8_codes(__m256 v, uint8_t* u) {
+  const __m256i i32 = _mm256_cvtps_epi32(v);  // exact: whole numbers
+  const __m256i bytes = _mm256_shuffle_epi8(i32, _mm256_set1_epi32(0x0c080400));  // each lane's 4 low bytes
+  const uint64_t lo = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 0)),
+                 hi = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 4));
+  const uint64_t both = lo | hi << 32;
+  std::memcpy(u, &both, 8);
+}
+#endif
+
+// Row m of x -> codes, as dabba/quantization/w8a8.py: quantize_activations rounds them.
+template <typename T>
+void round_row(const T* x, int64_t K, bool asymmetric, uint8_t* u, float& scale, int32_t& zero) {
+  float lo = 0.f, hi = 0.f;
+  int64_t k = 0;
+#if defined(__AVX2__)
+  __m256 vlo = _mm256_setzero_ps(), vhi = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = load8(x + k);
+    vlo = _mm256_min_ps(vlo, v);
+    vhi = _mm256_max_ps(vhi, v);
+  }
+  alignas(32) float l8[8], h8[8];
+  _mm256_store_ps(l8, vlo);
+  _mm256_store_ps(h8, vhi);
+  for (int i = 0; i < 8; ++i) {
+    lo = std::min(lo, l8[i]);
+    hi = std::max(hi, h8[i]);
+  }
+#endif
+  for (; k < K; ++k) {
+    const float v = to_float(x[k]);
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  float inv, low, high, offset;  // u = clamp(round(x * inv), low, high) + offset
+  if (!asymmetric) {
+    const float amax = std::max(hi, -lo);
+    zero = 128;
+    scale = amax / 127.f;
+    inv = amax > 0.f ? 127.f / amax : 0.f;
+    low = -127.f, high = 127.f, offset = 128.f;
+  } else {
+    const float range = hi - lo;
+    scale = range / 255.f;
+    inv = range > 0.f ? 255.f / range : 0.f;
+    zero = static_cast<int32_t>(std::clamp(std::nearbyint(-lo * inv), 0.f, 255.f));
+    offset = static_cast<float>(zero), low = -offset, high = 255.f - offset;
+  }
+  k = 0;
+#if defined(__AVX2__)
+  const __m256 vinv = _mm256_set1_ps(inv), vlow = _mm256_set1_ps(low), vhigh = _mm256_set1_ps(high),
+               voff = _mm256_set1_ps(offset);
+  for (; k + 8 <= K; k += 8) {
+    __m256 q = _mm256_round_ps(_mm256_mul_ps(load8(x + k), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm256_min_ps(_mm256_max_ps(q, vlow), vhigh);
+    store8_codes(_mm256_add_ps(q, voff), u + k);
+  }
+#endif
+  for (; k < K; ++k)
+    u[k] = static_cast<uint8_t>(std::clamp(std::nearbyint(to_float(x[k]) * inv), low, high) + offset);
+}
+
+Codes round_activations(const at::Tensor& x, int64_t Kp, bool asymmetric) {
+  Codes c;
+  c.M = x.size(0);
+  c.Kp = Kp;
+  const int64_t K = x.size(1), rows = (c.M + 31) / 32 * 32;
+  c.u.assign(rows * Kp, 0);
+  c.scale.resize(c.M);
+  c.zero.resize(c.M);
+  with_x_type(x, [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data_ptr<T>();
+    at::parallel_for(0, c.M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m)
+        round_row(xp + m * x.stride(0), K, asymmetric, c.u.data() + m * Kp, c.scale[m], c.zero[m]);
+    });
+  });
+  return c;
+}
+
+// One thread's int32 sums for rows [m0, m0 + rows) and channel blocks [b0, b0 + blocks) over k-quads
+// [q0, q1): c[r][16 * j + i] for row m0 + r, channel 16 (b0 + j) + i; ldc in int32. first: start
+// from 0, else add to c.
+struct Tile {
+  const uint8_t* u;  // row m0's codes at k = 4 q0
+  int64_t ldu;
+  const int8_t* w;  // block b0 at k-quad q0
+  int64_t block_bytes;  // Kp * 16
+  int64_t quads;
+  int32_t* c;
+  int64_t ldc;
+  bool first;
+};
+
+void scalar_tile(const Tile& t, int64_t rows, int64_t blocks) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < blocks; ++j)
+      for (int i = 0; i < 16; ++i) {
+        int32_t sum = t.first ? 0 : t.c[r * t.ldc + 16 * j + i];
+        const int8_t* w = t.w + j * t.block_bytes + 4 * i;
+        for (int64_t q = 0; q < t.quads; ++q)
+          for (int b = 0; b < 4; ++b) sum += int32_t{t.u[r * t.ldu + 4 * q + b]} * int32_t{w[64 * q + b]};
+        t.c[r * t.ldc + 16 * j + i] = sum;
+      }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// MR rows x NR blocks (16 channels each) of vpdpbusd: per 4 k, NR 64-byte weight loads and MR
+// broadcasts of 4 codes feed MR x NR accumulators.
+template <int MR, int NR>
+void vnni_tile(const Tile& t) {
+  __m512i acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j)
+      acc[r][j] = t.first ? _mm512_setzero_si512() : _mm512_loadu_si512(t.c + r * t.ldc + 16 * j);
+  for (int64_t q = 0; q < t.quads; ++q) {
+    __m512i w[NR];
+    for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_si512(t.w + j * t.block_bytes + 64 * q);
+    for (int r = 0; r < MR; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, t.u + r * t.ldu + 4 * q, 4);
+      const __m512i a = _mm512_set1_epi32(quad);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], a, w[j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) _mm512_storeu_si512(t.c + r * t.ldc + 16 * j, acc[r][j]);
+}
+
+void vnni_block(const Tile& t, int64_t rows, int64_t blocks) {
+  for (int64_t r = 0; r < rows; r += 4)
+    for (int64_t j = 0; j < blocks; j += 4) {
+      Tile s = t;
+      s.u += r * t.ldu;
+      s.w += j * t.block_bytes;
+      s.c += r * t.ldc + 16 * j;
+      with_count<4>(std::min<int64_t>(4, rows - r), [&](auto mr) {
+        with_count<4>(std::min<int64_t>(4, blocks - j),
+                      [&](auto nr) { vnni_tile<decltype(mr)::value, decltype(nr)::value>(s); });
+      });
+    }
+}
+#endif
+
+#if defined(__AVX2__)
+// AVX2: 4 k of 4 channels as 16 int16 (vpmovsxbw), the 4 codes as int16 repeated, vpmaddwd: pairs of k
+// summed in int32 (no saturation: |u w| <= 255 * 128), each channel's two pair lanes added at the end.
+template <int MR>
+void avx2_tile(const Tile& t, int64_t blocks) {
+  for (int64_t j = 0; j < blocks; ++j) {
+    __m256i acc[MR][4];  // [row][4 channels each]: lanes (channel, pair)
+    for (int r = 0; r < MR; ++r)
+      for (int g = 0; g < 4; ++g) acc[r][g] = _mm256_setzero_si256();
+    const int8_t* w = t.w + j * t.block_bytes;
+    for (int64_t q = 0; q < t.quads; ++q) {
+      __m256i w16[4];
+      for (int g = 0; g < 4; ++g)
+        w16[g] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 64 * q + 16 * g)));
+      for (int r = 0; r < MR; ++r) {
+        const uint8_t* u = t.u + r * t.ldu + 4 * q;
+        const __m256i a = _mm256_set1_epi64x(static_cast<int64_t>(u[0]) | static_cast<int64_t>(u[1]) << 16 |
+                                             static_cast<int64_t>(u[2]) << 32 | static_cast<int64_t>(u[3]) << 48);
+        for (int g = 0; g < 4; ++g) acc[r][g] = _mm256_add_epi32(acc[r][g], _mm256_madd_epi16(w16[g], a));
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      alignas(32) int32_t lanes[4][8];
+      for (int g = 0; g < 4; ++g) _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[g]), acc[r][g]);
+      int32_t* c = t.c + r * t.ldc + 16 * j;
+      for (int g = 0; g < 4; ++g)
+        for (int i = 0; i < 4; ++i) {
+          const int32_t sum = lanes[g][2 * i] + lanes[g][2 * i + 1];
+          c[4 * g + i] = t.first ? sum : c[4 * g + i] + sum;
+        }
+    }
+  }
+}
+
+void avx2_block(const Tile& t, int64_t rows, int64_t blocks) {
+  for (int64_t r = 0; r < rows; r += 2) {
+    Tile s = t;
+    s.u += r * t.ldu;
+    s.c += r * t.ldc;
+    if (rows - r >= 2) avx2_tile<2>(s, blocks);
+    else avx2_tile<1>(s, blocks);
+  }
+}
+#endif
+
+#ifdef DABBA_W8A8_AMX
+// AMX-TILE, AMX-INT8 (CPUID.7.0:EDX bits 24, 25) and the tile state granted (amx_usable asks).
+bool amx_int8_available() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return amx_usable(64) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 25) & 1);
+  }();
+  return ok;
+}
+
+// Tiles 0-3: 2 x 2 int32 sums (16 x 16 each); 4, 5: 16 rows of codes (64 k); 6, 7: 64 k of 16 channels.
+struct alignas(64) W8A8TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// rows a multiple of 32 (the codes' padding), blocks even or the last one alone; quads a multiple of 16.
+void amx_block(const Tile& t, int64_t rows, int64_t blocks) {
+  static const W8A8TileConfig config;
+  _tile_loadconfig(&config);
+  for (int64_t r = 0; r < rows; r += 32)
+    for (int64_t j = 0; j < blocks; j += 2) {
+      const bool two = blocks - j >= 2;
+      int32_t* c = t.c + r * t.ldc + 16 * j;
+      const int64_t ldc = t.ldc * 4;
+      if (t.first) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      } else {
+        _tile_loadd(0, c, ldc);
+        _tile_loadd(2, c + 16 * t.ldc, ldc);
+        if (two) {
+          _tile_loadd(1, c + 16, ldc);
+          _tile_loadd(3, c + 16 * t.ldc + 16, ldc);
+        }
+      }
+      const uint8_t* u = t.u + r * t.ldu;
+      const int8_t* w0 = t.w + j * t.block_bytes;
+      for (int64_t q = 0; q < t.quads; q += 16) {
+        _tile_loadd(4, u + 4 * q, t.ldu);
+        _tile_loadd(5, u + 16 * t.ldu + 4 * q, t.ldu);
+        _tile_loadd(6, w0 + 64 * q, 64);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(2, 5, 6);
+        if (two) {
+          _tile_loadd(7, w0 + t.block_bytes + 64 * q, 64);
+          _tile_dpbusd(1, 4, 7);
+          _tile_dpbusd(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c, ldc);
+      _tile_stored(2, c + 16 * t.ldc, ldc);
+      if (two) {
+        _tile_stored(1, c + 16, ldc);
+        _tile_stored(3, c + 16 * t.ldc + 16, ldc);
+      }
+    }
+  _tile_release();
+}
+#endif
+
+enum class Path { kAmx, kVnni, kAvx2, kScalar };
+
+Path parse_path(const std::string& name) {
+  if (name == "amx") return Path::kAmx;
+  if (name == "vnni") return Path::kVnni;
+  if (name == "avx2") return Path::kAvx2;
+  TORCH_CHECK(name == "scalar", "w8a8_linear: unknown path '", name, "'");
+  return Path::kScalar;
+}
+
+bool path_built(Path p) {
+  switch (p) {
+#ifdef DABBA_W8A8_AMX
+    case Path::kAmx: return amx_int8_available();
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case Path::kVnni: return true;
+#endif
+#if defined(__AVX2__)
+    case Path::kAvx2: return true;
+#endif
+    case Path::kScalar: return true;
+    default: return false;
+  }
+}
+
+void run_block(Path p, const Tile& t, int64_t rows, int64_t blocks) {
+  switch (p) {
+#ifdef DABBA_W8A8_AMX
+    case Path::kAmx: return amx_block(t, rows, blocks);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case Path::kVnni: return vnni_block(t, rows, blocks);
+#endif
+#if defined(__AVX2__)
+    case Path::kAvx2: return avx2_block(t, rows, blocks);
+#endif
+    default: return scalar_tile(t, rows, blocks);
+  }
+}
+
+// y rows [m0, m0 + rows) x channels [n0, n1) from their int32 sums c (row stride ldc); loops GCC
+// vectorises (cpu_math.h's conversions).
+template <typename T>
+void epilogue(const Codes& a, const int32_t* c, int64_t ldc, int64_t m0, int64_t rows, int64_t n0, int64_t n1,
+              const int32_t* wsum, const float* sw, const T* bias, T* y, int64_t ldy) {
+  const int64_t width = n1 - n0;
+  wsum += n0;
+  sw += n0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    const float s = a.scale[m];
+    const int32_t z = a.zero[m];
+    const int32_t* cr = c + r * ldc;
+    T* yr = y + m * ldy + n0;
+    if (bias) {
+      const T* b = bias + n0;
+      for (int64_t j = 0; j < width; ++j)
+        yr[j] = from_float<T>(to_float(from_float<T>(static_cast<float>(cr[j] - z * wsum[j]) * (s * sw[j]))) +
+                              to_float(b[j]));
+    } else {
+      for (int64_t j = 0; j < width; ++j) yr[j] = from_float<T>(static_cast<float>(cr[j] - z * wsum[j]) * (s * sw[j]));
+    }
+  }
+}
+
+}  // namespace
+
+std::string w8a8_path(int64_t M, int64_t K) {
+#ifdef DABBA_W8A8_AMX
+  if (M >= kAmxW8A8MinRows && amx_int8_available()) return "amx";
+#endif
+  (void)M;
+  (void)K;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return "vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+bool w8a8_path_available(const std::string& path) { return path_built(parse_path(path)); }
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wsum, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias, bool asymmetric, const std::string& path) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "w8a8_linear: x must be [M, K] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "w8a8_linear: x must be bf16 or float32");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == kW8A8Columns &&
+                  packed.size(3) == 4 && packed.is_contiguous(),
+              "w8a8_linear: the weight must be packed int8 [N / 16, Kp / 4, 16, 4]");
+  const int64_t M = x.size(0), K = x.size(1), Kp = packed.size(1) * 4, blocks = packed.size(0);
+  const int64_t N = wsum.size(0);
+  TORCH_CHECK(Kp % kW8A8Depth == 0 && Kp >= K && Kp - K < kW8A8Depth, "w8a8_linear: the packed weight holds ", Kp,
+              " inputs, x has ", K);
+  TORCH_CHECK(N <= blocks * kW8A8Columns && N > (blocks - 1) * kW8A8Columns, "w8a8_linear: ", N, " channels in ",
+              blocks, " blocks of 16");
+  TORCH_CHECK(K <= kW8A8MaxInputs, "w8a8_linear: ", K, " inputs could overflow the int32 sums (at most ",
+              kW8A8MaxInputs, ")");
+  TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous() && scales.numel() == N,
+              "w8a8_linear: wsum must be int32 [N], scales float32 [N]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N && bias->is_contiguous(),
+                "w8a8_linear: bias must be [N] in x's dtype");
+  const Path p = parse_path(path.empty() ? w8a8_path(M, K) : path);
+  TORCH_CHECK(path_built(p), "w8a8_linear: path '", path, "' is not in this build or on this CPU");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const Codes a = round_activations(x, Kp, asymmetric);
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const int64_t block_bytes = Kp * kW8A8Columns, rows_padded = (M + 31) / 32 * 32;
+  const int32_t* ws = wsum.data_ptr<int32_t>();
+  const float* sw = scales.data_ptr<float>();
+  // threads split the channel blocks (in pairs, AMX's step); each keeps an int32 block of sums
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t pair_begin, int64_t pair_end) {
+    const int64_t b_begin = 2 * pair_begin, b_end = std::min(blocks, 2 * pair_end);
+    const int64_t mc = std::min(kMc, rows_padded), ldc = kNcBlocks * kW8A8Columns;
+    std::vector<int32_t> c(mc * ldc);
+    for (int64_t b0 = b_begin; b0 < b_end; b0 += kNcBlocks) {
+      const int64_t nb = std::min(kNcBlocks, b_end - b0);
+      for (int64_t m0 = 0; m0 < rows_padded; m0 += mc) {
+        const int64_t rows = std::min(mc, rows_padded - m0);
+        // the AMX tiles take every padded row; the others only x's own
+        const int64_t computed = p == Path::kAmx ? rows : std::min(rows, M - m0);
+        if (computed <= 0) break;
+        for (int64_t k0 = 0; k0 < Kp; k0 += kKc) {
+          const int64_t kc = std::min(kKc, Kp - k0);
+          const Tile t{a.u.data() + m0 * Kp + k0, Kp, w + b0 * block_bytes + k0 * kW8A8Columns, block_bytes, kc / 4,
+                       c.data(), ldc, k0 == 0};
+          run_block(p, t, computed, nb);
+        }
+        const int64_t n0 = b0 * kW8A8Columns, n1 = std::min(N, (b0 + nb) * kW8A8Columns);
+        const int64_t valid = std::min(rows, M - m0);
+        with_x_type(x, [&](auto zero) {
+          using T = decltype(zero);
+          const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+          epilogue<T>(a, c.data(), ldc, m0, valid, n0, n1, ws, sw, bp, y.data_ptr<T>(), N);
+        });
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace dabba
+
+TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
+  m.def("w8a8_linear(Tensor x, Tensor packed, Tensor wsum, Tensor scales, Tensor? bias, bool asymmetric=False, "
+        "str path='') -> Tensor");
+  m.impl("w8a8_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::w8a8_linear));
+  m.def("w8a8_path(int rows, int K) -> str", &dabba::w8a8_path);
+  m.def("w8a8_path_available(str path) -> bool", &dabba::w8a8_path_available);
+}

@@ -1,0 +1,141 @@
+"""W8A8: INT8 weights (symmetric, per output channel) times activations rounded to INT8 per row
+at run time, multiplied in integers (csrc/w8a8_cpu.cpp: AMX-INT8 tiles, AVX512-VNNI, AVX2).
+
+Each row m of x becomes unsigned codes u with a scale s_m and zero point z_m (symmetric:
+q = round(x * 127 / max|x|), u = q + 128, z = 128; asymmetric: over [min(x, 0), max(x, 0)], 255
+steps, z = round(-min * 255 / range)); then
+
+    y[m, n] = float(sum_k u[m, k] w[n, k] - z_m * wsum[n]) * (s_m * sw[n])
+
+exactly as the kernels compute it: the int32 sums are exact, and the float steps are the same
+operations in the same order, so the reference here and every kernel give the same bits.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dabba.ops import native
+from dabba.ops.host_memory import on_huge_pages
+from dabba.quantization.base import LinearMethod
+
+
+@functools.lru_cache(maxsize=None)
+def packing() -> tuple[int, int, int]:
+    """(channels per packed block, K's padding multiple, the most inputs) as csrc/cpu_ops.h
+    defines them; the same numbers without the kernels, for the reference's layout."""
+    constants = native.kernel_constants()
+    if constants is None:
+        return 16, 64, 32768
+    return constants.w8a8_columns, constants.w8a8_depth, constants.w8a8_max_inputs
+
+
+def quantize_activations(x: torch.Tensor, asymmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes u [M, K] int32 in 0..255, scale s [M] float32, zero z [M] int32), as
+    csrc/w8a8_cpu.cpp: round_row rounds them (float32 products, half to even)."""
+    xf = x.float()
+    lo = xf.amin(dim=1).clamp(max=0)
+    hi = xf.amax(dim=1).clamp(min=0)
+    if not asymmetric:
+        amax = torch.maximum(hi, -lo)
+        scale = amax / 127.0
+        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+        q = torch.round(xf * inv[:, None]).clamp(-127, 127) + 128
+        return q.to(torch.int32), scale, torch.full_like(amax, 128, dtype=torch.int32)
+    span = hi - lo
+    scale = span / 255.0
+    inv = torch.where(span > 0, torch.full_like(span, 255.0) / span, torch.zeros_like(span))
+    zero = torch.round(-lo * inv).clamp(0, 255)
+    q = (torch.round(xf * inv[:, None]) + zero[:, None]).clamp(0, 255)
+    return q.to(torch.int32), scale, zero.to(torch.int32)
+
+
+def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                   asymmetric: bool) -> torch.Tensor:
+    """x [M, K] (bf16 or float32) times INT8 ``codes`` [N, K] with float32 ``scales`` [N]: what
+    w8a8_linear computes, in PyTorch (sums in float64, exact for these integers)."""
+    u, s, z = quantize_activations(x, asymmetric)
+    sums = (u.double() @ codes.double().T).to(torch.int64)  # exact: |sum| < 2^53
+    wsum = codes.to(torch.int64).sum(dim=1)
+    v = (sums - z.to(torch.int64)[:, None] * wsum[None, :]).float() * (s[:, None] * scales.float()[None, :])
+    y = v.to(x.dtype)
+    return y + bias if bias is not None else y
+
+
+def pack_weight(codes: torch.Tensor) -> torch.Tensor:
+    """INT8 codes [N, K] -> the kernels' layout [ceil(N / 16), Kp / 4, 16, 4]: 4 consecutive k of 16
+    channels in 64 bytes, K padded with zero codes to Kp (a multiple of 64), N to whole blocks."""
+    columns, depth, _ = packing()
+    n, k = codes.shape
+    np_, kp = -(-n // columns) * columns, -(-k // depth) * depth
+    padded = F.pad(codes, (0, kp - k, 0, np_ - n))
+    return padded.view(np_ // columns, columns, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None, asymmetric: bool, path: str = "") -> torch.Tensor:
+    """The kernels' entry: ``path`` "" lets csrc/w8a8_cpu.cpp: w8a8_path choose (the one place)."""
+    return torch.ops.dabba_cpu.w8a8_linear(x, packed, wsum, scales, bias, asymmetric, path)
+
+
+class W8A8Method(LinearMethod):
+    """Load-time W8A8 from a float checkpoint: the weight rounded as INT8 (rtn.Int8RTNMethod's
+    codes: symmetric, a scale per output channel of the whole row, at every tensor-parallel size),
+    activations rounded per row at run time."""
+
+    def __init__(self, asymmetric: bool = False) -> None:
+        self.asymmetric = asymmetric
+
+    def whole_tensor_loaded(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param is layer.weight:
+            layer.row_absmax = loaded.to(param.dtype).float().abs().amax(dim=1, keepdim=True)  # [out, 1]
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        from dabba.quantization.rtn import quantize_rows
+
+        w = layer.weight.data
+        _, _, max_inputs = packing()
+        if w.shape[1] > max_inputs:
+            raise ValueError(f"{layer.prefix}: W8A8 takes at most {max_inputs} inputs, the layer has {w.shape[1]}")
+        qw = quantize_rows(w, 8, w.shape[1], symmetric=True, codes_dtype=torch.int8,
+                           r_max=getattr(layer, "row_absmax", None))
+        self.register(layer, qw.q, qw.scale[:, 0])
+
+    def register(self, layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """The layer's INT8 codes [out, in] and float32 scales [out] in the kernels' layout (also
+        for checkpoints that carry their codes)."""
+        del layer.weight
+        layer.register_parameter("weight", None)
+        layer.register_buffer("w8a8_codes", codes, persistent=False)  # the reference's operand, off the CPU
+        if codes.device.type == "cpu":
+            layer.register_buffer("w8a8_packed", on_huge_pages(pack_weight(codes)), persistent=False)
+            del layer.w8a8_codes
+            layer.w8a8_codes = None
+        layer.register_buffer("w8a8_wsum", codes.to(torch.int32).sum(dim=1, dtype=torch.int32), persistent=False)
+        layer.register_buffer("w8a8_scales", scales.float().contiguous(), persistent=False)
+
+    def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
+        columns, depth, _ = packing()
+        n, k = layer.out_features, layer.in_features
+        return -(-n // columns) * columns * -(-k // depth) * depth + n * 8  # codes, wsum and scale
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if layer.w8a8_codes is None and native.load_cpu_ops() and x2.dtype in (torch.bfloat16, torch.float32):
+            y = w8a8_linear(x2.contiguous(), layer.w8a8_packed, layer.w8a8_wsum, layer.w8a8_scales, bias,
+                            self.asymmetric)
+        else:
+            y = w8a8_reference(x2, self.codes(layer), layer.w8a8_scales, bias, self.asymmetric)
+        return y.view(*shape[:-1], -1)
+
+    def codes(self, layer: nn.Module) -> torch.Tensor:
+        """The INT8 codes [out, in], unpacked where the layer holds the kernels' layout."""
+        if layer.w8a8_codes is not None:
+            return layer.w8a8_codes
+        blocks, quads, columns, _ = layer.w8a8_packed.shape
+        full = layer.w8a8_packed.permute(0, 2, 1, 3).reshape(blocks * columns, quads * 4)
+        return full[:layer.out_features, :layer.in_features]

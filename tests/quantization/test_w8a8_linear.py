@@ -1,0 +1,91 @@
+"""W8A8's kernels (csrc/w8a8_cpu.cpp) against the PyTorch reference (quantization/w8a8.py): the
+same int32 sums and float steps, so equal bit for bit on every path this build and CPU run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dabba.ops import native
+from dabba.quantization.rtn import quantize_rows
+from dabba.quantization.w8a8 import pack_weight, quantize_activations, w8a8_linear, w8a8_reference
+
+pytestmark = pytest.mark.skipif(not native.load_cpu_ops(), reason="native kernels unavailable")
+
+PATHS = ["amx", "vnni", "avx2", "scalar"]
+
+
+def available_paths() -> list[str]:
+    return [p for p in PATHS if torch.ops.dabba_cpu.w8a8_path_available(p)]
+
+
+def make_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.linspace(0.2, 2.0, n)[:, None]
+    qw = quantize_rows(w, 8, k, symmetric=True, codes_dtype=torch.int8)
+    return qw.q, qw.scale[:, 0]
+
+
+def run(x, codes, scales, bias, asymmetric, path):
+    return w8a8_linear(x, pack_weight(codes), codes.to(torch.int32).sum(1, dtype=torch.int32), scales, bias,
+                       asymmetric, path)
+
+
+@pytest.mark.parametrize("asymmetric", [False, True])
+@pytest.mark.parametrize("rows, n, k", [(1, 48, 64), (3, 37, 100), (8, 130, 256), (17, 64, 1100), (40, 33, 2100),
+                                        (70, 96, 192)])
+def test_every_path_equals_the_reference_bit_for_bit(rows, n, k, asymmetric) -> None:
+    codes, scales = make_weight(n, k, seed=rows)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) + 0.3).to(dtype)
+        bias = torch.randn(n).to(dtype)
+        ref = w8a8_reference(x, codes, scales, bias, asymmetric)
+        for path in available_paths():
+            got = run(x, codes, scales, bias, asymmetric, path)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            assert torch.equal(got, ref), (path, dtype, (got.float() - ref.float()).abs().max().item())
+
+
+def test_the_chosen_path_is_one_of_those_available() -> None:
+    for rows in (1, 8, 64, 512):
+        assert torch.ops.dabba_cpu.w8a8_path(rows, 1024) in available_paths()
+
+
+def test_rounding_is_close_to_the_float_product() -> None:
+    codes, scales = make_weight(64, 512, seed=1)
+    x = torch.randn(5, 512)
+    exact = x @ (codes.float() * scales[:, None]).T
+    for asymmetric in (False, True):
+        got = run(x, codes, scales, None, asymmetric, "")
+        assert (got - exact).abs().max().item() < 0.02 * exact.abs().max().item()
+
+
+def test_activation_codes() -> None:
+    x = torch.tensor([[1.27, -0.635, 0.0, 0.005], [0.0, 0.0, 0.0, 0.0], [2.0, 1.0, 1.0, 1.0]])
+    u, s, z = quantize_activations(x, asymmetric=False)
+    assert u[0].tolist() == [255, 64, 128, 128] and z.tolist() == [128, 128, 128]  # -63.5 -> -64 (half to even)
+    assert u[1].tolist() == [128] * 4 and s[1].item() == 0.0
+    u, s, z = quantize_activations(x, asymmetric=True)
+    assert z[2].item() == 0 and u[2].tolist() == [255, 128, 128, 128]  # the range includes 0
+    assert u[0].min().item() == 0 and u[0].max().item() == 255
+
+
+def test_all_zero_rows_give_zero_or_the_bias() -> None:
+    codes, scales = make_weight(16, 64, seed=2)
+    x = torch.zeros(2, 64)
+    bias = torch.randn(16)
+    for path in available_paths():
+        for asymmetric in (False, True):
+            assert torch.equal(run(x, codes, scales, bias, asymmetric, path), bias.expand(2, 16))
+
+
+def test_bad_operands_are_refused() -> None:
+    codes, scales = make_weight(16, 64, seed=3)
+    packed, wsum = pack_weight(codes), codes.to(torch.int32).sum(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="holds 64 inputs"):
+        w8a8_linear(torch.randn(1, 128), packed, wsum, scales, None, False)
+    with pytest.raises(RuntimeError, match="packed int8"):
+        w8a8_linear(torch.randn(1, 64), codes, wsum, scales, None, False)
+    with pytest.raises(RuntimeError, match="unknown path"):
+        w8a8_linear(torch.randn(1, 64), packed, wsum, scales, None, False, "sse")
+    with pytest.raises(RuntimeError, match="bias"):
+        w8a8_linear(torch.randn(1, 64), packed, wsum, scales, torch.randn(3), False)
