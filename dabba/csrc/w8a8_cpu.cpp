@@ -3,7 +3,8 @@
 //
 // x's row m becomes unsigned codes u (0..255) with a scale s_m and a zero point z_m: symmetric,
 // q = round(x * 127 / max|x|) in -127..127 and u = q + 128 (z = 128); asymmetric, over
-// [min(x, 0), max(x, 0)], u = round(x * 255 / range) + round(-min * 255 / range) (z that). Then
+// [min(x, 0), max(x, 0)], u = round(x * 255 / range) + round(-min * 255 / range) (z that); or a
+// checkpoint's static scale for every row (StaticScale). Then
 //   y[m, n] = float(sum_k u[m, k] w[n, k] - z_m * wsum[n]) * (s_m * sw[n])   (+ b[n], after y is
 // rounded to x's dtype), wsum[n] = sum_k w[n, k]: unsigned times signed bytes is what vpdpbusd and
 // AMX's TDPBUSD multiply, and the zero point's correction is one product per output.
@@ -84,10 +85,17 @@ inline void store8_codes(__m256 v, uint8_t* u) {
 }
 #endif
 
-// Row m of x -> codes, as dabba/quantization/w8a8.py: quantize_activations rounds them.
+// A checkpoint's static activation scale s and int8 zero point zp (compressed-tensors' own):
+// q = clamp(round(x * (1 / s)) + zp, -128, 127), u = q + 128, the sums' zero point zp + 128.
+struct StaticScale {
+  float scale;
+  int32_t zero;
+};
+
+// min(x, 0) and max(x, 0) over a row
 template <typename T>
-void round_row(const T* x, int64_t K, bool asymmetric, uint8_t* u, float& scale, int32_t& zero) {
-  float lo = 0.f, hi = 0.f;
+void row_range(const T* x, int64_t K, float& lo, float& hi) {
+  lo = 0.f, hi = 0.f;
   int64_t k = 0;
 #if defined(__AVX2__)
   __m256 vlo = _mm256_setzero_ps(), vhi = _mm256_setzero_ps();
@@ -109,21 +117,37 @@ void round_row(const T* x, int64_t K, bool asymmetric, uint8_t* u, float& scale,
     lo = std::min(lo, v);
     hi = std::max(hi, v);
   }
+}
+
+// Row m of x -> codes, as dabba/quantization/w8a8.py: quantize_activations rounds them.
+template <typename T>
+void round_row(const T* x, int64_t K, bool asymmetric, const StaticScale* fixed, uint8_t* u, float& scale,
+               int32_t& zero) {
   float inv, low, high, offset;  // u = clamp(round(x * inv), low, high) + offset
-  if (!asymmetric) {
-    const float amax = std::max(hi, -lo);
-    zero = 128;
-    scale = amax / 127.f;
-    inv = amax > 0.f ? 127.f / amax : 0.f;
-    low = -127.f, high = 127.f, offset = 128.f;
+  if (fixed) {
+    scale = fixed->scale;
+    inv = 1.f / fixed->scale;
+    zero = fixed->zero + 128;
+    low = static_cast<float>(-128 - fixed->zero), high = static_cast<float>(127 - fixed->zero);
+    offset = static_cast<float>(zero);
   } else {
-    const float range = hi - lo;
-    scale = range / 255.f;
-    inv = range > 0.f ? 255.f / range : 0.f;
-    zero = static_cast<int32_t>(std::clamp(std::nearbyint(-lo * inv), 0.f, 255.f));
-    offset = static_cast<float>(zero), low = -offset, high = 255.f - offset;
+    float lo, hi;
+    row_range(x, K, lo, hi);
+    if (!asymmetric) {
+      const float amax = std::max(hi, -lo);
+      zero = 128;
+      scale = amax / 127.f;
+      inv = amax > 0.f ? 127.f / amax : 0.f;
+      low = -127.f, high = 127.f, offset = 128.f;
+    } else {
+      const float range = hi - lo;
+      scale = range / 255.f;
+      inv = range > 0.f ? 255.f / range : 0.f;
+      zero = static_cast<int32_t>(std::clamp(std::nearbyint(-lo * inv), 0.f, 255.f));
+      offset = static_cast<float>(zero), low = -offset, high = 255.f - offset;
+    }
   }
-  k = 0;
+  int64_t k = 0;
 #if defined(__AVX2__)
   const __m256 vinv = _mm256_set1_ps(inv), vlow = _mm256_set1_ps(low), vhigh = _mm256_set1_ps(high),
                voff = _mm256_set1_ps(offset);
@@ -137,7 +161,7 @@ void round_row(const T* x, int64_t K, bool asymmetric, uint8_t* u, float& scale,
     u[k] = static_cast<uint8_t>(std::clamp(std::nearbyint(to_float(x[k]) * inv), low, high) + offset);
 }
 
-Codes round_activations(const at::Tensor& x, int64_t Kp, bool asymmetric) {
+Codes round_activations(const at::Tensor& x, int64_t Kp, bool asymmetric, const StaticScale* fixed) {
   Codes c;
   c.M = x.size(0);
   c.Kp = Kp;
@@ -150,7 +174,7 @@ Codes round_activations(const at::Tensor& x, int64_t Kp, bool asymmetric) {
     const T* xp = x.data_ptr<T>();
     at::parallel_for(0, c.M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m)
-        round_row(xp + m * x.stride(0), K, asymmetric, c.u.data() + m * Kp, c.scale[m], c.zero[m]);
+        round_row(xp + m * x.stride(0), K, asymmetric, fixed, c.u.data() + m * Kp, c.scale[m], c.zero[m]);
     });
   });
   return c;
@@ -412,7 +436,8 @@ std::string w8a8_path(int64_t M, int64_t K) {
 bool w8a8_path_available(const std::string& path) { return path_built(parse_path(path)); }
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wsum, const at::Tensor& scales,
-                       const c10::optional<at::Tensor>& bias, bool asymmetric, const std::string& path) {
+                       const c10::optional<at::Tensor>& bias, bool asymmetric, const std::string& path,
+                       const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& input_zero) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "w8a8_linear: x must be [M, K] with contiguous rows");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "w8a8_linear: x must be bf16 or float32");
@@ -433,11 +458,27 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N && bias->is_contiguous(),
                 "w8a8_linear: bias must be [N] in x's dtype");
+  TORCH_CHECK(input_scale.has_value() || !input_zero.has_value(), "w8a8_linear: input_zero without input_scale");
+  StaticScale fixed{};
+  if (input_scale.has_value()) {
+    TORCH_CHECK(input_scale->scalar_type() == at::kFloat && input_scale->numel() == 1,
+                "w8a8_linear: input_scale must be one float32");
+    fixed.scale = input_scale->item<float>();
+    TORCH_CHECK(std::isfinite(fixed.scale) && fixed.scale > 0.f, "w8a8_linear: input_scale must be positive, got ",
+                fixed.scale);
+    if (input_zero.has_value()) {
+      TORCH_CHECK(input_zero->scalar_type() == at::kInt && input_zero->numel() == 1,
+                  "w8a8_linear: input_zero must be one int32");
+      fixed.zero = input_zero->item<int32_t>();
+      TORCH_CHECK(fixed.zero >= -128 && fixed.zero <= 127, "w8a8_linear: input_zero must be in -128..127, got ",
+                  fixed.zero);
+    }
+  }
   const Path p = parse_path(path.empty() ? w8a8_path(M, K) : path);
   TORCH_CHECK(path_built(p), "w8a8_linear: path '", path, "' is not in this build or on this CPU");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const Codes a = round_activations(x, Kp, asymmetric);
+  const Codes a = round_activations(x, Kp, asymmetric, input_scale.has_value() ? &fixed : nullptr);
   const int8_t* w = packed.data_ptr<int8_t>();
   const int64_t block_bytes = Kp * kW8A8Columns, rows_padded = (M + 31) / 32 * 32;
   const int32_t* ws = wsum.data_ptr<int32_t>();
@@ -477,7 +518,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("w8a8_linear(Tensor x, Tensor packed, Tensor wsum, Tensor scales, Tensor? bias, bool asymmetric=False, "
-        "str path='') -> Tensor");
+        "str path='', Tensor? input_scale=None, Tensor? input_zero=None) -> Tensor");
   m.impl("w8a8_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::w8a8_linear));
   m.def("w8a8_path(int rows, int K) -> str", &dabba::w8a8_path);
   m.def("w8a8_path_available(str path) -> bool", &dabba::w8a8_path_available);

@@ -33,10 +33,20 @@ def packing() -> tuple[int, int, int]:
     return constants.w8a8_columns, constants.w8a8_depth, constants.w8a8_max_inputs
 
 
-def quantize_activations(x: torch.Tensor, asymmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, asymmetric: bool, input_scale: torch.Tensor | None = None,
+                         input_zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> (codes u [M, K] int32 in 0..255, scale s [M] float32, zero z [M] int32), as
-    csrc/w8a8_cpu.cpp: round_row rounds them (float32 products, half to even)."""
+    csrc/w8a8_cpu.cpp: round_row rounds them (float32 products, half to even). A static
+    ``input_scale`` s (float32 [1]) with int8 zero point zp (``input_zero``, int32 [1], compressed-tensors'
+    own) rounds every row alike: q = clamp(round(x * (1 / s)) + zp, -128, 127), u = q + 128."""
     xf = x.float()
+    if input_scale is not None:
+        s = input_scale.float().reshape(())
+        zp = int(input_zero.item()) if input_zero is not None else 0
+        inv = torch.ones((), dtype=torch.float32) / s
+        q = (torch.round(xf * inv) + zp).clamp(-128, 127) + 128
+        rows = x.shape[0]
+        return q.to(torch.int32), s.expand(rows).clone(), torch.full((rows,), zp + 128, dtype=torch.int32)
     lo = xf.amin(dim=1).clamp(max=0)
     hi = xf.amax(dim=1).clamp(min=0)
     if not asymmetric:
@@ -54,10 +64,11 @@ def quantize_activations(x: torch.Tensor, asymmetric: bool) -> tuple[torch.Tenso
 
 
 def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                   asymmetric: bool) -> torch.Tensor:
+                   asymmetric: bool, input_scale: torch.Tensor | None = None,
+                   input_zero: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16 or float32) times INT8 ``codes`` [N, K] with float32 ``scales`` [N]: what
     w8a8_linear computes, in PyTorch (sums in float64, exact for these integers)."""
-    u, s, z = quantize_activations(x, asymmetric)
+    u, s, z = quantize_activations(x, asymmetric, input_scale, input_zero)
     sums = (u.double() @ codes.double().T).to(torch.int64)  # exact: |sum| < 2^53
     wsum = codes.to(torch.int64).sum(dim=1)
     v = (sums - z.to(torch.int64)[:, None] * wsum[None, :]).float() * (s[:, None] * scales.float()[None, :])
@@ -76,18 +87,20 @@ def pack_weight(codes: torch.Tensor) -> torch.Tensor:
 
 
 def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None, asymmetric: bool, path: str = "") -> torch.Tensor:
+                bias: torch.Tensor | None, asymmetric: bool, path: str = "", input_scale: torch.Tensor | None = None,
+                input_zero: torch.Tensor | None = None) -> torch.Tensor:
     """The kernels' entry: ``path`` "" lets csrc/w8a8_cpu.cpp: w8a8_path choose (the one place)."""
-    return torch.ops.dabba_cpu.w8a8_linear(x, packed, wsum, scales, bias, asymmetric, path)
+    return torch.ops.dabba_cpu.w8a8_linear(x, packed, wsum, scales, bias, asymmetric, path, input_scale, input_zero)
 
 
 class W8A8Method(LinearMethod):
     """Load-time W8A8 from a float checkpoint: the weight rounded as INT8 (rtn.Int8RTNMethod's
     codes: symmetric, a scale per output channel of the whole row, at every tensor-parallel size),
-    activations rounded per row at run time."""
+    activations rounded per row at run time (or, ``static``, with the checkpoint's one scale per layer)."""
 
-    def __init__(self, asymmetric: bool = False) -> None:
+    def __init__(self, asymmetric: bool = False, static: bool = False) -> None:
         self.asymmetric = asymmetric
+        self.static = static
 
     def whole_tensor_loaded(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param is layer.weight:
@@ -104,9 +117,25 @@ class W8A8Method(LinearMethod):
                            r_max=getattr(layer, "row_absmax", None))
         self.register(layer, qw.q, qw.scale[:, 0])
 
-    def register(self, layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    def register(self, layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor,
+                 input_scale: torch.Tensor | None = None, input_zero: torch.Tensor | None = None) -> None:
         """The layer's INT8 codes [out, in] and float32 scales [out] in the kernels' layout (also
-        for checkpoints that carry their codes)."""
+        for checkpoints that carry their codes); a static method's activation scale [1] (float32)
+        and int8 zero point [1] (int32; None: 0)."""
+        if self.static != (input_scale is not None):
+            raise ValueError(f"{layer.prefix}: a static W8A8 layer needs its input_scale, a dynamic one has none")
+        if input_scale is not None:
+            value = float(input_scale.reshape(-1)[0]) if input_scale.numel() == 1 else float("nan")
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"{layer.prefix}: input_scale must be one positive number, got {input_scale.tolist()}")
+            zero = int(input_zero.reshape(-1)[0]) if input_zero is not None and input_zero.numel() == 1 else 0
+            if input_zero is not None and (input_zero.numel() != 1 or not -128 <= zero <= 127):
+                raise ValueError(f"{layer.prefix}: input_zero_point must be one integer in -128..127, "
+                                 f"got {input_zero.tolist()}")
+            layer.register_buffer("w8a8_input_scale", input_scale.float().reshape(1).clone(), persistent=False)
+            layer.register_buffer("w8a8_input_zero", torch.tensor([zero], dtype=torch.int32), persistent=False)
+        else:
+            layer.w8a8_input_scale = layer.w8a8_input_zero = None
         del layer.weight
         layer.register_parameter("weight", None)
         layer.register_buffer("w8a8_codes", codes, persistent=False)  # the reference's operand, off the CPU
@@ -127,9 +156,10 @@ class W8A8Method(LinearMethod):
         x2 = x.reshape(-1, shape[-1])
         if layer.w8a8_codes is None and native.load_cpu_ops() and x2.dtype in (torch.bfloat16, torch.float32):
             y = w8a8_linear(x2.contiguous(), layer.w8a8_packed, layer.w8a8_wsum, layer.w8a8_scales, bias,
-                            self.asymmetric)
+                            self.asymmetric, "", layer.w8a8_input_scale, layer.w8a8_input_zero)
         else:
-            y = w8a8_reference(x2, self.codes(layer), layer.w8a8_scales, bias, self.asymmetric)
+            y = w8a8_reference(x2, self.codes(layer), layer.w8a8_scales, bias, self.asymmetric,
+                               layer.w8a8_input_scale, layer.w8a8_input_zero)
         return y.view(*shape[:-1], -1)
 
     def codes(self, layer: nn.Module) -> torch.Tensor:

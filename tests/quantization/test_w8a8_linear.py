@@ -45,6 +45,35 @@ def test_every_path_equals_the_reference_bit_for_bit(rows, n, k, asymmetric) -> 
             assert torch.equal(got, ref), (path, dtype, (got.float() - ref.float()).abs().max().item())
 
 
+@pytest.mark.parametrize("zero", [0, -20, 37])
+def test_a_static_scale_equals_the_reference_bit_for_bit(zero) -> None:
+    """A checkpoint's one activation scale and zero point for every row; some values clip at -128 / 127."""
+    codes, scales = make_weight(40, 200, seed=5)
+    packed, wsum = pack_weight(codes), codes.to(torch.int32).sum(1, dtype=torch.int32)
+    input_scale, input_zero = torch.tensor([0.013]), torch.tensor([zero], dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(21, 200, generator=torch.Generator().manual_seed(3)) * 0.6).to(dtype)
+        u, s, z = quantize_activations(x, False, input_scale, input_zero)
+        assert (u == 0).any() and (u == 255).any() and z.tolist() == [zero + 128] * 21
+        ref = w8a8_reference(x, codes, scales, None, False, input_scale, input_zero)
+        for path in available_paths():
+            got = w8a8_linear(x, packed, wsum, scales, None, False, path, input_scale, input_zero)
+            assert torch.equal(got, ref), (path, dtype)
+        exact = x.float().clamp((-128 - zero) * 0.013, (127 - zero) * 0.013) @ (codes.float() * scales[:, None]).T
+        assert (ref.float() - exact).abs().max().item() < 0.02 * exact.abs().max().item()
+
+
+def test_a_bad_static_scale_is_refused() -> None:
+    codes, scales = make_weight(16, 64, seed=2)
+    packed, wsum = pack_weight(codes), codes.to(torch.int32).sum(1, dtype=torch.int32)
+    x = torch.randn(2, 64)
+    for scale, zero, match in ((torch.tensor([0.0]), None, "positive"), (torch.tensor([0.1, 0.2]), None, "one float"),
+                               (torch.tensor([0.1]), torch.tensor([200], dtype=torch.int32), "-128..127"),
+                               (None, torch.tensor([1], dtype=torch.int32), "without input_scale")):
+        with pytest.raises(RuntimeError, match=match):
+            w8a8_linear(x, packed, wsum, scales, None, False, "", scale, zero)
+
+
 def test_the_chosen_path_is_one_of_those_available() -> None:
     for rows in (1, 8, 64, 512):
         assert torch.ops.dabba_cpu.w8a8_path(rows, 1024) in available_paths()
