@@ -4,7 +4,8 @@
 // x's row m becomes unsigned codes u (0..255) with a scale s_m and a zero point z_m: symmetric,
 // q = round(x * 127 / max|x|) in -127..127 and u = q + 128 (z = 128); asymmetric, over
 // [min(x, 0), max(x, 0)], u = round(x * 255 / range) + round(-min * 255 / range) (z that); or a
-// checkpoint's static scale for every row (StaticScale). Then
+// checkpoint's static scale for every row (StaticScale). A tensor-parallel rank's slice of a row is
+// rounded by the whole row's range (x_range), so every rank's codes are those of one rank. Then
 //   y[m, n] = float(sum_k u[m, k] w[n, k] - z_m * wsum[n]) * (s_m * sw[n])   (+ b[n], after y is
 // rounded to x's dtype), wsum[n] = sum_k w[n, k]: unsigned times signed bytes is what vpdpbusd and
 // AMX's TDPBUSD multiply, and the zero point's correction is one product per output.
@@ -61,10 +62,16 @@ void with_x_type(const at::Tensor& x, F&& f) {
 }
 
 struct Codes {
-  std::vector<uint8_t> u;  // [rows, Kp], rows padded to a multiple of 32 with code 0
+  std::vector<uint8_t> u;  // rows padded to a multiple of 32 with code 0; laid out as below
   std::vector<float> scale;  // [M]
   std::vector<int32_t> zero;  // [M]
   int64_t M = 0, Kp = 0;
+  // AMX: in tiles, [rows / 16][Kp / 64][16][64], so each tile load reads 1 KiB in a row (16 rows Kp
+  // apart would meet in the same L1 sets when Kp is a multiple of 4096). Else [rows][Kp].
+  bool tiled = false;
+
+  uint8_t* row(int64_t m) { return tiled ? u.data() + m / 16 * (Kp / 64) * 1024 + m % 16 * 64 : u.data() + m * Kp; }
+  int64_t chunk_stride() const { return tiled ? 1024 : 64; }  // between a row's runs of 64 codes
 };
 
 #if defined(__AVX2__)
@@ -119,10 +126,12 @@ void row_range(const T* x, int64_t K, float& lo, float& hi) {
   }
 }
 
-// Row m of x -> codes, as dabba/quantization/w8a8.py: quantize_activations rounds them.
+// Row m of x -> codes, as dabba/quantization/w8a8.py: quantize_activations rounds them. Its
+// range: the row's (min(x, 0), max(x, 0)) where given (a tensor-parallel shard of the row: the
+// whole row's, gathered from every rank), else found here.
 template <typename T>
-void round_row(const T* x, int64_t K, bool asymmetric, const StaticScale* fixed, uint8_t* u, float& scale,
-               int32_t& zero) {
+void round_row(const T* x, int64_t K, bool asymmetric, const StaticScale* fixed, const float* range, uint8_t* u,
+               int64_t chunk_stride, float& scale, int32_t& zero) {
   float inv, low, high, offset;  // u = clamp(round(x * inv), low, high) + offset
   if (fixed) {
     scale = fixed->scale;
@@ -132,7 +141,8 @@ void round_row(const T* x, int64_t K, bool asymmetric, const StaticScale* fixed,
     offset = static_cast<float>(zero);
   } else {
     float lo, hi;
-    row_range(x, K, lo, hi);
+    if (range) lo = range[0], hi = range[1];
+    else row_range(x, K, lo, hi);
     if (!asymmetric) {
       const float amax = std::max(hi, -lo);
       zero = 128;
@@ -140,9 +150,9 @@ void round_row(const T* x, int64_t K, bool asymmetric, const StaticScale* fixed,
       inv = amax > 0.f ? 127.f / amax : 0.f;
       low = -127.f, high = 127.f, offset = 128.f;
     } else {
-      const float range = hi - lo;
-      scale = range / 255.f;
-      inv = range > 0.f ? 255.f / range : 0.f;
+      const float span = hi - lo;
+      scale = span / 255.f;
+      inv = span > 0.f ? 255.f / span : 0.f;
       zero = static_cast<int32_t>(std::clamp(std::nearbyint(-lo * inv), 0.f, 255.f));
       offset = static_cast<float>(zero), low = -offset, high = 255.f - offset;
     }
@@ -154,17 +164,20 @@ void round_row(const T* x, int64_t K, bool asymmetric, const StaticScale* fixed,
   for (; k + 8 <= K; k += 8) {
     __m256 q = _mm256_round_ps(_mm256_mul_ps(load8(x + k), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q = _mm256_min_ps(_mm256_max_ps(q, vlow), vhigh);
-    store8_codes(_mm256_add_ps(q, voff), u + k);
+    store8_codes(_mm256_add_ps(q, voff), u + k / 64 * chunk_stride + k % 64);
   }
 #endif
   for (; k < K; ++k)
-    u[k] = static_cast<uint8_t>(std::clamp(std::nearbyint(to_float(x[k]) * inv), low, high) + offset);
+    u[k / 64 * chunk_stride + k % 64] =
+        static_cast<uint8_t>(std::clamp(std::nearbyint(to_float(x[k]) * inv), low, high) + offset);
 }
 
-Codes round_activations(const at::Tensor& x, int64_t Kp, bool asymmetric, const StaticScale* fixed) {
+Codes round_activations(const at::Tensor& x, int64_t Kp, bool asymmetric, const StaticScale* fixed, const float* ranges,
+                        bool tiled) {
   Codes c;
   c.M = x.size(0);
   c.Kp = Kp;
+  c.tiled = tiled;
   const int64_t K = x.size(1), rows = (c.M + 31) / 32 * 32;
   c.u.assign(rows * Kp, 0);
   c.scale.resize(c.M);
@@ -174,7 +187,8 @@ Codes round_activations(const at::Tensor& x, int64_t Kp, bool asymmetric, const 
     const T* xp = x.data_ptr<T>();
     at::parallel_for(0, c.M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m)
-        round_row(xp + m * x.stride(0), K, asymmetric, fixed, c.u.data() + m * Kp, c.scale[m], c.zero[m]);
+        round_row(xp + m * x.stride(0), K, asymmetric, fixed, ranges ? ranges + 2 * m : nullptr, c.row(m),
+                  c.chunk_stride(), c.scale[m], c.zero[m]);
     });
   });
   return c;
@@ -306,46 +320,66 @@ struct alignas(64) W8A8TileConfig {
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
 
-// rows a multiple of 32 (the codes' padding), blocks even or the last one alone; quads a multiple of 16.
-void amx_block(const Tile& t, int64_t rows, int64_t blocks) {
+constexpr int64_t kAmxMc = 256;  // rows whose sums one int32 block holds, ...
+constexpr int64_t kAmxKc = 512;  // ... the range of K a pass adds to them (32 rows of codes: 16 KiB, in L1), ...
+constexpr int64_t kAmxNcBlocks = 16;  // ... and their channel blocks (a panel of weight: 128 KiB, in L2)
+
+// The int32 sums of channel blocks [b_begin, b_end) for every row of the tiled codes (rows a
+// multiple of 32), a block of kAmxMc rows x kAmxNcBlocks blocks at a time, each handed to
+// done(m0, rows, b0, blocks, sums, ldc). A step: 2 tiles of codes (32 rows, from L1: the same 32 rows
+// go through every channel pair of the panel before the next) against 2 weight tiles (32 channels,
+// streamed from L2 without displacing the codes: TILELOADDT1) into 2 x 2 accumulator tiles.
+template <typename Done>
+void amx_gemm(const Codes& a, const int8_t* w, int64_t block_bytes, int64_t b_begin, int64_t b_end, Done&& done) {
   static const W8A8TileConfig config;
   _tile_loadconfig(&config);
-  for (int64_t r = 0; r < rows; r += 32)
-    for (int64_t j = 0; j < blocks; j += 2) {
-      const bool two = blocks - j >= 2;
-      int32_t* c = t.c + r * t.ldc + 16 * j;
-      const int64_t ldc = t.ldc * 4;
-      if (t.first) {
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-      } else {
-        _tile_loadd(0, c, ldc);
-        _tile_loadd(2, c + 16 * t.ldc, ldc);
-        if (two) {
-          _tile_loadd(1, c + 16, ldc);
-          _tile_loadd(3, c + 16 * t.ldc + 16, ldc);
+  const int64_t k_tiles = a.Kp / 64, rows_padded = static_cast<int64_t>(a.u.size()) / a.Kp;
+  const int64_t ldc = kAmxNcBlocks * kW8A8Columns, ldc_bytes = ldc * 4;
+  std::vector<int32_t> c(kAmxMc * ldc);
+  for (int64_t b0 = b_begin; b0 < b_end; b0 += kAmxNcBlocks) {
+    const int64_t nb = std::min(kAmxNcBlocks, b_end - b0);
+    for (int64_t m0 = 0; m0 < rows_padded; m0 += kAmxMc) {
+      const int64_t mc = std::min(kAmxMc, rows_padded - m0);
+      for (int64_t k0 = 0; k0 < k_tiles; k0 += kAmxKc / 64) {
+        const int64_t kt = std::min(kAmxKc / 64, k_tiles - k0);
+        for (int64_t r = 0; r < mc; r += 32) {
+          const uint8_t* a0 = a.u.data() + ((m0 + r) / 16 * k_tiles + k0) * 1024;
+          const uint8_t* a1 = a0 + k_tiles * 1024;
+          for (int64_t j = 0; j < nb; j += 2) {
+            const bool two = nb - j >= 2;
+            int32_t* cp = c.data() + r * ldc + 16 * j;
+            if (k0 == 0) {
+              _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            } else {
+              _tile_loadd(0, cp, ldc_bytes);
+              _tile_loadd(1, cp + 16, ldc_bytes);
+              _tile_loadd(2, cp + 16 * ldc, ldc_bytes);
+              _tile_loadd(3, cp + 16 * ldc + 16, ldc_bytes);
+            }
+            const int8_t* w0 = w + (b0 + j) * block_bytes + k0 * 1024;
+            const int8_t* w1 = two ? w0 + block_bytes : w0;  // the last block alone: its sums twice
+            for (int64_t q = 0; q < kt; ++q) {
+              _tile_loadd(4, a0 + q * 1024, 64);
+              _tile_stream_loadd(6, w0 + q * 1024, 64);
+              _tile_dpbusd(0, 4, 6);
+              _tile_stream_loadd(7, w1 + q * 1024, 64);
+              _tile_dpbusd(1, 4, 7);
+              _tile_loadd(5, a1 + q * 1024, 64);
+              _tile_dpbusd(2, 5, 6);
+              _tile_dpbusd(3, 5, 7);
+            }
+            _tile_stored(0, cp, ldc_bytes);
+            _tile_stored(2, cp + 16 * ldc, ldc_bytes);
+            if (two) {
+              _tile_stored(1, cp + 16, ldc_bytes);
+              _tile_stored(3, cp + 16 * ldc + 16, ldc_bytes);
+            }
+          }
         }
       }
-      const uint8_t* u = t.u + r * t.ldu;
-      const int8_t* w0 = t.w + j * t.block_bytes;
-      for (int64_t q = 0; q < t.quads; q += 16) {
-        _tile_loadd(4, u + 4 * q, t.ldu);
-        _tile_loadd(5, u + 16 * t.ldu + 4 * q, t.ldu);
-        _tile_loadd(6, w0 + 64 * q, 64);
-        _tile_dpbusd(0, 4, 6);
-        _tile_dpbusd(2, 5, 6);
-        if (two) {
-          _tile_loadd(7, w0 + t.block_bytes + 64 * q, 64);
-          _tile_dpbusd(1, 4, 7);
-          _tile_dpbusd(3, 5, 7);
-        }
-      }
-      _tile_stored(0, c, ldc);
-      _tile_stored(2, c + 16 * t.ldc, ldc);
-      if (two) {
-        _tile_stored(1, c + 16, ldc);
-        _tile_stored(3, c + 16 * t.ldc + 16, ldc);
-      }
+      done(m0, mc, b0, nb, c.data(), ldc);
     }
+  }
   _tile_release();
 }
 #endif
@@ -378,9 +412,6 @@ bool path_built(Path p) {
 
 void run_block(Path p, const Tile& t, int64_t rows, int64_t blocks) {
   switch (p) {
-#ifdef DABBA_W8A8_AMX
-    case Path::kAmx: return amx_block(t, rows, blocks);
-#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     case Path::kVnni: return vnni_block(t, rows, blocks);
 #endif
@@ -437,7 +468,8 @@ bool w8a8_path_available(const std::string& path) { return path_built(parse_path
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wsum, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, bool asymmetric, const std::string& path,
-                       const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& input_zero) {
+                       const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& input_zero,
+                       const c10::optional<at::Tensor>& x_range) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "w8a8_linear: x must be [M, K] with contiguous rows");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "w8a8_linear: x must be bf16 or float32");
@@ -474,40 +506,50 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                   fixed.zero);
     }
   }
+  if (x_range.has_value())
+    TORCH_CHECK(!input_scale.has_value() && x_range->scalar_type() == at::kFloat && x_range->dim() == 2 &&
+                    x_range->size(0) == M && x_range->size(1) == 2 && x_range->is_contiguous(),
+                "w8a8_linear: x_range must be float32 [M, 2] (and no input_scale)");
   const Path p = parse_path(path.empty() ? w8a8_path(M, K) : path);
   TORCH_CHECK(path_built(p), "w8a8_linear: path '", path, "' is not in this build or on this CPU");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const Codes a = round_activations(x, Kp, asymmetric, input_scale.has_value() ? &fixed : nullptr);
+  const Codes a = round_activations(x, Kp, asymmetric, input_scale.has_value() ? &fixed : nullptr,
+                                    x_range.has_value() ? x_range->data_ptr<float>() : nullptr, p == Path::kAmx);
   const int8_t* w = packed.data_ptr<int8_t>();
-  const int64_t block_bytes = Kp * kW8A8Columns, rows_padded = (M + 31) / 32 * 32;
+  const int64_t block_bytes = Kp * kW8A8Columns;
   const int32_t* ws = wsum.data_ptr<int32_t>();
   const float* sw = scales.data_ptr<float>();
+  // y for rows [m0, m0 + rows) and channel blocks [b0, b0 + nb) from their sums c (ldc: its row stride)
+  auto store = [&](int64_t m0, int64_t rows, int64_t b0, int64_t nb, const int32_t* c, int64_t ldc) {
+    const int64_t n0 = b0 * kW8A8Columns, n1 = std::min(N, (b0 + nb) * kW8A8Columns);
+    const int64_t valid = std::min(rows, M - m0);
+    if (valid <= 0) return;
+    with_x_type(x, [&](auto zero) {
+      using T = decltype(zero);
+      const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+      epilogue<T>(a, c, ldc, m0, valid, n0, n1, ws, sw, bp, y.data_ptr<T>(), N);
+    });
+  };
   // threads split the channel blocks (in pairs, AMX's step); each keeps an int32 block of sums
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t pair_begin, int64_t pair_end) {
     const int64_t b_begin = 2 * pair_begin, b_end = std::min(blocks, 2 * pair_end);
-    const int64_t mc = std::min(kMc, rows_padded), ldc = kNcBlocks * kW8A8Columns;
+#ifdef DABBA_W8A8_AMX
+    if (p == Path::kAmx) return amx_gemm(a, w, block_bytes, b_begin, b_end, store);
+#endif
+    const int64_t mc = std::min(kMc, M), ldc = kNcBlocks * kW8A8Columns;
     std::vector<int32_t> c(mc * ldc);
     for (int64_t b0 = b_begin; b0 < b_end; b0 += kNcBlocks) {
       const int64_t nb = std::min(kNcBlocks, b_end - b0);
-      for (int64_t m0 = 0; m0 < rows_padded; m0 += mc) {
-        const int64_t rows = std::min(mc, rows_padded - m0);
-        // the AMX tiles take every padded row; the others only x's own
-        const int64_t computed = p == Path::kAmx ? rows : std::min(rows, M - m0);
-        if (computed <= 0) break;
+      for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t rows = std::min(mc, M - m0);
         for (int64_t k0 = 0; k0 < Kp; k0 += kKc) {
           const int64_t kc = std::min(kKc, Kp - k0);
           const Tile t{a.u.data() + m0 * Kp + k0, Kp, w + b0 * block_bytes + k0 * kW8A8Columns, block_bytes, kc / 4,
                        c.data(), ldc, k0 == 0};
-          run_block(p, t, computed, nb);
+          run_block(p, t, rows, nb);
         }
-        const int64_t n0 = b0 * kW8A8Columns, n1 = std::min(N, (b0 + nb) * kW8A8Columns);
-        const int64_t valid = std::min(rows, M - m0);
-        with_x_type(x, [&](auto zero) {
-          using T = decltype(zero);
-          const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-          epilogue<T>(a, c.data(), ldc, m0, valid, n0, n1, ws, sw, bp, y.data_ptr<T>(), N);
-        });
+        store(m0, rows, b0, nb, c.data(), ldc);
       }
     }
   });
@@ -518,7 +560,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("w8a8_linear(Tensor x, Tensor packed, Tensor wsum, Tensor scales, Tensor? bias, bool asymmetric=False, "
-        "str path='', Tensor? input_scale=None, Tensor? input_zero=None) -> Tensor");
+        "str path='', Tensor? input_scale=None, Tensor? input_zero=None, Tensor? x_range=None) -> Tensor");
   m.impl("w8a8_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::w8a8_linear));
   m.def("w8a8_path(int rows, int K) -> str", &dabba::w8a8_path);
   m.def("w8a8_path_available(str path) -> bool", &dabba::w8a8_path_available);

@@ -34,11 +34,13 @@ def packing() -> tuple[int, int, int]:
 
 
 def quantize_activations(x: torch.Tensor, asymmetric: bool, input_scale: torch.Tensor | None = None,
-                         input_zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         input_zero: torch.Tensor | None = None,
+                         x_range: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> (codes u [M, K] int32 in 0..255, scale s [M] float32, zero z [M] int32), as
     csrc/w8a8_cpu.cpp: round_row rounds them (float32 products, half to even). A static
     ``input_scale`` s (float32 [1]) with int8 zero point zp (``input_zero``, int32 [1], compressed-tensors'
-    own) rounds every row alike: q = clamp(round(x * (1 / s)) + zp, -128, 127), u = q + 128."""
+    own) rounds every row alike: q = clamp(round(x * (1 / s)) + zp, -128, 127), u = q + 128. ``x_range``
+    [M, 2] (min(x, 0), max(x, 0) of each whole row) stands in for x's own where x is a slice of the rows."""
     xf = x.float()
     if input_scale is not None:
         s = input_scale.float().reshape(())
@@ -47,8 +49,7 @@ def quantize_activations(x: torch.Tensor, asymmetric: bool, input_scale: torch.T
         q = (torch.round(xf * inv) + zp).clamp(-128, 127) + 128
         rows = x.shape[0]
         return q.to(torch.int32), s.expand(rows).clone(), torch.full((rows,), zp + 128, dtype=torch.int32)
-    lo = xf.amin(dim=1).clamp(max=0)
-    hi = xf.amax(dim=1).clamp(min=0)
+    lo, hi = row_range(x).unbind(1) if x_range is None else x_range.unbind(1)
     if not asymmetric:
         amax = torch.maximum(hi, -lo)
         scale = amax / 127.0
@@ -63,12 +64,18 @@ def quantize_activations(x: torch.Tensor, asymmetric: bool, input_scale: torch.T
     return q.to(torch.int32), scale, zero.to(torch.int32)
 
 
+def row_range(x: torch.Tensor) -> torch.Tensor:
+    """[M, 2]: min(x, 0) and max(x, 0) of each row, in float32 (exact: x's own values)."""
+    xf = x.float()
+    return torch.stack([xf.amin(dim=1).clamp(max=0), xf.amax(dim=1).clamp(min=0)], dim=1)
+
+
 def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                    asymmetric: bool, input_scale: torch.Tensor | None = None,
-                   input_zero: torch.Tensor | None = None) -> torch.Tensor:
+                   input_zero: torch.Tensor | None = None, x_range: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16 or float32) times INT8 ``codes`` [N, K] with float32 ``scales`` [N]: what
     w8a8_linear computes, in PyTorch (sums in float64, exact for these integers)."""
-    u, s, z = quantize_activations(x, asymmetric, input_scale, input_zero)
+    u, s, z = quantize_activations(x, asymmetric, input_scale, input_zero, x_range)
     sums = (u.double() @ codes.double().T).to(torch.int64)  # exact: |sum| < 2^53
     wsum = codes.to(torch.int64).sum(dim=1)
     v = (sums - z.to(torch.int64)[:, None] * wsum[None, :]).float() * (s[:, None] * scales.float()[None, :])
@@ -88,9 +95,10 @@ def pack_weight(codes: torch.Tensor) -> torch.Tensor:
 
 def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None, asymmetric: bool, path: str = "", input_scale: torch.Tensor | None = None,
-                input_zero: torch.Tensor | None = None) -> torch.Tensor:
+                input_zero: torch.Tensor | None = None, x_range: torch.Tensor | None = None) -> torch.Tensor:
     """The kernels' entry: ``path`` "" lets csrc/w8a8_cpu.cpp: w8a8_path choose (the one place)."""
-    return torch.ops.dabba_cpu.w8a8_linear(x, packed, wsum, scales, bias, asymmetric, path, input_scale, input_zero)
+    return torch.ops.dabba_cpu.w8a8_linear(x, packed, wsum, scales, bias, asymmetric, path, input_scale, input_zero,
+                                           x_range)
 
 
 class W8A8Method(LinearMethod):
@@ -154,13 +162,23 @@ class W8A8Method(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        x_range = self.whole_row_range(layer, x2)
         if layer.w8a8_codes is None and native.load_cpu_ops() and x2.dtype in (torch.bfloat16, torch.float32):
             y = w8a8_linear(x2.contiguous(), layer.w8a8_packed, layer.w8a8_wsum, layer.w8a8_scales, bias,
-                            self.asymmetric, "", layer.w8a8_input_scale, layer.w8a8_input_zero)
+                            self.asymmetric, "", layer.w8a8_input_scale, layer.w8a8_input_zero, x_range)
         else:
             y = w8a8_reference(x2, self.codes(layer), layer.w8a8_scales, bias, self.asymmetric,
-                               layer.w8a8_input_scale, layer.w8a8_input_zero)
+                               layer.w8a8_input_scale, layer.w8a8_input_zero, x_range)
         return y.view(*shape[:-1], -1)
+
+    def whole_row_range(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """A row-parallel shard sees a slice of each row: the whole row's range, gathered from every
+        rank, so that its codes are the ones one rank would round (and the sum over ranks is the
+        unsharded layer's, up to the float addition of the partial outputs). None elsewhere."""
+        if layer.parallel != "row" or self.static:
+            return None
+        ranges = layer.tp.all_gather(row_range(x))  # [M, 2 * ranks]: (lo, hi) of each rank in turn
+        return torch.stack([ranges[:, 0::2].amin(dim=1), ranges[:, 1::2].amax(dim=1)], dim=1).contiguous()
 
     def codes(self, layer: nn.Module) -> torch.Tensor:
         """The INT8 codes [out, in], unpacked where the layer holds the kernels' layout."""

@@ -79,9 +79,10 @@ def test_a_draft_model_runs_whole_on_every_rank(checkpoints) -> None:
     assert results[1][0] == generate(LLM(str(ckpt.path), dtype="float32", kv_cache_memory=2**22), prompts)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
 def test_quantized_layers_shard_along_their_groups(quantization, checkpoints, tmp_path) -> None:
-    # int4's groups of 128 need 128 input channels a rank: o_proj's 256, down_proj's 512
+    # int4's groups of 128 need 128 input channels a rank: o_proj's 256, down_proj's 512; w8a8's
+    # row-parallel shards round their slice of each row by the whole row's range (gathered)
     path = make_checkpoint(tmp_path / "wide", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=64, initializer_range=0.1)
     prompts = checkpoints["llama"].prompts[2:6]

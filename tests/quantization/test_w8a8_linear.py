@@ -7,7 +7,7 @@ import torch
 
 from dabba.ops import native
 from dabba.quantization.rtn import quantize_rows
-from dabba.quantization.w8a8 import pack_weight, quantize_activations, w8a8_linear, w8a8_reference
+from dabba.quantization.w8a8 import pack_weight, quantize_activations, row_range, w8a8_linear, w8a8_reference
 
 pytestmark = pytest.mark.skipif(not native.load_cpu_ops(), reason="native kernels unavailable")
 
@@ -72,6 +72,28 @@ def test_a_bad_static_scale_is_refused() -> None:
                                (None, torch.tensor([1], dtype=torch.int32), "without input_scale")):
         with pytest.raises(RuntimeError, match=match):
             w8a8_linear(x, packed, wsum, scales, None, False, "", scale, zero)
+
+
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_row_parallel_slices_rounded_by_the_whole_row_sum_to_the_whole_layer(asymmetric) -> None:
+    """Tensor parallelism's row-parallel layers: each rank holds a slice of every row's inputs. Rounded
+    by the whole row's range (gathered), the ranks' codes are the unsharded layer's, and their outputs
+    add up to its output but for the float additions; rounded by their own slice's, they would not."""
+    codes, scales = make_weight(48, 256, seed=7)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(8))
+    x[:, 200] *= 20  # one rank's slice holds each row's largest value
+    whole = w8a8_reference(x, codes, scales, None, asymmetric)
+    x_range = row_range(x)
+    halves = [slice(0, 128), slice(128, 256)]
+    for path in available_paths():
+        parts = [w8a8_linear(x[:, h].contiguous(), pack_weight(codes[:, h].contiguous()),
+                             codes[:, h].to(torch.int32).sum(1, dtype=torch.int32), scales, None, asymmetric, path,
+                             x_range=x_range) for h in halves]
+        for h, part in zip(halves, parts):
+            assert torch.equal(part, w8a8_reference(x[:, h], codes[:, h], scales, None, asymmetric, x_range=x_range))
+        assert (parts[0] + parts[1] - whole).abs().max().item() <= 1e-5 * whole.abs().max().item()
+    local = sum(w8a8_reference(x[:, h], codes[:, h], scales, None, asymmetric) for h in halves)
+    assert (local - whole).abs().max().item() > 1e-3 * whole.abs().max().item()
 
 
 def test_the_chosen_path_is_one_of_those_available() -> None:
