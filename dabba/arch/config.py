@@ -66,7 +66,7 @@ class ArchConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    quantization_config: dict | None = None  # a pre-quantized checkpoint's (GPTQ, AWQ)
+    quantization_config: dict | None = None  # a pre-quantized checkpoint's (GPTQ, AWQ, compressed-tensors)
     # RoPE rotates the first rotary_dim dims of each head (head_dim * partial_rotary_factor,
     # Phi-4-mini: 0.75); the rest pass through. None: the whole head.
     rotary_dim: int | None = None
@@ -145,10 +145,10 @@ class ArchConfig:
             raise ValueError("unsupported config: use_bidirectional_attention=true (dabba attends causally)")
         if cfg.get("mlp_bias"):
             raise ValueError("unsupported config: mlp_bias=true")
-        quantization = cfg.get("quantization_config")
-        if quantization and quantization.get("quant_method") not in ("gptq", "awq", "gguf"):  # gguf: a GGUF file's
+        quantization = cfg.get("quantization_config")  # "gguf": a GGUF file's tensor types
+        if quantization and quantization.get("quant_method") not in ("gptq", "awq", "gguf", "compressed-tensors"):
             raise ValueError(f"unsupported quantization_config {quantization.get('quant_method')!r} "
-                             "(supported: 'gptq', 'awq')")
+                             "(supported: 'gptq', 'awq', 'compressed-tensors')")
 
         num_heads = cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads

@@ -239,12 +239,16 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from dabba.tools.quantize import QuantizeOptions, quantize_checkpoint
 
     model_dir = resolve_model_dir(args.model, args.revision, args.download_dir)
+    w8a8 = args.method in ("w8a8", "smoothquant")
+    opts = QuantizeOptions(method=args.method, bits=args.bits or (8 if w8a8 else 4),
+                           group_size=args.group_size, act_order=args.act_order, num_samples=args.num_samples,
+                           seq_len=args.seq_len, static_activations=args.activations == "static",
+                           asymmetric_activations=args.asymmetric_activations, alpha=args.alpha)
     calibration = args.calibration or str(model_dir / "calibration.txt")
-    if not Path(calibration).is_file():
+    needed = args.method != "w8a8" or opts.static_activations  # dynamic W8A8 rounds to nearest
+    if needed and not Path(calibration).is_file():
         raise ValueError(f"no calibration text: pass --calibration FILE ({calibration} does not exist)")
-    opts = QuantizeOptions(method=args.method, bits=args.bits, group_size=args.group_size, act_order=args.act_order,
-                           num_samples=args.num_samples, seq_len=args.seq_len)
-    config = quantize_checkpoint(model_dir, args.out, Path(calibration).read_text(), opts)
+    config = quantize_checkpoint(model_dir, args.out, Path(calibration).read_text() if needed else "", opts)
     print(json.dumps({"out": args.out, "quantization_config": config}))
     return 0
 
@@ -364,13 +368,22 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=cmd_bench_serve)
 
     qz = sub.add_parser("quantize", parents=[_common_flags()], help="quantize a checkpoint: GPTQ or round-to-nearest (saved in "
-                        "GPTQ's layout), AWQ (saved in AutoAWQ's gemm layout)")
+                        "GPTQ's layout), AWQ (saved in AutoAWQ's gemm layout), W8A8 (saved as compressed-tensors' "
+                        "int-quantized checkpoint, as llm-compressor writes it)")
     qz.add_argument("model", help="a Hugging Face checkpoint directory or Hub repo id")
     qz.add_argument("out", help="directory to write the quantized checkpoint to")
-    qz.add_argument("--method", choices=["gptq", "awq", "rtn"], default="gptq")
-    qz.add_argument("--bits", type=int, choices=[4, 8], default=4)
+    qz.add_argument("--method", choices=["gptq", "awq", "rtn", "w8a8", "smoothquant"], default="gptq",
+                    help="smoothquant: SmoothQuant's scales folded into the norms, then w8a8")
+    qz.add_argument("--bits", type=int, choices=[4, 8], default=None, help="(default: 4; w8a8, smoothquant: 8)")
+    qz.add_argument("--alpha", type=float, default=0.5,
+                    help="smoothquant: how much of the activations' range moves into the weights, 0-1 (default: 0.5)")
     qz.add_argument("--group-size", type=int, default=128, help="input channels per scale (default: 128)")
     qz.add_argument("--act-order", action="store_true", help="GPTQ: columns in decreasing Hessian-diagonal order")
+    qz.add_argument("--activations", choices=["dynamic", "static"], default="dynamic",
+                    help="w8a8: activations rounded per token at run time (default), or with one scale per layer "
+                         "from the calibration inputs' range")
+    qz.add_argument("--asymmetric-activations", action="store_true",
+                    help="w8a8: activation codes with a zero point (over [min, max] rather than [-max|x|, max|x|])")
     qz.add_argument("--calibration", default=None, help="calibration text (default: MODEL/calibration.txt)")
     qz.add_argument("--num-samples", type=int, default=64, help="calibration windows (default: 64)")
     qz.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window (default: 256)")

@@ -8,13 +8,15 @@ from torch import nn
 
 from dabba.arch.checkpoint_names import shard_checkpoint_names
 from dabba.quantization.base import LinearMethod, UnquantizedLinearMethod
+from dabba.quantization.compressed_tensors import QUANT_METHOD as COMPRESSED_TENSORS, CompressedTensorsConfig
 from dabba.quantization.gguf import GGUFLinearMethod
 from dabba.quantization.gguf_blocks import row_bytes
 from dabba.quantization.gptq_format import AWQLinearMethod, GPTQLinearMethod
 from dabba.quantization.rtn import Int4RTNMethod, Int8RTNMethod
 from dabba.quantization.w8a8 import W8A8Method
 
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8")  # applied at load time; "gptq", "awq" and "gguf" come from a checkpoint
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8")  # applied at load time; the rest come from a checkpoint
+CHECKPOINT_METHODS = ("gptq", "awq", "gguf", COMPRESSED_TENSORS)
 
 
 @dataclass(frozen=True)
@@ -33,17 +35,20 @@ class QuantConfig:
     desc_act: bool = False  # "gptq" checkpoints: act-order (g_idx not monotonic)
     # "gguf" files: each quantized tensor's GGUF type, by its checkpoint module name ("...q_proj")
     tensor_types: dict[str, str] = field(default_factory=dict, compare=False)
+    compressed_tensors: CompressedTensorsConfig | None = None  # "compressed-tensors" checkpoints (W8A8)
 
     def __post_init__(self) -> None:
-        if self.method not in QUANTIZATION_METHODS + ("gptq", "awq", "gguf"):
+        if self.method not in QUANTIZATION_METHODS + CHECKPOINT_METHODS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.method!r}")
         if self.group_size < 1 and not (self.method == "gptq" and self.group_size == -1):
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
 
     @classmethod
     def from_checkpoint(cls, qc: dict) -> "QuantConfig":
-        """config.json's quantization_config, as GPTQ tools write it."""
+        """config.json's quantization_config, as GPTQ/AWQ tools and llm-compressor write it."""
         method = qc.get("quant_method")
+        if method == COMPRESSED_TENSORS:
+            return cls(COMPRESSED_TENSORS, compressed_tensors=CompressedTensorsConfig.from_config(qc))
         if method == "gguf":  # written by models/gguf_checkpoint.py from the file's tensor table
             return cls("gguf", tensor_types=dict(qc["tensor_types"]))
         if method == "awq":
@@ -54,7 +59,8 @@ class QuantConfig:
                 raise ValueError("unsupported AWQ checkpoint: zero_point false")
             return cls("awq", group_size=int(qc.get("group_size", qc.get("q_group_size", 128))), bits=4)
         if method != "gptq":
-            raise ValueError(f"unsupported quantization_config quant_method {method!r} (supported: 'gptq', 'awq')")
+            raise ValueError(f"unsupported quantization_config quant_method {method!r} (supported: 'gptq', 'awq', "
+                             f"{COMPRESSED_TENSORS!r})")
         if qc.get("checkpoint_format", "gptq") != "gptq":
             raise ValueError(f"unsupported GPTQ checkpoint_format {qc.get('checkpoint_format')!r} (supported: 'gptq')")
         if qc.get("bits") not in (4, 8):
@@ -67,7 +73,8 @@ class QuantConfig:
         SmolLM's size it is a fifth of the weights, the largest single read of a decode step.
         (llama.cpp likewise keeps output.weight at 6 to 8 bits under Q4_0.) A tied embedding
         then looks its rows up in these codes (LMHead.shares_packed_rows), so the vocabulary is
-        held once. GPTQ/AWQ checkpoints leave the head as saved."""
+        held once. GPTQ/AWQ and compressed-tensors checkpoints leave the head as saved (a
+        compressed-tensors config that quantizes it is refused)."""
         if self.method == "gguf":  # a quantized output.weight (or tied token_embd) stays in its blocks
             return GGUFLinearMethod([self.tensor_types["lm_head"]]) if "lm_head" in self.tensor_types else None
         return Int8RTNMethod() if self.method in QUANTIZATION_METHODS else None
@@ -78,6 +85,8 @@ class QuantConfig:
         return None if type_name is None else rows * row_bytes(type_name, hidden_size)
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethod:
+        if self.method == COMPRESSED_TENSORS:
+            return self.compressed_tensors.linear_method(layer)
         if self.method == "gguf":  # a layer the file quantized (any of its shards) reads the blocks
             fused = self.tensor_types.get(layer.prefix)  # one tensor for every shard (Phi-3's qkv_proj, gate_up_proj)
             names = shard_checkpoint_names(layer.prefix, layer.shard_ids)

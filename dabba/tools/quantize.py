@@ -1,6 +1,9 @@
-"""`dabba quantize`: GPTQ, AWQ or round-to-nearest over a whole checkpoint, one decoder layer at
-a time. GPTQ and RTN are saved in AutoGPTQ's layout (symmetric codes, checkpoint_format "gptq"),
-AWQ in AutoAWQ's "gemm" layout (asymmetric codes).
+"""`dabba quantize`: GPTQ, AWQ, round-to-nearest, W8A8 or SmoothQuant + W8A8 over a whole checkpoint,
+one decoder layer at a time. GPTQ and RTN are saved in AutoGPTQ's layout (symmetric codes,
+checkpoint_format "gptq"), AWQ in AutoAWQ's "gemm" layout (asymmetric codes), W8A8 as compressed-tensors'
+int-quantized checkpoint (quantization/compressed_tensors.py: INT8 per channel; activations per token
+at run time, or with static scales from the calibration inputs' range), with SmoothQuant's scales
+folded in first (tools/smoothquant.py) for "smoothquant".
 
 Layer by layer: the calibration hidden states go through layer L with its full-precision
 weights while hooks collect what each linear sees (GPTQ: its Hessian; AWQ: its inputs); the
@@ -29,10 +32,12 @@ from dabba.layers.fused_moe import FusedMoE
 from dabba.layers.linear import Linear
 from dabba.models.loader import find_weight_files, load_model, open_safetensors
 from dabba.models.moe import STACKED_EXPERTS
+from dabba.quantization import compressed_tensors as ct
 from dabba.quantization.awq import awq_clip_layer, awq_scale_layer
 from dabba.quantization.formats import awq_pack, gptq_pack
 from dabba.quantization.gptq import HessianAccumulator, gptq_quantize
 from dabba.quantization.rtn import quantize
+from dabba.tools.smoothquant import smooth_layer, smoothed_pairs
 
 logger = logging.getLogger("dabba")
 
@@ -42,7 +47,7 @@ SHARD_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gat
 
 @dataclass(frozen=True)
 class QuantizeOptions:
-    method: str = "gptq"  # or "rtn", "awq"
+    method: str = "gptq"  # or "rtn", "awq", "w8a8" (compressed-tensors), "smoothquant" (then w8a8)
     bits: int = 4
     group_size: int = 128
     act_order: bool = False
@@ -50,6 +55,18 @@ class QuantizeOptions:
     seq_len: int = 256
     damp: float = 0.01
     awq_search_tokens: int = 4096  # rows the AWQ scale grid is evaluated on (whole windows)
+    static_activations: bool = False  # w8a8: one activation scale per layer from calibration (else per token)
+    asymmetric_activations: bool = False  # w8a8: activation codes with a zero point
+    alpha: float = 0.5  # smoothquant: the migration strength (tools/smoothquant.py)
+
+    @property
+    def w8a8(self) -> bool:
+        """Written as compressed-tensors W8A8 (smoothquant smooths first)."""
+        return self.method in ("w8a8", "smoothquant")
+
+    @property
+    def w8a8_scheme(self) -> ct.W8A8Scheme:
+        return ct.W8A8Scheme("channel", static=self.static_activations, asymmetric=self.asymmetric_activations)
 
 
 def calibration_windows(tokenizer: Tokenizer, text: str, num: int, seq_len: int) -> torch.Tensor:
@@ -105,6 +122,21 @@ def pack_linear(prefix: str, layer: Linear, codes: LayerCodes, opts: QuantizeOpt
     return tensors
 
 
+def compress_w8a8(prefix: str, layer: Linear, opts: QuantizeOptions,
+                  inputs: ct.ActivationRange | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One (possibly merged) linear as compressed-tensors' tensors, split back into its shards
+    (which share ``inputs``, their one input's range), and the weight they dequantize to."""
+    module, name = prefix.rsplit(".", 1)
+    tensors, row, parts = {}, 0, []
+    for shard, size in zip(SHARD_NAMES.get(name, (name,)), layer.output_sizes):
+        shard_tensors = ct.compress_linear(f"{module}.{shard}", layer.weight.data[row:row + size], opts.w8a8_scheme,
+                                           inputs)
+        parts.append(ct.dequantized_weight(shard_tensors, f"{module}.{shard}"))
+        tensors.update(shard_tensors)
+        row += size
+    return tensors, torch.cat(parts)
+
+
 def quantized_linears(layer: torch.nn.Module) -> dict[str, Linear]:
     """A decoder layer's linears that quantization replaces: all but a mixture of experts' router,
     which stays in the checkpoint's precision (as the engine keeps it)."""
@@ -126,8 +158,18 @@ def checkpoint_name(arch: ArchConfig, name: str) -> str:
 def check_options(model_dir: Path, arch: ArchConfig, opts: QuantizeOptions) -> None:
     if arch.quantization_config:
         raise ValueError(f"{model_dir} is already quantized")
-    if opts.method not in ("gptq", "rtn", "awq") or opts.bits not in (4, 8):
-        raise ValueError(f"method must be gptq, rtn or awq and bits 4 or 8, got {opts.method}, {opts.bits}")
+    if opts.method not in ("gptq", "rtn", "awq", "w8a8", "smoothquant") or opts.bits not in (4, 8):
+        raise ValueError(f"method must be gptq, rtn, awq, w8a8 or smoothquant and bits 4 or 8, got {opts.method}, "
+                         f"{opts.bits}")
+    if opts.w8a8 and (opts.bits != 8 or opts.act_order):
+        raise ValueError("bits, act_order: W8A8 holds 8-bit codes per channel, rounded to nearest")
+    if (opts.static_activations or opts.asymmetric_activations) and not opts.w8a8:
+        raise ValueError("activations: static or asymmetric activations are W8A8's (--method w8a8 or smoothquant)")
+    if not 0.0 <= opts.alpha <= 1.0:
+        raise ValueError(f"alpha: SmoothQuant's migration strength must be in [0, 1], got {opts.alpha}")
+    if opts.static_activations and arch.moe is not None:
+        raise ValueError(f"activations: static scales need every expert's inputs, and calibration may route no token "
+                         f"to some of {arch.architecture}'s experts; use dynamic activations")
     if opts.method == "awq":
         if arch.architecture in GEMMA_ARCHITECTURES:
             raise ValueError(f"method: AWQ folds its scales into the RMSNorm before each linear, and dabba's AWQ "
@@ -150,8 +192,9 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
     arch = ArchConfig.from_hf(model_dir)
     check_options(model_dir, arch, opts)
     model = load_model(model_dir, arch, torch.float32, torch.device("cpu"), max_position=opts.seq_len)
-    tokenizer = Tokenizer(model_dir)
-    ids = calibration_windows(tokenizer, calibration_text, opts.num_samples, opts.seq_len)
+    calibrating = opts.method != "w8a8" or opts.static_activations  # plain dynamic W8A8 rounds to nearest: no inputs
+    ids = (calibration_windows(Tokenizer(model_dir), calibration_text, opts.num_samples, opts.seq_len) if calibrating
+           else torch.zeros(0, opts.seq_len, dtype=torch.long))
     backend = DenseCausalBackend(opts.seq_len)
     positions = torch.arange(opts.seq_len).repeat(len(ids))
     rope = model.model.rotary.cos_sin(positions, torch.float32)
@@ -164,16 +207,33 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
             linears = quantized_linears(layer)
             hessians = {name: HessianAccumulator(m.in_features) for name, m in linears.items()
                         if opts.method == "gptq"}
+            ranges = {name: ct.ActivationRange() for name in linears if opts.static_activations}
             inputs: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
+            absmax: dict[str, torch.Tensor] = {}  # smoothquant: per input channel
 
             def record(name: str, x: torch.Tensor) -> None:
                 if opts.method == "gptq":
                     hessians[name].add(x)
                 elif opts.method == "awq":
                     inputs[name].append(x.clone())
+                elif opts.method == "smoothquant" and not absmax_done:
+                    seen = x.reshape(-1, x.shape[-1]).abs().amax(dim=0)
+                    absmax[name] = torch.maximum(absmax[name], seen) if name in absmax else seen
+                elif name in ranges:
+                    ranges[name].observe(x)
+            absmax_done = False
             hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: record(name, args[0]))
                      for name, m in linears.items()]
-            layer(rope, hidden.clone(), None if residual is None else residual.clone())
+            if calibrating:
+                layer(rope, hidden.clone(), None if residual is None else residual.clone())
+            if opts.method == "smoothquant":  # fold the scales in; static ranges are then the smoothed inputs'
+                smooth_layer(layer, absmax, opts.alpha)
+                names = {module: name for name, module in layer.named_modules()}
+                for norm, _ in smoothed_pairs(layer):
+                    changed[f"model.layers.{i}.{names[norm]}.weight"] = norm.weight.data
+                absmax_done = True
+                if ranges:
+                    layer(rope, hidden.clone(), None if residual is None else residual.clone())
             for hook in hooks:
                 hook.remove()
             if opts.method == "awq":
@@ -184,6 +244,11 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
                 for norm in ("input_layernorm", "post_attention_layernorm"):
                     changed[f"model.layers.{i}.{norm}.weight"] = getattr(layer, norm).weight.data
             for name, m in linears.items():
+                if opts.w8a8:
+                    tensors, dequantized = compress_w8a8(f"model.layers.{i}.{name}", m, opts, ranges.get(name))
+                    m.weight.data.copy_(dequantized)
+                    packed.update({checkpoint_name(arch, k): v for k, v in tensors.items()})
+                    continue
                 hessian = hessians[name].H if name in hessians and hessians[name].num_samples else None
                 if name in hessians and hessian is None:
                     unreached += 1
@@ -191,7 +256,8 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
                 m.weight.data.copy_(codes.dequantize())
                 packed.update({checkpoint_name(arch, k): v
                                for k, v in pack_linear(f"model.layers.{i}.{name}", m, codes, opts).items()})
-            hidden, residual = layer(rope, hidden, residual)  # the quantized layer feeds the next one
+            if calibrating:
+                hidden, residual = layer(rope, hidden, residual)  # the quantized layer feeds the next one
 
     # everything else is copied from the source checkpoint (AWQ's scaled norms in the source dtype);
     # a merged layer's source may be its shards or one fused tensor (Phi-3's qkv_proj, gate_up_proj),
@@ -205,7 +271,8 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
     for file in find_weight_files(model_dir):
         with open_safetensors(file) as f:
             for name in f.keys():
-                if name.rsplit(".", 1)[0] not in quantized_prefixes and not STACKED_EXPERTS.match(name):
+                keep_bias = opts.w8a8 and name.endswith(".bias")  # compressed-tensors keeps it as it is
+                if (name.rsplit(".", 1)[0] not in quantized_prefixes or keep_bias) and not STACKED_EXPERTS.match(name):
                     t = f.get_tensor(name)
                     packed[name] = changed[name].to(t.dtype) if name in changed else t
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -214,7 +281,11 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
         if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".jinja", ".txt", ".model"):
             shutil.copy(f, out_dir / f.name)
     config = read_json_object(model_dir / "config.json")
-    if opts.method == "awq":
+    if opts.w8a8:  # the head and the routers stay in the checkpoint's precision
+        routers = [checkpoint_name(arch, f"model.layers.{i}.{name}.gate") for i, layer in enumerate(model.model.layers)
+                   for name, m in layer.named_modules() if isinstance(m, FusedMoE)]
+        qc = ct.quantization_config(opts.w8a8_scheme, ["lm_head", *routers])
+    elif opts.method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": opts.group_size, "zero_point": True,
               "version": "gemm", "modules_to_not_convert": None}
     else:
