@@ -35,7 +35,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -54,6 +56,22 @@ constexpr int64_t kMc = 128;  // rows of codes, ...
 constexpr int64_t kKc = 1024;  // ... their range of K, ...
 constexpr int64_t kNcBlocks = 16;  // ... and the blocks of 16 channels whose sums one int32 block holds
 
+// Scratch on 64-byte boundaries: an AMX tile's 64-byte rows that straddle two cache lines load at
+// half the rate or worse (malloc aligns to 16), and so do the zmm loads of the other paths.
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+template <typename T>
+using AlignedBuffer = std::unique_ptr<T[], FreeDeleter>;
+
+template <typename T>
+AlignedBuffer<T> aligned_buffer(int64_t n) {
+  const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
+  T* p = static_cast<T*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64)));
+  TORCH_CHECK(p != nullptr, "w8a8_linear: out of memory for ", bytes, " bytes of scratch");
+  return AlignedBuffer<T>(p);
+}
+
 // f(T{}) for x's dtype: bf16 or float32 (checked by the caller)
 template <typename F>
 void with_x_type(const at::Tensor& x, F&& f) {
@@ -62,15 +80,15 @@ void with_x_type(const at::Tensor& x, F&& f) {
 }
 
 struct Codes {
-  std::vector<uint8_t> u;  // rows padded to a multiple of 32 with code 0; laid out as below
+  AlignedBuffer<uint8_t> u;  // rows padded to a multiple of 32 with code 0; laid out as below
   std::vector<float> scale;  // [M]
   std::vector<int32_t> zero;  // [M]
-  int64_t M = 0, Kp = 0;
+  int64_t M = 0, Kp = 0, rows = 0;  // rows: M padded
   // AMX: in tiles, [rows / 16][Kp / 64][16][64], so each tile load reads 1 KiB in a row (16 rows Kp
   // apart would meet in the same L1 sets when Kp is a multiple of 4096). Else [rows][Kp].
   bool tiled = false;
 
-  uint8_t* row(int64_t m) { return tiled ? u.data() + m / 16 * (Kp / 64) * 1024 + m % 16 * 64 : u.data() + m * Kp; }
+  uint8_t* row(int64_t m) { return tiled ? u.get() + m / 16 * (Kp / 64) * 1024 + m % 16 * 64 : u.get() + m * Kp; }
   int64_t chunk_stride() const { return tiled ? 1024 : 64; }  // between a row's runs of 64 codes
 };
 
@@ -179,7 +197,9 @@ Codes round_activations(const at::Tensor& x, int64_t Kp, bool asymmetric, const 
   c.Kp = Kp;
   c.tiled = tiled;
   const int64_t K = x.size(1), rows = (c.M + 31) / 32 * 32;
-  c.u.assign(rows * Kp, 0);
+  c.rows = rows;
+  c.u = aligned_buffer<uint8_t>(rows * Kp);
+  std::memset(c.u.get(), 0, rows * Kp);
   c.scale.resize(c.M);
   c.zero.resize(c.M);
   with_x_type(x, [&](auto zero) {
@@ -333,9 +353,9 @@ template <typename Done>
 void amx_gemm(const Codes& a, const int8_t* w, int64_t block_bytes, int64_t b_begin, int64_t b_end, Done&& done) {
   static const W8A8TileConfig config;
   _tile_loadconfig(&config);
-  const int64_t k_tiles = a.Kp / 64, rows_padded = static_cast<int64_t>(a.u.size()) / a.Kp;
+  const int64_t k_tiles = a.Kp / 64, rows_padded = a.rows;
   const int64_t ldc = kAmxNcBlocks * kW8A8Columns, ldc_bytes = ldc * 4;
-  std::vector<int32_t> c(kAmxMc * ldc);
+  const AlignedBuffer<int32_t> c = aligned_buffer<int32_t>(kAmxMc * ldc);
   for (int64_t b0 = b_begin; b0 < b_end; b0 += kAmxNcBlocks) {
     const int64_t nb = std::min(kAmxNcBlocks, b_end - b0);
     for (int64_t m0 = 0; m0 < rows_padded; m0 += kAmxMc) {
@@ -343,11 +363,11 @@ void amx_gemm(const Codes& a, const int8_t* w, int64_t block_bytes, int64_t b_be
       for (int64_t k0 = 0; k0 < k_tiles; k0 += kAmxKc / 64) {
         const int64_t kt = std::min(kAmxKc / 64, k_tiles - k0);
         for (int64_t r = 0; r < mc; r += 32) {
-          const uint8_t* a0 = a.u.data() + ((m0 + r) / 16 * k_tiles + k0) * 1024;
+          const uint8_t* a0 = a.u.get() + ((m0 + r) / 16 * k_tiles + k0) * 1024;
           const uint8_t* a1 = a0 + k_tiles * 1024;
           for (int64_t j = 0; j < nb; j += 2) {
             const bool two = nb - j >= 2;
-            int32_t* cp = c.data() + r * ldc + 16 * j;
+            int32_t* cp = c.get() + r * ldc + 16 * j;
             if (k0 == 0) {
               _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             } else {
@@ -377,7 +397,7 @@ void amx_gemm(const Codes& a, const int8_t* w, int64_t block_bytes, int64_t b_be
           }
         }
       }
-      done(m0, mc, b0, nb, c.data(), ldc);
+      done(m0, mc, b0, nb, c.get(), ldc);
     }
   }
   _tile_release();
@@ -538,18 +558,18 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     if (p == Path::kAmx) return amx_gemm(a, w, block_bytes, b_begin, b_end, store);
 #endif
     const int64_t mc = std::min(kMc, M), ldc = kNcBlocks * kW8A8Columns;
-    std::vector<int32_t> c(mc * ldc);
+    const AlignedBuffer<int32_t> c = aligned_buffer<int32_t>(mc * ldc);
     for (int64_t b0 = b_begin; b0 < b_end; b0 += kNcBlocks) {
       const int64_t nb = std::min(kNcBlocks, b_end - b0);
       for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t rows = std::min(mc, M - m0);
         for (int64_t k0 = 0; k0 < Kp; k0 += kKc) {
           const int64_t kc = std::min(kKc, Kp - k0);
-          const Tile t{a.u.data() + m0 * Kp + k0, Kp, w + b0 * block_bytes + k0 * kW8A8Columns, block_bytes, kc / 4,
-                       c.data(), ldc, k0 == 0};
+          const Tile t{a.u.get() + m0 * Kp + k0, Kp, w + b0 * block_bytes + k0 * kW8A8Columns, block_bytes, kc / 4,
+                       c.get(), ldc, k0 == 0};
           run_block(p, t, rows, nb);
         }
-        store(m0, rows, b0, nb, c.data(), ldc);
+        store(m0, rows, b0, nb, c.get(), ldc);
       }
     }
   });

@@ -156,7 +156,7 @@ class LayerwiseRepacking:
 
 def release_freed_heap() -> None:
     """Hand freed heap pages back to the OS (glibc's malloc_trim). A repacked layer's weight under
-    keep_freed_host_memory's 32 MiB mmap threshold (worker/memory.py) is freed into malloc's free
+    keep_freed_host_memory's mmap threshold (worker/memory.py) is freed into malloc's free
     lists, which keep it resident; the packed tensors that follow seldom reuse those holes, so over
     a load-time INT8 load of a 1.5B model they grew to 1.3 GB that no tensor used, and the load's
     peak by about 1 GB. Best effort: a no-op off glibc."""
