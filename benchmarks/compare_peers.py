@@ -164,8 +164,19 @@ def write_spec(w: Workload, prompts: list[list[int]], prefix_caching: bool, dire
     return str(path)
 
 
-def run_vllm(python: str, job: Job) -> dict[str, Any]:
-    return run_json([python, str(PEERS_DIR / "vllm_runner.py"), "--model", job.model.path, "--spec", job.spec], vllm_env(),
+def w8a8_checkpoint(model: str) -> str:
+    """``model`` as a compressed-tensors W8A8 checkpoint (INT8 per channel, activations per token),
+    what vLLM runs as the W8A8 variant: written once by `dabba quantize --method w8a8` beside it."""
+    out = Path(f"{model.rstrip('/')}-w8a8")
+    if not (out / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "dabba.entrypoints.cli", "quantize", model, str(out), "--method", "w8a8"],
+                       check=True, stdout=subprocess.DEVNULL)
+    return str(out)
+
+
+def run_vllm(python: str, job: Job, variant: str = "bf16") -> dict[str, Any]:
+    model = w8a8_checkpoint(job.model.path) if variant == "w8a8" else job.model.path
+    return run_json([python, str(PEERS_DIR / "vllm_runner.py"), "--model", model, "--spec", job.spec], vllm_env(),
                     pss_interval=job.pss_interval)
 
 
@@ -182,7 +193,7 @@ def engines_for(w: Workload, args: argparse.Namespace) -> list[tuple[str, str]]:
     ours = [(f"dabba-{isa}" if isa else "dabba", v) for isa in args.dabba_isa or [None] for v in variants]
     peers = []
     if args.vllm_python:
-        peers.append(("vllm", "bf16"))
+        peers += [("vllm", "bf16")] + ([("vllm", "w8a8")] if "w8a8" in variants else [])
     if args.llamacpp_python:
         peers += [("llama.cpp", PEER_VARIANT[v]) for v in variants]
     return ours + peers
@@ -192,7 +203,7 @@ def run_engine(engine: str, variant: str, job: Job, args: argparse.Namespace) ->
     if engine.startswith("dabba"):
         return run_dabba(job, variant, engine.removeprefix("dabba").removeprefix("-") or None)
     if engine == "vllm":
-        return run_vllm(args.vllm_python, job)
+        return run_vllm(args.vllm_python, job, variant)
     return run_llamacpp(args.llamacpp_python, job, variant)
 
 

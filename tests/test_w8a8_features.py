@@ -312,18 +312,18 @@ def test_moe_experts_run_w8a8_and_give_the_pytorch_references_tokens(family, tmp
     experts = [linear for moe in moes for e in moe.experts for linear in (e.gate_up_proj, e.down_proj)]
     assert all(isinstance(linear.quant_method, W8A8Method) and linear.weight is None for linear in experts)
     rows = {id(linear): [] for linear in experts}
-    apply = W8A8Method.apply
+    whole_row_range = W8A8Method.whole_row_range  # every W8A8 layer call asks it (apply, apply_act_and_mul)
 
-    def counting(self, layer, x, bias):
+    def counting(self, layer, x):
         if id(layer) in rows:
-            rows[id(layer)].append(x.reshape(-1, x.shape[-1]).shape[0])
-        return apply(self, layer, x, bias)
+            rows[id(layer)].append(x.shape[0])
+        return whole_row_range(self, layer, x)
 
-    monkeypatch.setattr(W8A8Method, "apply", counting)
+    monkeypatch.setattr(W8A8Method, "whole_row_range", counting)
     ours = token_ids(run_checked(llm, token_prompts(MOE_PROMPTS), GREEDY))
     ran = [r for r in rows.values() if r]
     assert len(ran) > len(experts) / 2 and len({n for r in ran for n in r}) > 10  # many experts, many row counts
-    monkeypatch.setattr(W8A8Method, "apply", apply)
+    monkeypatch.setattr(W8A8Method, "whole_row_range", whole_row_range)
     monkeypatch.setattr(w8a8.native, "load_cpu_ops", lambda: False)  # the layers take w8a8_reference
     reference = one_by_one(engine(path, native_layer_loop="off"), MOE_PROMPTS)
     assert_same(ours, reference)

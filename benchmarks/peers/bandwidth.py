@@ -8,7 +8,7 @@ from typing import Any
 from dabba.arch.config import ArchConfig
 
 BANDWIDTH_TARGET = 0.85  # W2 decode GB/s over the read bandwidth membw measures
-DABBA_QUANT = {"bf16": None, "int8": "int8", "int4": "int4"}  # dabba's load-time quantization per variant
+DABBA_QUANT = {"bf16": None, "int8": "int8", "int4": "int4", "w8a8": "w8a8"}  # dabba's load-time quantization per variant
 
 
 def gguf_file(gguf_dir: str, variant: str) -> str | None:

@@ -36,7 +36,9 @@ ISA_ENV = {"avx2": {"DABBA_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONE
                     "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
            "avx512": {"DABBA_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL"},
            "generic": {"DABBA_CPU_ISA": "generic", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}}
-PEER_VARIANT = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # llama.cpp's counterpart of each dabba variant
+# llama.cpp's counterpart of each dabba variant (w8a8: the nearest, 8-bit weights; llama.cpp rounds
+# activations to 8 bits in its Q8_0 dot products too)
+PEER_VARIANT = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0", "w8a8": "q8_0"}
 GGUF_TYPES = ("q8_0", "q4_0", "q4_k_m")  # dabba variant gguf-<type>: dabba serves llama.cpp's own file
 PEER_VARIANT.update({f"gguf-{t}": t for t in GGUF_TYPES})
 SPEEDUP_W2 = {"bf16": 1.1, "int8": 1.3, "int4": 1.2}
@@ -54,6 +56,10 @@ TARGETS = [
     *(Target("W2", ("dabba", f"gguf-{t}"), ("llama.cpp", t), "decode_tok_s", 1.2) for t in GGUF_TYPES),
     *(Target("W2", ("dabba", f"gguf-{t}"), ("llama.cpp", t), "ttft_s", 1.0, "<=") for t in GGUF_TYPES),
     *(Target("W2", ("dabba", f"gguf-{t}"), ("llama.cpp", t), "peak_pss_mib", 1.1, "<=") for t in GGUF_TYPES),
+    # W8A8 (issue 42): batches past the bf16 ceiling; vLLM on the same weights as a compressed-tensors
+    # W8A8 checkpoint (written by dabba quantize --method w8a8) as ("vllm", "w8a8")
+    Target("B32", ("dabba", "w8a8"), VLLM, "total_tok_s", 1.6),
+    Target("B32", ("dabba", "w8a8"), ("vllm", "w8a8"), "total_tok_s", 1.15),
     # --dabba-isa with an AVX2-only llama.cpp: the AVX2 variant keeps its lead at batch-1 decode
     *(Target("W2", ("dabba-avx2", v), ("llama.cpp", PEER_VARIANT[v]), "decode_tok_s", 1.1) for v in SPEEDUP_W2),
 ]

@@ -28,6 +28,12 @@ void gemma_rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weigh
 void gemma_fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x);
+// One row's act(gate) * up over d values, the same code the two ops above run: a GEMM's fused
+// epilogue (w8a8_cpu.cpp) calls it so that the fused layer equals the layer then the op bit for bit.
+void silu_and_mul_row(float* out, const float* gate, const float* up, int64_t d);
+void silu_and_mul_row(c10::BFloat16* out, const c10::BFloat16* gate, const c10::BFloat16* up, int64_t d);
+void gelu_tanh_and_mul_row(float* out, const float* gate, const float* up, int64_t d);
+void gelu_tanh_and_mul_row(c10::BFloat16* out, const c10::BFloat16* gate, const c10::BFloat16* up, int64_t d);
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 
 // paged_attention_cpu.cpp. An 8-bit KV cache: int8 or float8_e4m3fn codes in key_cache and

@@ -177,6 +177,19 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) { act_and_mul<silu>(out, 
 // GeGLU (Gemma's gelu_pytorch_tanh)
 void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) { act_and_mul<gelu_tanh>(out, x); }
 
+void silu_and_mul_row(float* out, const float* gate, const float* up, int64_t d) {
+  act_and_mul_row<silu>(out, gate, up, d);
+}
+void silu_and_mul_row(c10::BFloat16* out, const c10::BFloat16* gate, const c10::BFloat16* up, int64_t d) {
+  act_and_mul_row<silu>(out, gate, up, d);
+}
+void gelu_tanh_and_mul_row(float* out, const float* gate, const float* up, int64_t d) {
+  act_and_mul_row<gelu_tanh>(out, gate, up, d);
+}
+void gelu_tanh_and_mul_row(c10::BFloat16* out, const c10::BFloat16* gate, const c10::BFloat16* up, int64_t d) {
+  act_and_mul_row<gelu_tanh>(out, gate, up, d);
+}
+
 // In place on q [tokens, heads, d] and k [tokens, kv_heads, d] (rows may be strided views of a
 // fused qkv output): x <- round(x * cos) + round(rotate_half(x) * sin), cos/sin [tokens, d].
 template <typename scalar_t>

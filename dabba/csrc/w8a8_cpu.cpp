@@ -343,21 +343,44 @@ struct alignas(64) W8A8TileConfig {
 constexpr int64_t kAmxMc = 256;  // rows whose sums one int32 block holds, ...
 constexpr int64_t kAmxKc = 512;  // ... the range of K a pass adds to them (32 rows of codes: 16 KiB, in L1), ...
 constexpr int64_t kAmxNcBlocks = 16;  // ... and their channel blocks (a panel of weight: 128 KiB, in L2)
+static_assert(kAmxNcBlocks <= kNcBlocks, "gated_epilogue holds half a panel of kNcBlocks");
 
-// The int32 sums of channel blocks [b_begin, b_end) for every row of the tiled codes (rows a
-// multiple of 32), a block of kAmxMc rows x kAmxNcBlocks blocks at a time, each handed to
-// done(m0, rows, b0, blocks, sums, ldc). A step: 2 tiles of codes (32 rows, from L1: the same 32 rows
-// go through every channel pair of the panel before the next) against 2 weight tiles (32 channels,
-// streamed from L2 without displacing the codes: TILELOADDT1) into 2 x 2 accumulator tiles.
+// Which channel blocks a step of AMX tiles multiplies, and where their sums go: plain, blocks
+// b, b + 1 of the panel in order; gated (a merged [gate; up] weight, up_blocks the gate's count),
+// gate block b and its up block b + up_blocks, their sums in the first and second half of the panel's
+// columns, so that one thread holds both for its epilogue.
+struct Steps {
+  int64_t up_blocks = 0;  // 0: plain
+
+  int64_t panel(int64_t blocks_per_panel) const { return up_blocks ? blocks_per_panel / 2 : blocks_per_panel; }
+  int64_t count(int64_t nb) const { return up_blocks ? nb : (nb + 1) / 2; }  // steps over nb (gate) blocks
+  // step s of a panel of nb blocks starting at b0: {first block, second block, its column, second's, two}
+  void at(int64_t s, int64_t b0, int64_t nb, int64_t& blk0, int64_t& blk1, int64_t& col0, int64_t& col1,
+          bool& two) const {
+    if (up_blocks) {
+      blk0 = b0 + s, blk1 = blk0 + up_blocks, col0 = 16 * s, col1 = 16 * (nb + s), two = true;
+    } else {
+      blk0 = b0 + 2 * s, blk1 = blk0 + 1, col0 = 32 * s, col1 = col0 + 16, two = 2 * s + 1 < nb;
+      if (!two) blk1 = blk0;  // the last block alone: its sums twice, the second kept nowhere
+    }
+  }
+};
+
+// The int32 sums of channel blocks [b_begin, b_end) (gated: gate blocks, and their up blocks) for
+// every row of the tiled codes (rows a multiple of 32), a block of kAmxMc rows x kAmxNcBlocks blocks at
+// a time, each handed to done(m0, rows, b0, blocks, sums, ldc). A step: 2 tiles of codes (32 rows, from
+// L1: the same 32 rows go through every step of the panel before the next) against 2 weight tiles (32
+// channels, streamed from L2 without displacing the codes: TILELOADDT1) into 2 x 2 accumulator tiles.
 template <typename Done>
-void amx_gemm(const Codes& a, const int8_t* w, int64_t block_bytes, int64_t b_begin, int64_t b_end, Done&& done) {
+void amx_gemm(const Codes& a, const int8_t* w, int64_t block_bytes, int64_t b_begin, int64_t b_end, Steps steps,
+              Done&& done) {
   static const W8A8TileConfig config;
   _tile_loadconfig(&config);
   const int64_t k_tiles = a.Kp / 64, rows_padded = a.rows;
-  const int64_t ldc = kAmxNcBlocks * kW8A8Columns, ldc_bytes = ldc * 4;
+  const int64_t ldc = kAmxNcBlocks * kW8A8Columns, ldc_bytes = ldc * 4, per_panel = steps.panel(kAmxNcBlocks);
   const AlignedBuffer<int32_t> c = aligned_buffer<int32_t>(kAmxMc * ldc);
-  for (int64_t b0 = b_begin; b0 < b_end; b0 += kAmxNcBlocks) {
-    const int64_t nb = std::min(kAmxNcBlocks, b_end - b0);
+  for (int64_t b0 = b_begin; b0 < b_end; b0 += per_panel) {
+    const int64_t nb = std::min(per_panel, b_end - b0), count = steps.count(nb);
     for (int64_t m0 = 0; m0 < rows_padded; m0 += kAmxMc) {
       const int64_t mc = std::min(kAmxMc, rows_padded - m0);
       for (int64_t k0 = 0; k0 < k_tiles; k0 += kAmxKc / 64) {
@@ -365,19 +388,24 @@ void amx_gemm(const Codes& a, const int8_t* w, int64_t block_bytes, int64_t b_be
         for (int64_t r = 0; r < mc; r += 32) {
           const uint8_t* a0 = a.u.get() + ((m0 + r) / 16 * k_tiles + k0) * 1024;
           const uint8_t* a1 = a0 + k_tiles * 1024;
-          for (int64_t j = 0; j < nb; j += 2) {
-            const bool two = nb - j >= 2;
-            int32_t* cp = c.get() + r * ldc + 16 * j;
+          for (int64_t s = 0; s < count; ++s) {
+            int64_t blk0, blk1, col0, col1;
+            bool two;
+            steps.at(s, b0, nb, blk0, blk1, col0, col1, two);
+            int32_t* c0 = c.get() + r * ldc + col0;
+            int32_t* c1 = c.get() + r * ldc + col1;
             if (k0 == 0) {
               _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             } else {
-              _tile_loadd(0, cp, ldc_bytes);
-              _tile_loadd(1, cp + 16, ldc_bytes);
-              _tile_loadd(2, cp + 16 * ldc, ldc_bytes);
-              _tile_loadd(3, cp + 16 * ldc + 16, ldc_bytes);
+              _tile_loadd(0, c0, ldc_bytes);
+              _tile_loadd(2, c0 + 16 * ldc, ldc_bytes);
+              if (two) {
+                _tile_loadd(1, c1, ldc_bytes);
+                _tile_loadd(3, c1 + 16 * ldc, ldc_bytes);
+              }
             }
-            const int8_t* w0 = w + (b0 + j) * block_bytes + k0 * 1024;
-            const int8_t* w1 = two ? w0 + block_bytes : w0;  // the last block alone: its sums twice
+            const int8_t* w0 = w + blk0 * block_bytes + k0 * 1024;
+            const int8_t* w1 = w + blk1 * block_bytes + k0 * 1024;
             for (int64_t q = 0; q < kt; ++q) {
               _tile_loadd(4, a0 + q * 1024, 64);
               _tile_stream_loadd(6, w0 + q * 1024, 64);
@@ -388,11 +416,11 @@ void amx_gemm(const Codes& a, const int8_t* w, int64_t block_bytes, int64_t b_be
               _tile_dpbusd(2, 5, 6);
               _tile_dpbusd(3, 5, 7);
             }
-            _tile_stored(0, cp, ldc_bytes);
-            _tile_stored(2, cp + 16 * ldc, ldc_bytes);
+            _tile_stored(0, c0, ldc_bytes);
+            _tile_stored(2, c0 + 16 * ldc, ldc_bytes);
             if (two) {
-              _tile_stored(1, cp + 16, ldc_bytes);
-              _tile_stored(3, cp + 16 * ldc + 16, ldc_bytes);
+              _tile_stored(1, c1, ldc_bytes);
+              _tile_stored(3, c1 + 16 * ldc, ldc_bytes);
             }
           }
         }
@@ -439,6 +467,39 @@ void run_block(Path p, const Tile& t, int64_t rows, int64_t blocks) {
     case Path::kAvx2: return avx2_block(t, rows, blocks);
 #endif
     default: return scalar_tile(t, rows, blocks);
+  }
+}
+
+// One output from its int32 sum, as the reference rounds it: in y's dtype, then + bias.
+template <typename T>
+inline T output(int32_t sum, int32_t z, int32_t wsum, float s, float sw, const T* bias) {
+  const T v = from_float<T>(static_cast<float>(sum - z * wsum) * (s * sw));
+  return bias ? from_float<T>(to_float(v) + to_float(*bias)) : v;
+}
+
+// A gated MLP's outputs, channels [n0, n1) of the gate (at most kNcBlocks / 2 blocks): act(gate) * up
+// from the gate's sums (c) and the up's (c + up_col), each first rounded as the plain layer's output,
+// then by the code silu_and_mul / gelu_tanh_and_mul run (elementwise_cpu.cpp): the fused layer equals
+// the layer then the activation, bit for bit.
+template <typename T>
+void gated_epilogue(const Codes& a, const int32_t* c, int64_t ldc, int64_t up_col, int64_t m0, int64_t rows,
+                    int64_t n0, int64_t n1, int64_t up_offset, const int32_t* wsum, const float* sw, const T* bias,
+                    bool silu, T* y, int64_t ldy) {
+  constexpr int64_t kMost = kNcBlocks / 2 * kW8A8Columns;
+  T gate[kMost], up[kMost];
+  const int64_t width = n1 - n0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    const float s = a.scale[m];
+    const int32_t z = a.zero[m];
+    const int32_t* cr = c + r * ldc;
+    for (int64_t j = 0; j < width; ++j) {
+      const int64_t n = n0 + j, u = n + up_offset;
+      gate[j] = output<T>(cr[j], z, wsum[n], s, sw[n], bias ? bias + n : nullptr);
+      up[j] = output<T>(cr[up_col + j], z, wsum[u], s, sw[u], bias ? bias + u : nullptr);
+    }
+    if (silu) silu_and_mul_row(y + m * ldy + n0, gate, up, width);
+    else gelu_tanh_and_mul_row(y + m * ldy + n0, gate, up, width);
   }
 }
 
@@ -489,7 +550,7 @@ bool w8a8_path_available(const std::string& path) { return path_built(parse_path
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wsum, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, bool asymmetric, const std::string& path,
                        const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& input_zero,
-                       const c10::optional<at::Tensor>& x_range) {
+                       const c10::optional<at::Tensor>& x_range, const std::string& act) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "w8a8_linear: x must be [M, K] with contiguous rows");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "w8a8_linear: x must be bf16 or float32");
@@ -530,9 +591,16 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     TORCH_CHECK(!input_scale.has_value() && x_range->scalar_type() == at::kFloat && x_range->dim() == 2 &&
                     x_range->size(0) == M && x_range->size(1) == 2 && x_range->is_contiguous(),
                 "w8a8_linear: x_range must be float32 [M, 2] (and no input_scale)");
+  TORCH_CHECK(act.empty() || act == "silu" || act == "gelu_tanh", "w8a8_linear: act must be '', 'silu' or "
+              "'gelu_tanh', got '", act, "'");
+  // gated: a merged [gate; up] layer, act(gate) * up stored; each half whole blocks of 16 channels
+  const bool gated = !act.empty();
+  TORCH_CHECK(!gated || N % (2 * kW8A8Columns) == 0, "w8a8_linear: a gated layer's halves must be whole blocks of ",
+              kW8A8Columns, " channels, got ", N, " channels");
+  const int64_t up_blocks = gated ? N / (2 * kW8A8Columns) : 0;
   const Path p = parse_path(path.empty() ? w8a8_path(M, K) : path);
   TORCH_CHECK(path_built(p), "w8a8_linear: path '", path, "' is not in this build or on this CPU");
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, gated ? N / 2 : N}, x.options());
   if (M == 0) return y;
   const Codes a = round_activations(x, Kp, asymmetric, input_scale.has_value() ? &fixed : nullptr,
                                     x_range.has_value() ? x_range->data_ptr<float>() : nullptr, p == Path::kAmx);
@@ -540,7 +608,8 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t block_bytes = Kp * kW8A8Columns;
   const int32_t* ws = wsum.data_ptr<int32_t>();
   const float* sw = scales.data_ptr<float>();
-  // y for rows [m0, m0 + rows) and channel blocks [b0, b0 + nb) from their sums c (ldc: its row stride)
+  // y for rows [m0, m0 + rows) and channel blocks [b0, b0 + nb) (gated: gate blocks, their up
+  // blocks' sums 16 nb columns on) from their sums c (ldc: its row stride)
   auto store = [&](int64_t m0, int64_t rows, int64_t b0, int64_t nb, const int32_t* c, int64_t ldc) {
     const int64_t n0 = b0 * kW8A8Columns, n1 = std::min(N, (b0 + nb) * kW8A8Columns);
     const int64_t valid = std::min(rows, M - m0);
@@ -548,26 +617,34 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     with_x_type(x, [&](auto zero) {
       using T = decltype(zero);
       const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-      epilogue<T>(a, c, ldc, m0, valid, n0, n1, ws, sw, bp, y.data_ptr<T>(), N);
+      T* yp = y.data_ptr<T>();
+      if (!gated) return epilogue<T>(a, c, ldc, m0, valid, n0, n1, ws, sw, bp, yp, N);
+      const int64_t half = N / 2;
+      gated_epilogue<T>(a, c, ldc, nb * kW8A8Columns, m0, valid, n0, n1, half, ws, sw, bp, act == "silu", yp, half);
     });
   };
-  // threads split the channel blocks (in pairs, AMX's step); each keeps an int32 block of sums
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t pair_begin, int64_t pair_end) {
-    const int64_t b_begin = 2 * pair_begin, b_end = std::min(blocks, 2 * pair_end);
+  // threads split the channel blocks (in pairs, AMX's step; gated, the gate's blocks, each with its up
+  // block); each keeps an int32 block of sums
+  const int64_t units = gated ? up_blocks : (blocks + 1) / 2, per_unit = gated ? 1 : 2;
+  at::parallel_for(0, units, 1, [&](int64_t unit_begin, int64_t unit_end) {
+    const int64_t b_begin = per_unit * unit_begin, b_end = std::min(gated ? up_blocks : blocks, per_unit * unit_end);
 #ifdef DABBA_W8A8_AMX
-    if (p == Path::kAmx) return amx_gemm(a, w, block_bytes, b_begin, b_end, store);
+    if (p == Path::kAmx) return amx_gemm(a, w, block_bytes, b_begin, b_end, Steps{up_blocks}, store);
 #endif
-    const int64_t mc = std::min(kMc, M), ldc = kNcBlocks * kW8A8Columns;
+    const int64_t mc = std::min(kMc, M), ldc = kNcBlocks * kW8A8Columns, per_panel = gated ? kNcBlocks / 2 : kNcBlocks;
     const AlignedBuffer<int32_t> c = aligned_buffer<int32_t>(mc * ldc);
-    for (int64_t b0 = b_begin; b0 < b_end; b0 += kNcBlocks) {
-      const int64_t nb = std::min(kNcBlocks, b_end - b0);
+    for (int64_t b0 = b_begin; b0 < b_end; b0 += per_panel) {
+      const int64_t nb = std::min(per_panel, b_end - b0);
       for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t rows = std::min(mc, M - m0);
         for (int64_t k0 = 0; k0 < Kp; k0 += kKc) {
           const int64_t kc = std::min(kKc, Kp - k0);
-          const Tile t{a.u.get() + m0 * Kp + k0, Kp, w + b0 * block_bytes + k0 * kW8A8Columns, block_bytes, kc / 4,
-                       c.get(), ldc, k0 == 0};
-          run_block(p, t, rows, nb);
+          for (int64_t part = 0; part < (gated ? 2 : 1); ++part) {  // gated: the gate's blocks, then the up's
+            const int64_t first = b0 + part * up_blocks;
+            const Tile t{a.u.get() + m0 * Kp + k0, Kp, w + first * block_bytes + k0 * kW8A8Columns, block_bytes,
+                         kc / 4, c.get() + part * nb * kW8A8Columns, ldc, k0 == 0};
+            run_block(p, t, rows, nb);
+          }
         }
         store(m0, rows, b0, nb, c.get(), ldc);
       }
@@ -580,7 +657,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("w8a8_linear(Tensor x, Tensor packed, Tensor wsum, Tensor scales, Tensor? bias, bool asymmetric=False, "
-        "str path='', Tensor? input_scale=None, Tensor? input_zero=None, Tensor? x_range=None) -> Tensor");
+        "str path='', Tensor? input_scale=None, Tensor? input_zero=None, Tensor? x_range=None, str act='') -> Tensor");
   m.impl("w8a8_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::w8a8_linear));
   m.def("w8a8_path(int rows, int K) -> str", &dabba::w8a8_path);
   m.def("w8a8_path_available(str path) -> bool", &dabba::w8a8_path_available);

@@ -95,10 +95,12 @@ def pack_weight(codes: torch.Tensor) -> torch.Tensor:
 
 def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None, asymmetric: bool, path: str = "", input_scale: torch.Tensor | None = None,
-                input_zero: torch.Tensor | None = None, x_range: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernels' entry: ``path`` "" lets csrc/w8a8_cpu.cpp: w8a8_path choose (the one place)."""
+                input_zero: torch.Tensor | None = None, x_range: torch.Tensor | None = None,
+                act: str = "") -> torch.Tensor:
+    """The kernels' entry: ``path`` "" lets csrc/w8a8_cpu.cpp: w8a8_path choose (the one place).
+    ``act`` "silu" / "gelu_tanh": a merged [gate; up] layer, act(gate) * up stored as the sums come out."""
     return torch.ops.dabba_cpu.w8a8_linear(x, packed, wsum, scales, bias, asymmetric, path, input_scale, input_zero,
-                                           x_range)
+                                           x_range, act)
 
 
 class W8A8Method(LinearMethod):
@@ -170,6 +172,22 @@ class W8A8Method(LinearMethod):
             y = w8a8_reference(x2, self.codes(layer), layer.w8a8_scales, bias, self.asymmetric,
                                layer.w8a8_input_scale, layer.w8a8_input_zero, x_range)
         return y.view(*shape[:-1], -1)
+
+    def apply_act_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                          activation: str) -> torch.Tensor:
+        """The gate_up layer with the activation applied as the kernel stores (no [rows, 2 x
+        intermediate] pass through memory), where the kernels run and each half is whole blocks of
+        16 channels; it equals apply() then act_and_mul bit for bit."""
+        columns, _, _ = packing()
+        half = layer.out_features // 2
+        if layer.w8a8_codes is not None or not native.load_cpu_ops() or x.dtype not in (torch.bfloat16, torch.float32) \
+                or half % columns or layer.out_features != 2 * half:
+            return super().apply_act_and_mul(layer, x, bias, activation)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        y = w8a8_linear(x2, layer.w8a8_packed, layer.w8a8_wsum, layer.w8a8_scales, bias, self.asymmetric, "",
+                        layer.w8a8_input_scale, layer.w8a8_input_zero, self.whole_row_range(layer, x2), activation)
+        return y.view(*shape[:-1], half)
 
     def whole_row_range(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """A row-parallel shard sees a slice of each row: the whole row's range, gathered from every

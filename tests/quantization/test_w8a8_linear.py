@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dabba.ops import native
+from dabba.ops.activation import act_and_mul
 from dabba.quantization.rtn import quantize_rows
 from dabba.quantization.w8a8 import pack_weight, quantize_activations, row_range, w8a8_linear, w8a8_reference
 
@@ -94,6 +95,33 @@ def test_row_parallel_slices_rounded_by_the_whole_row_sum_to_the_whole_layer(asy
         assert (parts[0] + parts[1] - whole).abs().max().item() <= 1e-5 * whole.abs().max().item()
     local = sum(w8a8_reference(x[:, h], codes[:, h], scales, None, asymmetric) for h in halves)
     assert (local - whole).abs().max().item() > 1e-3 * whole.abs().max().item()
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows", [1, 5, 17, 70])
+def test_the_fused_gated_epilogue_equals_the_layer_then_the_activation(act, rows) -> None:
+    """A merged [gate; up] layer with act(gate) * up applied as the sums are stored: the plain layer's
+    outputs, then silu_and_mul / gelu_tanh_and_mul, bit for bit (bias, asymmetric and static included)."""
+    codes, scales = make_weight(2 * 48, 300, seed=rows)
+    packed, wsum = pack_weight(codes), codes.to(torch.int32).sum(1, dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(rows, 300, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
+        bias = torch.randn(96).to(dtype)
+        for asymmetric, static in ((False, None), (True, None), (False, torch.tensor([0.02]))):
+            ref = act_and_mul(w8a8_reference(x, codes, scales, bias, asymmetric, static), act)
+            for path in available_paths():
+                got = w8a8_linear(x, packed, wsum, scales, bias, asymmetric, path, static, act=act)
+                assert got.shape == (rows, 48) and torch.equal(got, ref), (path, dtype, asymmetric, static is None)
+
+
+def test_a_gated_layer_needs_whole_blocks_in_each_half() -> None:
+    codes, scales = make_weight(2 * 24, 64, seed=1)
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        w8a8_linear(torch.randn(2, 64), pack_weight(codes), codes.to(torch.int32).sum(1, dtype=torch.int32), scales,
+                    None, False, act="silu")
+    with pytest.raises(RuntimeError, match="act must be"):
+        w8a8_linear(torch.randn(2, 64), pack_weight(codes), codes.to(torch.int32).sum(1, dtype=torch.int32), scales,
+                    None, False, act="relu")
 
 
 def test_the_chosen_path_is_one_of_those_available() -> None:
