@@ -470,13 +470,6 @@ void run_block(Path p, const Tile& t, int64_t rows, int64_t blocks) {
   }
 }
 
-// One output from its int32 sum, as the reference rounds it: in y's dtype, then + bias.
-template <typename T>
-inline T output(int32_t sum, int32_t z, int32_t wsum, float s, float sw, const T* bias) {
-  const T v = from_float<T>(static_cast<float>(sum - z * wsum) * (s * sw));
-  return bias ? from_float<T>(to_float(v) + to_float(*bias)) : v;
-}
-
 // A gated MLP's outputs, channels [n0, n1) of the gate (at most kNcBlocks / 2 blocks): act(gate) * up
 // from the gate's sums (c) and the up's (c + up_col), each first rounded as the plain layer's output,
 // then by the code silu_and_mul / gelu_tanh_and_mul run (elementwise_cpu.cpp): the fused layer equals
@@ -486,20 +479,29 @@ void gated_epilogue(const Codes& a, const int32_t* c, int64_t ldc, int64_t up_co
                     int64_t n0, int64_t n1, int64_t up_offset, const int32_t* wsum, const float* sw, const T* bias,
                     bool silu, T* y, int64_t ldy) {
   constexpr int64_t kMost = kNcBlocks / 2 * kW8A8Columns;
-  T gate[kMost], up[kMost];
+  alignas(64) T halves[2][kMost];  // the gate's outputs, the up's
   const int64_t width = n1 - n0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t m = m0 + r;
     const float s = a.scale[m];
     const int32_t z = a.zero[m];
-    const int32_t* cr = c + r * ldc;
-    for (int64_t j = 0; j < width; ++j) {
-      const int64_t n = n0 + j, u = n + up_offset;
-      gate[j] = output<T>(cr[j], z, wsum[n], s, sw[n], bias ? bias + n : nullptr);
-      up[j] = output<T>(cr[up_col + j], z, wsum[u], s, sw[u], bias ? bias + u : nullptr);
+    for (int half = 0; half < 2; ++half) {  // as epilogue's loops (vectorised), into halves[half]
+      const int64_t n = n0 + half * up_offset;
+      const int32_t* cr = c + r * ldc + half * up_col;
+      const int32_t* ws = wsum + n;
+      const float* swn = sw + n;
+      T* out = halves[half];
+      if (bias) {
+        const T* b = bias + n;
+        for (int64_t j = 0; j < width; ++j)
+          out[j] = from_float<T>(to_float(from_float<T>(static_cast<float>(cr[j] - z * ws[j]) * (s * swn[j]))) +
+                                 to_float(b[j]));
+      } else {
+        for (int64_t j = 0; j < width; ++j) out[j] = from_float<T>(static_cast<float>(cr[j] - z * ws[j]) * (s * swn[j]));
+      }
     }
-    if (silu) silu_and_mul_row(y + m * ldy + n0, gate, up, width);
-    else gelu_tanh_and_mul_row(y + m * ldy + n0, gate, up, width);
+    if (silu) silu_and_mul_row(y + m * ldy + n0, halves[0], halves[1], width);
+    else gelu_tanh_and_mul_row(y + m * ldy + n0, halves[0], halves[1], width);
   }
 }
 
