@@ -14,7 +14,6 @@ by one, and the tokens are held by ``assert_follows``: equal up to a position wh
 top one and the token picked instead lie within the bar that tests/test_gguf_quantized.py sets."""
 from __future__ import annotations
 
-import asyncio
 import math
 import re
 from pathlib import Path
@@ -24,7 +23,6 @@ import torch
 
 from dabba import LLM, SamplingParams
 from dabba.config import EngineConfig
-from dabba.engine.data_parallel import DataParallelEngine, build_replicas
 from dabba.outputs import CompletionOutput
 from dabba.structured_output import StructuredOutputsParams
 from tests.conftest import run_checked, token_prompts
@@ -271,26 +269,9 @@ def test_data_parallel_replicas_give_one_engines_tokens_and_route_by_prefix(spli
     a prefix go, one at a time, to the replica that caches it."""
     reference = engine(splittable, enable_prefix_caching=False)
     expected = [reference.generate(p, GREEDY, use_tqdm=False)[0].outputs[0] for p in token_prompts(PROMPTS)]
-    engines = build_replicas(EngineConfig.from_kwargs(model=splittable, dtype="float32", kv_cache_memory=2**22,
-                                                      max_num_batched_tokens=256, data_parallel_size=2))
-    replicas = DataParallelEngine(engines, "tiny")
-    try:
-        outputs = asyncio.run(test_data_parallel.generate(replicas, PROMPTS, "all"))
-        assert [len(o) for o in outputs] == [test_data_parallel.GREEDY.max_tokens] * len(PROMPTS)
-        assert_same(outputs, expected)
-        assert min(replicas.router.routed) >= 1
-        prefix = PROMPTS[-1][:64]  # four blocks
-        asyncio.run(test_data_parallel.generate(replicas, [prefix + [5, 6, 7]], "first"))
-        served = replicas.router.routed.index(max(replicas.router.routed))
-        before = test_data_parallel.hit_tokens(replicas)
-        for i, tail in enumerate(([8, 9], [10, 11, 12, 13])):
-            asyncio.run(test_data_parallel.generate(replicas, [prefix + tail], f"then-{i}"))
-        hits = [after - b for after, b in zip(test_data_parallel.hit_tokens(replicas), before)]
-        assert hits[served] == 2 * 64 and hits[1 - served] == 0
-    finally:
-        replicas.shutdown()
-        for e in engines:
-            e.shutdown()
+    config = EngineConfig.from_kwargs(model=splittable, dtype="float32", kv_cache_memory=2**22,
+                                      max_num_batched_tokens=256, data_parallel_size=2)
+    test_data_parallel.check_replicas(config, PROMPTS, expected, assert_same)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

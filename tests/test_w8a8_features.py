@@ -19,7 +19,6 @@ all-reduce) the tokens are held by ``assert_follows`` and a perplexity or logpro
 tests/test_gguf_features.py holds its quantized GGUF models."""
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest
@@ -27,7 +26,6 @@ import torch
 
 from dabba import LLM, SamplingParams
 from dabba.config import EngineConfig
-from dabba.engine.data_parallel import DataParallelEngine, build_replicas
 from dabba.ops import native
 from dabba.quantization import w8a8
 from dabba.quantization.base import UnquantizedLinearMethod
@@ -356,24 +354,6 @@ def test_data_parallel_replicas_give_one_engines_tokens_and_route_by_prefix(mode
     """Two replicas, each loading the checkpoint at W8A8 in a worker process of its own: all
     prompts at once give one engine's tokens; prompts sharing a prefix go, one at a time, to the
     replica that caches it."""
-    engines = build_replicas(EngineConfig.from_kwargs(model=model, dtype="float32", quantization="w8a8",
-                                                      kv_cache_memory=2**22, max_num_batched_tokens=256,
-                                                      data_parallel_size=2))
-    replicas = DataParallelEngine(engines, "tiny")
-    try:
-        outputs = asyncio.run(test_data_parallel.generate(replicas, PROMPTS, "all"))
-        assert [len(o) for o in outputs] == [test_data_parallel.GREEDY.max_tokens] * len(PROMPTS)
-        assert_same(outputs, alone)
-        assert min(replicas.router.routed) >= 1
-        prefix = PROMPTS[-1][:64]  # four blocks
-        asyncio.run(test_data_parallel.generate(replicas, [prefix + [5, 6, 7]], "first"))
-        served = replicas.router.routed.index(max(replicas.router.routed))
-        before = test_data_parallel.hit_tokens(replicas)
-        for i, tail in enumerate(([8, 9], [10, 11, 12, 13])):
-            asyncio.run(test_data_parallel.generate(replicas, [prefix + tail], f"then-{i}"))
-        hits = [after - b for after, b in zip(test_data_parallel.hit_tokens(replicas), before)]
-        assert hits[served] == 2 * 64 and hits[1 - served] == 0
-    finally:
-        replicas.shutdown()
-        for e in engines:
-            e.shutdown()
+    config = EngineConfig.from_kwargs(model=model, dtype="float32", quantization="w8a8", kv_cache_memory=2**22,
+                                      max_num_batched_tokens=256, data_parallel_size=2)
+    test_data_parallel.check_replicas(config, PROMPTS, alone, assert_same)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+from typing import Callable
 
 import httpx
 import pytest
@@ -69,6 +70,31 @@ async def generate(dp: DataParallelEngine, prompts: list[list[int]], tag: str) -
 
 def hit_tokens(dp: DataParallelEngine) -> list[int]:
     return [asyncio.run(r.get_stats()).prefix_cache_hit_tokens for r in dp.replicas]
+
+
+def check_replicas(config: EngineConfig, prompts: list[list[int]], expected: list, assert_same: Callable) -> None:
+    """Two replicas of ``config`` (data_parallel_size 2): all of ``prompts`` at once give ``expected``
+    (held by ``assert_same``, the caller's bar); then prompts sharing the last prompt's first four
+    blocks go, one at a time, to the replica that caches them."""
+    engines = build_replicas(config)
+    replicas = DataParallelEngine(engines, "tiny")
+    try:
+        outputs = asyncio.run(generate(replicas, prompts, "all"))
+        assert [len(o) for o in outputs] == [GREEDY.max_tokens] * len(prompts)
+        assert_same(outputs, expected)
+        assert min(replicas.router.routed) >= 1
+        prefix = prompts[-1][:64]  # four blocks
+        asyncio.run(generate(replicas, [prefix + [5, 6, 7]], "first"))
+        served = replicas.router.routed.index(max(replicas.router.routed))
+        before = hit_tokens(replicas)
+        for i, tail in enumerate(([8, 9], [10, 11, 12, 13])):
+            asyncio.run(generate(replicas, [prefix + tail], f"then-{i}"))
+        hits = [after - b for after, b in zip(hit_tokens(replicas), before)]
+        assert hits[served] == 2 * 64 and hits[1 - served] == 0
+    finally:
+        replicas.shutdown()
+        for e in engines:
+            e.shutdown()
 
 
 def test_replicas_give_one_engines_tokens(replicas, checkpoints) -> None:
