@@ -133,8 +133,9 @@ def measure_int8_peak(seconds: float = 1.0) -> dict[str, Any]:
 GEMM_SHAPES = ((2048, 8192), (8192, 2048), (1536, 8960), (8960, 1536), (1152, 6912), (6912, 1152))
 
 
-def measure_gemm(rows: int, in_features: int, out_features: int, repeats: int) -> dict[str, Any]:
-    """W8A8's GEMM (bf16 x, random INT8 codes) on one shape: the best of ``repeats`` GOP/s."""
+def measure_gemm(rows: int, in_features: int, out_features: int, repeats: int, path: str = "") -> dict[str, Any]:
+    """W8A8's GEMM (bf16 x, random INT8 codes) on one shape, on ``path`` ("": the one w8a8_path
+    chooses; "amx", "vnni", ...: where kAmxW8A8MinRows is set): the best of ``repeats`` GOP/s."""
     from dabba.quantization.w8a8 import pack_weight, w8a8_linear
 
     g = torch.Generator().manual_seed(0)
@@ -142,13 +143,13 @@ def measure_gemm(rows: int, in_features: int, out_features: int, repeats: int) -
     packed, wsum = pack_weight(codes), codes.to(torch.int32).sum(1, dtype=torch.int32)
     scales = torch.rand(out_features, generator=g) * 1e-3
     x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
-    w8a8_linear(x, packed, wsum, scales, None, False)  # first touch
+    w8a8_linear(x, packed, wsum, scales, None, False, path)  # first touch
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        w8a8_linear(x, packed, wsum, scales, None, False)
+        w8a8_linear(x, packed, wsum, scales, None, False, path)
         best = min(best, time.perf_counter() - start)
-    return {"in": in_features, "out": out_features, "path": torch.ops.dabba_cpu.w8a8_path(rows, in_features),
+    return {"in": in_features, "out": out_features, "path": path or torch.ops.dabba_cpu.w8a8_path(rows, in_features),
             "ms": best * 1e3, "gops": 2 * rows * in_features * out_features / best / 1e9}
 
 

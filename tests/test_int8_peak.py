@@ -24,3 +24,4 @@ def test_the_gemm_measure_counts_its_operations() -> None:
     gemm = measure_gemm(rows=40, in_features=128, out_features=48, repeats=1)
     assert gemm["path"] == torch.ops.dabba_cpu.w8a8_path(40, 128)
     assert gemm["gops"] == pytest.approx(2 * 40 * 128 * 48 / (gemm["ms"] / 1e3) / 1e9)
+    assert measure_gemm(rows=3, in_features=128, out_features=48, repeats=1, path="scalar")["path"] == "scalar"

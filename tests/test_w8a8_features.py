@@ -110,7 +110,7 @@ def w8a8_layers(llm: LLM) -> list:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 def test_a_row_alone_equals_the_same_row_in_a_batch_of_40(dtype, asymmetric) -> None:
     """path="" chooses the kernel by the number of rows (csrc/w8a8_cpu.cpp: w8a8_path): AMX tiles
-    from amx_w8a8_min_rows (16) where the CPU has them, VNNI/AVX2 below. Each row alone (decode's
+    from amx_w8a8_min_rows (12) where the CPU has them, VNNI/AVX2 below. Each row alone (decode's
     path), the leading 1 to 17 rows (both sides of the switch), and the 40 rows at once give the
     same bits, and the PyTorch reference's. Rows of scales 1e-3 to 30, one of zeros, one with an
     outlier; K over the kernels' K block (1024) and N over their channel block (256), neither whole."""

@@ -128,8 +128,9 @@ constexpr int kAmxInt8GemmMinRows = 7;
 constexpr int64_t kW8A8Columns = 16;
 constexpr int64_t kW8A8Depth = 64;
 constexpr int64_t kW8A8MaxInputs = 32768;
-// From this many rows the sums run on AMX-INT8 tiles where the CPU has them (VNNI below).
-constexpr int kAmxW8A8MinRows = 16;
+// From this many rows the sums run on AMX-INT8 tiles where the CPU has them (VNNI below): where
+// their times cross on the 1B-1.5B MLP shapes (benchmarks/int8_peak.py measure_gemm at each path).
+constexpr int kAmxW8A8MinRows = 12;
 // The kernel w8a8_linear takes for M rows of K inputs here: "amx", "vnni", "avx2" or "scalar".
 std::string w8a8_path(int64_t M, int64_t K);
 bool gemm_available();
