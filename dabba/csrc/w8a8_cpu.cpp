@@ -110,6 +110,15 @@ inline void store8_codes(__m256 v, uint8_t* u) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define DABBA_W8A8_ROUND16 1  // the rounding 16 values a step (the same operations as 8 at a time)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // A checkpoint's static activation scale s and int8 zero point zp (compressed-tensors' own):
 // q = clamp(round(x * (1 / s)) + zp, -128, 127), u = q + 128, the sums' zero point zp + 128.
 struct StaticScale {
@@ -122,8 +131,18 @@ template <typename T>
 void row_range(const T* x, int64_t K, float& lo, float& hi) {
   lo = 0.f, hi = 0.f;
   int64_t k = 0;
+#ifdef DABBA_W8A8_ROUND16
+  __m512 wlo = _mm512_setzero_ps(), whi = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    const __m512 v = load16(x + k);
+    wlo = _mm512_min_ps(wlo, v);
+    whi = _mm512_max_ps(whi, v);
+  }
+  lo = _mm512_reduce_min_ps(wlo);
+  hi = _mm512_reduce_max_ps(whi);
+#endif
 #if defined(__AVX2__)
-  __m256 vlo = _mm256_setzero_ps(), vhi = _mm256_setzero_ps();
+  __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
   for (; k + 8 <= K; k += 8) {
     const __m256 v = load8(x + k);
     vlo = _mm256_min_ps(vlo, v);
@@ -176,6 +195,16 @@ void round_row(const T* x, int64_t K, bool asymmetric, const StaticScale* fixed,
     }
   }
   int64_t k = 0;
+#ifdef DABBA_W8A8_ROUND16
+  const __m512 winv = _mm512_set1_ps(inv), wlow = _mm512_set1_ps(low), whigh = _mm512_set1_ps(high),
+               woff = _mm512_set1_ps(offset);
+  for (; k + 16 <= K; k += 16) {  // 16 divides a run of 64
+    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(load16(x + k), winv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, wlow), whigh);
+    const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_add_ps(q, woff)));  // exact: 0..255
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(u + k / 64 * chunk_stride + k % 64), bytes);
+  }
+#endif
 #if defined(__AVX2__)
   const __m256 vinv = _mm256_set1_ps(inv), vlow = _mm256_set1_ps(low), vhigh = _mm256_set1_ps(high),
                voff = _mm256_set1_ps(offset);
