@@ -164,3 +164,17 @@ def run_checked(llm: LLM, prompts: list, params: SamplingParams | list[SamplingP
 
 def token_prompts(prompts: list[list[int]]) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
+
+
+def quotation_prompts(lengths: tuple[int, ...], vocab: int, lowest: int = 2) -> list[list[int]]:
+    """Random tokens in [lowest, vocab) whose second half repeats spans of the first, as quotations
+    do: n-gram lookups (speculative decoding's) find them."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = []
+    for n in lengths:
+        head = torch.randint(lowest, vocab, (n - n // 2,), generator=g).tolist()
+        span = head[: max(3, n // 6)]
+        prompts.append((head + span * n)[:n])
+    return prompts

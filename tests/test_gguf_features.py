@@ -19,13 +19,12 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from dabba import LLM, SamplingParams
 from dabba.config import EngineConfig
 from dabba.outputs import CompletionOutput
 from dabba.structured_output import StructuredOutputsParams
-from tests.conftest import run_checked, token_prompts
+from tests.conftest import quotation_prompts, run_checked, token_prompts
 from tests.distributed import test_data_parallel, test_tensor_parallel
 from tests.gguf_writer import LINEAR_TYPES, VOCAB, write_llama
 from tests.test_gguf_quantized import top_two
@@ -49,19 +48,7 @@ PROMPT_LENS = (9, 25, 41, 64, 110)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
 
 
-def make_prompts() -> list[list[int]]:
-    """Random tokens whose second half repeats spans of the first, as quotations do: n-gram
-    lookups find them."""
-    g = torch.Generator().manual_seed(0)
-    prompts = []
-    for n in PROMPT_LENS:
-        head = torch.randint(2, VOCAB, (n - n // 2,), generator=g).tolist()
-        span = head[: max(3, n // 6)]
-        prompts.append((head + span * n)[:n])
-    return prompts
-
-
-PROMPTS = make_prompts()
+PROMPTS = quotation_prompts(PROMPT_LENS, VOCAB)  # n-gram lookups find spans of them
 
 
 def engine(path: str, **options) -> LLM:

@@ -30,7 +30,7 @@ from dabba.ops import native
 from dabba.quantization import w8a8
 from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.w8a8 import W8A8Method
-from tests.conftest import CHECKPOINTS, INIT_STD, run_checked, token_prompts
+from tests.conftest import CHECKPOINTS, INIT_STD, quotation_prompts, run_checked, token_prompts
 from tests.distributed import test_data_parallel, test_tensor_parallel
 from tests.test_gguf_features import assert_follows, assert_same, token_ids
 from tools.tiny_checkpoint import first_layers, make_checkpoint
@@ -45,19 +45,7 @@ PROMPT_LENS = (9, 25, 41, 64, 110)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
 
 
-def make_prompts() -> list[list[int]]:
-    """Random tokens whose second half repeats spans of the first, as quotations do: n-gram
-    lookups find them (tests/test_gguf_features.py's)."""
-    g = torch.Generator().manual_seed(0)
-    prompts = []
-    for n in PROMPT_LENS:
-        head = torch.randint(3, VOCAB, (n - n // 2,), generator=g).tolist()
-        span = head[: max(3, n // 6)]
-        prompts.append((head + span * n)[:n])
-    return prompts
-
-
-PROMPTS = make_prompts()
+PROMPTS = quotation_prompts(PROMPT_LENS, VOCAB, lowest=3)  # n-gram lookups find spans of them
 
 
 def checkpoint(tmp_path_factory, family: str) -> str:
