@@ -166,6 +166,27 @@ def token_prompts(prompts: list[list[int]]) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
 
 
+def own_text_perplexities(make_engine, prompts: list[list[int]], kv_cache_dtype: str) -> tuple[float, float]:
+    """The perplexity of a model's own greedy continuations of ``prompts`` (120 tokens: text it
+    predicts well, where a wrong KV cache shows and random tokens would hide it), prefilled whole
+    with a float cache and with ``kv_cache_dtype``. ``make_engine(**options)`` builds the LLM."""
+    import math
+
+    from dabba import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    texts = [p + out.outputs[0].token_ids
+             for p, out in zip(prompts, make_engine().generate(token_prompts(prompts), greedy, use_tqdm=False))]
+
+    def perplexity(dtype: str) -> float:
+        outs = make_engine(kv_cache_dtype=dtype).generate(
+            token_prompts(texts), SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        nll = [-d[t].logprob for text, out in zip(texts, outs) for d, t in zip(out.prompt_logprobs[1:], text[1:])]
+        return math.exp(sum(nll) / len(nll))
+
+    return perplexity("auto"), perplexity(kv_cache_dtype)
+
+
 def quotation_prompts(lengths: tuple[int, ...], vocab: int, lowest: int = 2) -> list[list[int]]:
     """Random tokens in [lowest, vocab) whose second half repeats spans of the first, as quotations
     do: n-gram lookups (speculative decoding's) find them."""

@@ -24,7 +24,7 @@ from dabba import LLM, SamplingParams
 from dabba.config import EngineConfig
 from dabba.outputs import CompletionOutput
 from dabba.structured_output import StructuredOutputsParams
-from tests.conftest import quotation_prompts, run_checked, token_prompts
+from tests.conftest import own_text_perplexities, quotation_prompts, run_checked, token_prompts
 from tests.distributed import test_data_parallel, test_tensor_parallel
 from tests.gguf_writer import LINEAR_TYPES, VOCAB, write_llama
 from tests.test_gguf_quantized import top_two
@@ -277,16 +277,6 @@ def test_int8_kv_perplexity_within_half_a_percent(model) -> None:
     """tests/attention/test_kv_quant.py's bar, in its regime (dabba.tools.evaluation.perplexity
     prefills each window whole: on a GGUF model the GEMM), on the model's own greedy texts, which
     it predicts well (a wrong cache shows there, where random tokens hide it)."""
-    greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
-    texts = [p + out.outputs[0].token_ids
-             for p, out in zip(PROMPTS[:3], engine(model).generate(token_prompts(PROMPTS[:3]), greedy, use_tqdm=False))]
-
-    def perplexity(kv_cache_dtype: str) -> float:
-        outs = engine(model, kv_cache_dtype=kv_cache_dtype).generate(
-            token_prompts(texts), SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        nll = [-d[t].logprob for text, out in zip(texts, outs) for d, t in zip(out.prompt_logprobs[1:], text[1:])]
-        return math.exp(sum(nll) / len(nll))
-
-    base, int8 = perplexity("auto"), perplexity("int8")
+    base, int8 = own_text_perplexities(lambda **options: engine(model, **options), PROMPTS[:3], "int8")
     assert base < VOCAB / 4  # the texts are the model's own
     assert abs(int8 / base - 1) < 0.005, (base, int8)

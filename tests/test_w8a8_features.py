@@ -30,7 +30,7 @@ from dabba.ops import native
 from dabba.quantization import w8a8
 from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.w8a8 import W8A8Method
-from tests.conftest import CHECKPOINTS, INIT_STD, quotation_prompts, run_checked, token_prompts
+from tests.conftest import CHECKPOINTS, INIT_STD, own_text_perplexities, quotation_prompts, run_checked, token_prompts
 from tests.distributed import test_data_parallel, test_tensor_parallel
 from tests.test_gguf_features import assert_follows, assert_same, token_ids
 from tools.tiny_checkpoint import first_layers, make_checkpoint
@@ -264,17 +264,7 @@ def test_8bit_kv_cache_keeps_its_tokens_through_batching_chunking_caching_and_pr
 def test_8bit_kv_perplexity_within_half_a_percent(model, kind) -> None:
     """tests/attention/test_kv_quant.py's bar, on the W8A8 model's own greedy texts (which it
     predicts well: a wrong cache shows there, where random tokens hide it), against its float cache."""
-    greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
-    texts = [p + out.outputs[0].token_ids
-             for p, out in zip(PROMPTS[:3], engine(model).generate(token_prompts(PROMPTS[:3]), greedy, use_tqdm=False))]
-
-    def perplexity(kv_cache_dtype: str) -> float:
-        outs = engine(model, kv_cache_dtype=kv_cache_dtype).generate(
-            token_prompts(texts), SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        nll = [-d[t].logprob for text, out in zip(texts, outs) for d, t in zip(out.prompt_logprobs[1:], text[1:])]
-        return math.exp(sum(nll) / len(nll))
-
-    base, quantized = perplexity("auto"), perplexity(kind)
+    base, quantized = own_text_perplexities(lambda **options: engine(model, **options), PROMPTS[:3], kind)
     assert base < VOCAB / 4  # the texts are the model's own
     assert abs(quantized / base - 1) < 0.005, (base, quantized)
 
