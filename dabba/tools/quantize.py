@@ -1,7 +1,7 @@
 """`dabba quantize`: GPTQ, AWQ, round-to-nearest, W8A8 or SmoothQuant + W8A8 over a whole checkpoint,
 one decoder layer at a time. GPTQ and RTN are saved in AutoGPTQ's layout (symmetric codes,
 checkpoint_format "gptq"), AWQ in AutoAWQ's "gemm" layout (asymmetric codes), W8A8 as compressed-tensors'
-int-quantized checkpoint (quantization/compressed_tensors.py: INT8 per channel; activations per token
+int-quantized checkpoint (quantization/compressed_tensors_writer.py: INT8 per channel; activations per token
 at run time, or with static scales from the calibration inputs' range), with SmoothQuant's scales
 folded in first (tools/smoothquant.py) for "smoothquant".
 
@@ -33,6 +33,7 @@ from dabba.layers.linear import Linear
 from dabba.models.loader import find_weight_files, load_model, open_safetensors
 from dabba.models.moe import STACKED_EXPERTS
 from dabba.quantization import compressed_tensors as ct
+from dabba.quantization import compressed_tensors_writer as ct_writer
 from dabba.quantization.awq import awq_clip_layer, awq_scale_layer
 from dabba.quantization.formats import awq_pack, gptq_pack
 from dabba.quantization.gptq import HessianAccumulator, gptq_quantize
@@ -123,15 +124,15 @@ def pack_linear(prefix: str, layer: Linear, codes: LayerCodes, opts: QuantizeOpt
 
 
 def compress_w8a8(prefix: str, layer: Linear, opts: QuantizeOptions,
-                  inputs: ct.ActivationRange | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                  inputs: ct_writer.ActivationRange | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One (possibly merged) linear as compressed-tensors' tensors, split back into its shards
     (which share ``inputs``, their one input's range), and the weight they dequantize to."""
     module, name = prefix.rsplit(".", 1)
     tensors, row, parts = {}, 0, []
     for shard, size in zip(SHARD_NAMES.get(name, (name,)), layer.output_sizes):
-        shard_tensors = ct.compress_linear(f"{module}.{shard}", layer.weight.data[row:row + size], opts.w8a8_scheme,
-                                           inputs)
-        parts.append(ct.dequantized_weight(shard_tensors, f"{module}.{shard}"))
+        shard_tensors = ct_writer.compress_linear(f"{module}.{shard}", layer.weight.data[row:row + size],
+                                                  opts.w8a8_scheme, inputs)
+        parts.append(ct_writer.dequantized_weight(shard_tensors, f"{module}.{shard}"))
         tensors.update(shard_tensors)
         row += size
     return tensors, torch.cat(parts)
@@ -207,7 +208,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
             linears = quantized_linears(layer)
             hessians = {name: HessianAccumulator(m.in_features) for name, m in linears.items()
                         if opts.method == "gptq"}
-            ranges = {name: ct.ActivationRange() for name in linears if opts.static_activations}
+            ranges = {name: ct_writer.ActivationRange() for name in linears if opts.static_activations}
             inputs: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
             absmax: dict[str, torch.Tensor] = {}  # smoothquant: per input channel
 
@@ -284,7 +285,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, calibration_
     if opts.w8a8:  # the head and the routers stay in the checkpoint's precision
         routers = [checkpoint_name(arch, f"model.layers.{i}.{name}.gate") for i, layer in enumerate(model.model.layers)
                    for name, m in layer.named_modules() if isinstance(m, FusedMoE)]
-        qc = ct.quantization_config(opts.w8a8_scheme, ["lm_head", *routers])
+        qc = ct_writer.quantization_config(opts.w8a8_scheme, ["lm_head", *routers])
     elif opts.method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": opts.group_size, "zero_point": True,
               "version": "gemm", "modules_to_not_convert": None}

@@ -27,6 +27,7 @@ from dabba.config import DEMO_MODEL
 from dabba.entrypoints.cli import main
 from dabba.models.sizes import weights_bytes
 from dabba.quantization import compressed_tensors as ct
+from dabba.quantization import compressed_tensors_writer as ct_writer
 from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.config import QuantConfig
 from dabba.quantization.w8a8 import w8a8_reference
@@ -271,7 +272,7 @@ def test_static_scales_are_the_packages_qparams() -> None:
     g = torch.Generator().manual_seed(0)
     for lo, hi in [(-3.0, 5.0), (0.25, 7.5), (-9.0, -0.5)] + [tuple(sorted(torch.randn(2, generator=g).mul(4).tolist()))
                                                               for _ in range(20)]:
-        observed = ct.ActivationRange()
+        observed = ct_writer.ActivationRange()
         observed.observe(torch.tensor([[lo, hi]]))
         for asymmetric in (False, True):
             args = QuantizationArgs(num_bits=8, symmetric=not asymmetric, strategy="tensor")
