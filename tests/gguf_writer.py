@@ -8,9 +8,10 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from tools.random_gguf import random_blocks
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 256, 4, 2, 512, 2, 300
-# a Q4_K_M-like mix: each linear of a layer in another type
-LINEAR_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q4_0",
-                "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
+# a Q4_K_M-like mix: each linear of a layer in another type (Q4_0 where rows are 512 long, so that
+# the engine holds it in its Q4_0x16 layout)
+LINEAR_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q4_1",
+                "ffn_up": "Q8_0", "ffn_down": "Q4_0"}
 
 
 def write_llama(path, quantized: bool = True, types: dict[str, str] = LINEAR_TYPES, embedding: str = "F32",

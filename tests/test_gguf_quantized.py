@@ -1,8 +1,8 @@
 """A GGUF file's quantized linears stay in their blocks (quantization/gguf.py): a small Llama of
 random blocks in seven types (tests/gguf_writer.py), its token embedding and LM head float,
-quantized, or tied and quantized, holds the file's bytes, not a float copy; the planner counts
-those bytes; and it generates what the same weights written dequantized as F32 generate, within
-the 8-bit activations' rounding."""
+quantized, or tied and quantized, holds the file's bytes, not a float copy (Q4_0 in dabba's layout
+of the same bytes, quantization/gguf_repack.py); the planner counts those bytes; and it generates
+what the same weights written dequantized as F32 generate, within the 8-bit activations' rounding."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +12,7 @@ from dabba import LLM, SamplingParams
 from dabba.arch.config import ArchConfig
 from dabba.models.gguf_checkpoint import gguf_model_dir
 from dabba.models.sizes import weights_bytes
+from dabba.ops import native
 from dabba.quantization.config import QuantConfig
 from dabba.quantization.gguf import GGUFLinearMethod
 from tests.gguf_writer import LAYERS, write_llama
@@ -45,6 +46,10 @@ def test_the_model_holds_the_files_blocks_and_the_planner_counts_them(files) -> 
     held = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)]
     assert len(held) == 4 * LAYERS + ("token_embd.weight" in blocks or "output.weight" in blocks)
     assert all(m.weight is None for m in held)
+    if native.load_cpu_ops():  # Q4_0 rows of 512 values (ffn_down's) in the GEMV's layout, the others as filed
+        down = model.model.layers[0].mlp.down_proj
+        assert down.gguf_segment_types == ["Q4_0x16"]
+        assert all("Q4_0x16" not in m.gguf_segment_types for m in held if m is not down and m.in_features < 512)
     embedding = model.model.embed_tokens
     assert (embedding.gguf_rows is not None) == ("token_embd.weight" in blocks)
     held_bytes = sum(m.gguf_blob.numel() for m in held)

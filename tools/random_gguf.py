@@ -1,6 +1,6 @@
 """GGUF blocks of random codes with finite scales, of a weight's size: for tests that write GGUF
 files without a quantizer (tests/gguf_writer.py) and for the GGUF kernel benchmark
-(benchmarks/gguf_kernels.py)."""
+(benchmarks/gguf_kernels.py); and dabba's layouts of them (quantization/gguf_repack.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +8,7 @@ import torch
 
 from dabba.quantization.gguf import GGUFBlocks
 from dabba.quantization.gguf_blocks import BLOCKS
+from dabba.quantization.gguf_repack import LAYOUTS, repack
 
 F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2],
               "Q5_K": [0, 2], "Q6_K": [208]}  # where each block's float16 scales sit
@@ -21,6 +22,9 @@ BLOCK_SCALES = {"Q8_0": 0.05 / 73, "Q4_0": 0.05 / 4.6, "Q4_1": 0.05 / 4.6, "Q5_0
 def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> GGUFBlocks:
     """Random codes with finite scales, of a weight's size (values of about 0.05). The bytes are
     numpy's (which puts large arrays on huge pages, as the engine puts its blobs)."""
+    if type_name in LAYOUTS:  # one of dabba's layouts: the file type's random blocks, repacked
+        blocks = random_blocks(LAYOUTS[type_name], rows, columns, seed)
+        return GGUFBlocks(type_name, repack(type_name, blocks.data, columns), columns)
     rng = np.random.default_rng(seed)
     if type_name in FLOAT_DTYPES:
         values = torch.from_numpy(rng.standard_normal((rows, columns)).astype(np.float32) * 0.05)

@@ -20,7 +20,14 @@ namespace dabba::gguf {
 enum Type : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+  // dabba's own layouts of a file type's blocks, made at load (quantization/gguf_repack.py), with
+  // ids past ggml's. Q4_0x16: each run of 16 Q4_0 blocks of a row as their 16 float16 scales, then
+  // 256 bytes whose byte 64 l + 4 j + r holds block j's values 8 l + r (low nibble) and 8 l + 4 + r
+  // (high), so that one 64-byte load gives 4 values of each of the 16 blocks; a row's last blocks
+  // short of 16 stay as Q4_0 blocks. A row keeps Q4_0's bytes; only whole rows dequantize.
+  kQ4_0x16 = 1002,
 };
+constexpr int64_t kQ4_0x16Blocks = 16, kQ4_0x16GroupBytes = 16 * 18;
 
 struct TypeInfo {
   const char* name;
@@ -32,7 +39,7 @@ constexpr TypeInfo kTypes[] = {
     {"F32", kF32, 1, 4},        {"F16", kF16, 1, 2},        {"BF16", kBF16, 1, 2},
     {"Q8_0", kQ8_0, 32, 34},    {"Q4_0", kQ4_0, 32, 18},    {"Q4_1", kQ4_1, 32, 20},
     {"Q5_0", kQ5_0, 32, 22},    {"Q5_1", kQ5_1, 32, 24},    {"Q4_K", kQ4_K, 256, 144},
-    {"Q5_K", kQ5_K, 256, 176},  {"Q6_K", kQ6_K, 256, 210},
+    {"Q5_K", kQ5_K, 256, 176},  {"Q6_K", kQ6_K, 256, 210},  {"Q4_0x16", kQ4_0x16, 32, 18},
 };
 
 // The type's entry, or null for one the kernels do not take.
@@ -64,9 +71,11 @@ inline void k_scale_min(int j, const uint8_t* q, int& sc, int& m) {
 }
 
 // One block of `type` at b -> its block_values floats, each computed as the reference does (one
-// rounding per operation, in its order: a product's rounding before a sum's).
+// rounding per operation, in its order: a product's rounding before a sum's). Not for the
+// row-level layouts (dequantize_row).
 inline void dequantize_block(Type type, const uint8_t* b, float* y) {
   switch (type) {
+    case kQ4_0x16: return;
     case kF32: std::memcpy(y, b, 4); return;
     case kF16: y[0] = f16(b); return;
     case kBF16: {
@@ -163,6 +172,30 @@ inline void dequantize_block(Type type, const uint8_t* b, float* y) {
       return;
     }
   }
+}
+
+// A row of K values of `type` -> K floats, computed as dequantize_block computes each block.
+inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
+  int64_t b = 0;
+  if (type == kQ4_0x16) {
+    for (; b + kQ4_0x16Blocks <= K / 32; b += kQ4_0x16Blocks) {
+      const uint8_t* group = row + b * 18;
+      for (int j = 0; j < kQ4_0x16Blocks; ++j) {
+        const float d = f16(group + 2 * j);
+        float* out = y + (b + j) * 32;
+        for (int l = 0; l < 4; ++l)
+          for (int r = 0; r < 4; ++r) {
+            const uint8_t byte = group[32 + 64 * l + 4 * j + r];
+            out[8 * l + r] = d * static_cast<float>((byte & 0xF) - 8);
+            out[8 * l + 4 + r] = d * static_cast<float>((byte >> 4) - 8);
+          }
+      }
+    }
+    type = kQ4_0;  // the blocks past the last group
+  }
+  const TypeInfo* info = type_info(type);
+  for (; b < K / info->block_values; ++b)
+    dequantize_block(type, row + b * info->block_bytes, y + b * info->block_values);
 }
 
 }  // namespace dabba::gguf

@@ -50,6 +50,12 @@ struct A8Rows {
   std::vector<float> dk;  // [M, K / 256]
   std::vector<int16_t> sum16, sum32;  // [M, K / 16], [M, K / 32]: sums of qk's codes
   std::vector<float> xf;  // [M, K]
+  // Q4_0x16 (gguf_blocks.h): q's codes of each run of 16 blocks ordered as the layout's bytes meet
+  // them, [M, groups, 8, 16 blocks, 4]: 64 bytes give 4 codes of each block; and -8 * each block's
+  // codes' sum, [M, groups, 16] (the weights' offset of 8, folded into the integer sums)
+  int64_t groups = 0;
+  std::vector<int8_t> qg;
+  std::vector<int32_t> offset8;
 };
 
 // x[0:n] -> 8-bit codes, returning their scale d (x ~ code * d), rounded code for code as llama.cpp's
@@ -58,8 +64,44 @@ struct A8Rows {
 // codes x * (-127 / x_m), x_m the first value of the largest magnitude, and d = 1 / (-127 / x_m).
 // (1 / d in place of 127 / max|x| moves a code where x sits at a half, as GGUF's quantized
 // embeddings put it often.)
+// (With AVX2, 32 values a step: the same products, rounded half to even as nearbyint rounds, for
+// the GEMV's every call.)
 inline float round_block(const float* x, int64_t n, int8_t* q, bool k_quants) {
   float amax = 0.f, xm = 0.f;
+#ifdef DABBA_GGUF_SIMD
+  if (n % 32 == 0) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 vmax = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + k), abs_mask));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (float v : lanes) amax = std::max(amax, v);
+    if (amax == 0.f) {
+      std::fill(q, q + n, int8_t{0});
+      return 0.f;
+    }
+    for (int64_t k = 0; k < n; ++k)  // the first value of the largest magnitude
+      if (std::fabs(x[k]) == amax) {
+        xm = x[k];
+        break;
+      }
+    const float scale = k_quants ? -127.f / xm : 127.f / amax;
+    const __m256 vscale = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    const auto codes = [&](int64_t k) {
+      const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), vscale),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+    };
+    for (int64_t k = 0; k < n; k += 32) {  // 4 x 8 int32 -> 32 int8, in order
+      const __m256i ab = _mm256_packs_epi32(codes(k), codes(k + 8));
+      const __m256i cd = _mm256_packs_epi32(codes(k + 16), codes(k + 24));
+      const __m256i all = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), all);
+    }
+    return k_quants ? 1.f / scale : amax / 127.f;
+  }
+#endif
   for (int64_t k = 0; k < n; ++k)
     if (std::fabs(x[k]) > amax) {
       amax = std::fabs(x[k]);
@@ -76,7 +118,7 @@ inline float round_block(const float* x, int64_t n, int8_t* q, bool k_quants) {
 }
 
 template <typename T>
-A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants) {
+A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool grouped = false) {
   A8Rows a;
   a.M = x.size(0);
   a.K = x.size(1);
@@ -103,6 +145,21 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants) {
         a.s[m * a.blocks + b] = a.d[m * a.blocks + b] * static_cast<float>(sum);
       }
     }
+  }
+  if (grouped) {  // legacy too
+    a.groups = a.blocks / kQ4_0x16Blocks;
+    a.qg.resize(a.M * a.groups * kQ4_0x16Blocks * kA8Block);
+    a.offset8.resize(a.M * a.groups * kQ4_0x16Blocks);
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int64_t g = 0; g < a.groups; ++g)
+        for (int64_t j = 0; j < kQ4_0x16Blocks; ++j) {
+          const int8_t* q = a.q.data() + m * a.blocks * kA8Block + (g * kQ4_0x16Blocks + j) * kA8Block;
+          int8_t* dst = a.qg.data() + (m * a.groups + g) * kQ4_0x16Blocks * kA8Block + 4 * j;
+          int sum = 0;
+          for (int t = 0; t < 8; ++t) std::memcpy(dst + 64 * t, q + 4 * t, 4);
+          for (int k = 0; k < kA8Block; ++k) sum += q[k];
+          a.offset8[(m * a.groups + g) * kQ4_0x16Blocks + j] = -8 * sum;
+        }
   }
   if (k_quants) {  // K % 256 == 0 (check_segments)
     const int64_t supers = a.K / kSuperBlock;
@@ -151,26 +208,32 @@ void dot_float_row(Type type, const uint8_t* row, const A8Rows& a, float (&out)[
 // Without SIMD: each block dequantized and dotted with its codes in float32, times their scale.
 template <int M>
 void dot_blocks_scalar(Type type, const uint8_t* row, const A8Rows& a, float (&out)[M]) {
-  const gguf::TypeInfo* info = gguf::type_info(type);
   const bool k = is_k_quant(type);
   const int64_t span = k ? kSuperBlock : kA8Block;  // values per activation scale
-  float w[256];
+  std::vector<float> w(a.K);
+  gguf::dequantize_row(type, row, a.K, w.data());
   for (int m = 0; m < M; ++m) out[m] = 0.f;
-  for (int64_t b = 0; b < a.K / info->block_values; ++b) {
-    gguf::dequantize_block(type, row + b * info->block_bytes, w);
-    for (int64_t j = 0; j < info->block_values / span; ++j) {
-      const int64_t k0 = b * info->block_values + j * span;
-      for (int m = 0; m < M; ++m) {
-        const int8_t* q = k ? a.qk.data() + m * a.K + k0 : a.q.data() + m * a.blocks * kA8Block + k0;
-        float sum = 0.f;
-        for (int64_t i = 0; i < span; ++i) sum += static_cast<float>(q[i]) * w[j * span + i];
-        out[m] += sum * (k ? a.dk[m * (a.K / kSuperBlock) + k0 / kSuperBlock] : a.d[m * a.blocks + k0 / kA8Block]);
-      }
+  for (int64_t k0 = 0; k0 < a.K; k0 += span) {
+    for (int m = 0; m < M; ++m) {
+      const int8_t* q = k ? a.qk.data() + m * a.K + k0 : a.q.data() + m * a.blocks * kA8Block + k0;
+      float sum = 0.f;
+      for (int64_t i = 0; i < span; ++i) sum += static_cast<float>(q[i]) * w[k0 + i];
+      out[m] += sum * (k ? a.dk[m * (a.K / kSuperBlock) + k0 / kSuperBlock] : a.d[m * a.blocks + k0 / kA8Block]);
     }
   }
 }
 
 #ifdef DABBA_GGUF_SIMD
+
+// The weights' line kGgufPrefetchBytes ahead of p, asked into L2 (T1): twice as far ahead as the
+// bf16 GEMV asks into L1 (avx2_gemv.h). One row of x computes faster than memory delivers, yet
+// each core waited on it; asked earlier and into L2, the blocks arrive while the row computes
+// (benchmarks/gguf_kernels.py; README's GGUF section has the figures).
+constexpr int64_t kGgufPrefetchBytes = 6144;
+
+inline void prefetch_weights(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kGgufPrefetchBytes, _MM_HINT_T1);
+}
 
 // sum over each 4 bytes of u (unsigned) times s (signed), into int32 lanes
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -225,7 +288,7 @@ inline __m256i legacy_codes(const uint8_t* blk, float& c) {
 // nibble types do not gain from it (assembling their codes for 512 bits costs the shuffles it
 // saves, measured slower), so they take eight blocks' scales at once and a block's codes a step.
 template <Type kType, int M>
-void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
+void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M], int64_t first_block = 0) {
   constexpr int64_t bytes = kType == gguf::kQ8_0 ? 34 : kType == gguf::kQ4_0 ? 18 : kType == gguf::kQ4_1 ? 20
                           : kType == gguf::kQ5_0 ? 22 : 24;
   constexpr bool with_min = kType == gguf::kQ4_1 || kType == gguf::kQ5_1;
@@ -236,13 +299,13 @@ void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
     off[m] = 0.f;
   }
   const int64_t ldq = a.blocks * kA8Block;
-  int64_t b = 0;
+  int64_t b = first_block;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   __m512 acc2[M];
   for (int m = 0; m < M; ++m) acc2[m] = _mm512_setzero_ps();
   for (; kType == gguf::kQ8_0 && b + 2 <= a.blocks; b += 2) {
     const uint8_t* b0 = row + b * bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(b0) + kGemvPrefetchBytes, _MM_HINT_T0);  // avx2_gemv.h
+    prefetch_weights(b0);
     float c0 = 0.f, c1 = 0.f;
     const float d0 = gguf::f16(b0), d1 = gguf::f16(b0 + bytes);
     const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(legacy_codes<kType>(b0, c0)),
@@ -285,7 +348,7 @@ void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
     }
     for (int j = 0; j < 8; ++j) {
       const uint8_t* blk = g + j * bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(blk) + kGemvPrefetchBytes, _MM_HINT_T0);
+      prefetch_weights(blk);
       float unused;
       const __m256i u = legacy_codes<kType>(blk, unused);
       const __m256i magnitude = with_min ? u : _mm256_abs_epi8(u);
@@ -299,7 +362,7 @@ void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
   }
   for (; b < a.blocks; ++b) {
     const uint8_t* blk = row + b * bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(blk) + kGemvPrefetchBytes, _MM_HINT_T0);
+    prefetch_weights(blk);
     const float d = gguf::f16(blk);
     float c = 0.f;
     const __m256i u = legacy_codes<kType>(blk, c);
@@ -329,8 +392,7 @@ void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* b = row + sb * bytes;
-    for (int64_t line = 0; line < bytes; line += 64)  // memory answers late unless asked ahead (avx2_gemv.h)
-      _mm_prefetch(reinterpret_cast<const char*>(b) + kGemvPrefetchBytes + line, _MM_HINT_T0);
+    for (int64_t line = 0; line < bytes; line += 64) prefetch_weights(b + line);
     __m256i acc_i[M];
     for (int m = 0; m < M; ++m) acc_i[m] = _mm256_setzero_si256();
     int32_t offset[M];  // subtracted from the super-block's integer sum, in units of its scale
@@ -401,6 +463,74 @@ void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
   for (int m = 0; m < M; ++m) out[m] = reduce_add8(acc[m]);
 }
 
+// Q4_0x16 (gguf_blocks.h) against a.qg's codes in the same order: per run of 16 blocks, each
+// 64-byte load of weights gives 4 values of every block, so a vpdpbusd's 16 lanes are the 16 blocks
+// and 8 of them sum each block's 32 products exactly in int32, starting from its -8 * sum of codes;
+// then one conversion and one fma by the 16 blocks' scales. Unsigned nibbles against signed codes:
+// no sign juggling. Without AVX-512, the same in two halves of 8 blocks. The row's last blocks
+// short of a group take Q4_0's kernel.
+template <int M>
+void dot_q4_0x16_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
+  float tail[M] = {};
+  if (a.groups * kQ4_0x16Blocks < a.blocks) dot_legacy_row<gguf::kQ4_0, M>(row, a, tail, a.groups * kQ4_0x16Blocks);
+  constexpr int64_t kGroupCodes = kQ4_0x16Blocks * kA8Block;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* group = row + g * kQ4_0x16GroupBytes;
+    for (int64_t line = 0; line < kQ4_0x16GroupBytes; line += 64) prefetch_weights(group + line);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group)));
+    __m512i u[8];
+    for (int l = 0; l < 4; ++l) {
+      const __m512i v = _mm512_loadu_si512(group + 32 + 64 * l);
+      u[2 * l] = _mm512_and_si512(v, low4);
+      u[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    for (int m = 0; m < M; ++m) {
+      const int8_t* x = a.qg.data() + (m * a.groups + g) * kGroupCodes;
+      __m512i s0 = _mm512_loadu_si512(a.offset8.data() + (m * a.groups + g) * kQ4_0x16Blocks);
+      __m512i s1 = _mm512_setzero_si512();
+      for (int t = 0; t < 8; t += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, u[t], _mm512_loadu_si512(x + 64 * t));
+        s1 = _mm512_dpbusd_epi32(s1, u[t + 1], _mm512_loadu_si512(x + 64 * (t + 1)));
+      }
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(a.d.data() + m * a.blocks + g * kQ4_0x16Blocks));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]) + tail[m];
+#else
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* group = row + g * kQ4_0x16GroupBytes;
+    for (int64_t line = 0; line < kQ4_0x16GroupBytes; line += 64) prefetch_weights(group + line);
+    for (int h = 0; h < 2; ++h) {  // blocks 8 h .. 8 h + 7: bytes 32 h .. 32 h + 31 of each 64
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16 * h)));
+      __m256i u[8];
+      for (int l = 0; l < 4; ++l) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 + 64 * l + 32 * h));
+        u[2 * l] = _mm256_and_si256(v, low4);
+        u[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a.qg.data() + (m * a.groups + g) * kGroupCodes + 32 * h;
+        __m256i s = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(a.offset8.data() + (m * a.groups + g) * kQ4_0x16Blocks + 8 * h));
+        for (int t = 0; t < 8; ++t)  // u <= 15: vpmaddubsw's pairs stay far from saturating
+          s = _mm256_add_epi32(s, dot_u8s8(u[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * t))));
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(a.d.data() + m * a.blocks + g * kQ4_0x16Blocks + 8 * h));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = reduce_add8(acc[m]) + tail[m];
+#endif
+}
+
 #endif  // DABBA_GGUF_SIMD
 
 // One weight row of `type` against the M rows of x.
@@ -414,6 +544,7 @@ void dot_any_row(Type type, const uint8_t* row, const A8Rows& a, float (&out)[M]
     case gguf::kQ6_K: return dot_k_row<gguf::kQ6_K, M>(row, a, out);
     case gguf::kQ8_0: return dot_legacy_row<gguf::kQ8_0, M>(row, a, out);
     case gguf::kQ4_0: return dot_legacy_row<gguf::kQ4_0, M>(row, a, out);
+    case gguf::kQ4_0x16: return dot_q4_0x16_row<M>(row, a, out);
     case gguf::kQ4_1: return dot_legacy_row<gguf::kQ4_1, M>(row, a, out);
     case gguf::kQ5_0: return dot_legacy_row<gguf::kQ5_0, M>(row, a, out);
     default: return dot_legacy_row<gguf::kQ5_1, M>(row, a, out);

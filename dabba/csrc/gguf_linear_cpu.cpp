@@ -101,14 +101,15 @@ template <typename T>
 void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::vector<Segment>& segments,
           const c10::optional<at::Tensor>& bias) {
   const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-  bool legacy = false, k_quants = false;
+  bool legacy = false, k_quants = false, grouped = false;
   for (const Segment& seg : segments) {
     k_quants |= is_k_quant(seg.type);
     legacy |= !is_k_quant(seg.type) && !is_float(seg.type);
+    grouped |= seg.type == gguf::kQ4_0x16;
   }
   for (int64_t r = 0; r < x.size(0); r += kGgufGemvPassRows) {
     const int64_t rows = std::min<int64_t>(kGgufGemvPassRows, x.size(0) - r);
-    const A8Rows a = quantize_rows<T>(x.narrow(0, r, rows), legacy, k_quants);
+    const A8Rows a = quantize_rows<T>(x.narrow(0, r, rows), legacy, k_quants, grouped);
     T* yp = out.data_ptr<T>() + r * out.stride(0);
     with_count<kGgufGemvPassRows>(rows, [&](auto m) {
       gemv_pass<decltype(m)::value, T>(a, blob, segments, bp, yp, out.stride(0));
@@ -118,14 +119,11 @@ void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::
 
 // GGUF rows -> [rows, K] in dtype, rows in parallel
 void dequantize_rows(at::Tensor& out, const uint8_t* raw, Type type, int64_t rows, int64_t K, int64_t row_bytes) {
-  const gguf::TypeInfo* info = gguf::type_info(type);
   const bool bf16 = out.scalar_type() == at::kBFloat16;
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> row(K);
     for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* src = raw + n * row_bytes;
-      for (int64_t b = 0; b < K / info->block_values; ++b)
-        gguf::dequantize_block(type, src + b * info->block_bytes, row.data() + b * info->block_values);
+      gguf::dequantize_row(type, raw + n * row_bytes, K, row.data());
       if (bf16) {
         auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>() + n * K);
         for (int64_t k = 0; k < K; ++k) dst[k] = float_to_bf16_bits(row[k]);

@@ -28,6 +28,7 @@ from dabba.ops import native
 from dabba.ops.host_memory import huge_page_bytes
 from dabba.quantization.base import LinearMethod, NativeLinearSpec
 from dabba.quantization.gguf_blocks import BLOCKS, dequantize, row_bytes
+from dabba.quantization.gguf_repack import LAYOUTS, file_type, layout_for, repack, unpack
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 A8_BLOCK = 32  # activation values per scale (csrc/gguf_linear_cpu.cpp's kA8Block), legacy types
@@ -37,7 +38,8 @@ K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # their activations: a scale per super-block
 @dataclass(frozen=True)
 class GGUFBlocks:
     """A checkpoint tensor as the file holds it: ``data`` uint8 [rows, row bytes] of ``type_name``
-    blocks, for a logical [rows, columns] weight."""
+    blocks, for a logical [rows, columns] weight; or, once loaded, in one of dabba's layouts of
+    those blocks (gguf_repack.py), named by ``type_name``."""
 
     type_name: str
     data: torch.Tensor
@@ -55,6 +57,8 @@ class GGUFBlocks:
 
     def narrow_columns(self, start: int, length: int) -> "GGUFBlocks":
         """Columns start .. start + length: whole blocks only (a row-parallel rank's inputs)."""
+        if self.type_name in LAYOUTS:
+            raise ValueError(f"a {self.type_name} tensor's columns are cut before it is repacked")
         block, size = BLOCKS[self.type_name]
         if start % block or length % block:
             raise ValueError(f"a {self.type_name} tensor cannot be cut inside its blocks of {block} columns "
@@ -68,7 +72,9 @@ def dequantize_rows(type_name: str, raw: torch.Tensor, columns: int, dtype: torc
     constants = native.kernel_constants() if raw.device.type == "cpu" else None
     if constants is not None and type_name in constants.gguf_types and dtype in (torch.bfloat16, torch.float32):
         return torch.ops.dabba_cpu.gguf_dequantize(raw.contiguous(), constants.gguf_types[type_name], columns, dtype)
-    return dequantize(type_name, raw, (raw.shape[0], columns)).to(dtype)
+    if type_name in LAYOUTS:
+        raw = unpack(type_name, raw, columns)
+    return dequantize(file_type(type_name), raw, (raw.shape[0], columns)).to(dtype)
 
 
 def quantize_activations(x: torch.Tensor, block: int = A8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +198,7 @@ class GGUFLinearMethod(LinearMethod):
         shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]  # a Linear's, or an LMHead's one
         del layer.gguf_shards
         types = native.kernel_constants().gguf_types if native.load_cpu_ops() else {}
+        shards = [self._laid_out(s, types) for s in shards]
         # one buffer on 2 MiB pages: the GEMV streams it every step (ops/host_memory.py)
         total = sum(s.data.numel() for s in shards)
         blob = huge_page_bytes(total) if shards[0].data.device.type == "cpu" else torch.empty(
@@ -208,11 +215,19 @@ class GGUFLinearMethod(LinearMethod):
         del layer.weight
         layer.register_parameter("weight", None)
 
+    @staticmethod
+    def _laid_out(shard: GGUFBlocks, types: dict[str, int]) -> GGUFBlocks:
+        """The shard in the layout the kernels take for its type and width, where they have one."""
+        layout = layout_for(shard.type_name, shard.columns)
+        if layout is None or layout not in types or shard.data.device.type != "cpu":
+            return shard
+        return GGUFBlocks(layout, repack(layout, shard.data, shard.columns), shard.columns)
+
     def segments(self, layer: nn.Module) -> list[GGUFBlocks]:
         """The layer's segments as GGUFBlocks over its blob (the reference's operands)."""
         out = []
         for type_name, (_, rows, offset) in zip(layer.gguf_segment_types, layer.gguf_segments.tolist()):
-            nbytes = rows * row_bytes(type_name, layer.in_features)
+            nbytes = rows * row_bytes(file_type(type_name), layer.in_features)
             out.append(GGUFBlocks(type_name, layer.gguf_blob[offset:offset + nbytes].view(rows, -1), layer.in_features))
         return out
 

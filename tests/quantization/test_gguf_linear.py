@@ -12,12 +12,15 @@ import torch.nn.functional as F
 from dabba.ops import native
 from dabba.quantization.gguf import GGUFBlocks, linear_reference, quantize_activations
 from dabba.quantization.gguf_blocks import BLOCKS, dequantize
+from dabba.quantization.gguf_repack import LAYOUTS, file_type, unpack
 from tools.random_gguf import random_blocks
 
 pytestmark = pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels unavailable")
 GEMV_MAX_ROWS = native.kernel_constants().gguf_gemv_max_rows if native.load_cpu_ops() else 0
 
-TYPES = list(BLOCKS)
+TYPES = [*BLOCKS, *LAYOUTS]
+
+
 def native_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None = None) -> torch.Tensor:
     types = native.kernel_constants().gguf_types
     blob = torch.cat([s.data.reshape(-1) for s in segments])
@@ -29,6 +32,8 @@ def native_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tenso
 
 
 def columns_for(type_name: str) -> list[int]:
+    if type_name in LAYOUTS:  # a run of 16 blocks and 3 past it; two runs
+        return [512 + 96, 1024]
     block = BLOCKS[type_name][0]
     return [512, 768] if block == 256 else [96, 256 + 64]  # 96: a group of fewer than 8 blocks
 
@@ -36,7 +41,8 @@ def columns_for(type_name: str) -> list[int]:
 @pytest.mark.parametrize("type_name", TYPES)
 def test_native_dequantization_is_the_reference_bit_for_bit(type_name) -> None:
     blocks = random_blocks(type_name, 19, columns_for(type_name)[1], seed=1)
-    ref = dequantize(type_name, blocks.data, (blocks.rows, blocks.columns))
+    raw = unpack(type_name, blocks.data, blocks.columns) if type_name in LAYOUTS else blocks.data
+    ref = dequantize(file_type(type_name), raw, (blocks.rows, blocks.columns))
     id_ = native.kernel_constants().gguf_types[type_name]
     ours = torch.ops.dabba_cpu.gguf_dequantize(blocks.data, id_, blocks.columns, torch.float32)
     assert torch.equal(ours.view(torch.int32), ref.view(torch.int32))
@@ -71,13 +77,13 @@ def test_activation_codes_round_as_the_kernel_does() -> None:
 def test_merged_segments_of_mixed_types_with_a_bias(rows) -> None:
     k = 512
     segments = [random_blocks("Q4_K", 24, k, 1), random_blocks("Q6_K", 8, k, 2), random_blocks("F32", 5, k, 3),
-                random_blocks("Q8_0", 16, k, 4)]
-    bias = torch.randn(53)
+                random_blocks("Q8_0", 16, k, 4), random_blocks("Q4_0x16", 8, k, 5)]
+    bias = torch.randn(61)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
         ref = linear_reference(x, segments, bias.to(dtype), GEMV_MAX_ROWS)
         ours = native_linear(x, segments, bias.to(dtype))
-        assert ours.dtype == dtype and ours.shape == (rows, 53)
+        assert ours.dtype == dtype and ours.shape == (rows, 61)
         tol = 2e-3 if dtype == torch.float32 else 2e-2
         assert (ours.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
 
@@ -109,7 +115,8 @@ def test_bad_operands_are_refused() -> None:
 
 
 @pytest.mark.skipif(not native.load_cpu_ops(), reason="native kernels unavailable")
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16",
+                                       "Q4_0x16"])
 def test_a_row_gives_the_same_result_alone_and_in_a_batch(type_name) -> None:
     """The GEMM (past the GEMV's rows) multiplies the activations' 8-bit codes as the GEMV does: a
     row's result alone and among 40 differs by float32 summation order only, far below what the

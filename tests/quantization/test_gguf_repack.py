@@ -1,0 +1,67 @@
+"""dabba's layouts of GGUF blocks (quantization/gguf_repack.py): the same bytes a row, the file's
+blocks back exactly, the same values from the native dequantization, and the layout chosen only
+where a row holds a whole run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dabba.ops import native
+from dabba.quantization.gguf import GGUFBlocks, dequantize_rows
+from dabba.quantization.gguf_blocks import dequantize
+from dabba.quantization.gguf_repack import file_type, layout_for, repack, unpack
+from tools.random_gguf import random_blocks
+
+# one run of 16 blocks; a run and 3 blocks past it; TinyLlama's and Qwen2.5-0.5B's widths
+WIDTHS = [512, 512 + 96, 2048, 5632, 896, 4864]
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_a_row_keeps_its_bytes_and_unpacks_to_the_files_blocks(columns) -> None:
+    blocks = random_blocks("Q4_0", 5, columns, seed=columns)
+    packed = repack("Q4_0x16", blocks.data, columns)
+    assert packed.shape == blocks.data.shape and packed.dtype == torch.uint8
+    assert not torch.equal(packed, blocks.data)
+    assert torch.equal(unpack("Q4_0x16", packed, columns), blocks.data)
+    runs = columns // 32 // 16
+    assert torch.equal(packed[:, runs * 288:], blocks.data[:, runs * 288:])  # the blocks past the last run
+    ref = dequantize("Q4_0", blocks.data, (5, columns))
+    assert torch.equal(GGUFBlocks("Q4_0x16", packed, columns).dequantize(), ref)
+
+
+def test_the_byte_order_is_the_kernels() -> None:
+    """Byte 64 l + 4 j + r of a run holds block j's values 8 l + r (low nibble) and 8 l + 4 + r."""
+    blocks = random_blocks("Q4_0", 1, 512, seed=0)
+    raw = blocks.data.view(16, 18)
+    values = torch.cat([raw[:, 2:] & 0x0F, raw[:, 2:] >> 4], dim=1)  # [block, 32]
+    packed = repack("Q4_0x16", blocks.data, 512)[0]
+    assert torch.equal(packed[:32].view(16, 2), raw[:, :2])  # the 16 scales first
+    for l, j, r in [(0, 0, 0), (1, 3, 2), (3, 15, 3), (2, 7, 1)]:
+        byte = packed[32 + 64 * l + 4 * j + r].item()
+        assert byte & 0x0F == values[j, 8 * l + r] and byte >> 4 == values[j, 8 * l + 4 + r]
+
+
+@pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels unavailable")
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_the_native_dequantization_is_the_files_bit_for_bit(columns) -> None:
+    blocks = random_blocks("Q4_0x16", 9, columns, seed=1)
+    ref = dequantize("Q4_0", unpack("Q4_0x16", blocks.data, columns), (9, columns))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize_rows("Q4_0x16", blocks.data, columns, dtype), ref.to(dtype))
+
+
+def test_the_layout_is_taken_where_a_row_holds_a_run() -> None:
+    assert layout_for("Q4_0", 512) == layout_for("Q4_0", 896) == "Q4_0x16"
+    assert layout_for("Q4_0", 480) is None  # 15 blocks
+    assert layout_for("Q4_K", 4096) is None and layout_for("Q8_0", 4096) is None
+    assert file_type("Q4_0x16") == "Q4_0" and file_type("Q6_K") == "Q6_K"
+
+
+def test_bad_operands_are_refused() -> None:
+    blocks = random_blocks("Q4_0", 2, 512, seed=0)
+    with pytest.raises(ValueError, match="not 544 values"):
+        repack("Q4_0x16", blocks.data, 544)
+    with pytest.raises(ValueError, match="no layout 'Q4_Kx16'"):
+        repack("Q4_Kx16", blocks.data, 512)
+    with pytest.raises(ValueError, match="cut before it is repacked"):
+        GGUFBlocks("Q4_0x16", repack("Q4_0x16", blocks.data, 512), 512).narrow_columns(0, 256)
