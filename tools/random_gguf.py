@@ -23,7 +23,7 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> GGUFBlo
     """Random codes with finite scales, of a weight's size (values of about 0.05). The bytes are
     numpy's (which puts large arrays on huge pages, as the engine puts its blobs)."""
     if type_name in LAYOUTS:  # one of dabba's layouts: the file type's random blocks, repacked
-        blocks = random_blocks(LAYOUTS[type_name], rows, columns, seed)
+        blocks = random_blocks(LAYOUTS[type_name].file_type, rows, columns, seed)
         return GGUFBlocks(type_name, repack(type_name, blocks.data, columns), columns)
     rng = np.random.default_rng(seed)
     if type_name in FLOAT_DTYPES:

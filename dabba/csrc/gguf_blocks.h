@@ -21,13 +21,18 @@ enum Type : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
   // dabba's own layouts of a file type's blocks, made at load (quantization/gguf_repack.py), with
-  // ids past ggml's. Q4_0x16: each run of 16 Q4_0 blocks of a row as their 16 float16 scales, then
-  // 256 bytes whose byte 64 l + 4 j + r holds block j's values 8 l + r (low nibble) and 8 l + 4 + r
-  // (high), so that one 64-byte load gives 4 values of each of the 16 blocks; a row's last blocks
-  // short of 16 stay as Q4_0 blocks. A row keeps Q4_0's bytes; only whole rows dequantize.
-  kQ4_0x16 = 1002,
+  // ids past ggml's: a row's runs of 512 values (16 groups of 32), each group's values 8 l + r
+  // (low nibble) and 8 l + 4 + r (high) in byte 64 l + 4 j + r of the run's 256 bytes of nibbles,
+  // so that one 64-byte load gives 4 values of each of the 16 groups; a row's blocks past its last
+  // run stay the file's. A row keeps the file type's bytes; only whole rows dequantize.
+  // Q4_0x16: 16 Q4_0 blocks a run, their 16 float16 scales first (32 bytes).
+  // Q4_Kx2: two Q4_K super-blocks (16 sub-blocks) a run: d, d, dmin, dmin (float16); per sub-block
+  // the low 4 bits of its scale and of its min in one byte (16 bytes); the scales' top 2 bits, 2 a
+  // sub-block in a little-endian uint32, then the mins' (8 bytes).
+  kQ4_0x16 = 1002, kQ4_Kx2 = 1012,
 };
-constexpr int64_t kQ4_0x16Blocks = 16, kQ4_0x16GroupBytes = 16 * 18;
+constexpr int64_t kRunValues = 512, kRunBytes = 288;  // both layouts: a run's values and bytes
+constexpr int64_t kQ4_0x16Blocks = 16;
 
 struct TypeInfo {
   const char* name;
@@ -40,6 +45,7 @@ constexpr TypeInfo kTypes[] = {
     {"Q8_0", kQ8_0, 32, 34},    {"Q4_0", kQ4_0, 32, 18},    {"Q4_1", kQ4_1, 32, 20},
     {"Q5_0", kQ5_0, 32, 22},    {"Q5_1", kQ5_1, 32, 24},    {"Q4_K", kQ4_K, 256, 144},
     {"Q5_K", kQ5_K, 256, 176},  {"Q6_K", kQ6_K, 256, 210},  {"Q4_0x16", kQ4_0x16, 32, 18},
+    {"Q4_Kx2", kQ4_Kx2, 256, 144},
 };
 
 // The type's entry, or null for one the kernels do not take.
@@ -75,7 +81,8 @@ inline void k_scale_min(int j, const uint8_t* q, int& sc, int& m) {
 // row-level layouts (dequantize_row).
 inline void dequantize_block(Type type, const uint8_t* b, float* y) {
   switch (type) {
-    case kQ4_0x16: return;
+    case kQ4_0x16:
+    case kQ4_Kx2: return;
     case kF32: std::memcpy(y, b, 4); return;
     case kF16: y[0] = f16(b); return;
     case kBF16: {
@@ -174,27 +181,70 @@ inline void dequantize_block(Type type, const uint8_t* b, float* y) {
   }
 }
 
+// A Q4_Kx2 run's sub-block j (0..15): its 6-bit scale and min.
+inline void run_scale_min(const uint8_t* run, int j, int& sc, int& m) {
+  uint32_t high_sc, high_m;
+  std::memcpy(&high_sc, run + 24, 4);
+  std::memcpy(&high_m, run + 28, 4);
+  sc = (run[8 + j] & 0xF) | static_cast<int>(((high_sc >> (2 * j)) & 3) << 4);
+  m = (run[8 + j] >> 4) | static_cast<int>(((high_m >> (2 * j)) & 3) << 4);
+}
+
 // A row of K values of `type` -> K floats, computed as dequantize_block computes each block.
 inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
-  int64_t b = 0;
-  if (type == kQ4_0x16) {
-    for (; b + kQ4_0x16Blocks <= K / 32; b += kQ4_0x16Blocks) {
-      const uint8_t* group = row + b * 18;
-      for (int j = 0; j < kQ4_0x16Blocks; ++j) {
-        const float d = f16(group + 2 * j);
-        float* out = y + (b + j) * 32;
+  int64_t k = 0;
+  if (type == kQ4_0x16 || type == kQ4_Kx2) {
+    for (; k + kRunValues <= K; k += kRunValues) {
+      const uint8_t* run = row + k / kRunValues * kRunBytes;
+      float scale[16], offset[16];  // value = scale * code - offset (Q4_0x16: scale * (code - 8))
+      for (int j = 0; j < 16; ++j) {
+        if (type == kQ4_0x16) {
+          scale[j] = f16(run + 2 * j);
+          offset[j] = 0.f;
+        } else {  // as dequantize_block's Q4_K
+          int sc, mn;
+          run_scale_min(run, j, sc, mn);
+          scale[j] = f16(run + 2 * (j / 8)) * static_cast<float>(sc);
+          offset[j] = f16(run + 4 + 2 * (j / 8)) * static_cast<float>(mn);
+        }
+      }
+#if defined(__AVX2__)
+      for (int j = 0; j < 16; ++j) {  // group j's 16 bytes, 4 from each 64, as 32 values in order
+        uint32_t words[4];
+        for (int l = 0; l < 4; ++l) std::memcpy(words + l, run + 32 + 64 * l + 4 * j, 4);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
+        const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+        const __m128i codes[2] = {_mm_unpacklo_epi32(lo, hi), _mm_unpackhi_epi32(lo, hi)};
+        const __m256 sj = _mm256_set1_ps(scale[j]), oj = _mm256_set1_ps(offset[j]);
+        for (int i = 0; i < 4; ++i) {
+          __m256i q = _mm256_cvtepu8_epi32(i % 2 ? _mm_srli_si128(codes[i / 2], 8) : codes[i / 2]);
+          if (type == kQ4_0x16) q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
+          const __m256 p = _mm256_mul_ps(sj, _mm256_cvtepi32_ps(q));
+          _mm256_storeu_ps(y + k + 32 * j + 8 * i, type == kQ4_0x16 ? p : _mm256_sub_ps(p, oj));
+        }
+      }
+      continue;
+#endif
+      for (int j = 0; j < 16; ++j)  // group j's values 8 l .. 8 l + 7 from bytes 64 l + 4 j .. + 3
         for (int l = 0; l < 4; ++l)
           for (int r = 0; r < 4; ++r) {
-            const uint8_t byte = group[32 + 64 * l + 4 * j + r];
-            out[8 * l + r] = d * static_cast<float>((byte & 0xF) - 8);
-            out[8 * l + 4 + r] = d * static_cast<float>((byte >> 4) - 8);
+            const uint8_t byte = run[32 + 64 * l + 4 * j + r];
+            float* out = y + k + 32 * j + 8 * l + r;
+            if (type == kQ4_0x16) {
+              out[0] = scale[j] * static_cast<float>((byte & 0xF) - 8);
+              out[4] = scale[j] * static_cast<float>((byte >> 4) - 8);
+            } else {
+              const float lo = scale[j] * static_cast<float>(byte & 0xF), hi = scale[j] * static_cast<float>(byte >> 4);
+              out[0] = lo - offset[j];
+              out[4] = hi - offset[j];
+            }
           }
-      }
     }
-    type = kQ4_0;  // the blocks past the last group
+    type = type == kQ4_0x16 ? kQ4_0 : kQ4_K;  // the blocks past the last run
   }
   const TypeInfo* info = type_info(type);
-  for (; b < K / info->block_values; ++b)
+  for (int64_t b = k / info->block_values; b < K / info->block_values; ++b)
     dequantize_block(type, row + b * info->block_bytes, y + b * info->block_values);
 }
 

@@ -50,13 +50,25 @@ struct A8Rows {
   std::vector<float> dk;  // [M, K / 256]
   std::vector<int16_t> sum16, sum32;  // [M, K / 16], [M, K / 32]: sums of qk's codes
   std::vector<float> xf;  // [M, K]
-  // Q4_0x16 (gguf_blocks.h): q's codes of each run of 16 blocks ordered as the layout's bytes meet
-  // them, [M, groups, 8, 16 blocks, 4]: 64 bytes give 4 codes of each block; and -8 * each block's
-  // codes' sum, [M, groups, 16] (the weights' offset of 8, folded into the integer sums)
-  int64_t groups = 0;
-  std::vector<int8_t> qg;
+  // The run layouts (gguf_blocks.h): codes of each run of 512 values ordered as the layout's bytes
+  // meet them, [M, runs, 8, 16 groups, 4]: 64 bytes give 4 codes of each group of 32. Q4_0x16's
+  // from q, with -8 * each block's codes' sum (the weights' offset of 8, folded into the integer
+  // sums), [M, runs, 16]; Q4_Kx2's from qk, with each sub-block's codes' sum and its super-block's
+  // scale, [M, runs, 16] each.
+  int64_t runs = 0;  // whole runs a row: K / 512
+  std::vector<int8_t> q_runs, qk_runs;
   std::vector<int32_t> offset8;
+  std::vector<float> sum_runs, dk_runs;
 };
+
+// [M, K] codes -> the run layouts' order (A8Rows::q_runs), rows ld apart.
+inline void order_runs(const int8_t* q, int64_t M, int64_t ld, int64_t runs, int8_t* out) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < runs; ++r)
+      for (int64_t j = 0; j < 16; ++j)
+        for (int t = 0; t < 8; ++t)
+          std::memcpy(out + ((m * runs + r) * 8 + t) * 64 + 4 * j, q + m * ld + r * kRunValues + 32 * j + 4 * t, 4);
+}
 
 // x[0:n] -> 8-bit codes, returning their scale d (x ~ code * d), rounded code for code as llama.cpp's
 // x86 kernels round activations (half to even): the legacy types' blocks as quantize_row_q8_0,
@@ -118,7 +130,7 @@ inline float round_block(const float* x, int64_t n, int8_t* q, bool k_quants) {
 }
 
 template <typename T>
-A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool grouped = false) {
+A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legacy_runs = false, bool k_runs = false) {
   A8Rows a;
   a.M = x.size(0);
   a.K = x.size(1);
@@ -146,20 +158,18 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool group
       }
     }
   }
-  if (grouped) {  // legacy too
-    a.groups = a.blocks / kQ4_0x16Blocks;
-    a.qg.resize(a.M * a.groups * kQ4_0x16Blocks * kA8Block);
-    a.offset8.resize(a.M * a.groups * kQ4_0x16Blocks);
+  a.runs = a.K / kRunValues;
+  if (legacy_runs) {  // legacy too
+    a.q_runs.resize(a.M * a.runs * kRunValues);
+    order_runs(a.q.data(), a.M, a.blocks * kA8Block, a.runs, a.q_runs.data());
+    a.offset8.resize(a.M * a.runs * 16);
     for (int64_t m = 0; m < a.M; ++m)
-      for (int64_t g = 0; g < a.groups; ++g)
-        for (int64_t j = 0; j < kQ4_0x16Blocks; ++j) {
-          const int8_t* q = a.q.data() + m * a.blocks * kA8Block + (g * kQ4_0x16Blocks + j) * kA8Block;
-          int8_t* dst = a.qg.data() + (m * a.groups + g) * kQ4_0x16Blocks * kA8Block + 4 * j;
-          int sum = 0;
-          for (int t = 0; t < 8; ++t) std::memcpy(dst + 64 * t, q + 4 * t, 4);
-          for (int k = 0; k < kA8Block; ++k) sum += q[k];
-          a.offset8[(m * a.groups + g) * kQ4_0x16Blocks + j] = -8 * sum;
-        }
+      for (int64_t b = 0; b < a.runs * 16; ++b) {
+        const int8_t* q = a.q.data() + m * a.blocks * kA8Block + b * kA8Block;
+        int sum = 0;
+        for (int k = 0; k < kA8Block; ++k) sum += q[k];
+        a.offset8[m * a.runs * 16 + b] = -8 * sum;
+      }
   }
   if (k_quants) {  // K % 256 == 0 (check_segments)
     const int64_t supers = a.K / kSuperBlock;
@@ -181,11 +191,24 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool group
             static_cast<int16_t>(a.sum16[m * a.K / 16 + 2 * i] + a.sum16[m * a.K / 16 + 2 * i + 1]);
     }
   }
+  if (k_runs) {  // k_quants too
+    a.qk_runs.resize(a.M * a.runs * kRunValues);
+    order_runs(a.qk.data(), a.M, a.K, a.runs, a.qk_runs.data());
+    a.sum_runs.resize(a.M * a.runs * 16);
+    a.dk_runs.resize(a.M * a.runs * 16);
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int64_t j = 0; j < a.runs * 16; ++j) {
+        a.sum_runs[m * a.runs * 16 + j] = static_cast<float>(a.sum32[m * a.K / 32 + j]);
+        a.dk_runs[m * a.runs * 16 + j] = a.dk[m * (a.K / kSuperBlock) + j / 8];
+      }
+  }
   return a;
 }
 
 inline bool is_float(Type t) { return t == gguf::kF32 || t == gguf::kF16 || t == gguf::kBF16; }
-inline bool is_k_quant(Type t) { return t == gguf::kQ4_K || t == gguf::kQ5_K || t == gguf::kQ6_K; }
+inline bool is_k_quant(Type t) {
+  return t == gguf::kQ4_K || t == gguf::kQ5_K || t == gguf::kQ6_K || t == gguf::kQ4_Kx2;
+}
 
 // Float segments (F32/F16/BF16): their values against x, 256 values a step.
 template <int M>
@@ -383,14 +406,14 @@ void dot_legacy_row(const uint8_t* row, const A8Rows& a, float (&out)[M], int64_
 // int32, and the super-block's sum is exact; one float fma per super-block then scales it. Mins
 // (Q4_K, Q5_K) and Q6_K's offset of 32 meet the codes' sums per 32 and per 16.
 template <Type kType, int M>
-void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
+void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M], int64_t first_super = 0) {
   constexpr bool q6 = kType == gguf::kQ6_K, five = kType == gguf::kQ5_K;
   constexpr int64_t bytes = q6 ? 210 : five ? 176 : 144;
   const int64_t supers = a.K / kSuperBlock;
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  for (int64_t sb = 0; sb < supers; ++sb) {
+  for (int64_t sb = first_super; sb < supers; ++sb) {
     const uint8_t* b = row + sb * bytes;
     for (int64_t line = 0; line < bytes; line += 64) prefetch_weights(b + line);
     __m256i acc_i[M];
@@ -463,41 +486,80 @@ void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
   for (int m = 0; m < M; ++m) out[m] = reduce_add8(acc[m]);
 }
 
-// Q4_0x16 (gguf_blocks.h) against a.qg's codes in the same order: per run of 16 blocks, each
-// 64-byte load of weights gives 4 values of every block, so a vpdpbusd's 16 lanes are the 16 blocks
-// and 8 of them sum each block's 32 products exactly in int32, starting from its -8 * sum of codes;
-// then one conversion and one fma by the 16 blocks' scales. Unsigned nibbles against signed codes:
-// no sign juggling. Without AVX-512, the same in two halves of 8 blocks. The row's last blocks
-// short of a group take Q4_0's kernel.
-template <int M>
-void dot_q4_0x16_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
+// The run layouts (gguf_blocks.h) against codes in the same order (A8Rows::q_runs, qk_runs): per run
+// of 16 groups of 32, each 64-byte load of weights gives 4 values of every group, so a vpdpbusd's
+// 16 lanes are the 16 groups and 8 of them sum each group's 32 products exactly in int32, unsigned
+// nibbles against signed codes; then one conversion and one fma a run by the groups' scales. Without
+// AVX-512, the same in two halves of 8 groups (one super-block of Q4_Kx2). A row's blocks past its
+// last run take the file type's kernel.
+//
+// Q4_0x16: each block's sum starts from -8 * its codes' sum (the weights' offset of 8).
+// Q4_Kx2: sum_j d sc_j S_j - dmin m_j X_j over sub-blocks j, X_j the codes' sum, times the
+// super-block's activation scale.
+template <Type kType, int M>
+void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
+  constexpr bool k = kType == gguf::kQ4_Kx2;
   float tail[M] = {};
-  if (a.groups * kQ4_0x16Blocks < a.blocks) dot_legacy_row<gguf::kQ4_0, M>(row, a, tail, a.groups * kQ4_0x16Blocks);
-  constexpr int64_t kGroupCodes = kQ4_0x16Blocks * kA8Block;
+  if (a.runs * kRunValues < a.K) {
+    if constexpr (k) dot_k_row<gguf::kQ4_K, M>(row, a, tail, a.runs * 2);
+    else dot_legacy_row<gguf::kQ4_0, M>(row, a, tail, a.runs * 16);
+  }
+  const std::vector<int8_t>& codes = k ? a.qk_runs : a.q_runs;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t g = 0; g < a.groups; ++g) {
-    const uint8_t* group = row + g * kQ4_0x16GroupBytes;
-    for (int64_t line = 0; line < kQ4_0x16GroupBytes; line += 64) prefetch_weights(group + line);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group)));
+  for (int64_t r = 0; r < a.runs; ++r) {
+    const uint8_t* run = row + r * kRunBytes;
+    for (int64_t line = 0; line < kRunBytes; line += 64) prefetch_weights(run + line);
     __m512i u[8];
     for (int l = 0; l < 4; ++l) {
-      const __m512i v = _mm512_loadu_si512(group + 32 + 64 * l);
+      const __m512i v = _mm512_loadu_si512(run + 32 + 64 * l);
       u[2 * l] = _mm512_and_si512(v, low4);
       u[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
+    __m512 scale, min_scale;  // per group: its weights' scale (Q4_Kx2: d sc_j) and min (dmin m_j)
+    if constexpr (k) {
+      const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(run))));
+      const __m512i first8 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      const __m512 d = _mm512_permutexvar_ps(first8, dd);
+      const __m512 dmin = _mm512_permutexvar_ps(_mm512_add_epi32(first8, _mm512_set1_epi32(2)), dd);
+      const __m512i low = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 8)));
+      uint32_t high[2];
+      std::memcpy(high, run + 24, 8);
+      const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      const __m512i three = _mm512_set1_epi32(3), fifteen = _mm512_set1_epi32(15);
+      const __m512i sc = _mm512_or_si512(
+          _mm512_and_si512(low, fifteen),
+          _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(high[0])), shifts),
+                                             three), 4));
+      const __m512i mn = _mm512_or_si512(
+          _mm512_srli_epi32(low, 4),
+          _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(high[1])), shifts),
+                                             three), 4));
+      scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+      min_scale = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
+    } else {
+      scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run)));
+    }
     for (int m = 0; m < M; ++m) {
-      const int8_t* x = a.qg.data() + (m * a.groups + g) * kGroupCodes;
-      __m512i s0 = _mm512_loadu_si512(a.offset8.data() + (m * a.groups + g) * kQ4_0x16Blocks);
+      const int8_t* x = codes.data() + (m * a.runs + r) * kRunValues;
+      const int64_t at = (m * a.runs + r) * 16;
+      __m512i s0 = k ? _mm512_setzero_si512() : _mm512_loadu_si512(a.offset8.data() + at);
       __m512i s1 = _mm512_setzero_si512();
       for (int t = 0; t < 8; t += 2) {
         s0 = _mm512_dpbusd_epi32(s0, u[t], _mm512_loadu_si512(x + 64 * t));
         s1 = _mm512_dpbusd_epi32(s1, u[t + 1], _mm512_loadu_si512(x + 64 * (t + 1)));
       }
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(a.d.data() + m * a.blocks + g * kQ4_0x16Blocks));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc[m]);
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      if constexpr (k) {
+        const __m512 dx = _mm512_loadu_ps(a.dk_runs.data() + at);
+        const __m512 mins = _mm512_mul_ps(min_scale, _mm512_loadu_ps(a.sum_runs.data() + at));
+        acc[m] = _mm512_fmadd_ps(_mm512_fmsub_ps(sums, scale, mins), dx, acc[m]);
+      } else {
+        const __m512 dx = _mm512_loadu_ps(a.d.data() + m * a.blocks + r * 16);
+        acc[m] = _mm512_fmadd_ps(sums, _mm512_mul_ps(scale, dx), acc[m]);
+      }
     }
   }
   for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]) + tail[m];
@@ -505,25 +567,50 @@ void dot_q4_0x16_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  for (int64_t g = 0; g < a.groups; ++g) {
-    const uint8_t* group = row + g * kQ4_0x16GroupBytes;
-    for (int64_t line = 0; line < kQ4_0x16GroupBytes; line += 64) prefetch_weights(group + line);
-    for (int h = 0; h < 2; ++h) {  // blocks 8 h .. 8 h + 7: bytes 32 h .. 32 h + 31 of each 64
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16 * h)));
+  for (int64_t r = 0; r < a.runs; ++r) {
+    const uint8_t* run = row + r * kRunBytes;
+    for (int64_t line = 0; line < kRunBytes; line += 64) prefetch_weights(run + line);
+    for (int h = 0; h < 2; ++h) {  // groups 8 h .. 8 h + 7: bytes 32 h .. 32 h + 31 of each 64
       __m256i u[8];
       for (int l = 0; l < 4; ++l) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 + 64 * l + 32 * h));
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 32 + 64 * l + 32 * h));
         u[2 * l] = _mm256_and_si256(v, low4);
         u[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       }
+      __m256 scale, min_scale;
+      if constexpr (k) {
+        const __m256 d = _mm256_set1_ps(gguf::f16(run + 2 * h)), dmin = _mm256_set1_ps(gguf::f16(run + 4 + 2 * h));
+        const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(run + 8 + 8 * h)));
+        uint32_t high[2];
+        std::memcpy(high, run + 24, 8);
+        const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+        const auto top = [&](uint32_t bits) {  // this half's 8 two-bit fields, << 4
+          const __m256i fields = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits >> (16 * h))), shifts);
+          return _mm256_slli_epi32(_mm256_and_si256(fields, _mm256_set1_epi32(3)), 4);
+        };
+        const __m256i sc = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(15)), top(high[0]));
+        const __m256i mn = _mm256_or_si256(_mm256_srli_epi32(low, 4), top(high[1]));
+        scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        min_scale = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn));
+      } else {
+        scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 16 * h)));
+      }
       for (int m = 0; m < M; ++m) {
-        const int8_t* x = a.qg.data() + (m * a.groups + g) * kGroupCodes + 32 * h;
-        __m256i s = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(a.offset8.data() + (m * a.groups + g) * kQ4_0x16Blocks + 8 * h));
+        const int8_t* x = codes.data() + (m * a.runs + r) * kRunValues + 32 * h;
+        const int64_t at = (m * a.runs + r) * 16 + 8 * h;
+        __m256i s = k ? _mm256_setzero_si256()
+                      : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.offset8.data() + at));
         for (int t = 0; t < 8; ++t)  // u <= 15: vpmaddubsw's pairs stay far from saturating
           s = _mm256_add_epi32(s, dot_u8s8(u[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * t))));
-        const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(a.d.data() + m * a.blocks + g * kQ4_0x16Blocks + 8 * h));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m]);
+        const __m256 sums = _mm256_cvtepi32_ps(s);
+        if constexpr (k) {
+          const __m256 dx = _mm256_loadu_ps(a.dk_runs.data() + at);
+          const __m256 mins = _mm256_mul_ps(min_scale, _mm256_loadu_ps(a.sum_runs.data() + at));
+          acc[m] = _mm256_fmadd_ps(_mm256_fmsub_ps(sums, scale, mins), dx, acc[m]);
+        } else {
+          const __m256 dx = _mm256_loadu_ps(a.d.data() + m * a.blocks + r * 16 + 8 * h);
+          acc[m] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, dx), acc[m]);
+        }
       }
     }
   }
@@ -544,7 +631,8 @@ void dot_any_row(Type type, const uint8_t* row, const A8Rows& a, float (&out)[M]
     case gguf::kQ6_K: return dot_k_row<gguf::kQ6_K, M>(row, a, out);
     case gguf::kQ8_0: return dot_legacy_row<gguf::kQ8_0, M>(row, a, out);
     case gguf::kQ4_0: return dot_legacy_row<gguf::kQ4_0, M>(row, a, out);
-    case gguf::kQ4_0x16: return dot_q4_0x16_row<M>(row, a, out);
+    case gguf::kQ4_0x16: return dot_runs_row<gguf::kQ4_0x16, M>(row, a, out);
+    case gguf::kQ4_Kx2: return dot_runs_row<gguf::kQ4_Kx2, M>(row, a, out);
     case gguf::kQ4_1: return dot_legacy_row<gguf::kQ4_1, M>(row, a, out);
     case gguf::kQ5_0: return dot_legacy_row<gguf::kQ5_0, M>(row, a, out);
     default: return dot_legacy_row<gguf::kQ5_1, M>(row, a, out);

@@ -32,7 +32,7 @@ from dabba.quantization.gguf_repack import LAYOUTS, file_type, layout_for, repac
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 A8_BLOCK = 32  # activation values per scale (csrc/gguf_linear_cpu.cpp's kA8Block), legacy types
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # their activations: a scale per super-block (kSuperBlock)
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # their activations (and their layouts'): a scale per super-block (kSuperBlock)
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def rounded_activations(x: torch.Tensor, type_name: str) -> torch.Tensor:
     dtype; x itself for a float segment."""
     if type_name in FLOAT_TYPES:
         return x
-    block = 256 if type_name in K_TYPES else A8_BLOCK
+    block = 256 if file_type(type_name) in K_TYPES else A8_BLOCK
     q, d = quantize_activations(x, block)
     m, k = x.shape
     return (q.float().view(m, -1, block) * d[..., None]).view(m, -1)[:, :k].to(x.dtype)
@@ -119,7 +119,7 @@ def dequantized_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.
     rounded: dict[str, torch.Tensor] = {}
     outs = []
     for s in segments:
-        kind = "float" if s.type_name in FLOAT_TYPES else "k" if s.type_name in K_TYPES else "legacy"
+        kind = "float" if s.type_name in FLOAT_TYPES else "k" if file_type(s.type_name) in K_TYPES else "legacy"
         if kind not in rounded:
             rounded[kind] = rounded_activations(x, s.type_name)
         outs.append(F.linear(rounded[kind], s.dequantize(x.dtype)))
@@ -141,7 +141,8 @@ def linear_reference(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Te
     outs = []
     for s in segments:
         w = s.dequantize().double()
-        a = x.double() if s.type_name in FLOAT_TYPES else rounded[256 if s.type_name in K_TYPES else A8_BLOCK]
+        block = 256 if file_type(s.type_name) in K_TYPES else A8_BLOCK
+        a = x.double() if s.type_name in FLOAT_TYPES else rounded[block]
         outs.append(a @ w.T)
     y = torch.cat(outs, dim=1).float().to(x.dtype)  # float32 sums, rounded to x's dtype
     return y if bias is None else y + bias

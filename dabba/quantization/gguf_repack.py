@@ -3,70 +3,135 @@ Q4_K for its CPU kernels): the same bytes a row, the same values, in an order th
 kernel fewer instructions a byte. The file's blocks stay the reference: a layout dequantizes by
 going back to them.
 
-Q4_0x16 (csrc/gguf_blocks.h, whose comment gives the byte order): each run of 16 Q4_0 blocks of a
-row as their 16 float16 scales, then their 512 nibbles ordered so that one 64-byte load holds 4
-values of every block: a vpdpbusd's 16 lanes are the 16 blocks, and the per-block products never
-leave int32 until one conversion and one multiply by the 16 scales. A row's last blocks short of
-16 stay as they are.
+Both layouts (csrc/gguf_blocks.h gives their byte orders) hold a run of 16 groups of 32 values (16
+Q4_0 blocks; two Q4_K super-blocks' 16 sub-blocks) as their scales, then their 512 nibbles
+ordered so that one 64-byte load holds 4 values of every group: a vpdpbusd's 16 lanes are the 16
+groups, and each group's products stay in int32 until it is scaled. A row's blocks past its last
+whole run stay as the file has them.
+
+- Q4_0x16: the 16 blocks' float16 scales (32 bytes), then the nibbles (256).
+- Q4_Kx2: the two super-blocks' d, d, dmin, dmin (float16, 8 bytes); their 16 sub-blocks' 6-bit
+  scales and mins, the low 4 bits of scale and min in one byte per sub-block (16 bytes), then the
+  scales' top 2 bits, 2 bits per sub-block in a little-endian uint32, and the mins' likewise (8
+  bytes); then the nibbles (256).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-GROUP_BLOCKS = 16  # Q4_0 blocks a Q4_0x16 run holds
-Q4_0_BYTES = 18  # a Q4_0 block: a float16 scale, then 16 bytes of nibbles (value i low, 16 + i high)
-LAYOUTS = {"Q4_0x16": "Q4_0"}  # dabba's layout -> the file's type whose blocks it holds
+from dabba.quantization.gguf_blocks import BLOCKS, _k_scale_min
+
+
+@dataclass(frozen=True)
+class Layout:
+    file_type: str  # the file's type whose blocks it holds
+    run_blocks: int  # of the file's blocks a run holds
+
+
+LAYOUTS = {"Q4_0x16": Layout("Q4_0", 16), "Q4_Kx2": Layout("Q4_K", 2)}
+RUN_VALUES = 512  # values a run holds, 16 groups of 32
 
 
 def file_type(type_name: str) -> str:
     """The file's type whose blocks a layout (or the type itself) holds."""
-    return LAYOUTS.get(type_name, type_name)
+    layout = LAYOUTS.get(type_name)
+    return layout.file_type if layout else type_name
 
 
 def layout_for(type_name: str, columns: int) -> str | None:
     """The layout the GEMV takes for a row of ``columns`` values of ``type_name``, None to keep the
     file's blocks (no layout for the type, or too short a row for one run)."""
-    if type_name == "Q4_0" and columns // 32 >= GROUP_BLOCKS:
-        return "Q4_0x16"
-    return None
+    if columns < RUN_VALUES:
+        return None
+    return next((name for name, layout in LAYOUTS.items() if layout.file_type == type_name), None)
 
 
-def _runs(data: torch.Tensor, columns: int) -> tuple[int, int]:
-    """(rows, full runs a row) of a [rows, row bytes] Q4_0 tensor."""
+def _check(type_name: str, data: torch.Tensor, columns: int) -> tuple[Layout, int, int]:
+    """(the layout, rows, full runs a row) of [rows, row bytes] blocks of the layout's file type."""
+    layout = LAYOUTS.get(type_name)
+    if layout is None:
+        raise ValueError(f"no layout {type_name!r}; dabba's are {sorted(LAYOUTS)}")
+    block, size = BLOCKS[layout.file_type]
     rows, nbytes = data.shape
-    if columns % 32 or nbytes != columns // 32 * Q4_0_BYTES:
-        raise ValueError(f"{nbytes} bytes a row are not {columns} values of Q4_0 blocks")
-    return rows, columns // 32 // GROUP_BLOCKS
+    if columns % block or nbytes != columns // block * size:
+        raise ValueError(f"{nbytes} bytes a row are not {columns} values of {layout.file_type} blocks")
+    return layout, rows, columns // RUN_VALUES
+
+
+def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """[..., 16 groups, 32 values] of 0..15 -> [..., 256] bytes: byte 64 l + 4 j + r holds group j's
+    values 8 l + r (low nibble) and 8 l + 4 + r (high)."""
+    v = values.reshape(*values.shape[:-2], 16, 4, 2, 4)  # [.., j, l, h, r]
+    return (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(-3, -2).reshape(*values.shape[:-2], 256)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """_pack_nibbles' inverse: [..., 256] -> [..., 16, 32]."""
+    nibbles = packed.reshape(*packed.shape[:-1], 4, 16, 4).transpose(-3, -2)  # [.., j, l, r]
+    return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-2).reshape(*packed.shape[:-1], 16, 32)
+
+
+def _two_bits(values: torch.Tensor) -> torch.Tensor:
+    """[..., 16] of 0..3 -> [..., 4] bytes: value i at bits 2 i of a little-endian uint32."""
+    word = (values.to(torch.int64) << (2 * torch.arange(16))).sum(-1)
+    return torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
+
+
+def _from_two_bits(raw: torch.Tensor) -> torch.Tensor:
+    """_two_bits' inverse: [..., 4] bytes -> [..., 16]."""
+    word = sum(raw[..., b].to(torch.int64) << (8 * b) for b in range(4))
+    return ((word.unsqueeze(-1) >> (2 * torch.arange(16))) & 3).to(torch.uint8)
+
+
+def _repack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
+    """[rows, runs, run bytes] of the file's blocks -> the layout's."""
+    if layout.file_type == "Q4_0":
+        blocks = runs.reshape(*runs.shape[:2], 16, 18)
+        qs = blocks[..., 2:]
+        values = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [.., block, 32]
+        return torch.cat([blocks[..., :2].reshape(*runs.shape[:2], 32), _pack_nibbles(values)], dim=-1)
+    blocks = runs.reshape(-1, 144)  # Q4_K super-blocks, two a run
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    qs = blocks[:, 16:].reshape(-1, 4, 32)
+    values = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(*runs.shape[:2], 16, 32)  # sub-block j's 32
+    sc, mn = sc.reshape(*runs.shape[:2], 16), mn.reshape(*runs.shape[:2], 16)
+    halves = blocks[:, :4].reshape(*runs.shape[:2], 2, 2, 2).transpose(-3, -2)  # [.., d|dmin, block, 2 bytes]
+    scales = torch.cat([(sc & 0x0F) | ((mn & 0x0F) << 4), _two_bits(sc >> 4), _two_bits(mn >> 4)], dim=-1)
+    return torch.cat([halves.reshape(*runs.shape[:2], 8), scales, _pack_nibbles(values)], dim=-1)
+
+
+def _unpack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
+    """_repack_runs' inverse."""
+    if layout.file_type == "Q4_0":
+        values = _unpack_nibbles(runs[..., 32:])
+        qs = values[..., :16] | (values[..., 16:] << 4)
+        return torch.cat([runs[..., :32].reshape(*runs.shape[:2], 16, 2), qs], dim=-1).reshape(runs.shape)
+    halves = runs[..., :8].reshape(*runs.shape[:2], 2, 2, 2).transpose(-3, -2)  # [.., block, d|dmin, 2 bytes]
+    low = runs[..., 8:24]
+    sc = (low & 0x0F) | (_from_two_bits(runs[..., 24:28]) << 4)
+    mn = (low >> 4) | (_from_two_bits(runs[..., 28:32]) << 4)
+    sc, mn = sc.reshape(*runs.shape[:2], 2, 8), mn.reshape(*runs.shape[:2], 2, 8)
+    # the file's 12 bytes of 6-bit scales and mins (gguf_blocks._k_scale_min's inverse)
+    scales = torch.cat([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                        (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)], dim=-1)
+    values = _unpack_nibbles(runs[..., 32:]).reshape(*runs.shape[:2], 2, 4, 2, 32)  # [.., block, pair, lo|hi, l]
+    qs = (values[..., 0, :] | (values[..., 1, :] << 4)).reshape(*runs.shape[:2], 2, 128)
+    return torch.cat([halves.reshape(*runs.shape[:2], 2, 4), scales, qs], dim=-1).reshape(runs.shape)
 
 
 def repack(type_name: str, data: torch.Tensor, columns: int) -> torch.Tensor:
-    """The file's Q4_0 rows [rows, row bytes] uint8 -> the same rows as Q4_0x16."""
-    if type_name != "Q4_0x16":
-        raise ValueError(f"no layout {type_name!r}; dabba's are {sorted(LAYOUTS)}")
-    rows, runs = _runs(data, columns)
-    run_bytes = GROUP_BLOCKS * Q4_0_BYTES
-    blocks = data[:, :runs * run_bytes].reshape(rows, runs, GROUP_BLOCKS, Q4_0_BYTES)
-    scales = blocks[..., :2].reshape(rows, runs, 2 * GROUP_BLOCKS)
-    qs = blocks[..., 2:]
-    values = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [rows, runs, block j, value 0..31]
-    # value 8 l + 4 h + r of block j -> nibble h of byte 64 l + 4 j + r
-    v = values.reshape(rows, runs, GROUP_BLOCKS, 4, 2, 4)  # [.., j, l, h, r]
-    nibbles = (v[..., 0, :] | (v[..., 1, :] << 4)).permute(0, 1, 3, 2, 4)  # [.., l, j, r]
-    runs_out = torch.cat([scales, nibbles.reshape(rows, runs, 16 * GROUP_BLOCKS)], dim=-1).reshape(rows, runs * run_bytes)
-    return torch.cat([runs_out, data[:, runs * run_bytes:]], dim=1).contiguous()
+    """The file's rows [rows, row bytes] uint8 -> the same rows in layout ``type_name``."""
+    layout, rows, runs = _check(type_name, data, columns)
+    run_bytes = data.shape[1] * RUN_VALUES // columns
+    packed = _repack_runs(layout, data[:, :runs * run_bytes].reshape(rows, runs, run_bytes))
+    return torch.cat([packed.reshape(rows, runs * run_bytes), data[:, runs * run_bytes:]], dim=1).contiguous()
 
 
 def unpack(type_name: str, data: torch.Tensor, columns: int) -> torch.Tensor:
     """A layout's rows -> the file's blocks they hold (repack's inverse)."""
-    if type_name not in LAYOUTS:
-        raise ValueError(f"no layout {type_name!r}; dabba's are {sorted(LAYOUTS)}")
-    rows, runs = _runs(data, columns)
-    run_bytes = GROUP_BLOCKS * Q4_0_BYTES
-    packed = data[:, :runs * run_bytes].reshape(rows, runs, run_bytes)
-    scales = packed[..., :2 * GROUP_BLOCKS].reshape(rows, runs, GROUP_BLOCKS, 2)
-    nibbles = packed[..., 2 * GROUP_BLOCKS:].reshape(rows, runs, 4, GROUP_BLOCKS, 4).permute(0, 1, 3, 2, 4)
-    v = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-2)  # [.., j, l, h, r]
-    values = v.reshape(rows, runs, GROUP_BLOCKS, 32)
-    qs = values[..., :16] | (values[..., 16:] << 4)
-    blocks = torch.cat([scales, qs], dim=-1).reshape(rows, runs * run_bytes)
-    return torch.cat([blocks, data[:, runs * run_bytes:]], dim=1).contiguous()
+    layout, rows, runs = _check(type_name, data, columns)
+    run_bytes = data.shape[1] * RUN_VALUES // columns
+    blocks = _unpack_runs(layout, data[:, :runs * run_bytes].reshape(rows, runs, run_bytes))
+    return torch.cat([blocks.reshape(rows, runs * run_bytes), data[:, runs * run_bytes:]], dim=1).contiguous()

@@ -32,8 +32,8 @@ def native_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tenso
 
 
 def columns_for(type_name: str) -> list[int]:
-    if type_name in LAYOUTS:  # a run of 16 blocks and 3 past it; two runs
-        return [512 + 96, 1024]
+    if type_name in LAYOUTS:  # a run of 512 values and a block or few past it; two runs
+        return [512 + BLOCKS[file_type(type_name)][0] * (3 if type_name == "Q4_0x16" else 1), 1024]
     block = BLOCKS[type_name][0]
     return [512, 768] if block == 256 else [96, 256 + 64]  # 96: a group of fewer than 8 blocks
 
@@ -77,13 +77,13 @@ def test_activation_codes_round_as_the_kernel_does() -> None:
 def test_merged_segments_of_mixed_types_with_a_bias(rows) -> None:
     k = 512
     segments = [random_blocks("Q4_K", 24, k, 1), random_blocks("Q6_K", 8, k, 2), random_blocks("F32", 5, k, 3),
-                random_blocks("Q8_0", 16, k, 4), random_blocks("Q4_0x16", 8, k, 5)]
-    bias = torch.randn(61)
+                random_blocks("Q8_0", 16, k, 4), random_blocks("Q4_0x16", 8, k, 5), random_blocks("Q4_Kx2", 8, k, 6)]
+    bias = torch.randn(69)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
         ref = linear_reference(x, segments, bias.to(dtype), GEMV_MAX_ROWS)
         ours = native_linear(x, segments, bias.to(dtype))
-        assert ours.dtype == dtype and ours.shape == (rows, 61)
+        assert ours.dtype == dtype and ours.shape == (rows, 69)
         tol = 2e-3 if dtype == torch.float32 else 2e-2
         assert (ours.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
 
@@ -116,12 +116,12 @@ def test_bad_operands_are_refused() -> None:
 
 @pytest.mark.skipif(not native.load_cpu_ops(), reason="native kernels unavailable")
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16",
-                                       "Q4_0x16"])
+                                       *LAYOUTS])
 def test_a_row_gives_the_same_result_alone_and_in_a_batch(type_name) -> None:
     """The GEMM (past the GEMV's rows) multiplies the activations' 8-bit codes as the GEMV does: a
     row's result alone and among 40 differs by float32 summation order only, far below what the
     codes' rounding itself moves (checked against x unrounded)."""
-    k = 512 + 32 if type_name not in ("Q4_K", "Q5_K", "Q6_K") else 512  # a partial last block for the legacy types
+    k = 512 + 32 if file_type(type_name) not in ("Q4_K", "Q5_K", "Q6_K") else 768  # blocks past a whole group
     seg = random_blocks(type_name, 48, k, 7)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 3, k)
     batched = native_linear(x, [seg])

@@ -1,6 +1,6 @@
 """dabba's layouts of GGUF blocks (quantization/gguf_repack.py): the same bytes a row, the file's
-blocks back exactly, the same values from the native dequantization, and the layout chosen only
-where a row holds a whole run."""
+blocks back exactly, the byte orders the kernels read, the same values from the native
+dequantization, and a layout chosen only where a row holds a whole run."""
 from __future__ import annotations
 
 import pytest
@@ -8,25 +8,26 @@ import torch
 
 from dabba.ops import native
 from dabba.quantization.gguf import GGUFBlocks, dequantize_rows
-from dabba.quantization.gguf_blocks import dequantize
+from dabba.quantization.gguf_blocks import _k_scale_min, dequantize
 from dabba.quantization.gguf_repack import file_type, layout_for, repack, unpack
 from tools.random_gguf import random_blocks
 
-# one run of 16 blocks; a run and 3 blocks past it; TinyLlama's and Qwen2.5-0.5B's widths
-WIDTHS = [512, 512 + 96, 2048, 5632, 896, 4864]
+# one run of 512 values; a run and blocks past it; TinyLlama's and Qwen2.5-0.5B's widths
+WIDTHS = {"Q4_0x16": [512, 512 + 96, 2048, 5632, 896, 4864], "Q4_Kx2": [512, 768, 2048, 5632, 4864]}
+CASES = [(layout, columns) for layout, widths in WIDTHS.items() for columns in widths]
 
 
-@pytest.mark.parametrize("columns", WIDTHS)
-def test_a_row_keeps_its_bytes_and_unpacks_to_the_files_blocks(columns) -> None:
-    blocks = random_blocks("Q4_0", 5, columns, seed=columns)
-    packed = repack("Q4_0x16", blocks.data, columns)
+@pytest.mark.parametrize("layout, columns", CASES)
+def test_a_row_keeps_its_bytes_and_unpacks_to_the_files_blocks(layout, columns) -> None:
+    blocks = random_blocks(file_type(layout), 5, columns, seed=columns)
+    packed = repack(layout, blocks.data, columns)
     assert packed.shape == blocks.data.shape and packed.dtype == torch.uint8
     assert not torch.equal(packed, blocks.data)
-    assert torch.equal(unpack("Q4_0x16", packed, columns), blocks.data)
-    runs = columns // 32 // 16
+    assert torch.equal(unpack(layout, packed, columns), blocks.data)
+    runs = columns // 512
     assert torch.equal(packed[:, runs * 288:], blocks.data[:, runs * 288:])  # the blocks past the last run
-    ref = dequantize("Q4_0", blocks.data, (5, columns))
-    assert torch.equal(GGUFBlocks("Q4_0x16", packed, columns).dequantize(), ref)
+    ref = dequantize(file_type(layout), blocks.data, (5, columns))
+    assert torch.equal(GGUFBlocks(layout, packed, columns).dequantize(), ref)
 
 
 def test_the_byte_order_is_the_kernels() -> None:
@@ -41,20 +42,35 @@ def test_the_byte_order_is_the_kernels() -> None:
         assert byte & 0x0F == values[j, 8 * l + r] and byte >> 4 == values[j, 8 * l + 4 + r]
 
 
+def test_a_q4_k_run_holds_its_scales_and_mins_as_the_kernel_reads_them() -> None:
+    """d, d, dmin, dmin; then per sub-block the low 4 bits of scale and min; then their top 2 bits."""
+    blocks = random_blocks("Q4_K", 1, 512, seed=2)
+    raw = blocks.data.view(2, 144)
+    sc, mn = _k_scale_min(raw[:, 4:16])  # [2 super-blocks, 8]
+    run = repack("Q4_Kx2", blocks.data, 512)[0]
+    assert torch.equal(run[:8].view(2, 2, 2), raw[:, :4].view(2, 2, 2).transpose(0, 1))
+    high_sc, high_mn = (int.from_bytes(bytes(run[at:at + 4].tolist()), "little") for at in (24, 28))
+    for j in range(16):
+        byte = run[8 + j].item()
+        assert (byte & 0x0F) | ((high_sc >> 2 * j & 3) << 4) == sc[j // 8, j % 8]
+        assert (byte >> 4) | ((high_mn >> 2 * j & 3) << 4) == mn[j // 8, j % 8]
+
+
 @pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels unavailable")
-@pytest.mark.parametrize("columns", WIDTHS)
-def test_the_native_dequantization_is_the_files_bit_for_bit(columns) -> None:
-    blocks = random_blocks("Q4_0x16", 9, columns, seed=1)
-    ref = dequantize("Q4_0", unpack("Q4_0x16", blocks.data, columns), (9, columns))
+@pytest.mark.parametrize("layout, columns", CASES)
+def test_the_native_dequantization_is_the_files_bit_for_bit(layout, columns) -> None:
+    blocks = random_blocks(layout, 9, columns, seed=1)
+    ref = dequantize(file_type(layout), unpack(layout, blocks.data, columns), (9, columns))
     for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(dequantize_rows("Q4_0x16", blocks.data, columns, dtype), ref.to(dtype))
+        assert torch.equal(dequantize_rows(layout, blocks.data, columns, dtype), ref.to(dtype))
 
 
 def test_the_layout_is_taken_where_a_row_holds_a_run() -> None:
     assert layout_for("Q4_0", 512) == layout_for("Q4_0", 896) == "Q4_0x16"
-    assert layout_for("Q4_0", 480) is None  # 15 blocks
-    assert layout_for("Q4_K", 4096) is None and layout_for("Q8_0", 4096) is None
-    assert file_type("Q4_0x16") == "Q4_0" and file_type("Q6_K") == "Q6_K"
+    assert layout_for("Q4_K", 512) == layout_for("Q4_K", 5632) == "Q4_Kx2"
+    assert layout_for("Q4_0", 480) is None and layout_for("Q4_K", 256) is None  # short of a run
+    assert layout_for("Q6_K", 4096) is None and layout_for("Q8_0", 4096) is None
+    assert file_type("Q4_0x16") == "Q4_0" and file_type("Q4_Kx2") == "Q4_K" and file_type("Q6_K") == "Q6_K"
 
 
 def test_bad_operands_are_refused() -> None:
