@@ -139,6 +139,7 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legac
   const T* xp = x.data_ptr<T>();
   for (int64_t m = 0; m < a.M; ++m)
     for (int64_t k = 0; k < a.K; ++k) a.xf[m * a.K + k] = to_float(xp[m * x.stride(0) + k]);
+  if (legacy_runs) a.offset8.resize(a.M * (a.K / kRunValues) * 16);
   if (legacy) {
     a.q.assign(a.M * a.blocks * kA8Block, 0);
     a.d.assign(a.M * a.blocks, 0.f);
@@ -155,21 +156,14 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legac
         // float16: a 2^-11 difference in Q4_1/Q5_1's min term, kept out so that both paths agree)
         a.d[m * a.blocks + b] = static_cast<float>(c10::Half(d));
         a.s[m * a.blocks + b] = a.d[m * a.blocks + b] * static_cast<float>(sum);
+        if (legacy_runs && b < a.K / kRunValues * 16) a.offset8[m * (a.K / kRunValues) * 16 + b] = -8 * sum;
       }
     }
   }
   a.runs = a.K / kRunValues;
-  if (legacy_runs) {  // legacy too
+  if (legacy_runs) {  // legacy too; offset8 filled as the blocks were rounded
     a.q_runs.resize(a.M * a.runs * kRunValues);
     order_runs(a.q.data(), a.M, a.blocks * kA8Block, a.runs, a.q_runs.data());
-    a.offset8.resize(a.M * a.runs * 16);
-    for (int64_t m = 0; m < a.M; ++m)
-      for (int64_t b = 0; b < a.runs * 16; ++b) {
-        const int8_t* q = a.q.data() + m * a.blocks * kA8Block + b * kA8Block;
-        int sum = 0;
-        for (int k = 0; k < kA8Block; ++k) sum += q[k];
-        a.offset8[m * a.runs * 16 + b] = -8 * sum;
-      }
   }
   if (k_quants) {  // K % 256 == 0 (check_segments)
     const int64_t supers = a.K / kSuperBlock;
