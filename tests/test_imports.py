@@ -258,7 +258,8 @@ LADDER: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("dabba.engine",)),
     ("entrypoints", ("dabba.entrypoints",)),  # the server, the LLM class
     ("tools", ("dabba.tools",)),  # quantize, plan, eval, bench: above what they use
-    ("cli", ("dabba.entrypoints.cli",)),  # the command line dispatches servers and tools alike
+    # the command line dispatches servers and tools alike (its flags and its tools' commands beside it)
+    ("cli", ("dabba.entrypoints.cli", "dabba.entrypoints.cli_args", "dabba.entrypoints.cli_tools")),
 ]
 
 
