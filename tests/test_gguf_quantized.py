@@ -15,7 +15,7 @@ from dabba.models.sizes import weights_bytes
 from dabba.ops import native
 from dabba.quantization.config import QuantConfig
 from dabba.quantization.gguf import GGUFLinearMethod
-from dabba.quantization.gguf_repack import LAYOUTS
+from dabba.quantization.gguf_repack import layout_for
 from tests.gguf_writer import LAYERS, LINEAR_TYPES, write_llama
 
 PROMPT = {"prompt_token_ids": [0, 5, 9, 33, 100, 7, 8, 250, 17, 3]}
@@ -48,11 +48,10 @@ def test_the_model_holds_the_files_blocks_and_the_planner_counts_them(files) -> 
     held = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)]
     assert len(held) == 4 * LAYERS + ("token_embd.weight" in blocks or "output.weight" in blocks)
     assert all(m.weight is None for m in held)
-    if native.load_cpu_ops():  # Q4_0 and Q4_K rows of 512 values (ffn_down's) in the GEMV's layouts
-        down = model.model.layers[0].mlp.down_proj
-        filed = tensors["blk.0.ffn_down.weight"].tensor_type.name
-        assert down.gguf_segment_types == [{"Q4_0": "Q4_0x16", "Q4_K": "Q4_Kx2"}[filed]]
-        assert all(not set(m.gguf_segment_types) & set(LAYOUTS) for m in held if m.in_features < 512)
+    if native.load_cpu_ops():  # Q4_0 and Q4_K rows of 512 values, Q6_K's of 256, in the GEMV's layouts
+        for m in held:
+            assert m.gguf_segment_types == [layout_for(t, m.in_features) or t for t in m.quant_method.shard_types]
+        assert model.model.layers[0].mlp.down_proj.gguf_segment_types[0] in ("Q4_0x16", "Q4_Kx2")
     embedding = model.model.embed_tokens
     assert (embedding.gguf_rows is not None) == ("token_embd.weight" in blocks)
     held_bytes = sum(m.gguf_blob.numel() for m in held)

@@ -29,7 +29,10 @@ enum Type : int64_t {
   // Q4_Kx2: two Q4_K super-blocks (16 sub-blocks) a run: d, d, dmin, dmin (float16); per sub-block
   // the low 4 bits of its scale and of its min in one byte (16 bytes); the scales' top 2 bits, 2 a
   // sub-block in a little-endian uint32, then the mins' (8 bytes).
-  kQ4_0x16 = 1002, kQ4_Kx2 = 1012,
+  // Q6_Kx1: a Q6_K super-block (16 sub-blocks of 16) a run of 256 values, its 6-bit codes' low 4 bits
+  // (128 bytes: byte 64 L + 4 j + r holds sub-block j's values 8 L + r and 8 L + 4 + r), their top
+  // 2 bits (64 bytes: bits 2 t of byte 4 j + r for value 4 t + r), then its 16 int8 scales and d.
+  kQ4_0x16 = 1002, kQ4_Kx2 = 1012, kQ6_Kx1 = 1014,
 };
 constexpr int64_t kRunValues = 512, kRunBytes = 288;  // both layouts: a run's values and bytes
 constexpr int64_t kQ4_0x16Blocks = 16;
@@ -45,7 +48,7 @@ constexpr TypeInfo kTypes[] = {
     {"Q8_0", kQ8_0, 32, 34},    {"Q4_0", kQ4_0, 32, 18},    {"Q4_1", kQ4_1, 32, 20},
     {"Q5_0", kQ5_0, 32, 22},    {"Q5_1", kQ5_1, 32, 24},    {"Q4_K", kQ4_K, 256, 144},
     {"Q5_K", kQ5_K, 256, 176},  {"Q6_K", kQ6_K, 256, 210},  {"Q4_0x16", kQ4_0x16, 32, 18},
-    {"Q4_Kx2", kQ4_Kx2, 256, 144},
+    {"Q4_Kx2", kQ4_Kx2, 256, 144},  {"Q6_Kx1", kQ6_Kx1, 256, 210},
 };
 
 // The type's entry, or null for one the kernels do not take.
@@ -82,7 +85,8 @@ inline void k_scale_min(int j, const uint8_t* q, int& sc, int& m) {
 inline void dequantize_block(Type type, const uint8_t* b, float* y) {
   switch (type) {
     case kQ4_0x16:
-    case kQ4_Kx2: return;
+    case kQ4_Kx2:
+    case kQ6_Kx1: return;
     case kF32: std::memcpy(y, b, 4); return;
     case kF16: y[0] = f16(b); return;
     case kBF16: {
@@ -193,6 +197,47 @@ inline void run_scale_min(const uint8_t* run, int j, int& sc, int& m) {
 // A row of K values of `type` -> K floats, computed as dequantize_block computes each block.
 inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
   int64_t k = 0;
+  if (type == kQ6_Kx1) {  // as dequantize_block's Q6_K: (d * scale) * (code - 32)
+    for (; k < K; k += 256) {
+      const uint8_t* run = row + k / 256 * 210;
+      const float d = f16(run + 208);
+#if defined(__AVX2__)
+      alignas(32) uint8_t codes[256];  // byte 64 t + 4 j + r: sub-block j's value 4 t + r
+      for (int h = 0; h < 2; ++h) {
+        const auto load = [&](int at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + at + 32 * h)); };
+        const __m256i lo0 = load(0), lo1 = load(64), hi = load(128);
+        const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+        const __m256i u[4] = {
+            _mm256_or_si256(_mm256_and_si256(lo0, low4), _mm256_and_si256(_mm256_slli_epi16(hi, 4), top2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo0, 4), low4), _mm256_and_si256(_mm256_slli_epi16(hi, 2), top2)),
+            _mm256_or_si256(_mm256_and_si256(lo1, low4), _mm256_and_si256(hi, top2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(hi, 2), top2))};
+        for (int t = 0; t < 4; ++t) _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 64 * t + 32 * h), u[t]);
+      }
+      for (int j = 0; j < 16; ++j) {
+        uint32_t words[4];
+        for (int t = 0; t < 4; ++t) std::memcpy(words + t, codes + 64 * t + 4 * j, 4);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
+        const __m256 dj = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(run[192 + j])));
+        for (int i = 0; i < 2; ++i) {
+          const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(i ? _mm_srli_si128(bytes, 8) : bytes), _mm256_set1_epi32(32));
+          _mm256_storeu_ps(y + k + 16 * j + 8 * i, _mm256_mul_ps(dj, _mm256_cvtepi32_ps(q)));
+        }
+      }
+      continue;
+#endif
+      for (int j = 0; j < 16; ++j) {
+        const float dj = d * static_cast<float>(static_cast<int8_t>(run[192 + j]));
+        for (int t = 0; t < 4; ++t)
+          for (int r = 0; r < 4; ++r) {
+            const uint8_t low = run[64 * (t / 2) + 4 * j + r];
+            const int code = ((t % 2 ? low >> 4 : low & 0xF) | (((run[128 + 4 * j + r] >> (2 * t)) & 3) << 4)) - 32;
+            y[k + 16 * j + 4 * t + r] = dj * static_cast<float>(code);
+          }
+      }
+    }
+    return;
+  }
   if (type == kQ4_0x16 || type == kQ4_Kx2) {
     for (; k + kRunValues <= K; k += kRunValues) {
       const uint8_t* run = row + k / kRunValues * kRunBytes;

@@ -59,6 +59,10 @@ struct A8Rows {
   std::vector<int8_t> q_runs, qk_runs;
   std::vector<int32_t> offset8;
   std::vector<float> sum_runs, dk_runs;
+  // Q6_Kx1: qk's codes of each super-block as its layout meets them, [M, K / 256, 4, 16 sub-blocks,
+  // 4], and -32 * each sub-block of 16's codes' sum (the codes' offset of 32), [M, K / 16]
+  std::vector<int8_t> qk_q6;
+  std::vector<int32_t> offset32;
 };
 
 // [M, K] codes -> the run layouts' order (A8Rows::q_runs), rows ld apart.
@@ -130,7 +134,8 @@ inline float round_block(const float* x, int64_t n, int8_t* q, bool k_quants) {
 }
 
 template <typename T>
-A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legacy_runs = false, bool k_runs = false) {
+A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legacy_runs = false, bool k_runs = false,
+                    bool q6_runs = false) {
   A8Rows a;
   a.M = x.size(0);
   a.K = x.size(1);
@@ -185,6 +190,17 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legac
             static_cast<int16_t>(a.sum16[m * a.K / 16 + 2 * i] + a.sum16[m * a.K / 16 + 2 * i + 1]);
     }
   }
+  if (q6_runs) {  // k_quants too
+    a.qk_q6.resize(a.M * a.K);
+    a.offset32.resize(a.M * a.K / 16);
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int64_t g = 0; g < a.K / 16; ++g) {  // sub-block g of 16: super-block g / 16, j = g % 16
+        const int8_t* q = a.qk.data() + m * a.K + 16 * g;
+        int8_t* dst = a.qk_q6.data() + m * a.K + (g / 16) * kSuperBlock + 4 * (g % 16);
+        for (int t = 0; t < 4; ++t) std::memcpy(dst + 64 * t, q + 4 * t, 4);
+        a.offset32[m * a.K / 16 + g] = -32 * a.sum16[m * a.K / 16 + g];
+      }
+  }
   if (k_runs) {  // k_quants too
     a.qk_runs.resize(a.M * a.runs * kRunValues);
     order_runs(a.qk.data(), a.M, a.K, a.runs, a.qk_runs.data());
@@ -201,7 +217,7 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legac
 
 inline bool is_float(Type t) { return t == gguf::kF32 || t == gguf::kF16 || t == gguf::kBF16; }
 inline bool is_k_quant(Type t) {
-  return t == gguf::kQ4_K || t == gguf::kQ5_K || t == gguf::kQ6_K || t == gguf::kQ4_Kx2;
+  return t == gguf::kQ4_K || t == gguf::kQ5_K || t == gguf::kQ6_K || t == gguf::kQ4_Kx2 || t == gguf::kQ6_Kx1;
 }
 
 // Float segments (F32/F16/BF16): their values against x, 256 values a step.
@@ -612,6 +628,74 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
 #endif
 }
 
+// Q6_Kx1 (gguf_blocks.h) against A8Rows::qk_q6: per super-block, 4 vpdpbusd of the 6-bit codes
+// (low nibbles or'd with their top bits, moved into place by one shift) against 4 codes of each of
+// the 16 sub-blocks, from -32 * their codes' sums, exact in int32; then one conversion and one fma
+// by the sub-blocks' d * scale times the activations' scale. Without AVX-512, two halves of 8.
+template <int M>
+void dot_q6_kx1_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
+  const int64_t supers = a.K / kSuperBlock;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* run = row + sb * 210;
+    for (int64_t line = 0; line < 210; line += 64) prefetch_weights(run + line);
+    const __m512i lo0 = _mm512_loadu_si512(run), lo1 = _mm512_loadu_si512(run + 64);
+    const __m512i hi = _mm512_loadu_si512(run + 128);
+    const __m512i u[4] = {
+        _mm512_or_si512(_mm512_and_si512(lo0, low4), _mm512_and_si512(_mm512_slli_epi16(hi, 4), top2)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo0, 4), low4), _mm512_and_si512(_mm512_slli_epi16(hi, 2), top2)),
+        _mm512_or_si512(_mm512_and_si512(lo1, low4), _mm512_and_si512(hi, top2)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo1, 4), low4), _mm512_and_si512(_mm512_srli_epi16(hi, 2), top2))};
+    const __m512 scale = _mm512_mul_ps(
+        _mm512_set1_ps(gguf::f16(run + 208)),
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 192)))));
+    for (int m = 0; m < M; ++m) {
+      const int8_t* x = a.qk_q6.data() + m * a.K + sb * kSuperBlock;
+      __m512i s0 = _mm512_loadu_si512(a.offset32.data() + m * a.K / 16 + sb * 16), s1 = _mm512_setzero_si512();
+      s0 = _mm512_dpbusd_epi32(s0, u[0], _mm512_loadu_si512(x));
+      s1 = _mm512_dpbusd_epi32(s1, u[1], _mm512_loadu_si512(x + 64));
+      s0 = _mm512_dpbusd_epi32(s0, u[2], _mm512_loadu_si512(x + 128));
+      s1 = _mm512_dpbusd_epi32(s1, u[3], _mm512_loadu_si512(x + 192));
+      const __m512 dx = _mm512_set1_ps(a.dk[m * supers + sb]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(scale, dx), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+#else
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* run = row + sb * 210;
+    for (int64_t line = 0; line < 210; line += 64) prefetch_weights(run + line);
+    const float d = gguf::f16(run + 208);
+    for (int h = 0; h < 2; ++h) {  // sub-blocks 8 h .. 8 h + 7: bytes 32 h .. 32 h + 31 of each 64
+      const auto load = [&](int at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + at + 32 * h)); };
+      const __m256i lo0 = load(0), lo1 = load(64), hi = load(128);
+      const __m256i u[4] = {
+          _mm256_or_si256(_mm256_and_si256(lo0, low4), _mm256_and_si256(_mm256_slli_epi16(hi, 4), top2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo0, 4), low4), _mm256_and_si256(_mm256_slli_epi16(hi, 2), top2)),
+          _mm256_or_si256(_mm256_and_si256(lo1, low4), _mm256_and_si256(hi, top2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(hi, 2), top2))};
+      const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(run + 192 + 8 * h)))));
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a.qk_q6.data() + m * a.K + sb * kSuperBlock + 32 * h;
+        __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.offset32.data() + m * a.K / 16 + sb * 16 + 8 * h));
+        for (int t = 0; t < 4; ++t)  // u <= 63: vpmaddubsw's pairs stay below 2 * 63 * 127
+          s = _mm256_add_epi32(s, dot_u8s8(u[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * t))));
+        const __m256 dx = _mm256_set1_ps(a.dk[m * supers + sb]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale, dx), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = reduce_add8(acc[m]);
+#endif
+}
+
 #endif  // DABBA_GGUF_SIMD
 
 // One weight row of `type` against the M rows of x.
@@ -627,6 +711,7 @@ void dot_any_row(Type type, const uint8_t* row, const A8Rows& a, float (&out)[M]
     case gguf::kQ4_0: return dot_legacy_row<gguf::kQ4_0, M>(row, a, out);
     case gguf::kQ4_0x16: return dot_runs_row<gguf::kQ4_0x16, M>(row, a, out);
     case gguf::kQ4_Kx2: return dot_runs_row<gguf::kQ4_Kx2, M>(row, a, out);
+    case gguf::kQ6_Kx1: return dot_q6_kx1_row<M>(row, a, out);
     case gguf::kQ4_1: return dot_legacy_row<gguf::kQ4_1, M>(row, a, out);
     case gguf::kQ5_0: return dot_legacy_row<gguf::kQ5_0, M>(row, a, out);
     default: return dot_legacy_row<gguf::kQ5_1, M>(row, a, out);

@@ -3,17 +3,20 @@ Q4_K for its CPU kernels): the same bytes a row, the same values, in an order th
 kernel fewer instructions a byte. The file's blocks stay the reference: a layout dequantizes by
 going back to them.
 
-Both layouts (csrc/gguf_blocks.h gives their byte orders) hold a run of 16 groups of 32 values (16
-Q4_0 blocks; two Q4_K super-blocks' 16 sub-blocks) as their scales, then their 512 nibbles
-ordered so that one 64-byte load holds 4 values of every group: a vpdpbusd's 16 lanes are the 16
-groups, and each group's products stay in int32 until it is scaled. A row's blocks past its last
-whole run stay as the file has them.
+Every layout (csrc/gguf_blocks.h gives their byte orders) holds a run of 16 groups (16 Q4_0
+blocks; two Q4_K super-blocks' 16 sub-blocks of 32; a Q6_K super-block's 16 sub-blocks of 16)
+with their codes ordered so that one 64-byte load holds 4 values of every group: a vpdpbusd's 16
+lanes are the 16 groups, and each group's products stay in int32 until it is scaled. A row's
+blocks past its last whole run stay as the file has them.
 
 - Q4_0x16: the 16 blocks' float16 scales (32 bytes), then the nibbles (256).
 - Q4_Kx2: the two super-blocks' d, d, dmin, dmin (float16, 8 bytes); their 16 sub-blocks' 6-bit
   scales and mins, the low 4 bits of scale and min in one byte per sub-block (16 bytes), then the
   scales' top 2 bits, 2 bits per sub-block in a little-endian uint32, and the mins' likewise (8
   bytes); then the nibbles (256).
+- Q6_Kx1: the 6-bit codes' low 4 bits (128 bytes: byte 64 L + 4 j + r holds sub-block j's values
+  8 L + r and 8 L + 4 + r), their top 2 bits (64 bytes: bits 2 t of byte 4 j + r for value 4 t + r),
+  then the 16 int8 scales and d, as the file has them.
 """
 from __future__ import annotations
 
@@ -29,9 +32,12 @@ class Layout:
     file_type: str  # the file's type whose blocks it holds
     run_blocks: int  # of the file's blocks a run holds
 
+    @property
+    def run_values(self) -> int:
+        return BLOCKS[self.file_type][0] * self.run_blocks
 
-LAYOUTS = {"Q4_0x16": Layout("Q4_0", 16), "Q4_Kx2": Layout("Q4_K", 2)}
-RUN_VALUES = 512  # values a run holds, 16 groups of 32
+
+LAYOUTS = {"Q4_0x16": Layout("Q4_0", 16), "Q4_Kx2": Layout("Q4_K", 2), "Q6_Kx1": Layout("Q6_K", 1)}
 
 
 def file_type(type_name: str) -> str:
@@ -43,9 +49,8 @@ def file_type(type_name: str) -> str:
 def layout_for(type_name: str, columns: int) -> str | None:
     """The layout the GEMV takes for a row of ``columns`` values of ``type_name``, None to keep the
     file's blocks (no layout for the type, or too short a row for one run)."""
-    if columns < RUN_VALUES:
-        return None
-    return next((name for name, layout in LAYOUTS.items() if layout.file_type == type_name), None)
+    return next((name for name, layout in LAYOUTS.items()
+                 if layout.file_type == type_name and columns >= layout.run_values), None)
 
 
 def _check(type_name: str, data: torch.Tensor, columns: int) -> tuple[Layout, int, int]:
@@ -57,7 +62,7 @@ def _check(type_name: str, data: torch.Tensor, columns: int) -> tuple[Layout, in
     rows, nbytes = data.shape
     if columns % block or nbytes != columns // block * size:
         raise ValueError(f"{nbytes} bytes a row are not {columns} values of {layout.file_type} blocks")
-    return layout, rows, columns // RUN_VALUES
+    return layout, rows, columns // layout.run_values
 
 
 def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
@@ -85,8 +90,32 @@ def _from_two_bits(raw: torch.Tensor) -> torch.Tensor:
     return ((word.unsqueeze(-1) >> (2 * torch.arange(16))) & 3).to(torch.uint8)
 
 
+def _q6_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """[n, 210] Q6_K super-blocks -> [n, 256] their 6-bit codes (value = d * scale * (code - 32))."""
+    ql = blocks[:, :128].reshape(-1, 2, 2, 32)  # [n, half, ql[l] | ql[l + 32], l]
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)
+    low = torch.stack([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 2, 4, 32)  # quarter q = 2 * nibble + byte
+    high = (qh >> (2 * torch.arange(4, dtype=torch.uint8)).reshape(1, 1, 4, 1)) & 3
+    return (low | (high << 4)).reshape(-1, 256)
+
+
+def _q6_k_bits(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_q6_k_codes' inverse: [n, 256] codes -> the file's ql [n, 128] and qh [n, 64]."""
+    c = codes.reshape(-1, 2, 2, 2, 32)  # [n, half, nibble, byte, l]: quarter 2 * nibble + byte
+    ql = (c[:, :, 0] & 0x0F) | ((c[:, :, 1] & 0x0F) << 4)  # [n, half, byte, l]
+    top = (codes.reshape(-1, 2, 4, 32) >> 4).to(torch.int32) << (2 * torch.arange(4, dtype=torch.int32)).reshape(1, 1, 4, 1)
+    return ql.reshape(-1, 128), top.sum(2).to(torch.uint8).reshape(-1, 64)
+
+
 def _repack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
     """[rows, runs, run bytes] of the file's blocks -> the layout's."""
+    if layout.file_type == "Q6_K":
+        blocks = runs.reshape(-1, 210)
+        codes = _q6_k_codes(blocks).reshape(-1, 16, 4, 4)  # [n, sub-block j, t, r]: value 16 j + 4 t + r
+        v = (codes & 0x0F).reshape(-1, 16, 2, 2, 4)  # [n, j, L, h, r]
+        low = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(1, 2).reshape(-1, 128)  # [n, L, j, r]
+        top = ((codes >> 4).to(torch.int32) << (2 * torch.arange(4, dtype=torch.int32)).reshape(1, 1, 4, 1)).sum(2)
+        return torch.cat([low, top.to(torch.uint8).reshape(-1, 64), blocks[:, 192:]], dim=-1).reshape(runs.shape)
     if layout.file_type == "Q4_0":
         blocks = runs.reshape(*runs.shape[:2], 16, 18)
         qs = blocks[..., 2:]
@@ -104,6 +133,14 @@ def _repack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
 
 def _unpack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
     """_repack_runs' inverse."""
+    if layout.file_type == "Q6_K":
+        packed = runs.reshape(-1, 210)
+        low = packed[:, :128].reshape(-1, 2, 16, 4).transpose(1, 2)  # [n, j, L, r]
+        low = torch.stack([low & 0x0F, low >> 4], dim=-2)  # [n, j, L, h, r]
+        top = (packed[:, 128:192].reshape(-1, 16, 1, 4) >> (2 * torch.arange(4, dtype=torch.uint8)).reshape(1, 1, 4, 1)) & 3
+        codes = low.reshape(-1, 16, 4, 4) | (top << 4)  # [n, j, t, r]
+        ql, qh = _q6_k_bits(codes.reshape(-1, 256))
+        return torch.cat([ql, qh, packed[:, 192:]], dim=-1).reshape(runs.shape)
     if layout.file_type == "Q4_0":
         values = _unpack_nibbles(runs[..., 32:])
         qs = values[..., :16] | (values[..., 16:] << 4)
@@ -124,7 +161,7 @@ def _unpack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
 def repack(type_name: str, data: torch.Tensor, columns: int) -> torch.Tensor:
     """The file's rows [rows, row bytes] uint8 -> the same rows in layout ``type_name``."""
     layout, rows, runs = _check(type_name, data, columns)
-    run_bytes = data.shape[1] * RUN_VALUES // columns
+    run_bytes = data.shape[1] * layout.run_values // columns
     packed = _repack_runs(layout, data[:, :runs * run_bytes].reshape(rows, runs, run_bytes))
     return torch.cat([packed.reshape(rows, runs * run_bytes), data[:, runs * run_bytes:]], dim=1).contiguous()
 
@@ -132,6 +169,6 @@ def repack(type_name: str, data: torch.Tensor, columns: int) -> torch.Tensor:
 def unpack(type_name: str, data: torch.Tensor, columns: int) -> torch.Tensor:
     """A layout's rows -> the file's blocks they hold (repack's inverse)."""
     layout, rows, runs = _check(type_name, data, columns)
-    run_bytes = data.shape[1] * RUN_VALUES // columns
+    run_bytes = data.shape[1] * layout.run_values // columns
     blocks = _unpack_runs(layout, data[:, :runs * run_bytes].reshape(rows, runs, run_bytes))
     return torch.cat([blocks.reshape(rows, runs * run_bytes), data[:, runs * run_bytes:]], dim=1).contiguous()

@@ -32,6 +32,8 @@ def native_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tenso
 
 
 def columns_for(type_name: str) -> list[int]:
+    if type_name == "Q6_Kx1":  # runs of one super-block
+        return [768, 1024]
     if type_name in LAYOUTS:  # a run of 512 values and a block or few past it; two runs
         return [512 + BLOCKS[file_type(type_name)][0] * (3 if type_name == "Q4_0x16" else 1), 1024]
     block = BLOCKS[type_name][0]
@@ -77,13 +79,14 @@ def test_activation_codes_round_as_the_kernel_does() -> None:
 def test_merged_segments_of_mixed_types_with_a_bias(rows) -> None:
     k = 512
     segments = [random_blocks("Q4_K", 24, k, 1), random_blocks("Q6_K", 8, k, 2), random_blocks("F32", 5, k, 3),
-                random_blocks("Q8_0", 16, k, 4), random_blocks("Q4_0x16", 8, k, 5), random_blocks("Q4_Kx2", 8, k, 6)]
-    bias = torch.randn(69)
+                random_blocks("Q8_0", 16, k, 4), random_blocks("Q4_0x16", 8, k, 5), random_blocks("Q4_Kx2", 8, k, 6),
+                random_blocks("Q6_Kx1", 8, k, 7)]
+    bias = torch.randn(77)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
         ref = linear_reference(x, segments, bias.to(dtype), GEMV_MAX_ROWS)
         ours = native_linear(x, segments, bias.to(dtype))
-        assert ours.dtype == dtype and ours.shape == (rows, 69)
+        assert ours.dtype == dtype and ours.shape == (rows, 77)
         tol = 2e-3 if dtype == torch.float32 else 2e-2
         assert (ours.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
 

@@ -9,11 +9,12 @@ import torch
 from dabba.ops import native
 from dabba.quantization.gguf import GGUFBlocks, dequantize_rows
 from dabba.quantization.gguf_blocks import _k_scale_min, dequantize
-from dabba.quantization.gguf_repack import file_type, layout_for, repack, unpack
+from dabba.quantization.gguf_repack import LAYOUTS, _q6_k_codes, file_type, layout_for, repack, unpack
 from tools.random_gguf import random_blocks
 
 # one run of 512 values; a run and blocks past it; TinyLlama's and Qwen2.5-0.5B's widths
-WIDTHS = {"Q4_0x16": [512, 512 + 96, 2048, 5632, 896, 4864], "Q4_Kx2": [512, 768, 2048, 5632, 4864]}
+WIDTHS = {"Q4_0x16": [512, 512 + 96, 2048, 5632, 896, 4864], "Q4_Kx2": [512, 768, 2048, 5632, 4864],
+          "Q6_Kx1": [256, 768, 5632]}
 CASES = [(layout, columns) for layout, widths in WIDTHS.items() for columns in widths]
 
 
@@ -24,8 +25,9 @@ def test_a_row_keeps_its_bytes_and_unpacks_to_the_files_blocks(layout, columns) 
     assert packed.shape == blocks.data.shape and packed.dtype == torch.uint8
     assert not torch.equal(packed, blocks.data)
     assert torch.equal(unpack(layout, packed, columns), blocks.data)
-    runs = columns // 512
-    assert torch.equal(packed[:, runs * 288:], blocks.data[:, runs * 288:])  # the blocks past the last run
+    run_bytes = blocks.data.shape[1] * LAYOUTS[layout].run_values // columns
+    past = columns // LAYOUTS[layout].run_values * run_bytes
+    assert torch.equal(packed[:, past:], blocks.data[:, past:])  # the blocks past the last run
     ref = dequantize(file_type(layout), blocks.data, (5, columns))
     assert torch.equal(GGUFBlocks(layout, packed, columns).dequantize(), ref)
 
@@ -56,6 +58,20 @@ def test_a_q4_k_run_holds_its_scales_and_mins_as_the_kernel_reads_them() -> None
         assert (byte >> 4) | ((high_mn >> 2 * j & 3) << 4) == mn[j // 8, j % 8]
 
 
+def test_a_q6_k_run_holds_its_codes_as_the_kernel_reads_them() -> None:
+    """Byte 64 L + 4 j + r: sub-block j's values 8 L + r and 8 L + 4 + r, low 4 bits; byte 128 + 4 j + r:
+    the top 2 bits of its value 4 t + r at bits 2 t; then the file's scales and d."""
+    blocks = random_blocks("Q6_K", 1, 256, seed=4)
+    codes = _q6_k_codes(blocks.data.view(1, 210))[0].view(16, 16)  # [sub-block, value]
+    run = repack("Q6_Kx1", blocks.data, 256)[0]
+    assert torch.equal(run[192:], blocks.data[0, 192:])
+    for j, value in [(0, 0), (3, 5), (15, 15), (9, 12), (7, 10)]:
+        low_byte = run[64 * (value // 8) + 4 * j + value % 4].item()
+        low = low_byte >> 4 if value % 8 >= 4 else low_byte & 0x0F
+        top = run[128 + 4 * j + value % 4].item() >> (2 * (value // 4)) & 3
+        assert low | top << 4 == codes[j, value]
+
+
 @pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels unavailable")
 @pytest.mark.parametrize("layout, columns", CASES)
 def test_the_native_dequantization_is_the_files_bit_for_bit(layout, columns) -> None:
@@ -69,8 +85,9 @@ def test_the_layout_is_taken_where_a_row_holds_a_run() -> None:
     assert layout_for("Q4_0", 512) == layout_for("Q4_0", 896) == "Q4_0x16"
     assert layout_for("Q4_K", 512) == layout_for("Q4_K", 5632) == "Q4_Kx2"
     assert layout_for("Q4_0", 480) is None and layout_for("Q4_K", 256) is None  # short of a run
-    assert layout_for("Q6_K", 4096) is None and layout_for("Q8_0", 4096) is None
-    assert file_type("Q4_0x16") == "Q4_0" and file_type("Q4_Kx2") == "Q4_K" and file_type("Q6_K") == "Q6_K"
+    assert layout_for("Q6_K", 256) == "Q6_Kx1"  # a run is one super-block
+    assert layout_for("Q8_0", 4096) is None and layout_for("Q5_K", 4096) is None
+    assert file_type("Q4_0x16") == "Q4_0" and file_type("Q6_Kx1") == "Q6_K" and file_type("Q8_0") == "Q8_0"
 
 
 def test_bad_operands_are_refused() -> None:
