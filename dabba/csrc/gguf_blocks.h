@@ -8,6 +8,7 @@
 
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -25,7 +26,8 @@ enum Type : int64_t {
   // (low nibble) and 8 l + 4 + r (high) in byte 64 l + 4 j + r of the run's 256 bytes of nibbles,
   // so that one 64-byte load gives 4 values of each of the 16 groups; a row's blocks past its last
   // run stay the file's. A row keeps the file type's bytes; only whole rows dequantize.
-  // Q4_0x16: 16 Q4_0 blocks a run, their 16 float16 scales first (32 bytes).
+  // Q4_0x16: 16 Q4_0 blocks a run, their 16 float16 scales first (32 bytes). A row's g < 16 blocks
+  // past its last whole run form a last run laid out alike: g scales, then byte 4 g l + 4 j + r.
   // Q4_Kx2: two Q4_K super-blocks (16 sub-blocks) a run: d, d, dmin, dmin (float16); per sub-block
   // the low 4 bits of its scale and of its min in one byte (16 bytes); the scales' top 2 bits, 2 a
   // sub-block in a little-endian uint32, then the mins' (8 bytes).
@@ -239,10 +241,13 @@ inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
     return;
   }
   if (type == kQ4_0x16 || type == kQ4_Kx2) {
-    for (; k + kRunValues <= K; k += kRunValues) {
+    // whole runs of 16 groups; Q4_0x16's blocks past them, a last run of g
+    for (; k < K && (k + kRunValues <= K || type == kQ4_0x16); k += kRunValues) {
       const uint8_t* run = row + k / kRunValues * kRunBytes;
+      const int g = static_cast<int>(std::min<int64_t>(16, (K - k) / 32));
+      const uint8_t* nibbles = run + (type == kQ4_0x16 ? 2 * g : 32);
       float scale[16], offset[16];  // value = scale * code - offset (Q4_0x16: scale * (code - 8))
-      for (int j = 0; j < 16; ++j) {
+      for (int j = 0; j < g; ++j) {
         if (type == kQ4_0x16) {
           scale[j] = f16(run + 2 * j);
           offset[j] = 0.f;
@@ -254,9 +259,9 @@ inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
         }
       }
 #if defined(__AVX2__)
-      for (int j = 0; j < 16; ++j) {  // group j's 16 bytes, 4 from each 64, as 32 values in order
+      for (int j = 0; j < g; ++j) {  // group j's 16 bytes, 4 from each 4 g, as 32 values in order
         uint32_t words[4];
-        for (int l = 0; l < 4; ++l) std::memcpy(words + l, run + 32 + 64 * l + 4 * j, 4);
+        for (int l = 0; l < 4; ++l) std::memcpy(words + l, nibbles + 4 * g * l + 4 * j, 4);
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
         const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
@@ -271,10 +276,10 @@ inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
       }
       continue;
 #endif
-      for (int j = 0; j < 16; ++j)  // group j's values 8 l .. 8 l + 7 from bytes 64 l + 4 j .. + 3
+      for (int j = 0; j < g; ++j)  // group j's values 8 l .. 8 l + 7 from bytes 4 g l + 4 j .. + 3
         for (int l = 0; l < 4; ++l)
           for (int r = 0; r < 4; ++r) {
-            const uint8_t byte = run[32 + 64 * l + 4 * j + r];
+            const uint8_t byte = nibbles[4 * g * l + 4 * j + r];
             float* out = y + k + 32 * j + 8 * l + r;
             if (type == kQ4_0x16) {
               out[0] = scale[j] * static_cast<float>((byte & 0xF) - 8);
@@ -286,7 +291,8 @@ inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
             }
           }
     }
-    type = type == kQ4_0x16 ? kQ4_0 : kQ4_K;  // the blocks past the last run
+    if (type == kQ4_0x16) return;
+    type = kQ4_K;  // the blocks past the last run
   }
   const TypeInfo* info = type_info(type);
   for (int64_t b = k / info->block_values; b < K / info->block_values; ++b)

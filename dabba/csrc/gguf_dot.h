@@ -53,9 +53,10 @@ struct A8Rows {
   // The run layouts (gguf_blocks.h): codes of each run of 512 values ordered as the layout's bytes
   // meet them, [M, runs, 8, 16 groups, 4]: 64 bytes give 4 codes of each group of 32. Q4_0x16's
   // from q, with -8 * each block's codes' sum (the weights' offset of 8, folded into the integer
-  // sums), [M, runs, 16]; Q4_Kx2's from qk, with each sub-block's codes' sum and its super-block's
-  // scale, [M, runs, 16] each.
+  // sums), [M, q_runs_count, 16], a partial last run (tail_groups blocks) padded with zeros to 16;
+  // Q4_Kx2's from qk, with each sub-block's codes' sum and its super-block's scale, [M, runs, 16] each.
   int64_t runs = 0;  // whole runs a row: K / 512
+  int64_t tail_groups = 0, q_runs_count = 0;  // Q4_0x16's blocks past the whole runs; runs with them
   std::vector<int8_t> q_runs, qk_runs;
   std::vector<int32_t> offset8;
   std::vector<float> sum_runs, dk_runs;
@@ -65,13 +66,15 @@ struct A8Rows {
   std::vector<int32_t> offset32;
 };
 
-// [M, K] codes -> the run layouts' order (A8Rows::q_runs), rows ld apart.
-inline void order_runs(const int8_t* q, int64_t M, int64_t ld, int64_t runs, int8_t* out) {
+// [M, K] codes -> the run layouts' order (A8Rows::q_runs), rows ld apart; a last run of tail_groups
+// groups left at zero past them (out zeroed by the caller).
+inline void order_runs(const int8_t* q, int64_t M, int64_t ld, int64_t runs, int8_t* out, int64_t tail_groups = 0) {
+  const int64_t count = runs + (tail_groups > 0);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = 0; r < runs; ++r)
-      for (int64_t j = 0; j < 16; ++j)
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t j = 0; j < (r < runs ? 16 : tail_groups); ++j)
         for (int t = 0; t < 8; ++t)
-          std::memcpy(out + ((m * runs + r) * 8 + t) * 64 + 4 * j, q + m * ld + r * kRunValues + 32 * j + 4 * t, 4);
+          std::memcpy(out + ((m * count + r) * 8 + t) * 64 + 4 * j, q + m * ld + r * kRunValues + 32 * j + 4 * t, 4);
 }
 
 // x[0:n] -> 8-bit codes, returning their scale d (x ~ code * d), rounded code for code as llama.cpp's
@@ -144,7 +147,12 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legac
   const T* xp = x.data_ptr<T>();
   for (int64_t m = 0; m < a.M; ++m)
     for (int64_t k = 0; k < a.K; ++k) a.xf[m * a.K + k] = to_float(xp[m * x.stride(0) + k]);
-  if (legacy_runs) a.offset8.resize(a.M * (a.K / kRunValues) * 16);
+  a.runs = a.K / kRunValues;
+  if (legacy_runs) {
+    a.tail_groups = a.K % kRunValues / kA8Block;
+    a.q_runs_count = a.runs + (a.tail_groups > 0);
+    a.offset8.assign(a.M * a.q_runs_count * 16, 0);
+  }
   if (legacy) {
     a.q.assign(a.M * a.blocks * kA8Block, 0);
     a.d.assign(a.M * a.blocks, 0.f);
@@ -161,14 +169,13 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legac
         // float16: a 2^-11 difference in Q4_1/Q5_1's min term, kept out so that both paths agree)
         a.d[m * a.blocks + b] = static_cast<float>(c10::Half(d));
         a.s[m * a.blocks + b] = a.d[m * a.blocks + b] * static_cast<float>(sum);
-        if (legacy_runs && b < a.K / kRunValues * 16) a.offset8[m * (a.K / kRunValues) * 16 + b] = -8 * sum;
+        if (legacy_runs) a.offset8[m * a.q_runs_count * 16 + b] = -8 * sum;
       }
     }
   }
-  a.runs = a.K / kRunValues;
   if (legacy_runs) {  // legacy too; offset8 filled as the blocks were rounded
-    a.q_runs.resize(a.M * a.runs * kRunValues);
-    order_runs(a.q.data(), a.M, a.blocks * kA8Block, a.runs, a.q_runs.data());
+    a.q_runs.assign(a.M * a.q_runs_count * kRunValues, 0);
+    order_runs(a.q.data(), a.M, a.blocks * kA8Block, a.runs, a.q_runs.data(), a.tail_groups);
   }
   if (k_quants) {  // K % 256 == 0 (check_segments)
     const int64_t supers = a.K / kSuperBlock;
@@ -500,8 +507,8 @@ void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M], int64_t fir
 // of 16 groups of 32, each 64-byte load of weights gives 4 values of every group, so a vpdpbusd's
 // 16 lanes are the 16 groups and 8 of them sum each group's 32 products exactly in int32, unsigned
 // nibbles against signed codes; then one conversion and one fma a run by the groups' scales. Without
-// AVX-512, the same in two halves of 8 groups (one super-block of Q4_Kx2). A row's blocks past its
-// last run take the file type's kernel.
+// AVX-512, the same in two halves of 8 groups (one super-block of Q4_Kx2). A row's Q4_K blocks past
+// its last run take the file type's kernel; Q4_0x16's form a last run of fewer groups.
 //
 // Q4_0x16: each block's sum starts from -8 * its codes' sum (the weights' offset of 8).
 // Q4_Kx2: sum_j d sc_j S_j - dmin m_j X_j over sub-blocks j, X_j the codes' sum, times the
@@ -510,21 +517,26 @@ template <Type kType, int M>
 void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
   constexpr bool k = kType == gguf::kQ4_Kx2;
   float tail[M] = {};
-  if (a.runs * kRunValues < a.K) {
-    if constexpr (k) dot_k_row<gguf::kQ4_K, M>(row, a, tail, a.runs * 2);
-    else dot_legacy_row<gguf::kQ4_0, M>(row, a, tail, a.runs * 16);
-  }
+  if (k && a.runs * kRunValues < a.K) dot_k_row<gguf::kQ4_K, M>(row, a, tail, a.runs * 2);
   const std::vector<int8_t>& codes = k ? a.qk_runs : a.q_runs;
+  const int64_t nruns = k ? a.runs : a.q_runs_count;  // the codes' runs a row
+  // A run r of g groups (16; fewer in Q4_0x16's partial last run, whose weights load masked: the
+  // lanes past g read zeros, as do its codes and offsets, padded).
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t r = 0; r < a.runs; ++r) {
+  const auto run_dot = [&](int64_t r, auto partial_tag) {
+    constexpr bool partial = decltype(partial_tag)::value;
+    const int g = partial ? static_cast<int>(a.tail_groups) : 16;
+    const __mmask64 bytes = partial ? (__mmask64{1} << (4 * g)) - 1 : ~__mmask64{0};
+    const __mmask16 lanes = static_cast<__mmask16>((1u << g) - 1);
     const uint8_t* run = row + r * kRunBytes;
-    for (int64_t line = 0; line < kRunBytes; line += 64) prefetch_weights(run + line);
+    const uint8_t* nibbles = run + (k ? 32 : 2 * g);
+    for (int64_t line = 0; line < 18 * g; line += 64) prefetch_weights(run + line);
     __m512i u[8];
     for (int l = 0; l < 4; ++l) {
-      const __m512i v = _mm512_loadu_si512(run + 32 + 64 * l);
+      const __m512i v = partial ? _mm512_maskz_loadu_epi8(bytes, nibbles + 4 * g * l) : _mm512_loadu_si512(nibbles + 64 * l);
       u[2 * l] = _mm512_and_si512(v, low4);
       u[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
@@ -550,11 +562,12 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
       scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
       min_scale = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
     } else {
-      scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run)));
+      scale = _mm512_cvtph_ps(partial ? _mm256_maskz_loadu_epi16(lanes, run)
+                                      : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run)));
     }
     for (int m = 0; m < M; ++m) {
-      const int8_t* x = codes.data() + (m * a.runs + r) * kRunValues;
-      const int64_t at = (m * a.runs + r) * 16;
+      const int8_t* x = codes.data() + (m * nruns + r) * kRunValues;
+      const int64_t at = (m * nruns + r) * 16;
       __m512i s0 = k ? _mm512_setzero_si512() : _mm512_loadu_si512(a.offset8.data() + at);
       __m512i s1 = _mm512_setzero_si512();
       for (int t = 0; t < 8; t += 2) {
@@ -567,23 +580,33 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
         const __m512 mins = _mm512_mul_ps(min_scale, _mm512_loadu_ps(a.sum_runs.data() + at));
         acc[m] = _mm512_fmadd_ps(_mm512_fmsub_ps(sums, scale, mins), dx, acc[m]);
       } else {
-        const __m512 dx = _mm512_loadu_ps(a.d.data() + m * a.blocks + r * 16);
+        const float* d = a.d.data() + m * a.blocks + r * 16;
+        const __m512 dx = partial ? _mm512_maskz_loadu_ps(lanes, d) : _mm512_loadu_ps(d);
         acc[m] = _mm512_fmadd_ps(sums, _mm512_mul_ps(scale, dx), acc[m]);
       }
     }
-  }
+  };
+  for (int64_t r = 0; r < a.runs; ++r) run_dot(r, std::false_type{});
+  if (!k && a.tail_groups) run_dot(a.runs, std::true_type{});
   for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]) + tail[m];
 #else
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  for (int64_t r = 0; r < a.runs; ++r) {
+  const auto run_dot = [&](int64_t r, auto partial_tag) {
+    constexpr bool partial = decltype(partial_tag)::value;
+    const int g = partial ? static_cast<int>(a.tail_groups) : 16;
     const uint8_t* run = row + r * kRunBytes;
-    for (int64_t line = 0; line < kRunBytes; line += 64) prefetch_weights(run + line);
-    for (int h = 0; h < 2; ++h) {  // groups 8 h .. 8 h + 7: bytes 32 h .. 32 h + 31 of each 64
+    const uint8_t* nibbles = run + (k ? 32 : 2 * g);
+    for (int64_t line = 0; line < 18 * g; line += 64) prefetch_weights(run + line);
+    for (int h = 0; h < 2 && 8 * h < g; ++h) {  // groups 8 h .. 8 h + 7: bytes 32 h .. 32 h + 31 of each 4 g
+      const int count = std::min(8, g - 8 * h);
+      const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       __m256i u[8];
       for (int l = 0; l < 4; ++l) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 32 + 64 * l + 32 * h));
+        const uint8_t* at = nibbles + 4 * g * l + 32 * h;
+        const __m256i v = partial ? _mm256_maskload_epi32(reinterpret_cast<const int*>(at), lanes)
+                                  : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
         u[2 * l] = _mm256_and_si256(v, low4);
         u[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       }
@@ -602,12 +625,16 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
         const __m256i mn = _mm256_or_si256(_mm256_srli_epi32(low, 4), top(high[1]));
         scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
         min_scale = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn));
+      } else if constexpr (partial) {
+        uint16_t halves[8] = {};
+        std::memcpy(halves, run + 16 * h, 2 * count);
+        scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
       } else {
         scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 16 * h)));
       }
       for (int m = 0; m < M; ++m) {
-        const int8_t* x = codes.data() + (m * a.runs + r) * kRunValues + 32 * h;
-        const int64_t at = (m * a.runs + r) * 16 + 8 * h;
+        const int8_t* x = codes.data() + (m * nruns + r) * kRunValues + 32 * h;
+        const int64_t at = (m * nruns + r) * 16 + 8 * h;
         __m256i s = k ? _mm256_setzero_si256()
                       : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.offset8.data() + at));
         for (int t = 0; t < 8; ++t)  // u <= 15: vpmaddubsw's pairs stay far from saturating
@@ -618,12 +645,15 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
           const __m256 mins = _mm256_mul_ps(min_scale, _mm256_loadu_ps(a.sum_runs.data() + at));
           acc[m] = _mm256_fmadd_ps(_mm256_fmsub_ps(sums, scale, mins), dx, acc[m]);
         } else {
-          const __m256 dx = _mm256_loadu_ps(a.d.data() + m * a.blocks + r * 16 + 8 * h);
+          const float* d = a.d.data() + m * a.blocks + r * 16 + 8 * h;
+          const __m256 dx = partial ? _mm256_maskload_ps(d, lanes) : _mm256_loadu_ps(d);
           acc[m] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, dx), acc[m]);
         }
       }
     }
-  }
+  };
+  for (int64_t r = 0; r < a.runs; ++r) run_dot(r, std::false_type{});
+  if (!k && a.tail_groups) run_dot(a.runs, std::true_type{});
   for (int m = 0; m < M; ++m) out[m] = reduce_add8(acc[m]) + tail[m];
 #endif
 }

@@ -7,7 +7,8 @@ Every layout (csrc/gguf_blocks.h gives their byte orders) holds a run of 16 grou
 blocks; two Q4_K super-blocks' 16 sub-blocks of 32; a Q6_K super-block's 16 sub-blocks of 16)
 with their codes ordered so that one 64-byte load holds 4 values of every group: a vpdpbusd's 16
 lanes are the 16 groups, and each group's products stay in int32 until it is scaled. A row's
-blocks past its last whole run stay as the file has them.
+blocks past its last whole run stay as the file has them, except Q4_0x16's, which form a last run
+of fewer groups laid out alike (g blocks: 2 g bytes of scales, then bytes 4 g l + 4 j + r).
 
 - Q4_0x16: the 16 blocks' float16 scales (32 bytes), then the nibbles (256).
 - Q4_Kx2: the two super-blocks' d, d, dmin, dmin (float16, 8 bytes); their 16 sub-blocks' 6-bit
@@ -31,13 +32,14 @@ from dabba.quantization.gguf_blocks import BLOCKS, _k_scale_min
 class Layout:
     file_type: str  # the file's type whose blocks it holds
     run_blocks: int  # of the file's blocks a run holds
+    partial_tail: bool = False  # a row's blocks past its last whole run form a run of fewer groups
 
     @property
     def run_values(self) -> int:
         return BLOCKS[self.file_type][0] * self.run_blocks
 
 
-LAYOUTS = {"Q4_0x16": Layout("Q4_0", 16), "Q4_Kx2": Layout("Q4_K", 2), "Q6_Kx1": Layout("Q6_K", 1)}
+LAYOUTS = {"Q4_0x16": Layout("Q4_0", 16, partial_tail=True), "Q4_Kx2": Layout("Q4_K", 2), "Q6_Kx1": Layout("Q6_K", 1)}
 
 
 def file_type(type_name: str) -> str:
@@ -66,16 +68,18 @@ def _check(type_name: str, data: torch.Tensor, columns: int) -> tuple[Layout, in
 
 
 def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
-    """[..., 16 groups, 32 values] of 0..15 -> [..., 256] bytes: byte 64 l + 4 j + r holds group j's
+    """[..., g groups, 32 values] of 0..15 -> [..., 16 g] bytes: byte 4 g l + 4 j + r holds group j's
     values 8 l + r (low nibble) and 8 l + 4 + r (high)."""
-    v = values.reshape(*values.shape[:-2], 16, 4, 2, 4)  # [.., j, l, h, r]
-    return (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(-3, -2).reshape(*values.shape[:-2], 256)
+    g = values.shape[-2]
+    v = values.reshape(*values.shape[:-2], g, 4, 2, 4)  # [.., j, l, h, r]
+    return (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(-3, -2).reshape(*values.shape[:-2], 16 * g)
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """_pack_nibbles' inverse: [..., 256] -> [..., 16, 32]."""
-    nibbles = packed.reshape(*packed.shape[:-1], 4, 16, 4).transpose(-3, -2)  # [.., j, l, r]
-    return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-2).reshape(*packed.shape[:-1], 16, 32)
+    """_pack_nibbles' inverse: [..., 16 g] -> [..., g, 32]."""
+    g = packed.shape[-1] // 16
+    nibbles = packed.reshape(*packed.shape[:-1], 4, g, 4).transpose(-3, -2)  # [.., j, l, r]
+    return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-2).reshape(*packed.shape[:-1], g, 32)
 
 
 def _two_bits(values: torch.Tensor) -> torch.Tensor:
@@ -116,11 +120,12 @@ def _repack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
         low = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(1, 2).reshape(-1, 128)  # [n, L, j, r]
         top = ((codes >> 4).to(torch.int32) << (2 * torch.arange(4, dtype=torch.int32)).reshape(1, 1, 4, 1)).sum(2)
         return torch.cat([low, top.to(torch.uint8).reshape(-1, 64), blocks[:, 192:]], dim=-1).reshape(runs.shape)
-    if layout.file_type == "Q4_0":
-        blocks = runs.reshape(*runs.shape[:2], 16, 18)
+    if layout.file_type == "Q4_0":  # g blocks a run (16, or fewer in a row's partial last run)
+        g = runs.shape[-1] // 18
+        blocks = runs.reshape(*runs.shape[:2], g, 18)
         qs = blocks[..., 2:]
         values = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [.., block, 32]
-        return torch.cat([blocks[..., :2].reshape(*runs.shape[:2], 32), _pack_nibbles(values)], dim=-1)
+        return torch.cat([blocks[..., :2].reshape(*runs.shape[:2], 2 * g), _pack_nibbles(values)], dim=-1)
     blocks = runs.reshape(-1, 144)  # Q4_K super-blocks, two a run
     sc, mn = _k_scale_min(blocks[:, 4:16])
     qs = blocks[:, 16:].reshape(-1, 4, 32)
@@ -142,9 +147,10 @@ def _unpack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
         ql, qh = _q6_k_bits(codes.reshape(-1, 256))
         return torch.cat([ql, qh, packed[:, 192:]], dim=-1).reshape(runs.shape)
     if layout.file_type == "Q4_0":
-        values = _unpack_nibbles(runs[..., 32:])
+        g = runs.shape[-1] // 18
+        values = _unpack_nibbles(runs[..., 2 * g:])
         qs = values[..., :16] | (values[..., 16:] << 4)
-        return torch.cat([runs[..., :32].reshape(*runs.shape[:2], 16, 2), qs], dim=-1).reshape(runs.shape)
+        return torch.cat([runs[..., :2 * g].reshape(*runs.shape[:2], g, 2), qs], dim=-1).reshape(runs.shape)
     halves = runs[..., :8].reshape(*runs.shape[:2], 2, 2, 2).transpose(-3, -2)  # [.., block, d|dmin, 2 bytes]
     low = runs[..., 8:24]
     sc = (low & 0x0F) | (_from_two_bits(runs[..., 24:28]) << 4)
@@ -158,17 +164,23 @@ def _unpack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
     return torch.cat([halves.reshape(*runs.shape[:2], 2, 4), scales, qs], dim=-1).reshape(runs.shape)
 
 
-def repack(type_name: str, data: torch.Tensor, columns: int) -> torch.Tensor:
-    """The file's rows [rows, row bytes] uint8 -> the same rows in layout ``type_name``."""
+def _convert(type_name: str, data: torch.Tensor, columns: int, runs_fn) -> torch.Tensor:
+    """Rows' whole runs (and partial last run, where the layout has one) through ``runs_fn``; the
+    bytes past them as they are."""
     layout, rows, runs = _check(type_name, data, columns)
     run_bytes = data.shape[1] * layout.run_values // columns
-    packed = _repack_runs(layout, data[:, :runs * run_bytes].reshape(rows, runs, run_bytes))
-    return torch.cat([packed.reshape(rows, runs * run_bytes), data[:, runs * run_bytes:]], dim=1).contiguous()
+    parts = [runs_fn(layout, data[:, :runs * run_bytes].reshape(rows, runs, run_bytes)).reshape(rows, -1)]
+    rest = data[:, runs * run_bytes:]
+    if layout.partial_tail and rest.shape[1]:
+        rest = runs_fn(layout, rest.reshape(rows, 1, -1)).reshape(rows, -1)
+    return torch.cat([*parts, rest], dim=1).contiguous()
+
+
+def repack(type_name: str, data: torch.Tensor, columns: int) -> torch.Tensor:
+    """The file's rows [rows, row bytes] uint8 -> the same rows in layout ``type_name``."""
+    return _convert(type_name, data, columns, _repack_runs)
 
 
 def unpack(type_name: str, data: torch.Tensor, columns: int) -> torch.Tensor:
     """A layout's rows -> the file's blocks they hold (repack's inverse)."""
-    layout, rows, runs = _check(type_name, data, columns)
-    run_bytes = data.shape[1] * layout.run_values // columns
-    blocks = _unpack_runs(layout, data[:, :runs * run_bytes].reshape(rows, runs, run_bytes))
-    return torch.cat([blocks.reshape(rows, runs * run_bytes), data[:, runs * run_bytes:]], dim=1).contiguous()
+    return _convert(type_name, data, columns, _unpack_runs)

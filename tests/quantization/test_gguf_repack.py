@@ -27,7 +27,10 @@ def test_a_row_keeps_its_bytes_and_unpacks_to_the_files_blocks(layout, columns) 
     assert torch.equal(unpack(layout, packed, columns), blocks.data)
     run_bytes = blocks.data.shape[1] * LAYOUTS[layout].run_values // columns
     past = columns // LAYOUTS[layout].run_values * run_bytes
-    assert torch.equal(packed[:, past:], blocks.data[:, past:])  # the blocks past the last run
+    if not LAYOUTS[layout].partial_tail:
+        assert torch.equal(packed[:, past:], blocks.data[:, past:])  # the blocks past the last run
+    elif past < packed.shape[1]:  # they form a last run of fewer blocks: laid out too
+        assert not torch.equal(packed[:, past:], blocks.data[:, past:])
     ref = dequantize(file_type(layout), blocks.data, (5, columns))
     assert torch.equal(GGUFBlocks(layout, packed, columns).dequantize(), ref)
 
@@ -41,6 +44,19 @@ def test_the_byte_order_is_the_kernels() -> None:
     assert torch.equal(packed[:32].view(16, 2), raw[:, :2])  # the 16 scales first
     for l, j, r in [(0, 0, 0), (1, 3, 2), (3, 15, 3), (2, 7, 1)]:
         byte = packed[32 + 64 * l + 4 * j + r].item()
+        assert byte & 0x0F == values[j, 8 * l + r] and byte >> 4 == values[j, 8 * l + 4 + r]
+
+
+def test_a_rows_last_blocks_form_a_partial_run_laid_out_alike() -> None:
+    """Q4_0x16: a row of 28 blocks (Qwen2.5-0.5B's 896) holds a run of 16 and one of 12: the 12
+    scales, then byte 48 l + 4 j + r holds block j's values 8 l + r and 8 l + 4 + r."""
+    blocks = random_blocks("Q4_0", 1, 896, seed=1)
+    raw = blocks.data.view(28, 18)[16:]
+    values = torch.cat([raw[:, 2:] & 0x0F, raw[:, 2:] >> 4], dim=1)  # [block, 32]
+    tail = repack("Q4_0x16", blocks.data, 896)[0, 288:]
+    assert torch.equal(tail[:24].view(12, 2), raw[:, :2])
+    for l, j, r in [(0, 0, 0), (1, 3, 2), (3, 11, 3), (2, 7, 1)]:
+        byte = tail[24 + 48 * l + 4 * j + r].item()
         assert byte & 0x0F == values[j, 8 * l + r] and byte >> 4 == values[j, 8 * l + 4 + r]
 
 
