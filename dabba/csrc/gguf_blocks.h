@@ -31,12 +31,16 @@ enum Type : int64_t {
   // Q4_Kx2: two Q4_K super-blocks (16 sub-blocks) a run: d, d, dmin, dmin (float16); per sub-block
   // the low 4 bits of its scale and of its min in one byte (16 bytes); the scales' top 2 bits, 2 a
   // sub-block in a little-endian uint32, then the mins' (8 bytes).
+  // Q5_Kx2: as Q4_Kx2 (the 5-bit codes' low 4 bits as its nibbles), then their fifth bits (64 bytes:
+  // bit 2 l + h of byte 4 j + r is that of the value in nibble h of byte 64 l + 4 j + r).
   // Q6_Kx1: a Q6_K super-block (16 sub-blocks of 16) a run of 256 values, its 6-bit codes' low 4 bits
   // (128 bytes: byte 64 L + 4 j + r holds sub-block j's values 8 L + r and 8 L + 4 + r), their top
   // 2 bits (64 bytes: bits 2 t of byte 4 j + r for value 4 t + r), then its 16 int8 scales and d.
-  kQ4_0x16 = 1002, kQ4_Kx2 = 1012, kQ6_Kx1 = 1014,
+  kQ4_0x16 = 1002, kQ4_Kx2 = 1012, kQ5_Kx2 = 1013, kQ6_Kx1 = 1014,
 };
-constexpr int64_t kRunValues = 512, kRunBytes = 288;  // both layouts: a run's values and bytes
+constexpr int64_t kRunValues = 512, kRunBytes = 288;  // Q4_0x16's and Q4_Kx2's runs: values and bytes
+constexpr int64_t kQ5RunBytes = 352;  // Q5_Kx2's
+inline constexpr int64_t run_bytes(Type type) { return type == kQ5_Kx2 ? kQ5RunBytes : kRunBytes; }
 constexpr int64_t kQ4_0x16Blocks = 16;
 
 struct TypeInfo {
@@ -50,7 +54,7 @@ constexpr TypeInfo kTypes[] = {
     {"Q8_0", kQ8_0, 32, 34},    {"Q4_0", kQ4_0, 32, 18},    {"Q4_1", kQ4_1, 32, 20},
     {"Q5_0", kQ5_0, 32, 22},    {"Q5_1", kQ5_1, 32, 24},    {"Q4_K", kQ4_K, 256, 144},
     {"Q5_K", kQ5_K, 256, 176},  {"Q6_K", kQ6_K, 256, 210},  {"Q4_0x16", kQ4_0x16, 32, 18},
-    {"Q4_Kx2", kQ4_Kx2, 256, 144},  {"Q6_Kx1", kQ6_Kx1, 256, 210},
+    {"Q4_Kx2", kQ4_Kx2, 256, 144},  {"Q5_Kx2", kQ5_Kx2, 256, 176},  {"Q6_Kx1", kQ6_Kx1, 256, 210},
 };
 
 // The type's entry, or null for one the kernels do not take.
@@ -88,6 +92,7 @@ inline void dequantize_block(Type type, const uint8_t* b, float* y) {
   switch (type) {
     case kQ4_0x16:
     case kQ4_Kx2:
+    case kQ5_Kx2:
     case kQ6_Kx1: return;
     case kF32: std::memcpy(y, b, 4); return;
     case kF16: y[0] = f16(b); return;
@@ -240,10 +245,12 @@ inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
     }
     return;
   }
-  if (type == kQ4_0x16 || type == kQ4_Kx2) {
+  if (type == kQ4_0x16 || type == kQ4_Kx2 || type == kQ5_Kx2) {
     // whole runs of 16 groups; Q4_0x16's blocks past them, a last run of g
+    const bool five = type == kQ5_Kx2;
     for (; k < K && (k + kRunValues <= K || type == kQ4_0x16); k += kRunValues) {
-      const uint8_t* run = row + k / kRunValues * kRunBytes;
+      const uint8_t* run = row + k / kRunValues * run_bytes(type);
+      const uint8_t* fifth = run + kRunBytes;  // Q5_Kx2's fifth bits
       const int g = static_cast<int>(std::min<int64_t>(16, (K - k) / 32));
       const uint8_t* nibbles = run + (type == kQ4_0x16 ? 2 * g : 32);
       float scale[16], offset[16];  // value = scale * code - offset (Q4_0x16: scale * (code - 8))
@@ -265,7 +272,16 @@ inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
         const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-        const __m128i codes[2] = {_mm_unpacklo_epi32(lo, hi), _mm_unpackhi_epi32(lo, hi)};
+        __m128i codes[2] = {_mm_unpacklo_epi32(lo, hi), _mm_unpackhi_epi32(lo, hi)};  // values 8 l + 4 h + r
+        if (five) {  // value v's fifth bit: bit v / 4 of byte v % 4 (32-bit lane i = v / 4 shifted by i)
+          uint32_t bits;
+          std::memcpy(&bits, fifth + 4 * j, 4);
+          const __m256i f = _mm256_slli_epi32(
+              _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                               _mm256_set1_epi8(1)), 4);
+          codes[0] = _mm_or_si128(codes[0], _mm256_castsi256_si128(f));
+          codes[1] = _mm_or_si128(codes[1], _mm256_extracti128_si256(f, 1));
+        }
         const __m256 sj = _mm256_set1_ps(scale[j]), oj = _mm256_set1_ps(offset[j]);
         for (int i = 0; i < 4; ++i) {
           __m256i q = _mm256_cvtepu8_epi32(i % 2 ? _mm_srli_si128(codes[i / 2], 8) : codes[i / 2]);
@@ -285,14 +301,16 @@ inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
               out[0] = scale[j] * static_cast<float>((byte & 0xF) - 8);
               out[4] = scale[j] * static_cast<float>((byte >> 4) - 8);
             } else {
-              const float lo = scale[j] * static_cast<float>(byte & 0xF), hi = scale[j] * static_cast<float>(byte >> 4);
+              const int f = five ? fifth[4 * j + r] >> (2 * l) : 0;
+              const float lo = scale[j] * static_cast<float>((byte & 0xF) | (f & 1) << 4);
+              const float hi = scale[j] * static_cast<float>((byte >> 4) | (f & 2) << 3);
               out[0] = lo - offset[j];
               out[4] = hi - offset[j];
             }
           }
     }
     if (type == kQ4_0x16) return;
-    type = kQ4_K;  // the blocks past the last run
+    type = five ? kQ5_K : kQ4_K;  // the blocks past the last run
   }
   const TypeInfo* info = type_info(type);
   for (int64_t b = k / info->block_values; b < K / info->block_values; ++b)

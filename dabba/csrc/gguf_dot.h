@@ -224,7 +224,8 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legac
 
 inline bool is_float(Type t) { return t == gguf::kF32 || t == gguf::kF16 || t == gguf::kBF16; }
 inline bool is_k_quant(Type t) {
-  return t == gguf::kQ4_K || t == gguf::kQ5_K || t == gguf::kQ6_K || t == gguf::kQ4_Kx2 || t == gguf::kQ6_Kx1;
+  return t == gguf::kQ4_K || t == gguf::kQ5_K || t == gguf::kQ6_K || t == gguf::kQ4_Kx2 || t == gguf::kQ5_Kx2 ||
+         t == gguf::kQ6_Kx1;
 }
 
 // Float segments (F32/F16/BF16): their values against x, 256 values a step.
@@ -515,9 +516,10 @@ void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M], int64_t fir
 // super-block's activation scale.
 template <Type kType, int M>
 void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
-  constexpr bool k = kType == gguf::kQ4_Kx2;
+  constexpr bool five = kType == gguf::kQ5_Kx2, k = kType == gguf::kQ4_Kx2 || five;
+  constexpr int64_t run_bytes = gguf::run_bytes(kType);
   float tail[M] = {};
-  if (k && a.runs * kRunValues < a.K) dot_k_row<gguf::kQ4_K, M>(row, a, tail, a.runs * 2);
+  if (k && a.runs * kRunValues < a.K) dot_k_row<five ? gguf::kQ5_K : gguf::kQ4_K, M>(row, a, tail, a.runs * 2);
   const std::vector<int8_t>& codes = k ? a.qk_runs : a.q_runs;
   const int64_t nruns = k ? a.runs : a.q_runs_count;  // the codes' runs a row
   // A run r of g groups (16; fewer in Q4_0x16's partial last run, whose weights load masked: the
@@ -531,14 +533,21 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
     const int g = partial ? static_cast<int>(a.tail_groups) : 16;
     const __mmask64 bytes = partial ? (__mmask64{1} << (4 * g)) - 1 : ~__mmask64{0};
     const __mmask16 lanes = static_cast<__mmask16>((1u << g) - 1);
-    const uint8_t* run = row + r * kRunBytes;
+    const uint8_t* run = row + r * run_bytes;
     const uint8_t* nibbles = run + (k ? 32 : 2 * g);
-    for (int64_t line = 0; line < 18 * g; line += 64) prefetch_weights(run + line);
+    for (int64_t line = 0; line < (k ? run_bytes : 18 * g); line += 64) prefetch_weights(run + line);
     __m512i u[8];
     for (int l = 0; l < 4; ++l) {
       const __m512i v = partial ? _mm512_maskz_loadu_epi8(bytes, nibbles + 4 * g * l) : _mm512_loadu_si512(nibbles + 64 * l);
       u[2 * l] = _mm512_and_si512(v, low4);
       u[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    if constexpr (five) {  // nibble h of chunk l takes bit 2 l + h of the fifth bits' byte, moved to bit 4
+      const __m512i bits = _mm512_loadu_si512(run + kRunBytes), bit4 = _mm512_set1_epi8(0x10);
+      const auto to_bit4 = [&](int from) {
+        return _mm512_and_si512(from < 4 ? _mm512_slli_epi16(bits, 4 - from) : _mm512_srli_epi16(bits, from - 4), bit4);
+      };
+      for (int i = 0; i < 8; ++i) u[i] = _mm512_or_si512(u[i], to_bit4(i));
     }
     __m512 scale, min_scale;  // per group: its weights' scale (Q4_Kx2: d sc_j) and min (dmin m_j)
     if constexpr (k) {
@@ -596,9 +605,9 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
   const auto run_dot = [&](int64_t r, auto partial_tag) {
     constexpr bool partial = decltype(partial_tag)::value;
     const int g = partial ? static_cast<int>(a.tail_groups) : 16;
-    const uint8_t* run = row + r * kRunBytes;
+    const uint8_t* run = row + r * run_bytes;
     const uint8_t* nibbles = run + (k ? 32 : 2 * g);
-    for (int64_t line = 0; line < 18 * g; line += 64) prefetch_weights(run + line);
+    for (int64_t line = 0; line < (k ? run_bytes : 18 * g); line += 64) prefetch_weights(run + line);
     for (int h = 0; h < 2 && 8 * h < g; ++h) {  // groups 8 h .. 8 h + 7: bytes 32 h .. 32 h + 31 of each 4 g
       const int count = std::min(8, g - 8 * h);
       const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -609,6 +618,14 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
                                   : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
         u[2 * l] = _mm256_and_si256(v, low4);
         u[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+      if constexpr (five) {  // as the AVX-512 form, this half's 32 bytes of fifth bits
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + kRunBytes + 32 * h));
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        const auto to_bit4 = [&](int from) {
+          return _mm256_and_si256(from < 4 ? _mm256_slli_epi16(bits, 4 - from) : _mm256_srli_epi16(bits, from - 4), bit4);
+        };
+        for (int i = 0; i < 8; ++i) u[i] = _mm256_or_si256(u[i], to_bit4(i));
       }
       __m256 scale, min_scale;
       if constexpr (k) {
@@ -637,7 +654,7 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
         const int64_t at = (m * nruns + r) * 16 + 8 * h;
         __m256i s = k ? _mm256_setzero_si256()
                       : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.offset8.data() + at));
-        for (int t = 0; t < 8; ++t)  // u <= 15: vpmaddubsw's pairs stay far from saturating
+        for (int t = 0; t < 8; ++t)  // u <= 31: vpmaddubsw's pairs stay far from saturating
           s = _mm256_add_epi32(s, dot_u8s8(u[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * t))));
         const __m256 sums = _mm256_cvtepi32_ps(s);
         if constexpr (k) {
@@ -741,6 +758,7 @@ void dot_any_row(Type type, const uint8_t* row, const A8Rows& a, float (&out)[M]
     case gguf::kQ4_0: return dot_legacy_row<gguf::kQ4_0, M>(row, a, out);
     case gguf::kQ4_0x16: return dot_runs_row<gguf::kQ4_0x16, M>(row, a, out);
     case gguf::kQ4_Kx2: return dot_runs_row<gguf::kQ4_Kx2, M>(row, a, out);
+    case gguf::kQ5_Kx2: return dot_runs_row<gguf::kQ5_Kx2, M>(row, a, out);
     case gguf::kQ6_Kx1: return dot_q6_kx1_row<M>(row, a, out);
     case gguf::kQ4_1: return dot_legacy_row<gguf::kQ4_1, M>(row, a, out);
     case gguf::kQ5_0: return dot_legacy_row<gguf::kQ5_0, M>(row, a, out);

@@ -106,7 +106,7 @@ void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::
     k_quants |= is_k_quant(seg.type);
     legacy |= !is_k_quant(seg.type) && !is_float(seg.type);
     legacy_runs |= seg.type == gguf::kQ4_0x16;
-    k_runs |= seg.type == gguf::kQ4_Kx2;
+    k_runs |= seg.type == gguf::kQ4_Kx2 || seg.type == gguf::kQ5_Kx2;
     q6_runs |= seg.type == gguf::kQ6_Kx1;
   }
   for (int64_t r = 0; r < x.size(0); r += kGgufGemvPassRows) {

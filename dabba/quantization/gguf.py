@@ -199,30 +199,36 @@ class GGUFLinearMethod(LinearMethod):
         shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]  # a Linear's, or an LMHead's one
         del layer.gguf_shards
         types = native.kernel_constants().gguf_types if native.load_cpu_ops() else {}
-        shards = [self._laid_out(s, types) for s in shards]
-        # one buffer on 2 MiB pages: the GEMV streams it every step (ops/host_memory.py)
+        # one buffer on 2 MiB pages: the GEMV streams it every step (ops/host_memory.py); a layout
+        # keeps a shard's bytes a row, so each shard's part is written in it straight from the file's
         total = sum(s.data.numel() for s in shards)
         blob = huge_page_bytes(total) if shards[0].data.device.type == "cpu" else torch.empty(
             total, dtype=torch.uint8, device=shards[0].data.device)
-        torch.cat([s.data.reshape(-1) for s in shards], out=blob)
-        table, offset = [], 0
+        table, names, offset = [], [], 0
         for s in shards:
-            table.append((types.get(s.type_name, -1), s.rows, offset))
+            part = blob[offset:offset + s.data.numel()].view_as(s.data)
+            name = self._layout(s, types)
+            if name is None:
+                part.copy_(s.data)
+            else:
+                repack(name, s.data, s.columns, out=part)
+            names.append(name or s.type_name)
+            table.append((types.get(names[-1], -1), s.rows, offset))
             offset += s.data.numel()
-        layer.gguf_segment_types = [s.type_name for s in shards]
-        self.native = blob.device.type == "cpu" and all(s.type_name in types for s in shards)
+        layer.gguf_segment_types = names
+        self.native = blob.device.type == "cpu" and all(name in types for name in names)
         layer.register_buffer("gguf_blob", blob, persistent=False)
         layer.register_buffer("gguf_segments", torch.tensor(table, dtype=torch.int64), persistent=False)
         del layer.weight
         layer.register_parameter("weight", None)
 
     @staticmethod
-    def _laid_out(shard: GGUFBlocks, types: dict[str, int]) -> GGUFBlocks:
-        """The shard in the layout the kernels take for its type and width, where they have one."""
+    def _layout(shard: GGUFBlocks, types: dict[str, int]) -> str | None:
+        """The layout the kernels take for the shard's type and width, None for the file's blocks."""
         layout = layout_for(shard.type_name, shard.columns)
         if layout is None or layout not in types or shard.data.device.type != "cpu":
-            return shard
-        return GGUFBlocks(layout, repack(layout, shard.data, shard.columns), shard.columns)
+            return None
+        return layout
 
     def segments(self, layer: nn.Module) -> list[GGUFBlocks]:
         """The layer's segments as GGUFBlocks over its blob (the reference's operands)."""

@@ -15,6 +15,8 @@ of fewer groups laid out alike (g blocks: 2 g bytes of scales, then bytes 4 g l 
   scales and mins, the low 4 bits of scale and min in one byte per sub-block (16 bytes), then the
   scales' top 2 bits, 2 bits per sub-block in a little-endian uint32, and the mins' likewise (8
   bytes); then the nibbles (256).
+- Q5_Kx2: as Q4_Kx2 (the 5-bit codes' low 4 bits as its nibbles), then their fifth bits (64 bytes:
+  bit 2 l + h of byte 4 j + r is that of the value in nibble h of byte 64 l + 4 j + r).
 - Q6_Kx1: the 6-bit codes' low 4 bits (128 bytes: byte 64 L + 4 j + r holds sub-block j's values
   8 L + r and 8 L + 4 + r), their top 2 bits (64 bytes: bits 2 t of byte 4 j + r for value 4 t + r),
   then the 16 int8 scales and d, as the file has them.
@@ -39,7 +41,8 @@ class Layout:
         return BLOCKS[self.file_type][0] * self.run_blocks
 
 
-LAYOUTS = {"Q4_0x16": Layout("Q4_0", 16, partial_tail=True), "Q4_Kx2": Layout("Q4_K", 2), "Q6_Kx1": Layout("Q6_K", 1)}
+LAYOUTS = {"Q4_0x16": Layout("Q4_0", 16, partial_tail=True), "Q4_Kx2": Layout("Q4_K", 2), "Q5_Kx2": Layout("Q5_K", 2),
+           "Q6_Kx1": Layout("Q6_K", 1)}
 
 
 def file_type(type_name: str) -> str:
@@ -80,6 +83,21 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     g = packed.shape[-1] // 16
     nibbles = packed.reshape(*packed.shape[:-1], 4, g, 4).transpose(-3, -2)  # [.., j, l, r]
     return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-2).reshape(*packed.shape[:-1], g, 32)
+
+
+def _pack_fifth_bits(bits: torch.Tensor) -> torch.Tensor:
+    """[..., 16 groups, 32 values] of 0..1 -> [..., 64] bytes: bit 2 l + h of byte 4 j + r is group
+    j's value 8 l + 4 h + r (the value _pack_nibbles puts in nibble h of byte 64 l + 4 j + r)."""
+    b = bits.reshape(*bits.shape[:-2], 16, 4, 2, 4).to(torch.int32)  # [.., j, l, h, r]
+    shifts = (2 * torch.arange(4).reshape(4, 1, 1) + torch.arange(2).reshape(1, 2, 1)).to(torch.int32)
+    return (b << shifts).sum((-3, -2)).to(torch.uint8).reshape(*bits.shape[:-2], 64)
+
+
+def _unpack_fifth_bits(packed: torch.Tensor) -> torch.Tensor:
+    """_pack_fifth_bits' inverse: [..., 64] -> [..., 16, 32]."""
+    shifts = (2 * torch.arange(4).reshape(4, 1, 1) + torch.arange(2).reshape(1, 2, 1)).to(torch.uint8)
+    b = (packed.reshape(*packed.shape[:-1], 16, 1, 1, 4) >> shifts) & 1  # [.., j, l, h, r]
+    return b.reshape(*packed.shape[:-1], 16, 32)
 
 
 def _two_bits(values: torch.Tensor) -> torch.Tensor:
@@ -126,14 +144,19 @@ def _repack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
         qs = blocks[..., 2:]
         values = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [.., block, 32]
         return torch.cat([blocks[..., :2].reshape(*runs.shape[:2], 2 * g), _pack_nibbles(values)], dim=-1)
-    blocks = runs.reshape(-1, 144)  # Q4_K super-blocks, two a run
+    five = layout.file_type == "Q5_K"  # Q4_K or Q5_K super-blocks, two a run
+    blocks = runs.reshape(-1, 176 if five else 144)
     sc, mn = _k_scale_min(blocks[:, 4:16])
-    qs = blocks[:, 16:].reshape(-1, 4, 32)
+    qs = blocks[:, 48 if five else 16:].reshape(-1, 4, 32)
     values = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(*runs.shape[:2], 16, 32)  # sub-block j's 32
     sc, mn = sc.reshape(*runs.shape[:2], 16), mn.reshape(*runs.shape[:2], 16)
     halves = blocks[:, :4].reshape(*runs.shape[:2], 2, 2, 2).transpose(-3, -2)  # [.., d|dmin, block, 2 bytes]
     scales = torch.cat([(sc & 0x0F) | ((mn & 0x0F) << 4), _two_bits(sc >> 4), _two_bits(mn >> 4)], dim=-1)
-    return torch.cat([halves.reshape(*runs.shape[:2], 8), scales, _pack_nibbles(values)], dim=-1)
+    parts = [halves.reshape(*runs.shape[:2], 8), scales, _pack_nibbles(values)]
+    if five:  # sub-block s's fifth bits: bit s of the file's qh[l]
+        high = (blocks[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1
+        parts.append(_pack_fifth_bits(high.reshape(*runs.shape[:2], 16, 32)))
+    return torch.cat(parts, dim=-1)
 
 
 def _unpack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
@@ -159,28 +182,47 @@ def _unpack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
     # the file's 12 bytes of 6-bit scales and mins (gguf_blocks._k_scale_min's inverse)
     scales = torch.cat([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
                         (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)], dim=-1)
-    values = _unpack_nibbles(runs[..., 32:]).reshape(*runs.shape[:2], 2, 4, 2, 32)  # [.., block, pair, lo|hi, l]
+    values = _unpack_nibbles(runs[..., 32:288]).reshape(*runs.shape[:2], 2, 4, 2, 32)  # [.., block, pair, lo|hi, l]
     qs = (values[..., 0, :] | (values[..., 1, :] << 4)).reshape(*runs.shape[:2], 2, 128)
-    return torch.cat([halves.reshape(*runs.shape[:2], 2, 4), scales, qs], dim=-1).reshape(runs.shape)
+    parts = [halves.reshape(*runs.shape[:2], 2, 4), scales]
+    if layout.file_type == "Q5_K":
+        high = _unpack_fifth_bits(runs[..., 288:]).reshape(*runs.shape[:2], 2, 8, 32).to(torch.int32)
+        qh = (high << torch.arange(8, dtype=torch.int32).reshape(8, 1)).sum(-2).to(torch.uint8)  # [.., block, 32]
+        parts.append(qh)
+    return torch.cat([*parts, qs], dim=-1).reshape(runs.shape)
 
 
-def _convert(type_name: str, data: torch.Tensor, columns: int, runs_fn) -> torch.Tensor:
+CHUNK_BYTES = 1 << 20  # of rows converted at a time: the conversion's int32 temporaries stay small
+
+
+def _convert(type_name: str, data: torch.Tensor, columns: int, runs_fn, out: torch.Tensor | None) -> torch.Tensor:
     """Rows' whole runs (and partial last run, where the layout has one) through ``runs_fn``; the
-    bytes past them as they are."""
+    bytes past them as they are. A few MB of rows at a time, into ``out`` (data's shape) or a new
+    tensor: a model's load writes the layout straight into the buffer the GEMV reads."""
     layout, rows, runs = _check(type_name, data, columns)
     run_bytes = data.shape[1] * layout.run_values // columns
-    parts = [runs_fn(layout, data[:, :runs * run_bytes].reshape(rows, runs, run_bytes)).reshape(rows, -1)]
-    rest = data[:, runs * run_bytes:]
-    if layout.partial_tail and rest.shape[1]:
-        rest = runs_fn(layout, rest.reshape(rows, 1, -1)).reshape(rows, -1)
-    return torch.cat([*parts, rest], dim=1).contiguous()
+    if out is None:
+        out = torch.empty_like(data)
+    elif out.shape != data.shape or out.dtype != torch.uint8:
+        raise ValueError(f"out must be uint8 of shape {tuple(data.shape)}, not {out.dtype} {tuple(out.shape)}")
+    step = max(1, CHUNK_BYTES // max(1, data.shape[1]))
+    for first in range(0, rows, step):
+        chunk = data[first:first + step]
+        n = chunk.shape[0]
+        out[first:first + n, :runs * run_bytes] = runs_fn(
+            layout, chunk[:, :runs * run_bytes].reshape(n, runs, run_bytes)).reshape(n, -1)
+        rest = chunk[:, runs * run_bytes:]
+        if layout.partial_tail and rest.shape[1]:
+            rest = runs_fn(layout, rest.reshape(n, 1, -1)).reshape(n, -1)
+        out[first:first + n, runs * run_bytes:] = rest
+    return out
 
 
-def repack(type_name: str, data: torch.Tensor, columns: int) -> torch.Tensor:
+def repack(type_name: str, data: torch.Tensor, columns: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The file's rows [rows, row bytes] uint8 -> the same rows in layout ``type_name``."""
-    return _convert(type_name, data, columns, _repack_runs)
+    return _convert(type_name, data, columns, _repack_runs, out)
 
 
 def unpack(type_name: str, data: torch.Tensor, columns: int) -> torch.Tensor:
     """A layout's rows -> the file's blocks they hold (repack's inverse)."""
-    return _convert(type_name, data, columns, _unpack_runs)
+    return _convert(type_name, data, columns, _unpack_runs, None)

@@ -14,6 +14,7 @@ from tools.random_gguf import random_blocks
 
 # one run of 512 values; a run and blocks past it; TinyLlama's and Qwen2.5-0.5B's widths
 WIDTHS = {"Q4_0x16": [512, 512 + 96, 2048, 5632, 896, 4864], "Q4_Kx2": [512, 768, 2048, 5632, 4864],
+          "Q5_Kx2": [512, 768, 5632],
           "Q6_Kx1": [256, 768, 5632]}
 CASES = [(layout, columns) for layout, widths in WIDTHS.items() for columns in widths]
 
@@ -74,6 +75,21 @@ def test_a_q4_k_run_holds_its_scales_and_mins_as_the_kernel_reads_them() -> None
         assert (byte >> 4) | ((high_mn >> 2 * j & 3) << 4) == mn[j // 8, j % 8]
 
 
+def test_a_q5_k_run_holds_its_fifth_bits_as_the_kernel_reads_them() -> None:
+    """Q4_Kx2's bytes for the codes' low 4 bits, then bit 2 l + h of byte 288 + 4 j + r: the fifth bit
+    of sub-block j's value 8 l + 4 h + r."""
+    blocks = random_blocks("Q5_K", 1, 512, seed=3)
+    raw = blocks.data.view(2, 176)
+    run = repack("Q5_Kx2", blocks.data, 512)[0]
+    for j, l, h, r in [(0, 0, 0, 0), (5, 1, 1, 2), (15, 3, 1, 3), (8, 2, 0, 1), (11, 3, 0, 0)]:
+        block, s, value = j // 8, j % 8, 8 * l + 4 * h + r  # super-block, its sub-block, the value in it
+        code = raw[block, 48 + 32 * (s // 2) + value].item()
+        code = (code >> 4 if s % 2 else code & 0x0F) | ((raw[block, 16 + value].item() >> s) & 1) << 4
+        nibble = run[32 + 64 * l + 4 * j + r].item()
+        assert (nibble >> 4 if h else nibble & 0x0F) == code & 0x0F
+        assert (run[288 + 4 * j + r].item() >> (2 * l + h)) & 1 == code >> 4
+
+
 def test_a_q6_k_run_holds_its_codes_as_the_kernel_reads_them() -> None:
     """Byte 64 L + 4 j + r: sub-block j's values 8 L + r and 8 L + 4 + r, low 4 bits; byte 128 + 4 j + r:
     the top 2 bits of its value 4 t + r at bits 2 t; then the file's scales and d."""
@@ -102,7 +118,8 @@ def test_the_layout_is_taken_where_a_row_holds_a_run() -> None:
     assert layout_for("Q4_K", 512) == layout_for("Q4_K", 5632) == "Q4_Kx2"
     assert layout_for("Q4_0", 480) is None and layout_for("Q4_K", 256) is None  # short of a run
     assert layout_for("Q6_K", 256) == "Q6_Kx1"  # a run is one super-block
-    assert layout_for("Q8_0", 4096) is None and layout_for("Q5_K", 4096) is None
+    assert layout_for("Q5_K", 4096) == "Q5_Kx2" and layout_for("Q5_K", 256) is None
+    assert layout_for("Q8_0", 4096) is None and layout_for("Q5_0", 4096) is None
     assert file_type("Q4_0x16") == "Q4_0" and file_type("Q6_Kx1") == "Q6_K" and file_type("Q8_0") == "Q8_0"
 
 
@@ -114,3 +131,15 @@ def test_bad_operands_are_refused() -> None:
         repack("Q4_Kx16", blocks.data, 512)
     with pytest.raises(ValueError, match="cut before it is repacked"):
         GGUFBlocks("Q4_0x16", repack("Q4_0x16", blocks.data, 512), 512).narrow_columns(0, 256)
+
+
+def test_a_layout_is_written_into_a_given_buffer_a_chunk_of_rows_at_a_time(monkeypatch) -> None:
+    """The load writes layouts straight into the GEMV's buffer, a few rows at a time (CHUNK_BYTES)."""
+    import dabba.quantization.gguf_repack as gguf_repack
+    blocks = random_blocks("Q6_K", 7, 768, seed=9)
+    whole = repack("Q6_Kx1", blocks.data, 768)
+    monkeypatch.setattr(gguf_repack, "CHUNK_BYTES", 2 * blocks.data.shape[1])  # chunks of 2 rows, and a last of 1
+    out = torch.zeros_like(blocks.data)
+    assert repack("Q6_Kx1", blocks.data, 768, out=out) is out and torch.equal(out, whole)
+    with pytest.raises(ValueError, match="out must be uint8"):
+        repack("Q6_Kx1", blocks.data, 768, out=torch.zeros(7, 10, dtype=torch.uint8))
