@@ -266,14 +266,16 @@ void dot_blocks_scalar(Type type, const uint8_t* row, const A8Rows& a, float (&o
 
 #ifdef DABBA_GGUF_SIMD
 
-// The weights' line kGgufPrefetchBytes ahead of p, asked into L2 (T1): twice as far ahead as the
-// bf16 GEMV asks into L1 (avx2_gemv.h). One row of x computes faster than memory delivers, yet
-// each core waited on it; asked earlier and into L2, the blocks arrive while the row computes
-// (benchmarks/gguf_kernels.py; README's GGUF section has the figures).
-constexpr int64_t kGgufPrefetchBytes = 6144;
+// The weights' line kGgufPrefetchBytes ahead of p, asked into L2 (T1), and the line
+// kGgufL1PrefetchBytes ahead, by then in L2, into L1 (T0). One row of x computes faster than memory
+// delivers, yet each core waited on it: asked early into L2, the blocks arrive while the row
+// computes, and asked again shortly before use, the loads stop waiting on L2 (benchmarks/
+// gguf_kernels.py; README's GGUF section has the figures).
+constexpr int64_t kGgufPrefetchBytes = 6144, kGgufL1PrefetchBytes = 2048;
 
 inline void prefetch_weights(const uint8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p) + kGgufPrefetchBytes, _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kGgufL1PrefetchBytes, _MM_HINT_T0);
 }
 
 // sum over each 4 bytes of u (unsigned) times s (signed), into int32 lanes
