@@ -198,7 +198,8 @@ void int8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
 // int4_gemv_cpu.cpp: x W^T (+ b) for W in PyTorch's packed int4 CPU layout (scales_and_zeros
 // [groups, N, 2], tinygemm's (q - 8) * scale + zero), the one place that picks the INT4 kernel:
 // dabba's GEMV up to kInt4GemvMaxRows rows (AVX-512, N a multiple of 64, PyTorch packing 64-row
-// blocks; or AVX2, N a multiple of 32, PyTorch packing 32-row blocks, as at its AVX2 capability);
+// blocks, groups of a multiple of 32: integer dot products on x rounded to 8-bit codes per 32, as the
+// GGUF GEMV; or AVX2, N a multiple of 32, PyTorch packing 32-row blocks, as at its AVX2 capability);
 // beyond, bf16 x on AMX tiles, the GEMM over each 64-row block dequantized to bf16 once
 // per call (gemm_amx_cpu.cpp); else _weight_int4pack_mm_for_cpu. native false forces the latter
 // (the tests' reference). Qwen2.5-1.5B's 28 layers against tinygemm: the GEMV 95.5 ms at 8 rows

@@ -3,24 +3,26 @@
 // kInt4GemvMaxRows the AMX GEMM (gemm_amx_cpu.cpp) or _weight_int4pack_mm_for_cpu ("tinygemm").
 // int4_linear below is where that is chosen, for the Python layers and the native layer loop alike.
 //
-// One k of a 64-row block is one 32-byte load. Each 16
-// bytes widen once to 16 float32 lanes of byte values b = low + 16 high, and once more shifted,
-// to the high nibbles; both take x[m][k] in an FMA, and at the end of a group the low nibbles'
-// sums are the byte sums less 16 times the high sums (widening each nibble separately cost a
-// third more instructions per k: the loop is bound by the vector ports, not by latency). Per group
-// of group_size k, tinygemm's dequantization (q - 8) * scale + zero is applied once to the sums:
-// sum_k w x = scale * sum_k q x + (zero - 8 scale) * sum_k x. Rows of x past 4 take another pass.
+// AVX-512 (with VNNI, as every CPU of the avx512 variant): integer dot products, as the GGUF GEMV.
+// Each row of x is rounded to 8-bit codes per block of 32 exactly as the GGUF GEMV rounds it for the
+// legacy types (gguf_dot.h: llama.cpp's q8_0, a float16 scale a block), and the weights' codes meet
+// them in vpdpbusd, exact in int32. PyTorch's layout gives each k's 64 rows in 32 bytes; a vpermt2d
+// of four k's 128 bytes and a byte shuffle within 128-bit lanes gather 16 rows' 4 codes into a dword
+// each (low nibbles: rows i, high nibbles: rows 32 + i, left in place as 16 q with their scale over
+// 16), so a vpdpbusd's 16 lanes are 16 rows against x's 4 codes broadcast. Per block of 32 k the sums
+// are converted and scaled by the rows' scale times the block's activation scale; per group of
+// group_size k, tinygemm's dequantization (q - 8) * scale + zero is met by the offset times the
+// rounded x's sum: sum_k w x = scale * sum_k q x + (zero - 8 scale) * sum_k x. The float kernel it
+// replaced widened every code to float32 for an FMA: four times the instructions a byte, and
+// compute-bound below the memory's rate. The GEMM paths keep x unrounded. Rows of x past 4 take
+// another pass.
 //
-// Qwen2.5-1.5B's 28 layers (704 MB of codes and scales), 2-core Xeon with AMX: 38.8 ms at one row
-// (17.9 GB/s) against tinygemm's 50.3, 40.7 against 57.5 at 2, 50.8 against 67.4 at 4, 95.5
-// against 131.8 at 8; at 9 rows tinygemm takes 193 ms. The bf16 GEMV reads 26.8 GB/s; INT8's
-// GEMV 19.4.
-//
-// On AVX2 + FMA (the avx2 variant) the same sums in 8 lanes, over the 32-row blocks PyTorch packs
-// where it runs at AVX2 (as on a CPU without AVX-512): its widening and FMAs set the pace. The same
-// 28 layers, PyTorch held to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2), against its
-// AVX2 tinygemm: 48.5 ms at one row (14.3 GB/s) against 61.6, 53.9 against 67.7 at 2, 76.6 against
-// 109 at 4, 148.6 against 210.1 at 8.
+// On AVX2 + FMA (the avx2 variant) float sums in 8 lanes, over the 32-row blocks PyTorch packs where
+// it runs at AVX2 (as on a CPU without AVX-512): each k's 16 bytes widen to 2 x 8 byte values b =
+// low + 16 high and, shifted, to the high nibbles, 4 FMAs a row of x; at the end of a group the low
+// nibbles' sums are the byte sums less 16 times the high sums. PyTorch held to AVX2
+// (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2), Qwen2.5-1.5B's 28 layers, 2-core Xeon: 48.5 ms
+// at one row (14.3 GB/s) against its AVX2 tinygemm's 61.6, 76.6 against 109 at 4.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -28,10 +30,12 @@
 #include "bf16_tiles.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
+#include "gguf_dot.h"
 #include "int4_pack.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -74,81 +78,100 @@ int64_t pytorch_block_rows() {
 }
 
 constexpr int64_t kRowsPerPass = 4;  // rows of x per pass over the weight
-// How far ahead of the k it multiplies a thread asks for its block's bytes: without it the GEMV
-// read Qwen2.5-1.5B's layers at 8.3 GB/s from memory, though 16.7 from cache (one thread).
-constexpr int64_t kPrefetchBytes = 2048;
 
 #ifndef DABBA_INT4_GEMV_AVX2
 
-// Rows [block * 64, block * 64 + 64) of y for M (<= kInt4GemvMaxRows) rows of x (float32, with
-// per-group sums xsum[m][g]). scale_zero: [groups, N, 2] as float32 pairs (f32) or bf16 pairs.
+// Dword slot 4 j + c of a half's gather (vpermt2d over [k, k + 1 | k + 2, k + 3] as A and B): the
+// 4 bytes of rows 4 j .. 4 j + 3 at k + c (row 16 h + 4 j.. of the 64-row block, half h); a byte
+// shuffle within each 128-bit lane then gives each row's 4 codes a dword.
+inline __m512i int4_quad_index(int half) {
+  alignas(64) int32_t idx[16];
+  for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < 4; ++c) idx[4 * j + c] = 8 * c + 4 * half + j;
+  return _mm512_load_si512(idx);
+}
+
+// Rows [block * 64, block * 64 + 64) of y for M (<= kRowsPerPass) rows of x as 8-bit codes (a:
+// gguf::quantize_rows' legacy blocks; xsum [M, groups]: each group's rounded x summed). scale_zero:
+// [groups, N, 2] as float32 pairs (f32) or bf16 pairs.
 template <int M, bool kF32Scales>
 void block_rows(const uint8_t* packed, int64_t K, int64_t N, int64_t group_size, const void* scale_zero,
-                const float* x, const float* xsum, int64_t block, float* out) {
+                const gguf::A8Rows& a, const float* xsum, int64_t block, float* out) {
   const uint8_t* w = packed + block * K * 32;
-  const int64_t groups = K / group_size, row0 = block * kInt4BlockRows;
-  __m512 y[M][4];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < 4; ++r) y[m][r] = _mm512_setzero_ps();
+  const int64_t groups = K / group_size, row0 = block * kInt4BlockRows, blocks_per_group = group_size / 32;
+  const __m512i index[2] = {int4_quad_index(0), int4_quad_index(1)};
+  const __m512i rows_4x4 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+  // y[h][m], y[2 + h][m]: rows 16 h.. (low nibbles of half h) and 32 + 16 h.. (its high nibbles)
+  __m512 y[4][M];
+  for (int r = 0; r < 4; ++r)
+    for (int m = 0; m < M; ++m) y[r][m] = _mm512_setzero_ps();
+  const int64_t pair_bytes = kF32Scales ? 8 : 4;
   for (int64_t g = 0; g < groups; ++g) {
-    // [0], [1]: sums of byte * x for bytes 0-15 and 16-31 (byte = low + 16 high nibble); [2], [3]:
-    // sums of high nibble * x. Rows 0-31's sums are byte sums - 16 high sums: one widening per 16
-    // bytes instead of two, and no masking.
-    __m512 acc[M][4];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
-      if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * 32 + kPrefetchBytes), _MM_HINT_T0);
-      const __m512i e0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 32)));
-      const __m512i e1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 32 + 16)));
-      const __m512 b0 = _mm512_cvtepi32_ps(e0), b1 = _mm512_cvtepi32_ps(e1);
-      const __m512 h0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(e0, 4));
-      const __m512 h1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(e1, 4));
-      for (int m = 0; m < M; ++m) {
-        const __m512 xk = _mm512_set1_ps(x[m * K + k]);
-        acc[m][0] = _mm512_fmadd_ps(b0, xk, acc[m][0]);
-        acc[m][1] = _mm512_fmadd_ps(b1, xk, acc[m][1]);
-        acc[m][2] = _mm512_fmadd_ps(h0, xk, acc[m][2]);
-        acc[m][3] = _mm512_fmadd_ps(h1, xk, acc[m][3]);
-      }
-    }
-    const __m512 sixteen = _mm512_set1_ps(16.f);
-    for (int m = 0; m < M; ++m) {
-      acc[m][0] = _mm512_fnmadd_ps(sixteen, acc[m][2], acc[m][0]);
-      acc[m][1] = _mm512_fnmadd_ps(sixteen, acc[m][3], acc[m][1]);
-    }
+    if (g + 1 < groups)  // the next group's pairs lie N rows on: no stream the hardware would follow
+      for (int64_t line = 0; line < kInt4BlockRows * pair_bytes; line += 64)
+        _mm_prefetch(static_cast<const char*>(scale_zero) + ((g + 1) * N + row0) * pair_bytes + line, _MM_HINT_T0);
+    __m512 scale[4], offset[4];
     for (int r = 0; r < 4; ++r) {
-      const int64_t row = row0 + 16 * r;
-      __m512 scale, offset;
+      const int64_t row = row0 + 16 * (r % 2) + 32 * (r / 2);
       if constexpr (kF32Scales) {
         const float* p = static_cast<const float*>(scale_zero) + (g * N + row) * 2;
         const __m512i idx = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-        const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
-        scale = _mm512_permutex2var_ps(a, idx, b);
-        const __m512 zero = _mm512_permutex2var_ps(a, _mm512_add_epi32(idx, _mm512_set1_epi32(1)), b);
-        offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, zero);  // zero - 8 scale
+        const __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
+        scale[r] = _mm512_permutex2var_ps(lo, idx, hi);
+        const __m512 zero = _mm512_permutex2var_ps(lo, _mm512_add_epi32(idx, _mm512_set1_epi32(1)), hi);
+        offset[r] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale[r], zero);
       } else {
-        int4_scale_offset(static_cast<const uint32_t*>(scale_zero) + (g * N + row), scale, offset);
+        int4_scale_offset(static_cast<const uint32_t*>(scale_zero) + (g * N + row), scale[r], offset[r]);
       }
-      for (int m = 0; m < M; ++m) {
-        y[m][r] = _mm512_fmadd_ps(scale, acc[m][r], y[m][r]);
-        y[m][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * groups + g]), y[m][r]);
+      if (r >= 2) scale[r] = _mm512_mul_ps(scale[r], _mm512_set1_ps(1.f / 16));  // high nibbles: 16 q
+    }
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      for (int h = 0; h < 2; ++h) {
+        __m512i acc[2][M];
+        for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_si512();
+        for (int64_t k = 32 * b; k < 32 * b + 32; k += 4) {
+          const uint8_t* p = w + k * 32;
+          if (h == 0) {
+            gguf::prefetch_weights(p);
+            gguf::prefetch_weights(p + 64);
+          }
+          const __m512i v = _mm512_shuffle_epi8(
+              _mm512_permutex2var_epi32(_mm512_loadu_si512(p), index[h], _mm512_loadu_si512(p + 64)), rows_4x4);
+          const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(v, high4);
+          for (int m = 0; m < M; ++m) {
+            int32_t codes;
+            std::memcpy(&codes, a.q.data() + m * a.blocks * 32 + k, 4);
+            const __m512i xv = _mm512_set1_epi32(codes);
+            acc[0][m] = _mm512_dpbusd_epi32(acc[0][m], lo, xv);
+            acc[1][m] = _mm512_dpbusd_epi32(acc[1][m], hi, xv);
+          }
+        }
+        for (int m = 0; m < M; ++m) {
+          const __m512 dx = _mm512_set1_ps(a.d[m * a.blocks + b]);
+          y[h][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0][m]), _mm512_mul_ps(scale[h], dx), y[h][m]);
+          y[2 + h][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[1][m]), _mm512_mul_ps(scale[2 + h], dx), y[2 + h][m]);
+        }
       }
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512 s = _mm512_set1_ps(xsum[m * groups + g]);
+      for (int r = 0; r < 4; ++r) y[r][m] = _mm512_fmadd_ps(offset[r], s, y[r][m]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + m * N + row0 + 16 * r, y[m][r]);
+    for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + m * N + row0 + 16 * (r % 2) + 32 * (r / 2), y[r][m]);
 }
 
 template <int M>
 void gemv_rows(const uint8_t* packed, int64_t K, int64_t N, int64_t group_size, const at::Tensor& scale_zero,
-               const float* x, const float* xsum, float* out) {
+               const gguf::A8Rows& a, const float* xsum, float* out) {
   const bool f32 = scale_zero.scalar_type() == at::kFloat;
   const void* sz = scale_zero.data_ptr();
   at::parallel_for(0, N / kInt4BlockRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      if (f32) block_rows<M, true>(packed, K, N, group_size, sz, x, xsum, b, out);
-      else block_rows<M, false>(packed, K, N, group_size, sz, x, xsum, b, out);
+      if (f32) block_rows<M, true>(packed, K, N, group_size, sz, a, xsum, b, out);
+      else block_rows<M, false>(packed, K, N, group_size, sz, a, xsum, b, out);
     }
   });
 }
@@ -157,6 +180,10 @@ void gemv_rows(const uint8_t* packed, int64_t K, int64_t N, int64_t group_size, 
 int64_t gemv_block_rows() { return pytorch_block_rows() == kInt4BlockRows ? kInt4BlockRows : 0; }
 
 #else  // AVX2 + FMA
+
+// How far ahead of the k it multiplies a thread asks for its block's bytes (the AVX-512 kernel asks
+// as the GGUF GEMV does: gguf::prefetch_weights).
+constexpr int64_t kPrefetchBytes = 2048;
 
 // As the AVX-512 kernel, in 8 float32 lanes, over the 32-row blocks PyTorch packs at its AVX2
 // capability: each k's 16 bytes widen to 2 x 8 byte values and, shifted, to the high nibbles (rows
@@ -262,35 +289,47 @@ bool packed_operands(const at::Tensor& x, const at::Tensor& packed, int64_t grou
          scale_zero.size(2) == 2;
 }
 
-// y [M, N] in x's dtype = x W^T for up to kInt4GemvMaxRows rows, bf16 or float32 x and scales.
+// y [M, N] in x's dtype = x W^T for up to kInt4GemvMaxRows rows, bf16 or float32 x and scales,
+// kRowsPerPass rows of x a pass over the weight (past 4 the accumulators fill the registers).
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero) {
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), groups = K / group_size;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
-  const float* xp = xf.data_ptr<float>();
-  std::vector<float> xsum(M * groups);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += xp[m * K + k];
-      xsum[m * groups + g] = s;
-    }
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {  // past 4 rows the accumulators fill the registers
-    const float* xm = xp + m0 * K;
-    const float* sm = xsum.data() + m0 * groups;
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+    const int64_t rows = std::min<int64_t>(M - m0, kRowsPerPass);
     float* ym = y.data_ptr<float>() + m0 * N;
-    with_count<kRowsPerPass>(std::min<int64_t>(M - m0, kRowsPerPass), [&](auto rows) {
-      gemv_rows<decltype(rows)::value>(w, K, N, group_size, scale_zero, xm, sm, ym);
+    std::vector<float> xsum(rows * groups, 0.f);  // per group, the sum of x as the kernel multiplies it
+#ifndef DABBA_INT4_GEMV_AVX2
+    const at::Tensor xm = x.narrow(0, m0, rows);
+    const gguf::A8Rows a = x.scalar_type() == at::kFloat ? gguf::quantize_rows<float>(xm, true, false)
+                                                         : gguf::quantize_rows<c10::BFloat16>(xm, true, false);
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t b = 0; b < a.blocks; ++b) xsum[m * groups + b * gguf::kA8Block / group_size] += a.s[m * a.blocks + b];
+    with_count<kRowsPerPass>(rows, [&](auto count) {
+      gemv_rows<decltype(count)::value>(w, K, N, group_size, scale_zero, a, xsum.data(), ym);
     });
+#else
+    const at::Tensor xf = x.narrow(0, m0, rows).to(at::kFloat).contiguous();
+    const float* xp = xf.data_ptr<float>();
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group_size] += xp[m * K + k];
+    with_count<kRowsPerPass>(rows, [&](auto count) {
+      gemv_rows<decltype(count)::value>(w, K, N, group_size, scale_zero, xp, xsum.data(), ym);
+    });
+#endif
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-bool gemv_takes(const at::Tensor& x, const at::Tensor& scale_zero) {
+// The AVX-512 GEMV rounds x in blocks of 32 that must not straddle groups (tinygemm takes other
+// group sizes).
+bool gemv_takes(const at::Tensor& x, int64_t group_size, const at::Tensor& scale_zero) {
   const auto float_or_bf16 = [](const at::Tensor& t) {
     return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat;
   };
+#ifndef DABBA_INT4_GEMV_AVX2
+  if (group_size % gguf::kA8Block) return false;
+#endif
   return x.size(0) <= kInt4GemvMaxRows && float_or_bf16(x) && float_or_bf16(scale_zero);
 }
 
@@ -408,7 +447,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t gr
     if (amx_takes(x, group_size, scale_zero, bias)) return int4_amx_gemm(x, packed, group_size, scale_zero, bias);
     if (dequant_takes(x, group_size, scale_zero)) return int4_dequant_linear(x, packed, group_size, scale_zero, bias);
 #endif
-    if (gemv_takes(x, scale_zero)) y = int4_gemv(x, packed, group_size, scale_zero);
+    if (gemv_takes(x, group_size, scale_zero)) y = int4_gemv(x, packed, group_size, scale_zero);
   }
 #endif
   if (!y.defined()) y = at::_weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero);

@@ -1,5 +1,5 @@
 """dabba's INT4 kernels (csrc/int4_gemv_cpu.cpp: the GEMV up to int4_gemv_max_rows rows of x, on
-AVX-512 or AVX2, the AMX GEMM beyond where the CPU has AMX and x is bf16, without AMX from
+AVX-512 with x rounded to 8-bit codes as the GGUF GEMV rounds it, or AVX2, the AMX GEMM beyond where the CPU has AMX and x is bf16, without AMX from
 int4_dequant_min_rows bf16 rows the weight dequantized to bf16 and dense_linear) against the exact
 product of the dequantized weight and against PyTorch's tinygemm, which they replace."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dabba.ops import native
+from dabba.quantization.gguf import quantize_activations
 
 
 def packed_weight(n: int, k: int, group_size: int, dtype: torch.dtype, seed: int):
@@ -53,13 +54,15 @@ def test_int4_linear_equals_the_dequantized_product(rows, n, k, group_size, dtyp
     ours = torch.ops.dabba_cpu.int4_linear(x, packed, group_size, scale_zero, bias, True)
     tinygemm = torch.ops.dabba_cpu.int4_linear(x, packed, group_size, scale_zero, bias, False)
     assert ours.dtype == tinygemm.dtype == dtype and ours.shape == (rows, n)
+    constants = native.kernel_constants()
+    if rounds_activations(n, rows, group_size):  # the AVX-512 GEMV: x as its 8-bit codes give it back
+        exact = rounded(x) @ weight.t() + bias.double()
     # bf16: the output's rounding (2^-8 relative) dominates (the AMX GEMM also rounds the dequantized
-    # weight to bf16); float32: the sums' (byte sums less 16x the high nibbles' cost a few bits of
-    # float32's 24)
+    # weight to bf16); float32: the sums' (the avx2 GEMV's byte sums less 16x the high nibbles' cost a
+    # few bits of float32's 24)
     tolerance = (2**-7 if dtype == torch.bfloat16 else 2e-5) * exact.abs().max().item()
     assert (ours.double() - exact).abs().max().item() <= tolerance
-    assert (tinygemm.double() - exact).abs().max().item() <= tolerance
-    constants = native.kernel_constants()
+    assert (tinygemm.double() - (x.double() @ weight.t() + bias.double())).abs().max().item() <= tolerance
     amx = dtype == torch.bfloat16 and native.amx_usable(k)
     dequantized = dequantizes(packed, group_size, scale_zero) and rows >= constants.int4_dequant_min_rows and \
         dtype == torch.bfloat16
@@ -72,6 +75,19 @@ def test_int4_linear_equals_the_dequantized_product(rows, n, k, group_size, dtyp
         assert (chunked.double() - exact).abs().max().item() <= tolerance
         if not amx:
             assert torch.equal(ours, chunked)
+
+
+def rounds_activations(n: int, rows: int, group_size: int) -> bool:
+    """Whether int4_linear takes these operands to the AVX-512 GEMV, which multiplies x rounded to
+    8-bit codes per 32 values (the GGUF GEMV's legacy rounding)."""
+    return native.loaded_variant() == "avx512" and pytorch_block_rows() == 64 and n % 64 == 0 and \
+        rows <= native.kernel_constants().int4_gemv_max_rows and group_size % 32 == 0
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the AVX-512 GEMV's 8-bit codes give it back, in float64."""
+    q, d = quantize_activations(x, 32)
+    return (q.double().view(x.shape[0], -1, 32) * d.double()[..., None]).view(x.shape[0], -1)
 
 
 def dequantizes(packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor) -> bool:
