@@ -127,31 +127,39 @@ void block_rows(const uint8_t* packed, int64_t K, int64_t N, int64_t group_size,
       if (r >= 2) scale[r] = _mm512_mul_ps(scale[r], _mm512_set1_ps(1.f / 16));  // high nibbles: 16 q
     }
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-      for (int h = 0; h < 2; ++h) {
-        __m512i acc[2][M];
-        for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_si512();
+      // One pass over the block's 32 k where the sums fit the registers beside y (M <= 2), each half
+      // a pass over the L1-held bytes beyond.
+      constexpr int kHalvesAPass = M <= 2 ? 2 : 1;
+      for (int h0 = 0; h0 < 2; h0 += kHalvesAPass) {
+        __m512i acc[2 * kHalvesAPass][M];  // [j][m], [kHalvesAPass + j][m]: half h0 + j's low and high nibbles
+        for (int r = 0; r < 2 * kHalvesAPass; ++r)
+          for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_si512();
         for (int64_t k = 32 * b; k < 32 * b + 32; k += 4) {
           const uint8_t* p = w + k * 32;
-          if (h == 0) {
+          if (h0 == 0) {
             gguf::prefetch_weights(p);
             gguf::prefetch_weights(p + 64);
           }
-          const __m512i v = _mm512_shuffle_epi8(
-              _mm512_permutex2var_epi32(_mm512_loadu_si512(p), index[h], _mm512_loadu_si512(p + 64)), rows_4x4);
-          const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(v, high4);
-          for (int m = 0; m < M; ++m) {
-            int32_t codes;
-            std::memcpy(&codes, a.q.data() + m * a.blocks * 32 + k, 4);
-            const __m512i xv = _mm512_set1_epi32(codes);
-            acc[0][m] = _mm512_dpbusd_epi32(acc[0][m], lo, xv);
-            acc[1][m] = _mm512_dpbusd_epi32(acc[1][m], hi, xv);
+          const __m512i lo128 = _mm512_loadu_si512(p), hi128 = _mm512_loadu_si512(p + 64);
+          for (int h = h0; h < h0 + kHalvesAPass; ++h) {
+            const __m512i v = _mm512_shuffle_epi8(_mm512_permutex2var_epi32(lo128, index[h], hi128), rows_4x4);
+            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(v, high4);
+            for (int m = 0; m < M; ++m) {
+              int32_t codes;
+              std::memcpy(&codes, a.q.data() + m * a.blocks * 32 + k, 4);
+              const __m512i xv = _mm512_set1_epi32(codes);
+              acc[h - h0][m] = _mm512_dpbusd_epi32(acc[h - h0][m], lo, xv);
+              acc[kHalvesAPass + h - h0][m] = _mm512_dpbusd_epi32(acc[kHalvesAPass + h - h0][m], hi, xv);
+            }
           }
         }
-        for (int m = 0; m < M; ++m) {
-          const __m512 dx = _mm512_set1_ps(a.d[m * a.blocks + b]);
-          y[h][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0][m]), _mm512_mul_ps(scale[h], dx), y[h][m]);
-          y[2 + h][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[1][m]), _mm512_mul_ps(scale[2 + h], dx), y[2 + h][m]);
-        }
+        for (int h = h0; h < h0 + kHalvesAPass; ++h)
+          for (int m = 0; m < M; ++m) {
+            const __m512 dx = _mm512_set1_ps(a.d[m * a.blocks + b]);
+            const __m512 lo = _mm512_cvtepi32_ps(acc[h - h0][m]), hi = _mm512_cvtepi32_ps(acc[kHalvesAPass + h - h0][m]);
+            y[h][m] = _mm512_fmadd_ps(lo, _mm512_mul_ps(scale[h], dx), y[h][m]);
+            y[2 + h][m] = _mm512_fmadd_ps(hi, _mm512_mul_ps(scale[2 + h], dx), y[2 + h][m]);
+          }
       }
     }
     for (int m = 0; m < M; ++m) {
