@@ -28,6 +28,8 @@ enum Type : int64_t {
   // run stay the file's. A row keeps the file type's bytes; only whole rows dequantize.
   // Q4_0x16: 16 Q4_0 blocks a run, their 16 float16 scales first (32 bytes). A row's g < 16 blocks
   // past its last whole run form a last run laid out alike: g scales, then byte 4 g l + 4 j + r.
+  // Q5_0x16: as Q4_0x16 (the 5-bit codes' low 4 bits as its nibbles), then their fifth bits as
+  // Q5_Kx2's (4 g bytes).
   // Q4_Kx2: two Q4_K super-blocks (16 sub-blocks) a run: d, d, dmin, dmin (float16); per sub-block
   // the low 4 bits of its scale and of its min in one byte (16 bytes); the scales' top 2 bits, 2 a
   // sub-block in a little-endian uint32, then the mins' (8 bytes).
@@ -36,11 +38,13 @@ enum Type : int64_t {
   // Q6_Kx1: a Q6_K super-block (16 sub-blocks of 16) a run of 256 values, its 6-bit codes' low 4 bits
   // (128 bytes: byte 64 L + 4 j + r holds sub-block j's values 8 L + r and 8 L + 4 + r), their top
   // 2 bits (64 bytes: bits 2 t of byte 4 j + r for value 4 t + r), then its 16 int8 scales and d.
-  kQ4_0x16 = 1002, kQ4_Kx2 = 1012, kQ5_Kx2 = 1013, kQ6_Kx1 = 1014,
+  kQ4_0x16 = 1002, kQ5_0x16 = 1006, kQ4_Kx2 = 1012, kQ5_Kx2 = 1013, kQ6_Kx1 = 1014,
 };
 constexpr int64_t kRunValues = 512, kRunBytes = 288;  // Q4_0x16's and Q4_Kx2's runs: values and bytes
-constexpr int64_t kQ5RunBytes = 352;  // Q5_Kx2's
-inline constexpr int64_t run_bytes(Type type) { return type == kQ5_Kx2 ? kQ5RunBytes : kRunBytes; }
+constexpr int64_t kQ5RunBytes = 352;  // Q5_0x16's and Q5_Kx2's: the fifth bits after the same 288
+inline constexpr int64_t run_bytes(Type type) {
+  return type == kQ5_Kx2 || type == kQ5_0x16 ? kQ5RunBytes : kRunBytes;
+}
 constexpr int64_t kQ4_0x16Blocks = 16;
 
 struct TypeInfo {
@@ -54,7 +58,7 @@ constexpr TypeInfo kTypes[] = {
     {"Q8_0", kQ8_0, 32, 34},    {"Q4_0", kQ4_0, 32, 18},    {"Q4_1", kQ4_1, 32, 20},
     {"Q5_0", kQ5_0, 32, 22},    {"Q5_1", kQ5_1, 32, 24},    {"Q4_K", kQ4_K, 256, 144},
     {"Q5_K", kQ5_K, 256, 176},  {"Q6_K", kQ6_K, 256, 210},  {"Q4_0x16", kQ4_0x16, 32, 18},
-    {"Q4_Kx2", kQ4_Kx2, 256, 144},  {"Q5_Kx2", kQ5_Kx2, 256, 176},  {"Q6_Kx1", kQ6_Kx1, 256, 210},
+    {"Q5_0x16", kQ5_0x16, 32, 22},  {"Q4_Kx2", kQ4_Kx2, 256, 144},  {"Q5_Kx2", kQ5_Kx2, 256, 176},  {"Q6_Kx1", kQ6_Kx1, 256, 210},
 };
 
 // The type's entry, or null for one the kernels do not take.
@@ -91,6 +95,7 @@ inline void k_scale_min(int j, const uint8_t* q, int& sc, int& m) {
 inline void dequantize_block(Type type, const uint8_t* b, float* y) {
   switch (type) {
     case kQ4_0x16:
+    case kQ5_0x16:
     case kQ4_Kx2:
     case kQ5_Kx2:
     case kQ6_Kx1: return;
@@ -245,17 +250,18 @@ inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
     }
     return;
   }
-  if (type == kQ4_0x16 || type == kQ4_Kx2 || type == kQ5_Kx2) {
-    // whole runs of 16 groups; Q4_0x16's blocks past them, a last run of g
-    const bool five = type == kQ5_Kx2;
-    for (; k < K && (k + kRunValues <= K || type == kQ4_0x16); k += kRunValues) {
+  if (type == kQ4_0x16 || type == kQ5_0x16 || type == kQ4_Kx2 || type == kQ5_Kx2) {
+    // whole runs of 16 groups; the legacy layouts' blocks past them, a last run of g
+    const bool legacy = type == kQ4_0x16 || type == kQ5_0x16, five = type == kQ5_0x16 || type == kQ5_Kx2;
+    const int bias = type == kQ4_0x16 ? 8 : 16;  // the legacy codes' offset
+    for (; k < K && (k + kRunValues <= K || legacy); k += kRunValues) {
       const uint8_t* run = row + k / kRunValues * run_bytes(type);
-      const uint8_t* fifth = run + kRunBytes;  // Q5_Kx2's fifth bits
       const int g = static_cast<int>(std::min<int64_t>(16, (K - k) / 32));
-      const uint8_t* nibbles = run + (type == kQ4_0x16 ? 2 * g : 32);
-      float scale[16], offset[16];  // value = scale * code - offset (Q4_0x16: scale * (code - 8))
+      const uint8_t* nibbles = run + (legacy ? 2 * g : 32);
+      const uint8_t* fifth = nibbles + 16 * g;  // the 5-bit layouts' fifth bits
+      float scale[16], offset[16];  // value = scale * code - offset (legacy: scale * (code - bias))
       for (int j = 0; j < g; ++j) {
-        if (type == kQ4_0x16) {
+        if (legacy) {
           scale[j] = f16(run + 2 * j);
           offset[j] = 0.f;
         } else {  // as dequantize_block's Q4_K
@@ -285,9 +291,9 @@ inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
         const __m256 sj = _mm256_set1_ps(scale[j]), oj = _mm256_set1_ps(offset[j]);
         for (int i = 0; i < 4; ++i) {
           __m256i q = _mm256_cvtepu8_epi32(i % 2 ? _mm_srli_si128(codes[i / 2], 8) : codes[i / 2]);
-          if (type == kQ4_0x16) q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
+          if (legacy) q = _mm256_sub_epi32(q, _mm256_set1_epi32(bias));
           const __m256 p = _mm256_mul_ps(sj, _mm256_cvtepi32_ps(q));
-          _mm256_storeu_ps(y + k + 32 * j + 8 * i, type == kQ4_0x16 ? p : _mm256_sub_ps(p, oj));
+          _mm256_storeu_ps(y + k + 32 * j + 8 * i, legacy ? p : _mm256_sub_ps(p, oj));
         }
       }
       continue;
@@ -297,19 +303,18 @@ inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
           for (int r = 0; r < 4; ++r) {
             const uint8_t byte = nibbles[4 * g * l + 4 * j + r];
             float* out = y + k + 32 * j + 8 * l + r;
-            if (type == kQ4_0x16) {
-              out[0] = scale[j] * static_cast<float>((byte & 0xF) - 8);
-              out[4] = scale[j] * static_cast<float>((byte >> 4) - 8);
+            const int f = five ? fifth[4 * j + r] >> (2 * l) : 0;
+            const int lo = (byte & 0xF) | (f & 1) << 4, hi = (byte >> 4) | (f & 2) << 3;
+            if (legacy) {
+              out[0] = scale[j] * static_cast<float>(lo - bias);
+              out[4] = scale[j] * static_cast<float>(hi - bias);
             } else {
-              const int f = five ? fifth[4 * j + r] >> (2 * l) : 0;
-              const float lo = scale[j] * static_cast<float>((byte & 0xF) | (f & 1) << 4);
-              const float hi = scale[j] * static_cast<float>((byte >> 4) | (f & 2) << 3);
-              out[0] = lo - offset[j];
-              out[4] = hi - offset[j];
+              out[0] = scale[j] * static_cast<float>(lo) - offset[j];
+              out[4] = scale[j] * static_cast<float>(hi) - offset[j];
             }
           }
     }
-    if (type == kQ4_0x16) return;
+    if (legacy) return;
     type = five ? kQ5_K : kQ4_K;  // the blocks past the last run
   }
   const TypeInfo* info = type_info(type);

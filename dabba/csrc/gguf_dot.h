@@ -513,19 +513,23 @@ void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M], int64_t fir
 // AVX-512, the same in two halves of 8 groups (one super-block of Q4_Kx2). A row's Q4_K blocks past
 // its last run take the file type's kernel; Q4_0x16's form a last run of fewer groups.
 //
-// Q4_0x16: each block's sum starts from -8 * its codes' sum (the weights' offset of 8).
+// Q4_0x16: each block's sum starts from -8 * its codes' sum (the weights' offset of 8); Q5_0x16's
+// from -16 times it, its codes' fifth bits or'd in as Q5_Kx2's.
 // Q4_Kx2: sum_j d sc_j S_j - dmin m_j X_j over sub-blocks j, X_j the codes' sum, times the
 // super-block's activation scale.
 template <Type kType, int M>
 void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
-  constexpr bool five = kType == gguf::kQ5_Kx2, k = kType == gguf::kQ4_Kx2 || five;
+  constexpr bool five = kType == gguf::kQ5_Kx2 || kType == gguf::kQ5_0x16;
+  constexpr bool k = kType == gguf::kQ4_Kx2 || kType == gguf::kQ5_Kx2;
+  constexpr int64_t legacy_block_bytes = five ? 22 : 18;  // a legacy layout's bytes a group
   constexpr int64_t run_bytes = gguf::run_bytes(kType);
   float tail[M] = {};
   if (k && a.runs * kRunValues < a.K) dot_k_row<five ? gguf::kQ5_K : gguf::kQ4_K, M>(row, a, tail, a.runs * 2);
+  // the legacy layouts' partial last run (runs of 512 values, whole or not, need K % 32 == 0)
   const std::vector<int8_t>& codes = k ? a.qk_runs : a.q_runs;
   const int64_t nruns = k ? a.runs : a.q_runs_count;  // the codes' runs a row
-  // A run r of g groups (16; fewer in Q4_0x16's partial last run, whose weights load masked: the
-  // lanes past g read zeros, as do its codes and offsets, padded).
+  // A run r of g groups (16; fewer in a legacy layout's partial last run, whose weights load
+  // masked: the lanes past g read zeros, as do its codes and offsets, padded).
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
@@ -537,7 +541,7 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
     const __mmask16 lanes = static_cast<__mmask16>((1u << g) - 1);
     const uint8_t* run = row + r * run_bytes;
     const uint8_t* nibbles = run + (k ? 32 : 2 * g);
-    for (int64_t line = 0; line < (k ? run_bytes : 18 * g); line += 64) prefetch_weights(run + line);
+    for (int64_t line = 0; line < (k ? run_bytes : legacy_block_bytes * g); line += 64) prefetch_weights(run + line);
     __m512i u[8];
     for (int l = 0; l < 4; ++l) {
       const __m512i v = partial ? _mm512_maskz_loadu_epi8(bytes, nibbles + 4 * g * l) : _mm512_loadu_si512(nibbles + 64 * l);
@@ -545,7 +549,9 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
       u[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
     if constexpr (five) {  // nibble h of chunk l takes bit 2 l + h of the fifth bits' byte, moved to bit 4
-      const __m512i bits = _mm512_loadu_si512(run + kRunBytes), bit4 = _mm512_set1_epi8(0x10);
+      const uint8_t* fifth = nibbles + 16 * g;
+      const __m512i bits = partial ? _mm512_maskz_loadu_epi8(bytes, fifth) : _mm512_loadu_si512(fifth);
+      const __m512i bit4 = _mm512_set1_epi8(0x10);
       const auto to_bit4 = [&](int from) {
         return _mm512_and_si512(from < 4 ? _mm512_slli_epi16(bits, 4 - from) : _mm512_srli_epi16(bits, from - 4), bit4);
       };
@@ -580,6 +586,7 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
       const int8_t* x = codes.data() + (m * nruns + r) * kRunValues;
       const int64_t at = (m * nruns + r) * 16;
       __m512i s0 = k ? _mm512_setzero_si512() : _mm512_loadu_si512(a.offset8.data() + at);
+      if constexpr (five && !k) s0 = _mm512_slli_epi32(s0, 1);  // -16 * the codes' sum
       __m512i s1 = _mm512_setzero_si512();
       for (int t = 0; t < 8; t += 2) {
         s0 = _mm512_dpbusd_epi32(s0, u[t], _mm512_loadu_si512(x + 64 * t));
@@ -609,7 +616,7 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
     const int g = partial ? static_cast<int>(a.tail_groups) : 16;
     const uint8_t* run = row + r * run_bytes;
     const uint8_t* nibbles = run + (k ? 32 : 2 * g);
-    for (int64_t line = 0; line < (k ? run_bytes : 18 * g); line += 64) prefetch_weights(run + line);
+    for (int64_t line = 0; line < (k ? run_bytes : legacy_block_bytes * g); line += 64) prefetch_weights(run + line);
     for (int h = 0; h < 2 && 8 * h < g; ++h) {  // groups 8 h .. 8 h + 7: bytes 32 h .. 32 h + 31 of each 4 g
       const int count = std::min(8, g - 8 * h);
       const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -622,7 +629,9 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
         u[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       }
       if constexpr (five) {  // as the AVX-512 form, this half's 32 bytes of fifth bits
-        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + kRunBytes + 32 * h));
+        const uint8_t* at = nibbles + 16 * g + 32 * h;
+        const __m256i bits = partial ? _mm256_maskload_epi32(reinterpret_cast<const int*>(at), lanes)
+                                     : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
         const __m256i bit4 = _mm256_set1_epi8(0x10);
         const auto to_bit4 = [&](int from) {
           return _mm256_and_si256(from < 4 ? _mm256_slli_epi16(bits, 4 - from) : _mm256_srli_epi16(bits, from - 4), bit4);
@@ -656,6 +665,7 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
         const int64_t at = (m * nruns + r) * 16 + 8 * h;
         __m256i s = k ? _mm256_setzero_si256()
                       : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.offset8.data() + at));
+        if constexpr (five && !k) s = _mm256_slli_epi32(s, 1);  // -16 * the codes' sum
         for (int t = 0; t < 8; ++t)  // u <= 31: vpmaddubsw's pairs stay far from saturating
           s = _mm256_add_epi32(s, dot_u8s8(u[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * t))));
         const __m256 sums = _mm256_cvtepi32_ps(s);
@@ -759,6 +769,7 @@ void dot_any_row(Type type, const uint8_t* row, const A8Rows& a, float (&out)[M]
     case gguf::kQ8_0: return dot_legacy_row<gguf::kQ8_0, M>(row, a, out);
     case gguf::kQ4_0: return dot_legacy_row<gguf::kQ4_0, M>(row, a, out);
     case gguf::kQ4_0x16: return dot_runs_row<gguf::kQ4_0x16, M>(row, a, out);
+    case gguf::kQ5_0x16: return dot_runs_row<gguf::kQ5_0x16, M>(row, a, out);
     case gguf::kQ4_Kx2: return dot_runs_row<gguf::kQ4_Kx2, M>(row, a, out);
     case gguf::kQ5_Kx2: return dot_runs_row<gguf::kQ5_Kx2, M>(row, a, out);
     case gguf::kQ6_Kx1: return dot_q6_kx1_row<M>(row, a, out);

@@ -105,7 +105,7 @@ void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::
   for (const Segment& seg : segments) {
     k_quants |= is_k_quant(seg.type);
     legacy |= !is_k_quant(seg.type) && !is_float(seg.type);
-    legacy_runs |= seg.type == gguf::kQ4_0x16;
+    legacy_runs |= seg.type == gguf::kQ4_0x16 || seg.type == gguf::kQ5_0x16;
     k_runs |= seg.type == gguf::kQ4_Kx2 || seg.type == gguf::kQ5_Kx2;
     q6_runs |= seg.type == gguf::kQ6_Kx1;
   }

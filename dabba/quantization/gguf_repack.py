@@ -7,10 +7,13 @@ Every layout (csrc/gguf_blocks.h gives their byte orders) holds a run of 16 grou
 blocks; two Q4_K super-blocks' 16 sub-blocks of 32; a Q6_K super-block's 16 sub-blocks of 16)
 with their codes ordered so that one 64-byte load holds 4 values of every group: a vpdpbusd's 16
 lanes are the 16 groups, and each group's products stay in int32 until it is scaled. A row's
-blocks past its last whole run stay as the file has them, except Q4_0x16's, which form a last run
-of fewer groups laid out alike (g blocks: 2 g bytes of scales, then bytes 4 g l + 4 j + r).
+blocks past its last whole run stay as the file has them, except Q4_0x16's and Q5_0x16's, which
+form a last run of fewer groups laid out alike (g blocks: 2 g bytes of scales, then bytes 4 g l +
+4 j + r, then Q5_0x16's fifth bits in 4 g bytes).
 
 - Q4_0x16: the 16 blocks' float16 scales (32 bytes), then the nibbles (256).
+- Q5_0x16: as Q4_0x16 (the 5-bit codes' low 4 bits as its nibbles), then their fifth bits (64
+  bytes, as Q5_Kx2's).
 - Q4_Kx2: the two super-blocks' d, d, dmin, dmin (float16, 8 bytes); their 16 sub-blocks' 6-bit
   scales and mins, the low 4 bits of scale and min in one byte per sub-block (16 bytes), then the
   scales' top 2 bits, 2 bits per sub-block in a little-endian uint32, and the mins' likewise (8
@@ -41,7 +44,8 @@ class Layout:
         return BLOCKS[self.file_type][0] * self.run_blocks
 
 
-LAYOUTS = {"Q4_0x16": Layout("Q4_0", 16, partial_tail=True), "Q4_Kx2": Layout("Q4_K", 2), "Q5_Kx2": Layout("Q5_K", 2),
+LAYOUTS = {"Q4_0x16": Layout("Q4_0", 16, partial_tail=True), "Q5_0x16": Layout("Q5_0", 16, partial_tail=True),
+           "Q4_Kx2": Layout("Q4_K", 2), "Q5_Kx2": Layout("Q5_K", 2),
            "Q6_Kx1": Layout("Q6_K", 1)}
 
 
@@ -86,18 +90,26 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_fifth_bits(bits: torch.Tensor) -> torch.Tensor:
-    """[..., 16 groups, 32 values] of 0..1 -> [..., 64] bytes: bit 2 l + h of byte 4 j + r is group
-    j's value 8 l + 4 h + r (the value _pack_nibbles puts in nibble h of byte 64 l + 4 j + r)."""
-    b = bits.reshape(*bits.shape[:-2], 16, 4, 2, 4).to(torch.int32)  # [.., j, l, h, r]
+    """[..., g groups, 32 values] of 0..1 -> [..., 4 g] bytes: bit 2 l + h of byte 4 j + r is group
+    j's value 8 l + 4 h + r (the value _pack_nibbles puts in nibble h of byte 4 g l + 4 j + r)."""
+    g = bits.shape[-2]
+    b = bits.reshape(*bits.shape[:-2], g, 4, 2, 4).to(torch.int32)  # [.., j, l, h, r]
     shifts = (2 * torch.arange(4).reshape(4, 1, 1) + torch.arange(2).reshape(1, 2, 1)).to(torch.int32)
-    return (b << shifts).sum((-3, -2)).to(torch.uint8).reshape(*bits.shape[:-2], 64)
+    return (b << shifts).sum((-3, -2)).to(torch.uint8).reshape(*bits.shape[:-2], 4 * g)
 
 
 def _unpack_fifth_bits(packed: torch.Tensor) -> torch.Tensor:
-    """_pack_fifth_bits' inverse: [..., 64] -> [..., 16, 32]."""
+    """_pack_fifth_bits' inverse: [..., 4 g] -> [..., g, 32]."""
+    g = packed.shape[-1] // 4
     shifts = (2 * torch.arange(4).reshape(4, 1, 1) + torch.arange(2).reshape(1, 2, 1)).to(torch.uint8)
-    b = (packed.reshape(*packed.shape[:-1], 16, 1, 1, 4) >> shifts) & 1  # [.., j, l, h, r]
-    return b.reshape(*packed.shape[:-1], 16, 32)
+    b = (packed.reshape(*packed.shape[:-1], g, 1, 1, 4) >> shifts) & 1  # [.., j, l, h, r]
+    return b.reshape(*packed.shape[:-1], g, 32)
+
+
+def _q5_0_fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[..., 4] bytes of a Q5_0 block's qh (bit v of the little-endian uint32: value v's fifth
+    bit) -> [..., 32] of 0..1."""
+    return ((qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(*qh.shape[:-1], 32)
 
 
 def _two_bits(values: torch.Tensor) -> torch.Tensor:
@@ -138,12 +150,17 @@ def _repack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
         low = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(1, 2).reshape(-1, 128)  # [n, L, j, r]
         top = ((codes >> 4).to(torch.int32) << (2 * torch.arange(4, dtype=torch.int32)).reshape(1, 1, 4, 1)).sum(2)
         return torch.cat([low, top.to(torch.uint8).reshape(-1, 64), blocks[:, 192:]], dim=-1).reshape(runs.shape)
-    if layout.file_type == "Q4_0":  # g blocks a run (16, or fewer in a row's partial last run)
-        g = runs.shape[-1] // 18
-        blocks = runs.reshape(*runs.shape[:2], g, 18)
-        qs = blocks[..., 2:]
+    if layout.file_type in ("Q4_0", "Q5_0"):  # g blocks a run (16, or fewer in a row's partial last run)
+        five = layout.file_type == "Q5_0"
+        size = 22 if five else 18
+        g = runs.shape[-1] // size
+        blocks = runs.reshape(*runs.shape[:2], g, size)
+        qs = blocks[..., size - 16:]
         values = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [.., block, 32]
-        return torch.cat([blocks[..., :2].reshape(*runs.shape[:2], 2 * g), _pack_nibbles(values)], dim=-1)
+        parts = [blocks[..., :2].reshape(*runs.shape[:2], 2 * g), _pack_nibbles(values)]
+        if five:
+            parts.append(_pack_fifth_bits(_q5_0_fifth_bits(blocks[..., 2:6])))
+        return torch.cat(parts, dim=-1)
     five = layout.file_type == "Q5_K"  # Q4_K or Q5_K super-blocks, two a run
     blocks = runs.reshape(-1, 176 if five else 144)
     sc, mn = _k_scale_min(blocks[:, 4:16])
@@ -169,11 +186,16 @@ def _unpack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
         codes = low.reshape(-1, 16, 4, 4) | (top << 4)  # [n, j, t, r]
         ql, qh = _q6_k_bits(codes.reshape(-1, 256))
         return torch.cat([ql, qh, packed[:, 192:]], dim=-1).reshape(runs.shape)
-    if layout.file_type == "Q4_0":
-        g = runs.shape[-1] // 18
-        values = _unpack_nibbles(runs[..., 2 * g:])
+    if layout.file_type in ("Q4_0", "Q5_0"):
+        five = layout.file_type == "Q5_0"
+        g = runs.shape[-1] // (22 if five else 18)
+        values = _unpack_nibbles(runs[..., 2 * g:18 * g])
         qs = values[..., :16] | (values[..., 16:] << 4)
-        return torch.cat([runs[..., :2 * g].reshape(*runs.shape[:2], g, 2), qs], dim=-1).reshape(runs.shape)
+        parts = [runs[..., :2 * g].reshape(*runs.shape[:2], g, 2)]
+        if five:  # qh: value v's fifth bit at bit v % 8 of byte v // 8
+            bits = _unpack_fifth_bits(runs[..., 18 * g:]).reshape(*runs.shape[:2], g, 4, 8).to(torch.int32)
+            parts.append((bits << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8))
+        return torch.cat([*parts, qs], dim=-1).reshape(runs.shape)
     halves = runs[..., :8].reshape(*runs.shape[:2], 2, 2, 2).transpose(-3, -2)  # [.., block, d|dmin, 2 bytes]
     low = runs[..., 8:24]
     sc = (low & 0x0F) | (_from_two_bits(runs[..., 24:28]) << 4)

@@ -13,7 +13,8 @@ from dabba.quantization.gguf_repack import LAYOUTS, _q6_k_codes, file_type, layo
 from tools.random_gguf import random_blocks
 
 # one run of 512 values; a run and blocks past it; TinyLlama's and Qwen2.5-0.5B's widths
-WIDTHS = {"Q4_0x16": [512, 512 + 96, 2048, 5632, 896, 4864], "Q4_Kx2": [512, 768, 2048, 5632, 4864],
+WIDTHS = {"Q4_0x16": [512, 512 + 96, 2048, 5632, 896, 4864], "Q5_0x16": [512, 512 + 96, 896, 4864],
+          "Q4_Kx2": [512, 768, 2048, 5632, 4864],
           "Q5_Kx2": [512, 768, 5632],
           "Q6_Kx1": [256, 768, 5632]}
 CASES = [(layout, columns) for layout, widths in WIDTHS.items() for columns in widths]
@@ -46,6 +47,23 @@ def test_the_byte_order_is_the_kernels() -> None:
     for l, j, r in [(0, 0, 0), (1, 3, 2), (3, 15, 3), (2, 7, 1)]:
         byte = packed[32 + 64 * l + 4 * j + r].item()
         assert byte & 0x0F == values[j, 8 * l + r] and byte >> 4 == values[j, 8 * l + 4 + r]
+
+
+@pytest.mark.parametrize("g, at", [(16, 0), (12, 352)])  # a row of 896: a whole run, then a partial one
+def test_q5_0_fifth_bits_follow_the_nibbles(g, at) -> None:
+    """Q5_0x16: after the scales and nibbles (as Q4_0x16's), bit 2 l + h of byte 4 j + r of the
+    fifth bits is that of the value in nibble h of byte 4 g l + 4 j + r: block j's value 8 l + 4 h + r."""
+    blocks = random_blocks("Q5_0", 1, 896, seed=2)
+    raw = blocks.data.view(28, 22)[at // 22:at // 22 + g]
+    qh = sum(raw[:, 2 + i].to(torch.int64) << (8 * i) for i in range(4))
+    codes = torch.cat([raw[:, 6:] & 0x0F, raw[:, 6:] >> 4], dim=1).to(torch.int64) | (
+        ((qh.unsqueeze(1) >> torch.arange(32)) & 1) << 4)  # [block, 32]: the 5-bit codes
+    run = repack("Q5_0x16", blocks.data, 896)[0, at:at + 22 * g]
+    assert torch.equal(run[:2 * g].view(g, 2), raw[:, :2])
+    for l, h, j, r in [(0, 0, 0, 0), (1, 1, 3, 2), (3, 1, g - 1, 3), (2, 0, 7, 1)]:
+        nibble = run[2 * g + 4 * g * l + 4 * j + r].item() >> (4 * h) & 0x0F
+        fifth = run[18 * g + 4 * j + r].item() >> (2 * l + h) & 1
+        assert nibble | fifth << 4 == codes[j, 8 * l + 4 * h + r]
 
 
 def test_a_rows_last_blocks_form_a_partial_run_laid_out_alike() -> None:
@@ -119,7 +137,8 @@ def test_the_layout_is_taken_where_a_row_holds_a_run() -> None:
     assert layout_for("Q4_0", 480) is None and layout_for("Q4_K", 256) is None  # short of a run
     assert layout_for("Q6_K", 256) == "Q6_Kx1"  # a run is one super-block
     assert layout_for("Q5_K", 4096) == "Q5_Kx2" and layout_for("Q5_K", 256) is None
-    assert layout_for("Q8_0", 4096) is None and layout_for("Q5_0", 4096) is None
+    assert layout_for("Q5_0", 896) == "Q5_0x16" and layout_for("Q5_0", 480) is None
+    assert layout_for("Q8_0", 4096) is None and layout_for("Q5_1", 4096) is None
     assert file_type("Q4_0x16") == "Q4_0" and file_type("Q6_Kx1") == "Q6_K" and file_type("Q8_0") == "Q8_0"
 
 
