@@ -85,7 +85,8 @@ inline void order_runs(const int8_t* q, int64_t M, int64_t ld, int64_t runs, int
 // embeddings put it often.)
 // (With AVX2, 32 values a step: the same products, rounded half to even as nearbyint rounds, for
 // the GEMV's every call.)
-inline float round_block(const float* x, int64_t n, int8_t* q, bool k_quants) {
+// sum: where given, the codes' sum.
+inline float round_block(const float* x, int64_t n, int8_t* q, bool k_quants, int* sum = nullptr) {
   float amax = 0.f, xm = 0.f;
 #ifdef DABBA_GGUF_SIMD
   if (n % 32 == 0) {
@@ -97,26 +98,34 @@ inline float round_block(const float* x, int64_t n, int8_t* q, bool k_quants) {
     for (float v : lanes) amax = std::max(amax, v);
     if (amax == 0.f) {
       std::fill(q, q + n, int8_t{0});
+      if (sum) *sum = 0;
       return 0.f;
     }
-    for (int64_t k = 0; k < n; ++k)  // the first value of the largest magnitude
-      if (std::fabs(x[k]) == amax) {
-        xm = x[k];
-        break;
-      }
+    if (k_quants)
+      for (int64_t k = 0; k < n; ++k)  // the first value of the largest magnitude
+        if (std::fabs(x[k]) == amax) {
+          xm = x[k];
+          break;
+        }
     const float scale = k_quants ? -127.f / xm : 127.f / amax;
     const __m256 vscale = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
-    const auto codes = [&](int64_t k) {
-      const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), vscale),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const auto codes = [&](int64_t k) {  // vcvtps2dq rounds half to even, as nearbyint
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + k), vscale);
       return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
     };
+    __m256i total = _mm256_setzero_si256();
     for (int64_t k = 0; k < n; k += 32) {  // 4 x 8 int32 -> 32 int8, in order
-      const __m256i ab = _mm256_packs_epi32(codes(k), codes(k + 8));
-      const __m256i cd = _mm256_packs_epi32(codes(k + 16), codes(k + 24));
-      const __m256i all = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd),
-                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      const __m256i c0 = codes(k), c1 = codes(k + 8), c2 = codes(k + 16), c3 = codes(k + 24);
+      const __m256i all = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3)),
+          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), all);
+      if (sum) total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)));
+    }
+    if (sum) {
+      const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      const __m128i t2 = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+      *sum = _mm_cvtsi128_si32(_mm_add_epi32(t2, _mm_shuffle_epi32(t2, 1)));
     }
     return k_quants ? 1.f / scale : amax / 127.f;
   }
@@ -128,25 +137,128 @@ inline float round_block(const float* x, int64_t n, int8_t* q, bool k_quants) {
     }
   if (amax == 0.f) {
     std::fill(q, q + n, int8_t{0});
+    if (sum) *sum = 0;
     return 0.f;
   }
   const float scale = k_quants ? -127.f / xm : 127.f / amax;
-  for (int64_t k = 0; k < n; ++k)
+  int total = 0;
+  for (int64_t k = 0; k < n; ++k) {
     q[k] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[k] * scale))));
+    total += q[k];
+  }
+  if (sum) *sum = total;
   return k_quants ? 1.f / scale : amax / 127.f;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// v[j]'s 16 lanes folded by op into lane j of one register: a tree of shuffles that halves the
+// registers at each level, 15 ops for 16 reductions (one at a time, each is 4 dependent shuffles).
+template <typename Op>
+inline __m512 fold16(__m512 (&v)[16], Op op) {
+  __m512 h[8], g[4], t[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: lanes 0-7 of v[2i], 8-15 of v[2i+1]
+    h[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarter k: v[4i + k]
+    g[i] = op(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88), _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // quarter k: v[8i + k] twice, v[8i + 4 + k] twice
+    t[i] = op(_mm512_shuffle_ps(g[2 * i], g[2 * i + 1], 0x44), _mm512_shuffle_ps(g[2 * i], g[2 * i + 1], 0xEE));
+  const __m512 r = op(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
+  // quarter k lane i holds v[k + 4i]: to lane k + 4i
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// 16 legacy blocks (512 values) as round_block rounds each, their maxima, scales and codes' sums
+// 16 lanes at a time: d (float16, as float) and sums [16]; codes into q.
+inline void round_legacy_16(const float* x, int8_t* q, float* d, int* sums) {
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  __m512 v[16];
+  for (int j = 0; j < 16; ++j)
+    v[j] = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(x + 32 * j), abs_mask),
+                         _mm512_and_ps(_mm512_loadu_ps(x + 32 * j + 16), abs_mask));
+  const __m512 amax = fold16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+  const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+  _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_div_ps(amax, _mm512_set1_ps(127.f)),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  alignas(64) float scale[16];  // 127 / max|x|; 0 for a block of zeros (its codes 0)
+  _mm512_store_ps(scale, _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(127.f), amax));
+  for (int j = 0; j < 16; ++j) {  // vcvtps2dq rounds half to even, as nearbyint
+    const __m512 s = _mm512_set1_ps(scale[j]);
+    const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * j), s));
+    const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * j + 16), s));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j), _mm512_cvtsepi32_epi8(c0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j + 16), _mm512_cvtsepi32_epi8(c1));
+    v[j] = _mm512_castsi512_ps(_mm512_add_epi32(c0, c1));
+  }
+  const __m512 total = fold16(v, [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  });
+  _mm512_storeu_si512(sums, _mm512_castps_si512(total));
+}
+
+// A K types' super-block (256 values) as round_block rounds it, returning its d; its 16
+// sub-blocks' codes' sums into sum16, folded 16 lanes at a time.
+inline float round_super_block(const float* x, int8_t* q, int16_t* sum16) {
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  __m512 vmax = _mm512_setzero_ps();
+  for (int j = 0; j < 16; ++j) vmax = _mm512_max_ps(vmax, _mm512_and_ps(_mm512_loadu_ps(x + 16 * j), abs_mask));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  if (amax == 0.f) {
+    std::memset(q, 0, kSuperBlock);
+    std::memset(sum16, 0, 16 * sizeof(int16_t));
+    return 0.f;
+  }
+  float xm = amax;  // the first value of the largest magnitude
+  for (int j = 0; j < 16; ++j) {
+    const __mmask16 at = _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_loadu_ps(x + 16 * j), abs_mask),
+                                            _mm512_set1_ps(amax), _CMP_EQ_OQ);
+    if (at) {
+      xm = x[16 * j + __builtin_ctz(at)];
+      break;
+    }
+  }
+  const float scale = -127.f / xm;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 v[16];
+  for (int j = 0; j < 16; ++j) {  // vcvtps2dq rounds half to even, as nearbyint
+    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * j), vscale));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * j), _mm512_cvtsepi32_epi8(c));
+    v[j] = _mm512_castsi512_ps(c);
+  }
+  const __m512 total = fold16(v, [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  });
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sum16), _mm512_cvtepi32_epi16(_mm512_castps_si512(total)));
+  return 1.f / scale;
+}
+#endif
+
+// n values of x in float32: a bfloat16's bits are a float32's top half
 template <typename T>
-A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legacy_runs = false, bool k_runs = false,
-                    bool q6_runs = false) {
-  A8Rows a;
+inline void to_float_row(const T* x, int64_t n, float* out) {
+  int64_t k = 0;
+#ifdef DABBA_GGUF_SIMD
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    for (; k + 8 <= n; k += 8) {
+      const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k)));
+      _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)));
+    }
+#endif
+  for (; k < n; ++k) out[k] = to_float(x[k]);
+}
+
+// Into ``a``, whose vectors keep their memory from call to call (a GEMV's caller holds one per
+// thread: a decode step makes a hundred calls, each a dozen allocations otherwise); the vectors
+// this call's flags do not ask for keep whatever they held.
+template <typename T>
+void quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legacy_runs, bool k_runs, bool q6_runs,
+                   A8Rows& a) {
   a.M = x.size(0);
   a.K = x.size(1);
   a.blocks = (a.K + kA8Block - 1) / kA8Block;
+  a.tail_groups = a.q_runs_count = 0;
   a.xf.resize(a.M * a.K);
   const T* xp = x.data_ptr<T>();
-  for (int64_t m = 0; m < a.M; ++m)
-    for (int64_t k = 0; k < a.K; ++k) a.xf[m * a.K + k] = to_float(xp[m * x.stride(0) + k]);
+  for (int64_t m = 0; m < a.M; ++m) to_float_row(xp + m * x.stride(0), a.K, a.xf.data() + m * a.K);
   a.runs = a.K / kRunValues;
   if (legacy_runs) {
     a.tail_groups = a.K % kRunValues / kA8Block;
@@ -158,12 +270,24 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legac
     a.d.assign(a.M * a.blocks, 0.f);
     a.s.assign(a.M * a.blocks, 0.f);
     for (int64_t m = 0; m < a.M; ++m) {
-      for (int64_t b = 0; b < a.blocks; ++b) {
+      int64_t b = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      for (; b + 16 <= a.K / kA8Block; b += 16) {
+        float* d = a.d.data() + m * a.blocks + b;
+        int sums[16];
+        round_legacy_16(a.xf.data() + m * a.K + b * kA8Block, a.q.data() + m * a.blocks * kA8Block + b * kA8Block, d,
+                        sums);
+        for (int j = 0; j < 16; ++j) {  // as below
+          a.s[m * a.blocks + b + j] = d[j] * static_cast<float>(sums[j]);
+          if (legacy_runs) a.offset8[m * a.q_runs_count * 16 + b + j] = -8 * sums[j];
+        }
+      }
+#endif
+      for (; b < a.blocks; ++b) {
         const int64_t k0 = b * kA8Block, n = std::min(kA8Block, a.K - k0);
         int8_t* q = a.q.data() + m * a.blocks * kA8Block + k0;
-        const float d = round_block(a.xf.data() + m * a.K + k0, n, q, false);
         int sum = 0;
-        for (int64_t k = 0; k < n; ++k) sum += q[k];
+        const float d = round_block(a.xf.data() + m * a.K + k0, n, q, false, &sum);
         // d held as float16, as llama.cpp's Q8_0/Q8_1 activation blocks hold it (the codes come from d
         // itself); s from it exactly, as the GEMM's rounded x sums (llama.cpp's Q8_1 rounds d * sum to
         // float16: a 2^-11 difference in Q4_1/Q5_1's min term, kept out so that both paths agree)
@@ -184,6 +308,12 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legac
     a.sum16.resize(a.M * a.K / 16);
     a.sum32.resize(a.M * a.K / 32);
     for (int64_t m = 0; m < a.M; ++m) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      for (int64_t sb = 0; sb < supers; ++sb)
+        a.dk[m * supers + sb] = round_super_block(a.xf.data() + m * a.K + sb * kSuperBlock,
+                                                  a.qk.data() + m * a.K + sb * kSuperBlock,
+                                                  a.sum16.data() + m * a.K / 16 + sb * 16);
+#else
       for (int64_t sb = 0; sb < supers; ++sb)
         a.dk[m * supers + sb] = round_block(a.xf.data() + m * a.K + sb * kSuperBlock, kSuperBlock,
                                             a.qk.data() + m * a.K + sb * kSuperBlock, true);
@@ -192,6 +322,7 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legac
         for (int k = 0; k < 16; ++k) sum += a.qk[m * a.K + 16 * i + k];
         a.sum16[m * a.K / 16 + i] = static_cast<int16_t>(sum);
       }
+#endif
       for (int64_t i = 0; i < a.K / 32; ++i)
         a.sum32[m * a.K / 32 + i] =
             static_cast<int16_t>(a.sum16[m * a.K / 16 + 2 * i] + a.sum16[m * a.K / 16 + 2 * i + 1]);
@@ -219,6 +350,13 @@ A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legac
         a.dk_runs[m * a.runs * 16 + j] = a.dk[m * (a.K / kSuperBlock) + j / 8];
       }
   }
+}
+
+template <typename T>
+A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legacy_runs = false, bool k_runs = false,
+                     bool q6_runs = false) {
+  A8Rows a;
+  quantize_rows<T>(x, legacy, k_quants, legacy_runs, k_runs, q6_runs, a);
   return a;
 }
 

@@ -109,9 +109,10 @@ void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::
     k_runs |= seg.type == gguf::kQ4_Kx2 || seg.type == gguf::kQ5_Kx2;
     q6_runs |= seg.type == gguf::kQ6_Kx1;
   }
+  thread_local A8Rows a;  // read by this call's threads, rewritten by the next call's
   for (int64_t r = 0; r < x.size(0); r += kGgufGemvPassRows) {
     const int64_t rows = std::min<int64_t>(kGgufGemvPassRows, x.size(0) - r);
-    const A8Rows a = quantize_rows<T>(x.narrow(0, r, rows), legacy, k_quants, legacy_runs, k_runs, q6_runs);
+    quantize_rows<T>(x.narrow(0, r, rows), legacy, k_quants, legacy_runs, k_runs, q6_runs, a);
     T* yp = out.data_ptr<T>() + r * out.stride(0);
     with_count<kGgufGemvPassRows>(rows, [&](auto m) {
       gemv_pass<decltype(m)::value, T>(a, blob, segments, bp, yp, out.stride(0));

@@ -77,6 +77,30 @@ def test_activation_codes_round_as_the_kernel_does() -> None:
     assert q[0, 63].item() == 127 and q[0, 32:63].abs().sum().item() == 0
 
 
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K"])
+def test_gemv_rounds_blocks_of_zeros_and_halves_as_the_reference(type_name) -> None:
+    """x's blocks are rounded 16 at a time where the CPU has AVX-512 (the legacy types' blocks of 32;
+    a K type's super-block's 16 sums), one at a time past them: a block of zeros (scale 0, codes 0)
+    and codes at a half (to even) in both, as the reference."""
+    block = 256 if type_name == "Q4_K" else 32
+    k = 1024 + 3 * block  # legacy: two groups of 16 blocks, then 3 one at a time
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(5))
+    x[:, 3 * block:4 * block] = 0
+    x[:, k - 2 * block:k - block] = 0  # past the groups
+    halves = torch.tensor([-127.0, 0.5, -0.5, 1.5, 2.5, -2.5, 3.5] + [0.5] * (block - 7))
+    x[0, block:2 * block] = halves  # scale 1: every code sits at a half
+    x[1, k - block:] = halves
+    w = random_blocks(type_name, 64, k, seed=5)
+    ours = native_linear(x, [w])
+    ref = linear_reference(x, [w], None, GEMV_MAX_ROWS)
+    tol = 2e-6 * ref.abs().max().item() * k ** 0.5
+    assert (ours - ref).abs().max().item() <= tol
+    off = x.clone()  # a code one step from its half's even neighbour would be seen
+    off[0, block + 1] = 0.5001
+    off[1, k - block + 1] = 0.5001
+    assert ((linear_reference(off, [w], None, GEMV_MAX_ROWS) - ours).abs().amax(dim=1) > tol).all()
+
+
 @pytest.mark.parametrize("rows", [1, 3, 9, 40])
 def test_merged_segments_of_mixed_types_with_a_bias(rows) -> None:
     k = 512
