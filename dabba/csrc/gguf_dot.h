@@ -151,6 +151,16 @@ inline float round_block(const float* x, int64_t n, int8_t* q, bool k_quants, in
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 values of x as float32: a bfloat16's bits are a float32's top half
+template <typename T>
+inline __m512 load16(const T* x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+  else
+    return _mm512_loadu_ps(x);
+}
+
 // v[j]'s 16 lanes folded by op into lane j of one register: a tree of shuffles that halves the
 // registers at each level, 15 ops for 16 reductions (one at a time, each is 4 dependent shuffles).
 template <typename Op>
@@ -168,13 +178,15 @@ inline __m512 fold16(__m512 (&v)[16], Op op) {
 }
 
 // 16 legacy blocks (512 values) as round_block rounds each, their maxima, scales and codes' sums
-// 16 lanes at a time: d (float16, as float) and sums [16]; codes into q.
-inline void round_legacy_16(const float* x, int8_t* q, float* d, int* sums) {
+// 16 lanes at a time: d (float16, as float) and sums [16]; codes into q. Straight from x's dtype:
+// no float32 copy of x to write (a GEMV's every write misses: the weights' stream evicts it).
+template <typename T>
+inline void round_legacy_16(const T* x, int8_t* q, float* d, int* sums) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   __m512 v[16];
   for (int j = 0; j < 16; ++j)
-    v[j] = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(x + 32 * j), abs_mask),
-                         _mm512_and_ps(_mm512_loadu_ps(x + 32 * j + 16), abs_mask));
+    v[j] = _mm512_max_ps(_mm512_and_ps(load16(x + 32 * j), abs_mask),
+                         _mm512_and_ps(load16(x + 32 * j + 16), abs_mask));
   const __m512 amax = fold16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
   const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
   _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_div_ps(amax, _mm512_set1_ps(127.f)),
@@ -183,8 +195,8 @@ inline void round_legacy_16(const float* x, int8_t* q, float* d, int* sums) {
   _mm512_store_ps(scale, _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(127.f), amax));
   for (int j = 0; j < 16; ++j) {  // vcvtps2dq rounds half to even, as nearbyint
     const __m512 s = _mm512_set1_ps(scale[j]);
-    const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * j), s));
-    const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * j + 16), s));
+    const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + 32 * j), s));
+    const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + 32 * j + 16), s));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j), _mm512_cvtsepi32_epi8(c0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j + 16), _mm512_cvtsepi32_epi8(c1));
     v[j] = _mm512_castsi512_ps(_mm512_add_epi32(c0, c1));
@@ -197,10 +209,11 @@ inline void round_legacy_16(const float* x, int8_t* q, float* d, int* sums) {
 
 // A K types' super-block (256 values) as round_block rounds it, returning its d; its 16
 // sub-blocks' codes' sums into sum16, folded 16 lanes at a time.
-inline float round_super_block(const float* x, int8_t* q, int16_t* sum16) {
+template <typename T>
+inline float round_super_block(const T* x, int8_t* q, int16_t* sum16) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   __m512 vmax = _mm512_setzero_ps();
-  for (int j = 0; j < 16; ++j) vmax = _mm512_max_ps(vmax, _mm512_and_ps(_mm512_loadu_ps(x + 16 * j), abs_mask));
+  for (int j = 0; j < 16; ++j) vmax = _mm512_max_ps(vmax, _mm512_and_ps(load16(x + 16 * j), abs_mask));
   const float amax = _mm512_reduce_max_ps(vmax);
   if (amax == 0.f) {
     std::memset(q, 0, kSuperBlock);
@@ -209,10 +222,10 @@ inline float round_super_block(const float* x, int8_t* q, int16_t* sum16) {
   }
   float xm = amax;  // the first value of the largest magnitude
   for (int j = 0; j < 16; ++j) {
-    const __mmask16 at = _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_loadu_ps(x + 16 * j), abs_mask),
+    const __mmask16 at = _mm512_cmp_ps_mask(_mm512_and_ps(load16(x + 16 * j), abs_mask),
                                             _mm512_set1_ps(amax), _CMP_EQ_OQ);
     if (at) {
-      xm = x[16 * j + __builtin_ctz(at)];
+      xm = to_float(x[16 * j + __builtin_ctz(at)]);
       break;
     }
   }
@@ -220,7 +233,7 @@ inline float round_super_block(const float* x, int8_t* q, int16_t* sum16) {
   const __m512 vscale = _mm512_set1_ps(scale);
   __m512 v[16];
   for (int j = 0; j < 16; ++j) {  // vcvtps2dq rounds half to even, as nearbyint
-    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * j), vscale));
+    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + 16 * j), vscale));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * j), _mm512_cvtsepi32_epi8(c));
     v[j] = _mm512_castsi512_ps(c);
   }
@@ -246,19 +259,32 @@ inline void to_float_row(const T* x, int64_t n, float* out) {
   for (; k < n; ++k) out[k] = to_float(x[k]);
 }
 
-// Into ``a``, whose vectors keep their memory from call to call (a GEMV's caller holds one per
-// thread: a decode step makes a hundred calls, each a dozen allocations otherwise); the vectors
-// this call's flags do not ask for keep whatever they held.
+// The forms of x a linear's segment types read (A8Rows' fields).
+struct A8Needs {
+  bool legacy = false;  // q, d, s
+  bool k_quants = false;  // qk, dk, sum16, sum32
+  bool legacy_runs = false;  // q_runs, offset8 (legacy too)
+  bool k_runs = false;  // qk_runs, sum_runs, dk_runs (k_quants too)
+  bool q6_runs = false;  // qk_q6, offset32 (k_quants too)
+  bool floats = false;  // xf
+};
+
+// x's M rows of K values, ldx apart, into ``a``, whose vectors keep their memory from call to call
+// (a GEMV's caller holds one per thread: a decode step makes a hundred calls, each a dozen
+// allocations otherwise); the vectors ``needs`` does not ask for keep whatever they held. (Raw
+// pointers, not a tensor: a view of x made for each call costs more than the rounding.)
 template <typename T>
-void quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legacy_runs, bool k_runs, bool q6_runs,
-                   A8Rows& a) {
-  a.M = x.size(0);
-  a.K = x.size(1);
+void quantize_rows(const T* xp, int64_t M, int64_t K, int64_t ldx, const A8Needs& needs, A8Rows& a) {
+  const bool legacy = needs.legacy, k_quants = needs.k_quants, legacy_runs = needs.legacy_runs;
+  const bool k_runs = needs.k_runs, q6_runs = needs.q6_runs;
+  a.M = M;
+  a.K = K;
   a.blocks = (a.K + kA8Block - 1) / kA8Block;
   a.tail_groups = a.q_runs_count = 0;
-  a.xf.resize(a.M * a.K);
-  const T* xp = x.data_ptr<T>();
-  for (int64_t m = 0; m < a.M; ++m) to_float_row(xp + m * x.stride(0), a.K, a.xf.data() + m * a.K);
+  if (needs.floats) {
+    a.xf.resize(a.M * a.K);
+    for (int64_t m = 0; m < a.M; ++m) to_float_row(xp + m * ldx, a.K, a.xf.data() + m * a.K);
+  }
   a.runs = a.K / kRunValues;
   if (legacy_runs) {
     a.tail_groups = a.K % kRunValues / kA8Block;
@@ -275,8 +301,7 @@ void quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legacy_
       for (; b + 16 <= a.K / kA8Block; b += 16) {
         float* d = a.d.data() + m * a.blocks + b;
         int sums[16];
-        round_legacy_16(a.xf.data() + m * a.K + b * kA8Block, a.q.data() + m * a.blocks * kA8Block + b * kA8Block, d,
-                        sums);
+        round_legacy_16(xp + m * ldx + b * kA8Block, a.q.data() + m * a.blocks * kA8Block + b * kA8Block, d, sums);
         for (int j = 0; j < 16; ++j) {  // as below
           a.s[m * a.blocks + b + j] = d[j] * static_cast<float>(sums[j]);
           if (legacy_runs) a.offset8[m * a.q_runs_count * 16 + b + j] = -8 * sums[j];
@@ -287,7 +312,9 @@ void quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legacy_
         const int64_t k0 = b * kA8Block, n = std::min(kA8Block, a.K - k0);
         int8_t* q = a.q.data() + m * a.blocks * kA8Block + k0;
         int sum = 0;
-        const float d = round_block(a.xf.data() + m * a.K + k0, n, q, false, &sum);
+        float xb[kA8Block];
+        to_float_row(xp + m * ldx + k0, n, xb);
+        const float d = round_block(xb, n, q, false, &sum);
         // d held as float16, as llama.cpp's Q8_0/Q8_1 activation blocks hold it (the codes come from d
         // itself); s from it exactly, as the GEMM's rounded x sums (llama.cpp's Q8_1 rounds d * sum to
         // float16: a 2^-11 difference in Q4_1/Q5_1's min term, kept out so that both paths agree)
@@ -310,13 +337,14 @@ void quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legacy_
     for (int64_t m = 0; m < a.M; ++m) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       for (int64_t sb = 0; sb < supers; ++sb)
-        a.dk[m * supers + sb] = round_super_block(a.xf.data() + m * a.K + sb * kSuperBlock,
-                                                  a.qk.data() + m * a.K + sb * kSuperBlock,
+        a.dk[m * supers + sb] = round_super_block(xp + m * ldx + sb * kSuperBlock, a.qk.data() + m * a.K + sb * kSuperBlock,
                                                   a.sum16.data() + m * a.K / 16 + sb * 16);
 #else
-      for (int64_t sb = 0; sb < supers; ++sb)
-        a.dk[m * supers + sb] = round_block(a.xf.data() + m * a.K + sb * kSuperBlock, kSuperBlock,
-                                            a.qk.data() + m * a.K + sb * kSuperBlock, true);
+      for (int64_t sb = 0; sb < supers; ++sb) {
+        float xb[kSuperBlock];
+        to_float_row(xp + m * ldx + sb * kSuperBlock, kSuperBlock, xb);
+        a.dk[m * supers + sb] = round_block(xb, kSuperBlock, a.qk.data() + m * a.K + sb * kSuperBlock, true);
+      }
       for (int64_t i = 0; i < a.K / 16; ++i) {
         int sum = 0;
         for (int k = 0; k < 16; ++k) sum += a.qk[m * a.K + 16 * i + k];
@@ -352,13 +380,6 @@ void quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legacy_
   }
 }
 
-template <typename T>
-A8Rows quantize_rows(const at::Tensor& x, bool legacy, bool k_quants, bool legacy_runs = false, bool k_runs = false,
-                     bool q6_runs = false) {
-  A8Rows a;
-  quantize_rows<T>(x, legacy, k_quants, legacy_runs, k_runs, q6_runs, a);
-  return a;
-}
 
 inline bool is_float(Type t) { return t == gguf::kF32 || t == gguf::kF16 || t == gguf::kBF16; }
 inline bool is_k_quant(Type t) {

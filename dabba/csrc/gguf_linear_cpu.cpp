@@ -101,18 +101,19 @@ template <typename T>
 void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::vector<Segment>& segments,
           const c10::optional<at::Tensor>& bias) {
   const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-  bool legacy = false, k_quants = false, legacy_runs = false, k_runs = false, q6_runs = false;
+  gguf::A8Needs needs;
   for (const Segment& seg : segments) {
-    k_quants |= is_k_quant(seg.type);
-    legacy |= !is_k_quant(seg.type) && !is_float(seg.type);
-    legacy_runs |= seg.type == gguf::kQ4_0x16 || seg.type == gguf::kQ5_0x16;
-    k_runs |= seg.type == gguf::kQ4_Kx2 || seg.type == gguf::kQ5_Kx2;
-    q6_runs |= seg.type == gguf::kQ6_Kx1;
+    needs.k_quants |= is_k_quant(seg.type);
+    needs.legacy |= !is_k_quant(seg.type) && !is_float(seg.type);
+    needs.legacy_runs |= seg.type == gguf::kQ4_0x16 || seg.type == gguf::kQ5_0x16;
+    needs.k_runs |= seg.type == gguf::kQ4_Kx2 || seg.type == gguf::kQ5_Kx2;
+    needs.q6_runs |= seg.type == gguf::kQ6_Kx1;
+    needs.floats |= is_float(seg.type);
   }
   thread_local A8Rows a;  // read by this call's threads, rewritten by the next call's
   for (int64_t r = 0; r < x.size(0); r += kGgufGemvPassRows) {
     const int64_t rows = std::min<int64_t>(kGgufGemvPassRows, x.size(0) - r);
-    quantize_rows<T>(x.narrow(0, r, rows), legacy, k_quants, legacy_runs, k_runs, q6_runs, a);
+    quantize_rows<T>(x.data_ptr<T>() + r * x.stride(0), rows, x.size(1), x.stride(0), needs, a);
     T* yp = out.data_ptr<T>() + r * out.stride(0);
     with_count<kGgufGemvPassRows>(rows, [&](auto m) {
       gemv_pass<decltype(m)::value, T>(a, blob, segments, bp, yp, out.stride(0));

@@ -308,10 +308,13 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t grou
     float* ym = y.data_ptr<float>() + m0 * N;
     std::vector<float> xsum(rows * groups, 0.f);  // per group, the sum of x as the kernel multiplies it
 #ifndef DABBA_INT4_GEMV_AVX2
-    const at::Tensor xm = x.narrow(0, m0, rows);
     thread_local gguf::A8Rows a;  // as the GGUF GEMV's: its memory kept from call to call
-    if (x.scalar_type() == at::kFloat) gguf::quantize_rows<float>(xm, true, false, false, false, false, a);
-    else gguf::quantize_rows<c10::BFloat16>(xm, true, false, false, false, false, a);
+    gguf::A8Needs needs;
+    needs.legacy = true;
+    if (x.scalar_type() == at::kFloat)
+      gguf::quantize_rows(x.data_ptr<float>() + m0 * x.stride(0), rows, K, x.stride(0), needs, a);
+    else
+      gguf::quantize_rows(x.data_ptr<c10::BFloat16>() + m0 * x.stride(0), rows, K, x.stride(0), needs, a);
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t b = 0; b < a.blocks; ++b) xsum[m * groups + b * gguf::kA8Block / group_size] += a.s[m * a.blocks + b];
     with_count<kRowsPerPass>(rows, [&](auto count) {
