@@ -380,7 +380,6 @@ void quantize_rows(const T* xp, int64_t M, int64_t K, int64_t ldx, const A8Needs
   }
 }
 
-
 inline bool is_float(Type t) { return t == gguf::kF32 || t == gguf::kF16 || t == gguf::kBF16; }
 inline bool is_k_quant(Type t) {
   return t == gguf::kQ4_K || t == gguf::kQ5_K || t == gguf::kQ6_K || t == gguf::kQ4_Kx2 || t == gguf::kQ5_Kx2 ||
@@ -670,7 +669,7 @@ void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M], int64_t fir
 // 16 lanes are the 16 groups and 8 of them sum each group's 32 products exactly in int32, unsigned
 // nibbles against signed codes; then one conversion and one fma a run by the groups' scales. Without
 // AVX-512, the same in two halves of 8 groups (one super-block of Q4_Kx2). A row's Q4_K blocks past
-// its last run take the file type's kernel; Q4_0x16's form a last run of fewer groups.
+// its last run take the file type's kernel; Q4_0x16's and Q5_0x16's form a last run of fewer groups.
 //
 // Q4_0x16: each block's sum starts from -8 * its codes' sum (the weights' offset of 8); Q5_0x16's
 // from -16 times it, its codes' fifth bits or'd in as Q5_Kx2's.
@@ -684,7 +683,6 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
   constexpr int64_t run_bytes = gguf::run_bytes(kType);
   float tail[M] = {};
   if (k && a.runs * kRunValues < a.K) dot_k_row<five ? gguf::kQ5_K : gguf::kQ4_K, M>(row, a, tail, a.runs * 2);
-  // the legacy layouts' partial last run (runs of 512 values, whole or not, need K % 32 == 0)
   const std::vector<int8_t>& codes = k ? a.qk_runs : a.q_runs;
   const int64_t nruns = k ? a.runs : a.q_runs_count;  // the codes' runs a row
   // A run r of g groups (16; fewer in a legacy layout's partial last run, whose weights load
