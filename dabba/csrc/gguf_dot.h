@@ -20,6 +20,7 @@
 #include "avx2_gemv.h"
 #include "cpu_math.h"
 #include "gguf_blocks.h"
+#include "x_loads.h"
 
 #include <algorithm>
 #include <cmath>
@@ -151,16 +152,6 @@ inline float round_block(const float* x, int64_t n, int8_t* q, bool k_quants, in
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 values of x as float32: a bfloat16's bits are a float32's top half
-template <typename T>
-inline __m512 load16(const T* x) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-  else
-    return _mm512_loadu_ps(x);
-}
-
 // v[j]'s 16 lanes folded by op into lane j of one register: a tree of shuffles that halves the
 // registers at each level, 15 ops for 16 reductions (one at a time, each is 4 dependent shuffles).
 template <typename Op>
@@ -177,6 +168,11 @@ inline __m512 fold16(__m512 (&v)[16], Op op) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
+// int32 lanes held in float registers (fold16's), added
+inline __m512 add_i32(__m512 a, __m512 b) {
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+}
+
 // 16 legacy blocks (512 values) as round_block rounds each, their maxima, scales and codes' sums
 // 16 lanes at a time: d (float16, as float) and sums [16]; codes into q. Straight from x's dtype:
 // no float32 copy of x to write (a GEMV's every write misses: the weights' stream evicts it).
@@ -185,8 +181,8 @@ inline void round_legacy_16(const T* x, int8_t* q, float* d, int* sums) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   __m512 v[16];
   for (int j = 0; j < 16; ++j)
-    v[j] = _mm512_max_ps(_mm512_and_ps(load16(x + 32 * j), abs_mask),
-                         _mm512_and_ps(load16(x + 32 * j + 16), abs_mask));
+    v[j] = _mm512_max_ps(_mm512_and_ps(load_ps16(x + 32 * j), abs_mask),
+                         _mm512_and_ps(load_ps16(x + 32 * j + 16), abs_mask));
   const __m512 amax = fold16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
   const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
   _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_div_ps(amax, _mm512_set1_ps(127.f)),
@@ -195,15 +191,13 @@ inline void round_legacy_16(const T* x, int8_t* q, float* d, int* sums) {
   _mm512_store_ps(scale, _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(127.f), amax));
   for (int j = 0; j < 16; ++j) {  // vcvtps2dq rounds half to even, as nearbyint
     const __m512 s = _mm512_set1_ps(scale[j]);
-    const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + 32 * j), s));
-    const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + 32 * j + 16), s));
+    const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(load_ps16(x + 32 * j), s));
+    const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(load_ps16(x + 32 * j + 16), s));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j), _mm512_cvtsepi32_epi8(c0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j + 16), _mm512_cvtsepi32_epi8(c1));
     v[j] = _mm512_castsi512_ps(_mm512_add_epi32(c0, c1));
   }
-  const __m512 total = fold16(v, [](__m512 a, __m512 b) {
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
-  });
+  const __m512 total = fold16(v, add_i32);
   _mm512_storeu_si512(sums, _mm512_castps_si512(total));
 }
 
@@ -213,7 +207,7 @@ template <typename T>
 inline float round_super_block(const T* x, int8_t* q, int16_t* sum16) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   __m512 vmax = _mm512_setzero_ps();
-  for (int j = 0; j < 16; ++j) vmax = _mm512_max_ps(vmax, _mm512_and_ps(load16(x + 16 * j), abs_mask));
+  for (int j = 0; j < 16; ++j) vmax = _mm512_max_ps(vmax, _mm512_and_ps(load_ps16(x + 16 * j), abs_mask));
   const float amax = _mm512_reduce_max_ps(vmax);
   if (amax == 0.f) {
     std::memset(q, 0, kSuperBlock);
@@ -222,7 +216,7 @@ inline float round_super_block(const T* x, int8_t* q, int16_t* sum16) {
   }
   float xm = amax;  // the first value of the largest magnitude
   for (int j = 0; j < 16; ++j) {
-    const __mmask16 at = _mm512_cmp_ps_mask(_mm512_and_ps(load16(x + 16 * j), abs_mask),
+    const __mmask16 at = _mm512_cmp_ps_mask(_mm512_and_ps(load_ps16(x + 16 * j), abs_mask),
                                             _mm512_set1_ps(amax), _CMP_EQ_OQ);
     if (at) {
       xm = to_float(x[16 * j + __builtin_ctz(at)]);
@@ -233,28 +227,22 @@ inline float round_super_block(const T* x, int8_t* q, int16_t* sum16) {
   const __m512 vscale = _mm512_set1_ps(scale);
   __m512 v[16];
   for (int j = 0; j < 16; ++j) {  // vcvtps2dq rounds half to even, as nearbyint
-    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + 16 * j), vscale));
+    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(load_ps16(x + 16 * j), vscale));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * j), _mm512_cvtsepi32_epi8(c));
     v[j] = _mm512_castsi512_ps(c);
   }
-  const __m512 total = fold16(v, [](__m512 a, __m512 b) {
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
-  });
+  const __m512 total = fold16(v, add_i32);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(sum16), _mm512_cvtepi32_epi16(_mm512_castps_si512(total)));
   return 1.f / scale;
 }
 #endif
 
-// n values of x in float32: a bfloat16's bits are a float32's top half
+// n values of x in float32
 template <typename T>
 inline void to_float_row(const T* x, int64_t n, float* out) {
   int64_t k = 0;
 #ifdef DABBA_GGUF_SIMD
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
-    for (; k + 8 <= n; k += 8) {
-      const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k)));
-      _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)));
-    }
+  for (; k + 8 <= n; k += 8) _mm256_storeu_ps(out + k, load_ps8(x + k));
 #endif
   for (; k < n; ++k) out[k] = to_float(x[k]);
 }

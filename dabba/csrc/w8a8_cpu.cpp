@@ -31,6 +31,7 @@
 #include "bf16_tiles.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
+#include "x_loads.h"
 
 #include <algorithm>
 #include <cmath>
@@ -93,12 +94,6 @@ struct Codes {
 };
 
 #if defined(__AVX2__)
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const c10::BFloat16* x) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 // 8 codes in 0..255 held as floats -> 8 bytes at u
 inline void store8_codes(__m256 v, uint8_t* u) {
   const __m256i i32 = _mm256_cvtps_epi32(v);  // exact: whole numbers
@@ -112,11 +107,6 @@ inline void store8_codes(__m256 v, uint8_t* u) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define DABBA_W8A8_ROUND16 1  // the rounding 16 values a step (the same operations as 8 at a time)
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 #endif
 
 // A checkpoint's static activation scale s and int8 zero point zp (compressed-tensors' own):
@@ -134,7 +124,7 @@ void row_range(const T* x, int64_t K, float& lo, float& hi) {
 #ifdef DABBA_W8A8_ROUND16
   __m512 wlo = _mm512_setzero_ps(), whi = _mm512_setzero_ps();
   for (; k + 16 <= K; k += 16) {
-    const __m512 v = load16(x + k);
+    const __m512 v = load_ps16(x + k);
     wlo = _mm512_min_ps(wlo, v);
     whi = _mm512_max_ps(whi, v);
   }
@@ -144,7 +134,7 @@ void row_range(const T* x, int64_t K, float& lo, float& hi) {
 #if defined(__AVX2__)
   __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
   for (; k + 8 <= K; k += 8) {
-    const __m256 v = load8(x + k);
+    const __m256 v = load_ps8(x + k);
     vlo = _mm256_min_ps(vlo, v);
     vhi = _mm256_max_ps(vhi, v);
   }
@@ -199,7 +189,7 @@ void round_row(const T* x, int64_t K, bool asymmetric, const StaticScale* fixed,
   const __m512 winv = _mm512_set1_ps(inv), wlow = _mm512_set1_ps(low), whigh = _mm512_set1_ps(high),
                woff = _mm512_set1_ps(offset);
   for (; k + 16 <= K; k += 16) {  // 16 divides a run of 64
-    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(load16(x + k), winv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(load_ps16(x + k), winv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q = _mm512_min_ps(_mm512_max_ps(q, wlow), whigh);
     const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_add_ps(q, woff)));  // exact: 0..255
     _mm_storeu_si128(reinterpret_cast<__m128i*>(u + k / 64 * chunk_stride + k % 64), bytes);
@@ -209,7 +199,7 @@ void round_row(const T* x, int64_t K, bool asymmetric, const StaticScale* fixed,
   const __m256 vinv = _mm256_set1_ps(inv), vlow = _mm256_set1_ps(low), vhigh = _mm256_set1_ps(high),
                voff = _mm256_set1_ps(offset);
   for (; k + 8 <= K; k += 8) {
-    __m256 q = _mm256_round_ps(_mm256_mul_ps(load8(x + k), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 q = _mm256_round_ps(_mm256_mul_ps(load_ps8(x + k), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q = _mm256_min_ps(_mm256_max_ps(q, vlow), vhigh);
     store8_codes(_mm256_add_ps(q, voff), u + k / 64 * chunk_stride + k % 64);
   }
