@@ -72,14 +72,21 @@ def top_two(llm: LLM, prompt: list[int]) -> list[list[tuple[int, float]]]:
     return [sorted(((t, lp.logprob) for t, lp in d.items()), key=lambda x: -x[1])[:2] for d in out.prompt_logprobs[1:]]
 
 
+# The top two's margin beyond which the quantized model must pick the reference's token. In float32,
+# the bar the issue sets against llama.cpp; bfloat16 rounds every layer's output to 8 bits of mantissa,
+# which alone moves the reference's own margin by up to about 0.05 nats between this build's kernel
+# variants (avx512 against avx2: their sums run in other orders), and the quantized model's as much.
+DECIDED_MARGIN = {"float32": 0.1, "bfloat16": 0.2}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_top_tokens_and_logprobs_follow_the_dequantized_weights(files, dtype) -> None:
-    """Over 48 teacher-forced positions, the likeliest token is the reference's wherever the
-    reference's top two lie more than 0.1 nats apart (the bar the issue sets against llama.cpp),
-    and the top token's logprob differs little on average."""
-    prompt = [(7 * i * i + 3 * i + 1) % 300 for i in range(49)]
+    """Over 96 teacher-forced positions, the likeliest token is the reference's wherever the
+    reference's top two lie more than DECIDED_MARGIN apart, and the top token's logprob differs
+    little on average."""
+    prompt = [(7 * i * i + 3 * i + 1) % 300 for i in range(97)]
     quantized, reference = (top_two(LLM(path, dtype=dtype, kv_cache_memory=2**22), prompt) for path in files)
-    decided = [i for i, ref in enumerate(reference) if ref[0][1] - ref[1][1] > 0.1]
+    decided = [i for i, ref in enumerate(reference) if ref[0][1] - ref[1][1] > DECIDED_MARGIN[dtype]]
     assert len(decided) > 30
     assert all(quantized[i][0][0] == reference[i][0][0] for i in decided)
     differences = [abs(q[0][1] - r[0][1]) for q, r in zip(quantized, reference)]
