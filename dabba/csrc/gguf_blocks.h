@@ -30,6 +30,9 @@ enum Type : int64_t {
   // past its last whole run form a last run laid out alike: g scales, then byte 4 g l + 4 j + r.
   // Q5_0x16: as Q4_0x16 (the 5-bit codes' low 4 bits as its nibbles), then their fifth bits as
   // Q5_Kx2's (4 g bytes).
+  // Q8_0x16: 16 Q8_0 blocks a run, their 16 float16 scales first, then their codes plus 128 as
+  // unsigned bytes, byte 64 t + 4 j + r holding block j's value 4 t + r (vpdpbusd's unsigned
+  // operand as it lies); a partial last run alike, byte 4 g t + 4 j + r.
   // Q4_Kx2: two Q4_K super-blocks (16 sub-blocks) a run: d, d, dmin, dmin (float16); per sub-block
   // the low 4 bits of its scale and of its min in one byte (16 bytes); the scales' top 2 bits, 2 a
   // sub-block in a little-endian uint32, then the mins' (8 bytes).
@@ -38,12 +41,13 @@ enum Type : int64_t {
   // Q6_Kx1: a Q6_K super-block (16 sub-blocks of 16) a run of 256 values, its 6-bit codes' low 4 bits
   // (128 bytes: byte 64 L + 4 j + r holds sub-block j's values 8 L + r and 8 L + 4 + r), their top
   // 2 bits (64 bytes: bits 2 t of byte 4 j + r for value 4 t + r), then its 16 int8 scales and d.
-  kQ4_0x16 = 1002, kQ5_0x16 = 1006, kQ4_Kx2 = 1012, kQ5_Kx2 = 1013, kQ6_Kx1 = 1014,
+  kQ4_0x16 = 1002, kQ5_0x16 = 1006, kQ8_0x16 = 1008, kQ4_Kx2 = 1012, kQ5_Kx2 = 1013, kQ6_Kx1 = 1014,
 };
 constexpr int64_t kRunValues = 512, kRunBytes = 288;  // Q4_0x16's and Q4_Kx2's runs: values and bytes
 constexpr int64_t kQ5RunBytes = 352;  // Q5_0x16's and Q5_Kx2's: the fifth bits after the same 288
+constexpr int64_t kQ8RunBytes = 544;  // Q8_0x16's: 16 scales and 512 codes
 inline constexpr int64_t run_bytes(Type type) {
-  return type == kQ5_Kx2 || type == kQ5_0x16 ? kQ5RunBytes : kRunBytes;
+  return type == kQ8_0x16 ? kQ8RunBytes : type == kQ5_Kx2 || type == kQ5_0x16 ? kQ5RunBytes : kRunBytes;
 }
 constexpr int64_t kQ4_0x16Blocks = 16;
 
@@ -58,7 +62,7 @@ constexpr TypeInfo kTypes[] = {
     {"Q8_0", kQ8_0, 32, 34},    {"Q4_0", kQ4_0, 32, 18},    {"Q4_1", kQ4_1, 32, 20},
     {"Q5_0", kQ5_0, 32, 22},    {"Q5_1", kQ5_1, 32, 24},    {"Q4_K", kQ4_K, 256, 144},
     {"Q5_K", kQ5_K, 256, 176},  {"Q6_K", kQ6_K, 256, 210},  {"Q4_0x16", kQ4_0x16, 32, 18},
-    {"Q5_0x16", kQ5_0x16, 32, 22},  {"Q4_Kx2", kQ4_Kx2, 256, 144},  {"Q5_Kx2", kQ5_Kx2, 256, 176},  {"Q6_Kx1", kQ6_Kx1, 256, 210},
+    {"Q5_0x16", kQ5_0x16, 32, 22},  {"Q8_0x16", kQ8_0x16, 32, 34},  {"Q4_Kx2", kQ4_Kx2, 256, 144},  {"Q5_Kx2", kQ5_Kx2, 256, 176},  {"Q6_Kx1", kQ6_Kx1, 256, 210},
 };
 
 // The type's entry, or null for one the kernels do not take.
@@ -96,6 +100,7 @@ inline void dequantize_block(Type type, const uint8_t* b, float* y) {
   switch (type) {
     case kQ4_0x16:
     case kQ5_0x16:
+    case kQ8_0x16:
     case kQ4_Kx2:
     case kQ5_Kx2:
     case kQ6_Kx1: return;
@@ -246,6 +251,30 @@ inline void dequantize_row(Type type, const uint8_t* row, int64_t K, float* y) {
             const int code = ((t % 2 ? low >> 4 : low & 0xF) | (((run[128 + 4 * j + r] >> (2 * t)) & 3) << 4)) - 32;
             y[k + 16 * j + 4 * t + r] = dj * static_cast<float>(code);
           }
+      }
+    }
+    return;
+  }
+  if (type == kQ8_0x16) {  // as dequantize_block's Q8_0: code * d; whole runs, then a last run of g
+    for (; k < K; k += kRunValues) {
+      const uint8_t* run = row + k / kRunValues * kQ8RunBytes;
+      const int g = static_cast<int>(std::min<int64_t>(16, (K - k) / 32));
+      const uint8_t* codes = run + 2 * g;
+      for (int j = 0; j < g; ++j) {
+        const float d = f16(run + 2 * j);
+#if defined(__AVX2__)
+        for (int i = 0; i < 4; ++i) {  // values 8 i .. 8 i + 7: bytes 4 g t + 4 j of t = 2 i, 2 i + 1
+          uint32_t words[2];
+          std::memcpy(words, codes + 4 * g * (2 * i) + 4 * j, 4);
+          std::memcpy(words + 1, codes + 4 * g * (2 * i + 1) + 4 * j, 4);
+          const __m128i u = _mm_xor_si128(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(words)), _mm_set1_epi8(-128));
+          _mm256_storeu_ps(y + k + 32 * j + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u)), _mm256_set1_ps(d)));
+        }
+        continue;
+#endif
+        for (int t = 0; t < 8; ++t)
+          for (int r = 0; r < 4; ++r)
+            y[k + 32 * j + 4 * t + r] = static_cast<float>(static_cast<int8_t>(codes[4 * g * t + 4 * j + r] ^ 0x80)) * d;
       }
     }
     return;

@@ -660,14 +660,17 @@ void dot_k_row(const uint8_t* row, const A8Rows& a, float (&out)[M], int64_t fir
 // its last run take the file type's kernel; Q4_0x16's and Q5_0x16's form a last run of fewer groups.
 //
 // Q4_0x16: each block's sum starts from -8 * its codes' sum (the weights' offset of 8); Q5_0x16's
-// from -16 times it, its codes' fifth bits or'd in as Q5_Kx2's.
+// from -16 times it, its codes' fifth bits or'd in as Q5_Kx2's; Q8_0x16's from -128 times it, its
+// bytes (codes plus 128) taken as they lie (without VNNI, back to signed codes: vpmaddubsw's pairs
+// of 255 * 127 would saturate).
 // Q4_Kx2: sum_j d sc_j S_j - dmin m_j X_j over sub-blocks j, X_j the codes' sum, times the
 // super-block's activation scale.
 template <Type kType, int M>
 void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
   constexpr bool five = kType == gguf::kQ5_Kx2 || kType == gguf::kQ5_0x16;
   constexpr bool k = kType == gguf::kQ4_Kx2 || kType == gguf::kQ5_Kx2;
-  constexpr int64_t legacy_block_bytes = five ? 22 : 18;  // a legacy layout's bytes a group
+  constexpr bool eight = kType == gguf::kQ8_0x16;
+  constexpr int64_t legacy_block_bytes = eight ? 34 : five ? 22 : 18;  // a legacy layout's bytes a group
   constexpr int64_t run_bytes = gguf::run_bytes(kType);
   float tail[M] = {};
   if (k && a.runs * kRunValues < a.K) dot_k_row<five ? gguf::kQ5_K : gguf::kQ4_K, M>(row, a, tail, a.runs * 2);
@@ -688,10 +691,15 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
     const uint8_t* nibbles = run + (k ? 32 : 2 * g);
     for (int64_t line = 0; line < (k ? run_bytes : legacy_block_bytes * g); line += 64) prefetch_weights(run + line);
     __m512i u[8];
-    for (int l = 0; l < 4; ++l) {
-      const __m512i v = partial ? _mm512_maskz_loadu_epi8(bytes, nibbles + 4 * g * l) : _mm512_loadu_si512(nibbles + 64 * l);
-      u[2 * l] = _mm512_and_si512(v, low4);
-      u[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    if constexpr (eight) {  // the codes plus 128, 4 of each group a load
+      for (int t = 0; t < 8; ++t)
+        u[t] = partial ? _mm512_maskz_loadu_epi8(bytes, nibbles + 4 * g * t) : _mm512_loadu_si512(nibbles + 64 * t);
+    } else {
+      for (int l = 0; l < 4; ++l) {
+        const __m512i v = partial ? _mm512_maskz_loadu_epi8(bytes, nibbles + 4 * g * l) : _mm512_loadu_si512(nibbles + 64 * l);
+        u[2 * l] = _mm512_and_si512(v, low4);
+        u[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
     }
     if constexpr (five) {  // nibble h of chunk l takes bit 2 l + h of the fifth bits' byte, moved to bit 4
       const uint8_t* fifth = nibbles + 16 * g;
@@ -732,6 +740,7 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
       const int64_t at = (m * nruns + r) * 16;
       __m512i s0 = k ? _mm512_setzero_si512() : _mm512_loadu_si512(a.offset8.data() + at);
       if constexpr (five && !k) s0 = _mm512_slli_epi32(s0, 1);  // -16 * the codes' sum
+      if constexpr (eight) s0 = _mm512_slli_epi32(s0, 4);  // -128 * the codes' sum
       __m512i s1 = _mm512_setzero_si512();
       for (int t = 0; t < 8; t += 2) {
         s0 = _mm512_dpbusd_epi32(s0, u[t], _mm512_loadu_si512(x + 64 * t));
@@ -766,12 +775,16 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
       const int count = std::min(8, g - 8 * h);
       const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       __m256i u[8];
-      for (int l = 0; l < 4; ++l) {
+      for (int l = 0; l < (eight ? 8 : 4); ++l) {
         const uint8_t* at = nibbles + 4 * g * l + 32 * h;
         const __m256i v = partial ? _mm256_maskload_epi32(reinterpret_cast<const int*>(at), lanes)
                                   : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-        u[2 * l] = _mm256_and_si256(v, low4);
-        u[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (eight) {
+          u[l] = _mm256_xor_si256(v, _mm256_set1_epi8(-128));  // the signed codes
+        } else {
+          u[2 * l] = _mm256_and_si256(v, low4);
+          u[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
       }
       if constexpr (five) {  // as the AVX-512 form, this half's 32 bytes of fifth bits
         const uint8_t* at = nibbles + 16 * g + 32 * h;
@@ -808,11 +821,16 @@ void dot_runs_row(const uint8_t* row, const A8Rows& a, float (&out)[M]) {
       for (int m = 0; m < M; ++m) {
         const int8_t* x = codes.data() + (m * nruns + r) * kRunValues + 32 * h;
         const int64_t at = (m * nruns + r) * 16 + 8 * h;
-        __m256i s = k ? _mm256_setzero_si256()
-                      : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.offset8.data() + at));
+        __m256i s = k || eight ? _mm256_setzero_si256()
+                               : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.offset8.data() + at));
         if constexpr (five && !k) s = _mm256_slli_epi32(s, 1);  // -16 * the codes' sum
-        for (int t = 0; t < 8; ++t)  // u <= 31: vpmaddubsw's pairs stay far from saturating
-          s = _mm256_add_epi32(s, dot_u8s8(u[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * t))));
+        for (int t = 0; t < 8; ++t) {
+          const __m256i xt = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * t));
+          if constexpr (eight)  // |w| <= 128 against x with w's sign: pairs below 2 * 128 * 127
+            s = _mm256_add_epi32(s, dot_u8s8(_mm256_abs_epi8(u[t]), _mm256_sign_epi8(xt, u[t])));
+          else  // u <= 31: vpmaddubsw's pairs stay far from saturating
+            s = _mm256_add_epi32(s, dot_u8s8(u[t], xt));
+        }
         const __m256 sums = _mm256_cvtepi32_ps(s);
         if constexpr (k) {
           const __m256 dx = _mm256_loadu_ps(a.dk_runs.data() + at);
@@ -915,6 +933,7 @@ void dot_any_row(Type type, const uint8_t* row, const A8Rows& a, float (&out)[M]
     case gguf::kQ4_0: return dot_legacy_row<gguf::kQ4_0, M>(row, a, out);
     case gguf::kQ4_0x16: return dot_runs_row<gguf::kQ4_0x16, M>(row, a, out);
     case gguf::kQ5_0x16: return dot_runs_row<gguf::kQ5_0x16, M>(row, a, out);
+    case gguf::kQ8_0x16: return dot_runs_row<gguf::kQ8_0x16, M>(row, a, out);
     case gguf::kQ4_Kx2: return dot_runs_row<gguf::kQ4_Kx2, M>(row, a, out);
     case gguf::kQ5_Kx2: return dot_runs_row<gguf::kQ5_Kx2, M>(row, a, out);
     case gguf::kQ6_Kx1: return dot_q6_kx1_row<M>(row, a, out);

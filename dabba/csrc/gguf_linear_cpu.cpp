@@ -105,7 +105,7 @@ void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::
   for (const Segment& seg : segments) {
     needs.k_quants |= is_k_quant(seg.type);
     needs.legacy |= !is_k_quant(seg.type) && !is_float(seg.type);
-    needs.legacy_runs |= seg.type == gguf::kQ4_0x16 || seg.type == gguf::kQ5_0x16;
+    needs.legacy_runs |= seg.type == gguf::kQ4_0x16 || seg.type == gguf::kQ5_0x16 || seg.type == gguf::kQ8_0x16;
     needs.k_runs |= seg.type == gguf::kQ4_Kx2 || seg.type == gguf::kQ5_Kx2;
     needs.q6_runs |= seg.type == gguf::kQ6_Kx1;
     needs.floats |= is_float(seg.type);

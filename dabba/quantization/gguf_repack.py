@@ -7,13 +7,17 @@ Every layout (csrc/gguf_blocks.h gives their byte orders) holds a run of 16 grou
 blocks; two Q4_K super-blocks' 16 sub-blocks of 32; a Q6_K super-block's 16 sub-blocks of 16)
 with their codes ordered so that one 64-byte load holds 4 values of every group: a vpdpbusd's 16
 lanes are the 16 groups, and each group's products stay in int32 until it is scaled. A row's
-blocks past its last whole run stay as the file has them, except Q4_0x16's and Q5_0x16's, which
-form a last run of fewer groups laid out alike (g blocks: 2 g bytes of scales, then bytes 4 g l +
-4 j + r, then Q5_0x16's fifth bits in 4 g bytes).
+blocks past its last whole run stay as the file has them, except the legacy layouts' (Q4_0x16,
+Q5_0x16, Q8_0x16), which form a last run of fewer groups laid out alike (g blocks: 2 g bytes of
+scales, then bytes 4 g l + 4 j + r, then Q5_0x16's fifth bits in 4 g bytes; Q8_0x16's codes in
+bytes 4 g t + 4 j + r).
 
 - Q4_0x16: the 16 blocks' float16 scales (32 bytes), then the nibbles (256).
 - Q5_0x16: as Q4_0x16 (the 5-bit codes' low 4 bits as its nibbles), then their fifth bits (64
   bytes, as Q5_Kx2's).
+- Q8_0x16: the 16 blocks' float16 scales (32 bytes), then their codes plus 128 as unsigned
+  bytes (512: byte 64 t + 4 j + r holds block j's value 4 t + r), so that vpdpbusd takes them as
+  they lie, against the activations' codes, the offset met by -128 times the activations' sums.
 - Q4_Kx2: the two super-blocks' d, d, dmin, dmin (float16, 8 bytes); their 16 sub-blocks' 6-bit
   scales and mins, the low 4 bits of scale and min in one byte per sub-block (16 bytes), then the
   scales' top 2 bits, 2 bits per sub-block in a little-endian uint32, and the mins' likewise (8
@@ -45,6 +49,7 @@ class Layout:
 
 
 LAYOUTS = {"Q4_0x16": Layout("Q4_0", 16, partial_tail=True), "Q5_0x16": Layout("Q5_0", 16, partial_tail=True),
+           "Q8_0x16": Layout("Q8_0", 16, partial_tail=True),
            "Q4_Kx2": Layout("Q4_K", 2), "Q5_Kx2": Layout("Q5_K", 2),
            "Q6_Kx1": Layout("Q6_K", 1)}
 
@@ -150,6 +155,11 @@ def _repack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
         low = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(1, 2).reshape(-1, 128)  # [n, L, j, r]
         top = ((codes >> 4).to(torch.int32) << (2 * torch.arange(4, dtype=torch.int32)).reshape(1, 1, 4, 1)).sum(2)
         return torch.cat([low, top.to(torch.uint8).reshape(-1, 64), blocks[:, 192:]], dim=-1).reshape(runs.shape)
+    if layout.file_type == "Q8_0":  # g blocks a run: byte 4 g t + 4 j + r <- block j's code 4 t + r, + 128
+        g = runs.shape[-1] // 34
+        blocks = runs.reshape(*runs.shape[:2], g, 34)
+        codes = (blocks[..., 2:] ^ 0x80).reshape(*runs.shape[:2], g, 8, 4).transpose(-3, -2)
+        return torch.cat([blocks[..., :2].reshape(*runs.shape[:2], 2 * g), codes.reshape(*runs.shape[:2], 32 * g)], -1)
     if layout.file_type in ("Q4_0", "Q5_0"):  # g blocks a run (16, or fewer in a row's partial last run)
         five = layout.file_type == "Q5_0"
         size = 22 if five else 18
@@ -186,6 +196,11 @@ def _unpack_runs(layout: Layout, runs: torch.Tensor) -> torch.Tensor:
         codes = low.reshape(-1, 16, 4, 4) | (top << 4)  # [n, j, t, r]
         ql, qh = _q6_k_bits(codes.reshape(-1, 256))
         return torch.cat([ql, qh, packed[:, 192:]], dim=-1).reshape(runs.shape)
+    if layout.file_type == "Q8_0":
+        g = runs.shape[-1] // 34
+        codes = (runs[..., 2 * g:] ^ 0x80).reshape(*runs.shape[:2], 8, g, 4).transpose(-3, -2)
+        blocks = torch.cat([runs[..., :2 * g].reshape(*runs.shape[:2], g, 2), codes.reshape(*runs.shape[:2], g, 32)], -1)
+        return blocks.reshape(runs.shape)
     if layout.file_type in ("Q4_0", "Q5_0"):
         five = layout.file_type == "Q5_0"
         g = runs.shape[-1] // (22 if five else 18)

@@ -34,7 +34,7 @@ def native_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tenso
 def columns_for(type_name: str) -> list[int]:
     if type_name == "Q6_Kx1":  # runs of one super-block
         return [768, 1024]
-    if type_name in ("Q4_0x16", "Q5_0x16"):  # a run and a partial run of 3 blocks, or of 12 (past one half of 8); two runs
+    if type_name in ("Q4_0x16", "Q5_0x16", "Q8_0x16"):  # a run and a partial run of 3 blocks, or of 12 (past one half of 8); two runs
         return [512 + 3 * 32, 896, 1024]
     if type_name in LAYOUTS:  # a run of 512 values and a super-block past it; two runs
         return [512 + 256, 1024]

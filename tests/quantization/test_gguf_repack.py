@@ -14,6 +14,7 @@ from tools.random_gguf import random_blocks
 
 # one run of 512 values; a run and blocks past it; TinyLlama's and Qwen2.5-0.5B's widths
 WIDTHS = {"Q4_0x16": [512, 512 + 96, 2048, 5632, 896, 4864], "Q5_0x16": [512, 512 + 96, 896, 4864],
+          "Q8_0x16": [512, 512 + 96, 896, 2048, 4864],
           "Q4_Kx2": [512, 768, 2048, 5632, 4864],
           "Q5_Kx2": [512, 768, 5632],
           "Q6_Kx1": [256, 768, 5632]}
@@ -64,6 +65,19 @@ def test_q5_0_fifth_bits_follow_the_nibbles(g, at) -> None:
         nibble = run[2 * g + 4 * g * l + 4 * j + r].item() >> (4 * h) & 0x0F
         fifth = run[18 * g + 4 * j + r].item() >> (2 * l + h) & 1
         assert nibble | fifth << 4 == codes[j, 8 * l + 4 * h + r]
+
+
+@pytest.mark.parametrize("g, at", [(16, 0), (12, 544)])  # a row of 896: a whole run, then a partial one
+def test_q8_0_codes_lie_as_vpdpbusd_takes_them(g, at) -> None:
+    """Q8_0x16: the g scales, then byte 4 g t + 4 j + r holds block j's code 4 t + r plus 128."""
+    blocks = random_blocks("Q8_0", 1, 896, seed=3)
+    raw = blocks.data.view(28, 34)[at // 34:at // 34 + g]
+    raw[3, 2 + 6], raw[g - 1, 2 + 31] = 0x80, 0x7F  # the edge codes, -128 and 127
+    codes = raw[:, 2:].view(torch.int8).to(torch.int32)  # [block, 32]
+    run = repack("Q8_0x16", blocks.data, 896)[0, at:at + 34 * g]
+    assert torch.equal(run[:2 * g].view(g, 2), raw[:, :2])
+    for t, j, r in [(0, 0, 0), (1, 3, 2), (7, g - 1, 3), (4, 7, 1)]:  # (1, 3, 2): -128; (7, g - 1, 3): 127
+        assert run[2 * g + 4 * g * t + 4 * j + r].item() == codes[j, 4 * t + r].item() + 128
 
 
 def test_a_rows_last_blocks_form_a_partial_run_laid_out_alike() -> None:
@@ -138,7 +152,8 @@ def test_the_layout_is_taken_where_a_row_holds_a_run() -> None:
     assert layout_for("Q6_K", 256) == "Q6_Kx1"  # a run is one super-block
     assert layout_for("Q5_K", 4096) == "Q5_Kx2" and layout_for("Q5_K", 256) is None
     assert layout_for("Q5_0", 896) == "Q5_0x16" and layout_for("Q5_0", 480) is None
-    assert layout_for("Q8_0", 4096) is None and layout_for("Q5_1", 4096) is None
+    assert layout_for("Q8_0", 896) == "Q8_0x16" and layout_for("Q8_0", 480) is None
+    assert layout_for("Q5_1", 4096) is None and layout_for("Q4_1", 4096) is None
     assert file_type("Q4_0x16") == "Q4_0" and file_type("Q6_Kx1") == "Q6_K" and file_type("Q8_0") == "Q8_0"
 
 
