@@ -27,6 +27,7 @@ model.
   B32 32 requests x 256 prompt tokens, 64 out               total tokens/s
   W2  1 request x 128 prompt tokens, 256 out (bf16, INT8, INT4 against bf16, Q8_0, Q4_0)
                                                             decode tokens/s and time to first token
+  T512 1 request x 512 prompt tokens, 16 out (as W2's variants) time to first token
   W3  32 requests sharing a 512-token prefix + 32 own, 64 out, prefix caching on
                                                             total tokens/s
   L4  4 requests x 2048 prompt tokens, 64 out (long prompts) total tokens/s
@@ -38,7 +39,8 @@ model.
 Targets, per model (benchmarks/peers/targets.py): W1 or B32 total tokens/s >= 1.3x vLLM's, L4 >= 1.2x, W3 >= 1.0x;
 W2 decode >= 1.1x llama.cpp bf16, INT8 >= 1.3x Q8_0, INT4 >= 1.2x Q4_0, TTFT <= vLLM's; W2 peak
 PSS <= 1.2x llama.cpp's per format, INT8's and INT4's below bf16's (load-time quantization); W2
-decode at >= 85% of the read bandwidth. --markdown-out writes a table per model, for the README.
+decode at >= 85% of the read bandwidth; on a GGUF file (--variants gguf-q4_0, ...) W2 decode >= 1.2x
+llama.cpp's on it, W2 and T512 TTFT no more than its, W2 peak PSS at most 1.1x. --markdown-out writes a table per model, for the README.
 
 Kernel variants: --dabba-isa avx2,avx512 runs dabba once per named variant of its native kernels
 (dabba/ops/kernel_variants.py), as engines dabba-avx2, dabba-avx512, ..., each process told it is on
@@ -90,7 +92,7 @@ from benchmarks.peers.pss import PssSampler
 from benchmarks.peers.report import print_checks, summary_of, to_markdown
 from benchmarks.peers.targets import ISA_ENV, PEER_VARIANT, TARGETS
 from benchmarks.peers.vllm_env import vllm_env
-from benchmarks.peers.workloads import WORKLOADS, Workload
+from benchmarks.peers.workloads import LATENCY_WORKLOADS, WORKLOADS, Workload
 from dabba.tools.bench.offline import make_prompts
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
@@ -189,7 +191,7 @@ def run_llamacpp(python: str, job: Job, variant: str) -> dict[str, Any]:
 
 
 def engines_for(w: Workload, args: argparse.Namespace) -> list[tuple[str, str]]:
-    variants = args.variants if w.name == "W2" else args.batch_variants
+    variants = args.variants if w.name in LATENCY_WORKLOADS else args.batch_variants
     ours = [(f"dabba-{isa}" if isa else "dabba", v) for isa in args.dabba_isa or [None] for v in variants]
     peers = []
     if args.vllm_python:
@@ -300,7 +302,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=f"{BATCH},W2,W3,L4",
                         help=f"comma-separated subset of {BATCH},{','.join(WORKLOADS)} (default {BATCH},W2,W3,L4)")
     parser.add_argument("--variants", default="bf16,int8,int4",
-                        help="W2's weight variants: dabba bf16,int8,int4 against llama.cpp bf16,q8_0,q4_0; "
+                        help="W2's and T512's weight variants: dabba bf16,int8,int4 against llama.cpp bf16,q8_0,q4_0; "
                         "gguf-q8_0,gguf-q4_0,gguf-q4_k_m: dabba on llama.cpp's own file")
     parser.add_argument("--batch-variants", default="bf16",
                         help="the other workloads' weight variants (default bf16; vLLM runs bf16 whatever they are)")

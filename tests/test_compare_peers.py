@@ -129,6 +129,7 @@ def test_targets_are_the_issues() -> None:
         assert got["W2", ours, theirs, "decode_tok_s"] == (">=", 1.2)
         assert got["W2", ours, theirs, "ttft_s"] == ("<=", 1.0)
         assert got["W2", ours, theirs, "peak_pss_mib"] == ("<=", 1.1)
+        assert got["T512", ours, theirs, "ttft_s"] == ("<=", 1.0)  # a 512-token prompt's first token
     assert BANDWIDTH_TARGET == 0.85
 
 
@@ -188,6 +189,11 @@ def test_batch_workloads_run_the_batch_variants() -> None:
                                                                     ("llama.cpp", "q4_0")]
     assert WORKLOADS["B64"].shape.num_prompts == 64 and WORKLOADS["B16"].shape.num_prompts == 16
     assert compare_peers.engines_for(WORKLOADS["W1"], parse_args(["--model", "/m/a"])) == [("dabba", "bf16")]
+    # T512, the first token of a 512-token prompt, runs W2's variants, each against its peer file
+    t512 = parse_args(["--model", "/m/a", "--workloads", "T512", "--variants", "gguf-q4_0", "--llamacpp-python", "/p"])
+    assert compare_peers.engines_for(WORKLOADS["T512"], t512) == [("dabba", "gguf-q4_0"), ("llama.cpp", "q4_0")]
+    assert WORKLOADS["T512"].shape.input_len == 512 and WORKLOADS["T512"].metric == "ttft_s"
+    assert report_module.figure_text("T512", {"ttft_s": 0.8123, "decode_tok_s": 30.0}) == "812 ms"
     with pytest.raises(SystemExit):
         parse_args(["--model", "/m/a", "--batch-variants", "int3"])
 

@@ -17,6 +17,8 @@ METRIC_LABELS = {"total_tok_s": "total tok/s", "decode_tok_s": "decode tok/s", "
 
 def figure_text(w: str, m: dict[str, float]) -> str:
     metric = WORKLOADS[w].metric
+    if metric == "ttft_s":
+        return f"{m[metric] * 1000:.0f} ms" if metric in m else "-"
     text = f"{m[metric]:.1f}" if metric in m else "-"
     return text + (f" (TTFT {m['ttft_s'] * 1000:.0f} ms)" if "ttft_s" in m else "")
 

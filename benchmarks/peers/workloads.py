@@ -17,6 +17,8 @@ WORKLOADS = {
     "W1": Workload("W1", "throughput", OfflineWorkload(64, 256, 128), "total_tok_s"),
     "B32": Workload("B32", "throughput", OfflineWorkload(32, 256, 64), "total_tok_s"),
     "W2": Workload("W2", "latency", OfflineWorkload(1, 128, 256), "decode_tok_s"),
+    # the GGUF issue's time to first token: one 512-token prompt, a few tokens out
+    "T512": Workload("T512", "latency", OfflineWorkload(1, 512, 16), "ttft_s"),
     "W3": Workload("W3", "throughput", OfflineWorkload(32, 32, 64, prefix_len=512), "total_tok_s"),
     "L4": Workload("L4", "throughput", OfflineWorkload(4, 2048, 64), "total_tok_s"),
     # a mixture of experts' batches, where the union of the experts a step reads grows with them
@@ -24,3 +26,5 @@ WORKLOADS = {
     "B64": Workload("B64", "throughput", OfflineWorkload(64, 256, 64), "total_tok_s"),
 }
 BATCH_WORKLOADS = ("W1", "B32")
+# the workloads that run --variants (each weight format against its peer); the others --batch-variants
+LATENCY_WORKLOADS = ("W2", "T512")
