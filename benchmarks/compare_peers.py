@@ -40,7 +40,8 @@ Targets, per model (benchmarks/peers/targets.py): W1 or B32 total tokens/s >= 1.
 W2 decode >= 1.1x llama.cpp bf16, INT8 >= 1.3x Q8_0, INT4 >= 1.2x Q4_0, TTFT <= vLLM's; W2 peak
 PSS <= 1.2x llama.cpp's per format, INT8's and INT4's below bf16's (load-time quantization); W2
 decode at >= 85% of the read bandwidth; on a GGUF file (--variants gguf-q4_0, ...) W2 decode >= 1.2x
-llama.cpp's on it, W2 and T512 TTFT no more than its, W2 peak PSS at most 1.1x. --markdown-out writes a table per model, for the README.
+llama.cpp's on it, W2 and T512 TTFT no more than its, W2 peak PSS at most 1.1x, B32 (--batch-variants
+gguf-q4_0, ...) >= 2x its batched API. --markdown-out writes a table per model, for the README.
 
 Kernel variants: --dabba-isa avx2,avx512 runs dabba once per named variant of its native kernels
 (dabba/ops/kernel_variants.py), as engines dabba-avx2, dabba-avx512, ..., each process told it is on

@@ -5,13 +5,15 @@ tensor and data parallelism, the 8-bit KV caches. Two files: the writer's seven-
 Q4_K_M-like file of K types only; both with a Q4_K token embedding and a Q6_K LM head, as
 Q4_K_M files hold them.
 
-Greedy tokens are equal (``assert_same``): a step of up to 8 rows runs the GEMV, which rounds
-activations to 8-bit codes, and a longer one the GEMM on dequantized weights with the activations
-rounded to the same codes (quantization/gguf.py), so a row's logits do not depend on how many rows
-share its step but for float32 summation order. Where a feature changes that order upstream
-(tensor parallelism's all-reduce, another attention backend over an 8-bit cache) a code can move
-by one, and the tokens are held by ``assert_follows``: equal up to a position where the reference's
-top one and the token picked instead lie within the bar that tests/test_gguf_quantized.py sets."""
+Greedy tokens are equal (``assert_same``) where every row takes the kernel it takes in the
+reference. A step of up to gguf_gemv_max_rows rows (8 where the GEMM has AMX tiles, more without)
+runs the GEMV, which rounds activations to 8-bit codes, and a longer one the GEMM on dequantized
+weights with the activations rounded to the same codes (quantization/gguf.py), so a row's logits do
+not depend on how many rows share its step but for float32 summation order. Where a feature changes
+that order (steps that mix rows otherwise than the reference's, tensor parallelism's all-reduce,
+another attention backend over an 8-bit cache) a code can move by one, and the tokens are held by
+``assert_follows``: equal up to a position where the reference's top one and the token picked
+instead lie within the bar that tests/test_gguf_quantized.py sets."""
 from __future__ import annotations
 
 import math
@@ -98,7 +100,8 @@ def splittable(tmp_path_factory) -> str:
 
 def test_continuous_batching_gives_each_prompt_its_own_tokens(model, alone) -> None:
     """Three prompts together, two more joining while they decode (their prefill shares steps
-    with the others' decodes: those run through the GEMM), the batch shrinking as they end."""
+    with the others' decodes: those run through the GEMM), the batch shrinking as they end: steps
+    whose rows are not the reference's, held by ``assert_follows``."""
     llm = engine(model)
     llm_engine = llm.llm_engine
     params = [SamplingParams(temperature=0, max_tokens=24 - 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
@@ -116,7 +119,7 @@ def test_continuous_batching_gives_each_prompt_its_own_tokens(model, alone) -> N
         steps += 1
     outputs = [results[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
     assert [len(o) for o in outputs] == [p.max_tokens for p in params]
-    assert_same(outputs, alone)
+    assert_follows(outputs, alone)
 
 
 def test_prefix_caching_reports_the_cached_tokens_and_keeps_the_tokens(model) -> None:
@@ -187,18 +190,20 @@ def one_layer(model, tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("draft", ["ngram", "self", "one_layer"])
 def test_speculative_decoding_gives_plain_decodings_tokens(model, alone, one_layer, draft) -> None:
-    """One request at a time: a step verifies 1 + 3 rows, within the GEMV as a plain decode.
-    The model as its own draft accepts its every draft, as a dense model's does; its first layer
-    alone some (tests/test_spec_decode_draft.py's two drafts)."""
+    """One request at a time: a step verifies 1 + 3 rows, within the GEMV as a plain decode, but
+    a draft prefills the prompt with the first token sampled from it, one row more than the
+    target's prefill, and that row can take the other kernel (held by ``assert_follows``). The
+    model as its own draft accepts nearly every draft (all but where that moved a near tie), as a
+    dense model's does; its first layer alone some (tests/test_spec_decode_draft.py's two drafts)."""
     config = NGRAM if draft == "ngram" else {"model": model if draft == "self" else one_layer,
                                               "num_speculative_tokens": 3, "adaptive_drafts": False}
     llm = engine(model, speculative_config=config)
     outputs = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in token_prompts(PROMPTS)]
-    assert_same(outputs, alone)
+    assert_follows(outputs, alone)
     stats = llm.get_stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
     if draft == "self":
-        assert stats.spec_acceptance_rate == 1.0
+        assert stats.spec_acceptance_rate >= 0.95
     elif draft == "one_layer":
         assert stats.spec_acceptance_rate < 0.5
 

@@ -5,8 +5,9 @@
 // whose v rows a Q4_K_M file keeps in Q6_K), in one byte buffer: `segments` [S, 3] int64 holds
 // each segment's (type, rows, byte offset), in output order.
 //
-// Decode's few rows (up to kGgufGemvMaxRows, passes of kGgufGemvPassRows) take the GEMV: x rounded
-// to 8-bit codes, integer dot products with the blocks as they lie (gguf_dot.h).
+// Up to gguf_gemv_max_rows(K) rows (decode's few, and without AMX tiles batches of more) take the
+// GEMV: x rounded to 8-bit codes, integer dot products with the blocks as they lie (gguf_dot.h), x's
+// rows in passes of kGgufGemvPassRows that each thread's weight rows meet while they sit in L2.
 //
 // Beyond the GEMV's rows (prefills, batches) x is rounded to the same 8-bit codes (given back as
 // q * d, as llama.cpp's CPU backend rounds every batch), and each segment is dequantized to x's dtype
@@ -38,6 +39,8 @@ using gguf::quantize_rows;
 using gguf::Type;
 
 constexpr int64_t kGgufGemvGrainBytes = 64 * 1024;  // the least a thread takes of a GEMV's weight
+// the weight rows a thread holds in L2 while every pass of x meets them (passes beyond the first)
+constexpr int64_t kGgufGemvBlockBytes = 128 * 1024;
 
 struct Segment {
   Type type;
@@ -68,39 +71,17 @@ std::vector<Segment> check_segments(const at::Tensor& blob, const at::Tensor& se
   return out;
 }
 
-// up to kGgufGemvPassRows rows of x: out[:, column of each segment ...]
+// out[m, col] for M rows' sums, rounded to x's dtype before a bias adds to it, as the reference's
+// F.linear then + bias
 template <int M, typename T>
-void gemv_pass(const A8Rows& a, const uint8_t* blob, const std::vector<Segment>& segments, const T* bias, T* y,
-               int64_t ldy) {
-  // One parallel region for every segment, its range the blob's bytes: each thread takes the rows
-  // that start in its part, so threads read equal bytes whatever the mix of types (a region per
-  // segment cost a barrier each, and split a small Q6_K v among threads unevenly).
-  const int64_t begin_byte = segments.front().offset;
-  const int64_t end_byte = segments.back().offset + segments.back().rows * segments.back().row_bytes;
-  at::parallel_for(begin_byte, end_byte, kGgufGemvGrainBytes, [&](int64_t begin, int64_t end) {
-    for (const Segment& seg : segments) {
-      const int64_t seg_end = seg.offset + seg.rows * seg.row_bytes;
-      if (seg_end <= begin || seg.offset >= end) continue;
-      const int64_t first = std::max<int64_t>(0, (begin - seg.offset + seg.row_bytes - 1) / seg.row_bytes);
-      const int64_t last = std::min(seg.rows, (end - seg.offset + seg.row_bytes - 1) / seg.row_bytes);
-      for (int64_t n = first; n < last; ++n) {
-        float acc[M];
-        dot_any_row<M>(seg.type, blob + seg.offset + n * seg.row_bytes, a, acc);
-        const int64_t col = seg.column + n;
-        for (int m = 0; m < M; ++m) {
-          // rounded to x's dtype before a bias adds to it, as the reference's F.linear then + bias
-          const float v = bias ? to_float(from_float<T>(acc[m])) + to_float(bias[col]) : acc[m];
-          y[m * ldy + col] = from_float<T>(v);
-        }
-      }
-    }
-  });
+inline void store_sums(const float (&acc)[M], const T* bias, int64_t col, T* y, int64_t ldy) {
+  for (int m = 0; m < M; ++m) {
+    const float v = bias ? to_float(from_float<T>(acc[m])) + to_float(bias[col]) : acc[m];
+    y[m * ldy + col] = from_float<T>(v);
+  }
 }
 
-template <typename T>
-void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::vector<Segment>& segments,
-          const c10::optional<at::Tensor>& bias) {
-  const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+gguf::A8Needs needs_of(const std::vector<Segment>& segments) {
   gguf::A8Needs needs;
   for (const Segment& seg : segments) {
     needs.k_quants |= is_k_quant(seg.type);
@@ -110,15 +91,66 @@ void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::
     needs.q6_runs |= seg.type == gguf::kQ6_Kx1;
     needs.floats |= is_float(seg.type);
   }
-  thread_local A8Rows a;  // read by this call's threads, rewritten by the next call's
-  for (int64_t r = 0; r < x.size(0); r += kGgufGemvPassRows) {
-    const int64_t rows = std::min<int64_t>(kGgufGemvPassRows, x.size(0) - r);
-    quantize_rows<T>(x.data_ptr<T>() + r * x.stride(0), rows, x.size(1), x.stride(0), needs, a);
-    T* yp = out.data_ptr<T>() + r * out.stride(0);
-    with_count<kGgufGemvPassRows>(rows, [&](auto m) {
-      gemv_pass<decltype(m)::value, T>(a, blob, segments, bp, yp, out.stride(0));
-    });
-  }
+  return needs;
+}
+
+// x [M, K] W^T through the GEMV's row kernels, x's rows in passes of kGgufGemvPassRows (each
+// rounded once, into passes[p]). One parallel region for every segment, its range the blob's
+// bytes: each thread takes the rows that start in its part, so threads read equal bytes whatever
+// the mix of types (a region per segment cost a barrier each, and split a small Q6_K v among
+// threads unevenly). A thread meets its rows kGgufGemvBlockBytes at a time with every pass, so
+// that the weights come from memory once and from L2 for the passes after the first.
+template <typename T>
+void gemv_passes(const std::vector<A8Rows>& passes, int64_t M, const uint8_t* blob,
+                 const std::vector<Segment>& segments, const T* bias, T* y, int64_t ldy) {
+  const int64_t begin_byte = segments.front().offset;
+  const int64_t end_byte = segments.back().offset + segments.back().rows * segments.back().row_bytes;
+  const int64_t num_passes = (M + kGgufGemvPassRows - 1) / kGgufGemvPassRows;
+  at::parallel_for(begin_byte, end_byte, kGgufGemvGrainBytes, [&](int64_t begin, int64_t end) {
+    for (const Segment& seg : segments) {
+      const int64_t seg_end = seg.offset + seg.rows * seg.row_bytes;
+      if (seg_end <= begin || seg.offset >= end) continue;
+      const int64_t first = std::max<int64_t>(0, (begin - seg.offset + seg.row_bytes - 1) / seg.row_bytes);
+      const int64_t last = std::min(seg.rows, (end - seg.offset + seg.row_bytes - 1) / seg.row_bytes);
+      const int64_t block = num_passes == 1 ? last - first : std::max<int64_t>(1, kGgufGemvBlockBytes / seg.row_bytes);
+      for (int64_t n0 = first; n0 < last; n0 += block) {
+        const int64_t n1 = std::min(last, n0 + block);
+        for (int64_t p = 0; p < num_passes; ++p) {
+          const int64_t r = p * kGgufGemvPassRows;
+          with_count<kGgufGemvPassRows>(std::min<int64_t>(kGgufGemvPassRows, M - r), [&](auto count) {
+            constexpr int R = decltype(count)::value;
+            for (int64_t n = n0; n < n1; ++n) {
+              float acc[R];
+              dot_any_row<R>(seg.type, blob + seg.offset + n * seg.row_bytes, passes[p], acc);
+              store_sums<R, T>(acc, bias, seg.column + n, y + r * ldy, ldy);
+            }
+          });
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::vector<Segment>& segments,
+          const c10::optional<at::Tensor>& bias) {
+  const gguf::A8Needs needs = needs_of(segments);
+  const int64_t M = x.size(0), num_passes = (M + kGgufGemvPassRows - 1) / kGgufGemvPassRows;
+  // read by this call's threads, rewritten by the next call's (a reference: in a lambda, the name of
+  // a thread_local would be each thread's own)
+  thread_local std::vector<A8Rows> kept;
+  std::vector<A8Rows>& passes = kept;
+  if (static_cast<int64_t>(passes.size()) < num_passes) passes.resize(num_passes);
+  const T* xp = x.data_ptr<T>();
+  at::parallel_for(0, num_passes, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t r = p * kGgufGemvPassRows;
+      quantize_rows<T>(xp + r * x.stride(0), std::min<int64_t>(kGgufGemvPassRows, M - r), x.size(1), x.stride(0),
+                       needs, passes[p]);
+    }
+  });
+  gemv_passes<T>(passes, M, blob, segments, bias.has_value() ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(),
+                 out.stride(0));
 }
 
 // GGUF rows -> [rows, K] in dtype, rows in parallel
@@ -211,6 +243,8 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t K, c10::
   return out;
 }
 
+int64_t gguf_gemv_max_rows(int64_t K) { return amx_usable(K) ? kGgufGemvMaxRows : kGgufGemvMaxRowsNoAmx; }
+
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blob, const at::Tensor& segments,
                        const c10::optional<at::Tensor>& bias) {
   const auto dtype = x.scalar_type();
@@ -224,7 +258,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blob, const at::Te
                 "gguf_linear: bias must be [N] in x's dtype");
   const uint8_t* raw = blob.data_ptr<uint8_t>();
   at::Tensor out = at::empty({x.size(0), N}, x.options());
-  if (x.size(0) <= kGgufGemvMaxRows) {
+  if (x.size(0) <= gguf_gemv_max_rows(K)) {
     if (dtype == at::kBFloat16) gemv<c10::BFloat16>(out, x, raw, segs, bias);
     else gemv<float>(out, x, raw, segs, bias);
     return out;
@@ -258,5 +292,6 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("gguf_dequantize(Tensor raw, int type, int K, ScalarType dtype) -> Tensor");
   m.impl("gguf_dequantize", c10::DispatchKey::CPU, TORCH_FN(dabba::gguf_dequantize));
   m.def("gguf_linear(Tensor x, Tensor blob, Tensor segments, Tensor? bias) -> Tensor");
+  m.def("gguf_gemv_max_rows(int K) -> int", &dabba::gguf_gemv_max_rows);  // no tensor: a catch-all
   m.impl("gguf_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::gguf_linear));
 }

@@ -93,7 +93,6 @@ class KernelConstants:
     amx_gemv_max_rows: int  # where the GEMM runs on AMX tiles (amx_usable): the GEMV only up to here
     amx_int8_gemm_min_rows: int  # and INT8's GEMM from here
     avx2_gemm_min_rows: int  # the avx2 build: bf16's GEMM (csrc/gemm_avx2_cpu.cpp) from here, the GEMV below
-    gguf_gemv_max_rows: int  # GGUF blocks: the GEMV up to here, dequantized rows through dense_linear beyond
     w8a8_columns: int  # W8A8's packed weight: blocks of this many output channels ...
     w8a8_depth: int  # ... with K padded to a multiple of this (csrc/w8a8_cpu.cpp)
     w8a8_max_inputs: int  # the most inputs its int32 sums hold
@@ -159,6 +158,12 @@ def gemv_max_rows(in_features: int) -> int:
     """Rows of x up to which a bf16 linear with this many input features takes the GEMV rather than
     the GEMM here (csrc/cpu_ops.h: fewer for wide inputs, none on AMX tiles)."""
     return int(torch.ops.dabba_cpu.gemv_max_rows(in_features)) if gemm_available() else 0
+
+
+def gguf_gemv_max_rows(in_features: int) -> int:
+    """Rows of x up to which a GGUF linear with this many input features takes the GEMV, the dequantized
+    rows' GEMM beyond (csrc/cpu_ops.h: decode's few where the GEMM has AMX tiles, more without)."""
+    return int(torch.ops.dabba_cpu.gguf_gemv_max_rows(in_features)) if load_cpu_ops() else 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -130,7 +130,7 @@ def dequantized_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.
 def linear_reference(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None,
                      gemv_max_rows: int) -> torch.Tensor:
     """What gguf_linear computes: x [M, K] against the segments' rows, in x's dtype; up to
-    ``gemv_max_rows`` rows (the build's KernelConstants.gguf_gemv_max_rows) as the GEMV does."""
+    ``gemv_max_rows`` rows (dabba.ops.native.gguf_gemv_max_rows(K) of the build) as the GEMV does."""
     k = x.shape[1]
     if x.shape[0] > gemv_max_rows:
         return dequantized_linear(x, segments, bias)

@@ -16,7 +16,7 @@ from dabba.quantization.gguf_repack import LAYOUTS, file_type, unpack
 from tools.random_gguf import random_blocks
 
 pytestmark = pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels unavailable")
-GEMV_MAX_ROWS = native.kernel_constants().gguf_gemv_max_rows if native.load_cpu_ops() else 0
+gemv_max_rows = native.gguf_gemv_max_rows  # of an input width: the GEMV up to here, the GEMM beyond
 
 TYPES = [*BLOCKS, *LAYOUTS]
 
@@ -55,18 +55,30 @@ def test_native_dequantization_is_the_reference_bit_for_bit(type_name) -> None:
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
 def test_gemv_equals_the_reference_in_float32(type_name, rows) -> None:
     for k in columns_for(type_name):
         w = random_blocks(type_name, 37, k, seed=rows)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * 2
-        ref = linear_reference(x, [w], None, GEMV_MAX_ROWS)
+        ref = linear_reference(x, [w], None, gemv_max_rows(k))
         ours = native_linear(x, [w])
         scale = ref.abs().max().item()
         assert (ours - ref).abs().max().item() <= 2e-6 * scale * k ** 0.5, (type_name, k)
         # and the 8-bit activations cost little against the exact product
         exact = F.linear(x.double(), w.dequantize().double()).float()
         assert (ours - exact).abs().max().item() <= 0.05 * scale
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0x16", "Q6_Kx1"])
+def test_gemv_passes_meet_weight_rows_held_in_l2(type_name) -> None:
+    """More weight rows than a thread holds at once (its block of 128 KiB) against several passes of
+    x, the last one partial: every pass meets every block, as the reference."""
+    k = 2048
+    w = random_blocks(type_name, 600, k, seed=11)
+    rows = min(13, gemv_max_rows(k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(11))
+    ref = linear_reference(x, [w], None, gemv_max_rows(k))
+    assert (native_linear(x, [w]) - ref).abs().max().item() <= 2e-6 * ref.abs().max().item() * k ** 0.5
 
 
 def test_activation_codes_round_as_the_kernel_does() -> None:
@@ -92,25 +104,26 @@ def test_gemv_rounds_blocks_of_zeros_and_halves_as_the_reference(type_name) -> N
     x[1, k - block:] = halves
     w = random_blocks(type_name, 64, k, seed=5)
     ours = native_linear(x, [w])
-    ref = linear_reference(x, [w], None, GEMV_MAX_ROWS)
+    ref = linear_reference(x, [w], None, gemv_max_rows(k))
     tol = 2e-6 * ref.abs().max().item() * k ** 0.5
     assert (ours - ref).abs().max().item() <= tol
     off = x.clone()  # a code one step from its half's even neighbour would be seen
     off[0, block + 1] = 0.5001
     off[1, k - block + 1] = 0.5001
-    assert ((linear_reference(off, [w], None, GEMV_MAX_ROWS) - ours).abs().amax(dim=1) > tol).all()
+    assert ((linear_reference(off, [w], None, gemv_max_rows(k)) - ours).abs().amax(dim=1) > tol).all()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 9, 40, "past the GEMV"])
 def test_merged_segments_of_mixed_types_with_a_bias(rows) -> None:
     k = 512
+    rows = gemv_max_rows(k) + 3 if rows == "past the GEMV" else rows
     segments = [random_blocks("Q4_K", 24, k, 1), random_blocks("Q6_K", 8, k, 2), random_blocks("F32", 5, k, 3),
                 random_blocks("Q8_0", 16, k, 4), random_blocks("Q4_0x16", 8, k, 5), random_blocks("Q4_Kx2", 8, k, 6),
                 random_blocks("Q6_Kx1", 8, k, 7)]
     bias = torch.randn(77)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        ref = linear_reference(x, segments, bias.to(dtype), GEMV_MAX_ROWS)
+        ref = linear_reference(x, segments, bias.to(dtype), gemv_max_rows(k))
         ours = native_linear(x, segments, bias.to(dtype))
         assert ours.dtype == dtype and ours.shape == (rows, 77)
         tol = 2e-3 if dtype == torch.float32 else 2e-2
@@ -121,7 +134,7 @@ def test_merged_segments_of_mixed_types_with_a_bias(rows) -> None:
 def test_prefill_rows_take_the_dequantized_gemm(type_name) -> None:
     k = columns_for(type_name)[0]
     w = random_blocks(type_name, 70, k, seed=5)
-    x = torch.randn(33, k).to(torch.bfloat16)
+    x = torch.randn(gemv_max_rows(k) + 1, k).to(torch.bfloat16)
     ref = F.linear(x, w.dequantize(torch.bfloat16))
     assert torch.allclose(native_linear(x, [w]).float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
 
@@ -147,16 +160,19 @@ def test_bad_operands_are_refused() -> None:
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16",
                                        *LAYOUTS])
 def test_a_row_gives_the_same_result_alone_and_in_a_batch(type_name) -> None:
-    """The GEMM (past the GEMV's rows) multiplies the activations' 8-bit codes as the GEMV does: a
-    row's result alone and among 40 differs by float32 summation order only, far below what the
-    codes' rounding itself moves (checked against x unrounded)."""
+    """The GEMM (past the GEMV's rows) multiplies the activations' 8-bit codes as the GEMV does, and
+    the GEMV's passes of rows each their own: a row's result alone, among 40 and among more than the
+    GEMV takes differs by float32 summation order only, far below what the codes' rounding itself
+    moves (checked against x unrounded)."""
     k = 512 + 32 if file_type(type_name) not in ("Q4_K", "Q5_K", "Q6_K") else 768  # blocks past a whole group
     seg = random_blocks(type_name, 48, k, 7)
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 3, k)
+    rows = max(40, gemv_max_rows(k) + 5)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 3, k)
     batched = native_linear(x, [seg])
     alone = torch.cat([native_linear(x[i:i + 1], [seg]) for i in range(x.shape[0])])
     unrounded = F.linear(x, seg.dequantize())
     scale = unrounded.abs().max().item()
     assert (batched - alone).abs().max().item() <= 2e-6 * scale
+    assert (native_linear(x[:40], [seg]) - alone[:40]).abs().max().item() <= 2e-6 * scale
     if type_name != "F16":
         assert (batched - unrounded).abs().max().item() > 100 * (batched - alone).abs().max().item()
