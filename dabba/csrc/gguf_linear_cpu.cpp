@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace dabba {
@@ -210,21 +211,46 @@ inline void round_run(const float* x, int64_t n, bool k_quants, float* out) {
   for (; i < n; ++i) out[i] = std::max(-127.f, std::min(127.f, std::nearbyint(x[i] * scale))) * back;
 }
 
+// n rounded values into x's dtype: bfloat16 rounded to nearest even as from_float, 8 at a time
+// (finite values, codes times their scale: no NaN to keep)
+inline void store_rounded(const float* in, int64_t n, float* out) { std::memcpy(out, in, n * sizeof(float)); }
+inline void store_rounded(const float* in, int64_t n, c10::BFloat16* out) {
+  int64_t i = 0;
+#ifdef DABBA_GGUF_SIMD
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(in + i));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = from_float<c10::BFloat16>(in[i]);
+}
+
 // x [M, K] as its 8-bit codes give it back, in x's dtype: q * d per block of 32 values with d held as
 // float16 (the legacy types' activations, llama.cpp's Q8_0), or of 256 with a float32 d (the K
-// types', Q8_K), rounded as quantize_rows rounds them for the GEMV.
+// types', Q8_K), rounded as quantize_rows rounds them for the GEMV. A block at a time through
+// float32 on the stack, x read once and the result written once (a prefill's x is a step's tokens
+// times the layer's width: float32 copies of it were the GEMM's largest scratch).
+template <typename T>
 at::Tensor rounded_activations(const at::Tensor& x, bool k_quants) {
-  const int64_t M = x.size(0), K = x.size(1), block = k_quants ? gguf::kSuperBlock : gguf::kA8Block;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, K}, xf.options());
-  const float* xp = xf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+  const int64_t block = k_quants ? gguf::kSuperBlock : gguf::kA8Block;
+  at::Tensor out = at::empty({M, K}, x.options());
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    float xf[gguf::kSuperBlock], rounded[gguf::kSuperBlock];
     for (int64_t m = begin; m < end; ++m)
-      for (int64_t k0 = 0; k0 < K; k0 += block)
-        round_run(xp + m * K + k0, std::min(block, K - k0), k_quants, op + m * K + k0);
+      for (int64_t k0 = 0; k0 < K; k0 += block) {
+        const int64_t n = std::min(block, K - k0);
+        gguf::to_float_row(xp + m * ldx + k0, n, xf);
+        round_run(xf, n, k_quants, rounded);
+        store_rounded(rounded, n, op + m * K + k0);
+      }
   });
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out;
 }
 
 }  // namespace
@@ -271,7 +297,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blob, const at::Te
   for (const Segment& seg : segs) {
     const bool k = is_k_quant(seg.type);
     at::Tensor& rounded = k ? x_k : x_legacy;
-    if (!is_float(seg.type) && !rounded.defined()) rounded = rounded_activations(xc, k);
+    if (!is_float(seg.type) && !rounded.defined())
+      rounded = dtype == at::kBFloat16 ? rounded_activations<c10::BFloat16>(xc, k) : rounded_activations<float>(xc, k);
     const at::Tensor& xs = is_float(seg.type) ? xc : rounded;
     const int64_t chunk = std::max<int64_t>(16, kGgufDequantChunkValues / K);
     for (int64_t r = 0; r < seg.rows; r += chunk) {
