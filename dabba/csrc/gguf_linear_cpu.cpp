@@ -319,6 +319,6 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("gguf_dequantize(Tensor raw, int type, int K, ScalarType dtype) -> Tensor");
   m.impl("gguf_dequantize", c10::DispatchKey::CPU, TORCH_FN(dabba::gguf_dequantize));
   m.def("gguf_linear(Tensor x, Tensor blob, Tensor segments, Tensor? bias) -> Tensor");
-  m.def("gguf_gemv_max_rows(int K) -> int", &dabba::gguf_gemv_max_rows);  // no tensor: a catch-all
   m.impl("gguf_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::gguf_linear));
+  m.def("gguf_gemv_max_rows(int K) -> int", &dabba::gguf_gemv_max_rows);  // no tensor: a catch-all
 }
