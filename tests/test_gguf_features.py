@@ -7,9 +7,10 @@ Q4_K_M files hold them.
 
 Greedy tokens are equal (``assert_same``) where every row takes the kernel it takes in the
 reference. A step of up to gguf_gemv_max_rows rows (8 where the GEMM has AMX tiles, more without)
-runs the GEMV, which rounds activations to 8-bit codes, and a longer one the GEMM on dequantized
-weights with the activations rounded to the same codes (quantization/gguf.py), so a row's logits do
-not depend on how many rows share its step but for float32 summation order. Where a feature changes
+runs the GEMV, which rounds activations to 8-bit codes, and a longer one a GEMM with the
+activations rounded to the same codes (in integers on AVX512-VNNI without AMX, on dequantized
+weights elsewhere: quantization/gguf.py), so a row's logits do not depend on how many rows share
+its step but for float32 summation order. Where a feature changes
 that order (steps that mix rows otherwise than the reference's, tensor parallelism's all-reduce,
 another attention backend over an 8-bit cache) a code can move by one, and the tokens are held by
 ``assert_follows``: equal up to a position where the reference's top one and the token picked
@@ -261,13 +262,14 @@ def test_a_split_inside_a_block_is_refused(model, threaded) -> None:
 
 def test_data_parallel_replicas_give_one_engines_tokens_and_route_by_prefix(splittable) -> None:
     """Two replicas, each loading the file in a worker process of its own: all prompts at once
-    give one engine's tokens; prompts sharing
-    a prefix go, one at a time, to the replica that caches it."""
+    follow one engine's tokens (a replica's steps mix the prompts' rows otherwise than the
+    reference's one at a time); prompts sharing a prefix go, one at a time, to the replica that
+    caches it."""
     reference = engine(splittable, enable_prefix_caching=False)
     expected = [reference.generate(p, GREEDY, use_tqdm=False)[0].outputs[0] for p in token_prompts(PROMPTS)]
     config = EngineConfig.from_kwargs(model=splittable, dtype="float32", kv_cache_memory=2**22,
                                       max_num_batched_tokens=256, data_parallel_size=2)
-    test_data_parallel.check_replicas(config, PROMPTS, expected, assert_same)
+    test_data_parallel.check_replicas(config, PROMPTS, expected, assert_follows)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

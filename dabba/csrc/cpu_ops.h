@@ -234,6 +234,10 @@ constexpr int kGgufGemvMaxRowsNoAmx = kGgufGemvMaxRows;
 #endif
 constexpr int64_t kGgufDequantChunkValues = 1 << 20;
 int64_t gguf_gemv_max_rows(int64_t K);
+// Past the GEMV: the integer GEMM (gguf_gemm.h: AVX512-VNNI, x's 8-bit codes against the blocks'
+// codes) where this build has it and the CPU no AMX tiles; the dequantized weights through
+// dense_linear elsewhere.
+bool gguf_integer_gemm(int64_t K);
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blob, const at::Tensor& segments,
                        const c10::optional<at::Tensor>& bias);
 // GGUF rows [rows, row_bytes] uint8 of one type -> [rows, K] in dtype (bfloat16 or float32)

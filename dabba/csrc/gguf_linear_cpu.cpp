@@ -23,6 +23,7 @@
 #include "cpu_ops.h"
 #include "gguf_blocks.h"
 #include "gguf_dot.h"
+#include "gguf_gemm.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -132,13 +133,12 @@ void gemv_passes(const std::vector<A8Rows>& passes, int64_t M, const uint8_t* bl
   });
 }
 
+// x's rows rounded as `needs` asks, kGgufGemvPassRows to a pass, the passes in parallel. Read by
+// this call's threads, rewritten by the next call's (a reference: in a lambda, the name of a
+// thread_local would be each thread's own).
 template <typename T>
-void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::vector<Segment>& segments,
-          const c10::optional<at::Tensor>& bias) {
-  const gguf::A8Needs needs = needs_of(segments);
+const std::vector<A8Rows>& quantize_passes(const at::Tensor& x, const gguf::A8Needs& needs) {
   const int64_t M = x.size(0), num_passes = (M + kGgufGemvPassRows - 1) / kGgufGemvPassRows;
-  // read by this call's threads, rewritten by the next call's (a reference: in a lambda, the name of
-  // a thread_local would be each thread's own)
   thread_local std::vector<A8Rows> kept;
   std::vector<A8Rows>& passes = kept;
   if (static_cast<int64_t>(passes.size()) < num_passes) passes.resize(num_passes);
@@ -150,8 +150,15 @@ void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::
                        needs, passes[p]);
     }
   });
-  gemv_passes<T>(passes, M, blob, segments, bias.has_value() ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(),
-                 out.stride(0));
+  return passes;
+}
+
+template <typename T>
+void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::vector<Segment>& segments,
+          const c10::optional<at::Tensor>& bias) {
+  const std::vector<A8Rows>& passes = quantize_passes<T>(x, needs_of(segments));
+  gemv_passes<T>(passes, x.size(0), blob, segments, bias.has_value() ? bias->data_ptr<T>() : nullptr,
+                 out.data_ptr<T>(), out.stride(0));
 }
 
 // GGUF rows -> [rows, K] in dtype, rows in parallel
@@ -169,6 +176,44 @@ void dequantize_rows(at::Tensor& out, const uint8_t* raw, Type type, int64_t row
       }
     }
   });
+}
+
+// out[:, seg's columns] = x W^T (+ bias) for one segment, its rows dequantized to x's dtype
+// kGgufDequantChunkValues values at a time, each chunk through dense_linear
+void dequantized_gemm(at::Tensor& out, const at::Tensor& x, const uint8_t* raw, const Segment& seg,
+                      const c10::optional<at::Tensor>& bias) {
+  const int64_t K = x.size(1), chunk = std::max<int64_t>(16, kGgufDequantChunkValues / K);
+  for (int64_t r = 0; r < seg.rows; r += chunk) {
+    const int64_t rows = std::min(chunk, seg.rows - r);
+    at::Tensor w = at::empty({rows, K}, x.options());
+    dequantize_rows(w, raw + seg.offset + r * seg.row_bytes, seg.type, rows, K, seg.row_bytes);
+    const c10::optional<at::Tensor> b =
+        bias.has_value() ? c10::optional<at::Tensor>(bias->narrow(0, seg.column + r, rows)) : c10::nullopt;
+    out.narrow(1, seg.column + r, rows).copy_(dense_linear(x, w, b));
+  }
+}
+
+// A prefill or a batch on a CPU with AVX512-VNNI and no AMX tiles: each quantized segment through
+// the integer GEMM (gguf_gemm.h), x rounded to the GEMV's codes once; a float segment through
+// dense_linear on x as it is.
+template <typename T>
+void integer_gemm(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::vector<Segment>& segments,
+                  const c10::optional<at::Tensor>& bias) {
+  gguf::A8Needs needs;
+  for (const Segment& seg : segments) {
+    needs.k_quants |= is_k_quant(seg.type);
+    needs.legacy |= !is_k_quant(seg.type) && !is_float(seg.type);
+  }
+  const std::vector<A8Rows>& passes = quantize_passes<T>(x, needs);
+  const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  for (const Segment& seg : segments) {
+    if (is_float(seg.type)) {
+      dequantized_gemm(out, x, blob, seg, bias);
+      continue;
+    }
+    const gguf::GemmSegment s{seg.type, seg.rows, blob + seg.offset, seg.row_bytes, seg.column};
+    gguf::integer_gemm<T>(passes, x.size(0), x.size(1), s, b, out.data_ptr<T>(), out.stride(0));
+  }
 }
 
 // x[0:n] as its codes give it back (code * d): gguf::round_block's codes and scale (the same
@@ -271,6 +316,8 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t K, c10::
 
 int64_t gguf_gemv_max_rows(int64_t K) { return amx_usable(K) ? kGgufGemvMaxRows : kGgufGemvMaxRowsNoAmx; }
 
+bool gguf_integer_gemm(int64_t K) { return gguf::kIntegerGemm && !amx_usable(K); }
+
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blob, const at::Tensor& segments,
                        const c10::optional<at::Tensor>& bias) {
   const auto dtype = x.scalar_type();
@@ -290,25 +337,20 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blob, const at::Te
     return out;
   }
   // a prefill or a batch: x rounded to the codes the GEMV multiplies (so that a row's result does not
-  // depend on how many rows share the step), each segment dequantized some rows at a time, through
-  // dense_linear
+  // depend on how many rows share the step)
   const at::Tensor xc = x.contiguous();
+  if (gguf_integer_gemm(K)) {
+    if (dtype == at::kBFloat16) integer_gemm<c10::BFloat16>(out, xc, raw, segs, bias);
+    else integer_gemm<float>(out, xc, raw, segs, bias);
+    return out;
+  }
   at::Tensor x_legacy, x_k;  // x as its per-32 and per-256 codes give it back, where a segment needs it
   for (const Segment& seg : segs) {
     const bool k = is_k_quant(seg.type);
     at::Tensor& rounded = k ? x_k : x_legacy;
     if (!is_float(seg.type) && !rounded.defined())
       rounded = dtype == at::kBFloat16 ? rounded_activations<c10::BFloat16>(xc, k) : rounded_activations<float>(xc, k);
-    const at::Tensor& xs = is_float(seg.type) ? xc : rounded;
-    const int64_t chunk = std::max<int64_t>(16, kGgufDequantChunkValues / K);
-    for (int64_t r = 0; r < seg.rows; r += chunk) {
-      const int64_t rows = std::min(chunk, seg.rows - r);
-      at::Tensor w = at::empty({rows, K}, x.options());
-      dequantize_rows(w, raw + seg.offset + r * seg.row_bytes, seg.type, rows, K, seg.row_bytes);
-      const c10::optional<at::Tensor> b =
-          bias.has_value() ? c10::optional<at::Tensor>(bias->narrow(0, seg.column + r, rows)) : c10::nullopt;
-      out.narrow(1, seg.column + r, rows).copy_(dense_linear(xs, w, b));
-    }
+    dequantized_gemm(out, is_float(seg.type) ? xc : rounded, raw, seg, bias);
   }
   return out;
 }
@@ -321,4 +363,5 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor blob, Tensor segments, Tensor? bias) -> Tensor");
   m.impl("gguf_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::gguf_linear));
   m.def("gguf_gemv_max_rows(int K) -> int", &dabba::gguf_gemv_max_rows);  // no tensor: a catch-all
+  m.def("gguf_integer_gemm(int K) -> bool", &dabba::gguf_integer_gemm);
 }

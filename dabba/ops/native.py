@@ -161,9 +161,14 @@ def gemv_max_rows(in_features: int) -> int:
 
 
 def gguf_gemv_max_rows(in_features: int) -> int:
-    """Rows of x up to which a GGUF linear with this many input features takes the GEMV, the dequantized
-    rows' GEMM beyond (csrc/cpu_ops.h: decode's few where the GEMM has AMX tiles, more without)."""
+    """Rows of x up to which a GGUF linear with this many input features takes the GEMV, a GEMM beyond (csrc/cpu_ops.h: decode's few where the GEMM has AMX tiles, more without)."""
     return int(torch.ops.dabba_cpu.gguf_gemv_max_rows(in_features)) if load_cpu_ops() else 0
+
+
+def gguf_integer_gemm(in_features: int) -> bool:
+    """Whether a GGUF linear's rows past the GEMV take the integer GEMM here (x's 8-bit codes times the
+    blocks' codes, AVX512-VNNI without AMX tiles) rather than the dequantized rows' (csrc/cpu_ops.h)."""
+    return bool(torch.ops.dabba_cpu.gguf_integer_gemm(in_features)) if load_cpu_ops() else False
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

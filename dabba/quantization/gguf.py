@@ -11,9 +11,10 @@ offset).
 The reference, in PyTorch, is ``linear_reference``: for up to the GEMV's rows, x rounded to 8-bit
 codes with a scale max|x| / 127 per block of 32 values for the legacy types (held as float16), of
 256 for the K types (float32) (``quantize_activations``), times the dequantized weight, in float64;
-beyond, x as those codes give it back (``rounded_activations``) and dequantized weights through
-F.linear, so that a row's result does not depend on how many rows share its step. Off the CPU, or
-without the native kernels, ``apply`` does the latter at any row count.
+beyond, the same where the CPU's GEMM multiplies those codes in integers (AVX512-VNNI without AMX),
+elsewhere x as the codes give it back (``rounded_activations``) and dequantized weights through
+F.linear; either way a row's result does not depend on how many rows share its step. Off the CPU,
+or without the native kernels, ``apply`` does the latter at any row count.
 """
 from __future__ import annotations
 
@@ -128,11 +129,13 @@ def dequantized_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.
 
 
 def linear_reference(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None,
-                     gemv_max_rows: int) -> torch.Tensor:
+                     gemv_max_rows: int, integer_gemm: bool = False) -> torch.Tensor:
     """What gguf_linear computes: x [M, K] against the segments' rows, in x's dtype; up to
-    ``gemv_max_rows`` rows (dabba.ops.native.gguf_gemv_max_rows(K) of the build) as the GEMV does."""
+    ``gemv_max_rows`` rows (dabba.ops.native.gguf_gemv_max_rows(K) of the build) as the GEMV does,
+    and beyond them too where the build's GEMM multiplies the codes in integers
+    (``integer_gemm``: native.gguf_integer_gemm(K)); otherwise as ``dequantized_linear``."""
     k = x.shape[1]
-    if x.shape[0] > gemv_max_rows:
+    if x.shape[0] > gemv_max_rows and not integer_gemm:
         return dequantized_linear(x, segments, bias)
     rounded = {}  # activation block -> x as its codes give it back
     for block in (A8_BLOCK, 256):

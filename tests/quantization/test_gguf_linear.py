@@ -17,6 +17,7 @@ from tools.random_gguf import random_blocks
 
 pytestmark = pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels unavailable")
 gemv_max_rows = native.gguf_gemv_max_rows  # of an input width: the GEMV up to here, the GEMM beyond
+integer_gemm = native.gguf_integer_gemm  # whether that GEMM multiplies x's codes as the GEMV does
 
 TYPES = [*BLOCKS, *LAYOUTS]
 
@@ -60,7 +61,7 @@ def test_gemv_equals_the_reference_in_float32(type_name, rows) -> None:
     for k in columns_for(type_name):
         w = random_blocks(type_name, 37, k, seed=rows)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * 2
-        ref = linear_reference(x, [w], None, gemv_max_rows(k))
+        ref = linear_reference(x, [w], None, gemv_max_rows(k), integer_gemm(k))
         ours = native_linear(x, [w])
         scale = ref.abs().max().item()
         assert (ours - ref).abs().max().item() <= 2e-6 * scale * k ** 0.5, (type_name, k)
@@ -77,7 +78,7 @@ def test_gemv_passes_meet_weight_rows_held_in_l2(type_name) -> None:
     w = random_blocks(type_name, 600, k, seed=11)
     rows = min(13, gemv_max_rows(k))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(11))
-    ref = linear_reference(x, [w], None, gemv_max_rows(k))
+    ref = linear_reference(x, [w], None, gemv_max_rows(k), integer_gemm(k))
     assert (native_linear(x, [w]) - ref).abs().max().item() <= 2e-6 * ref.abs().max().item() * k ** 0.5
 
 
@@ -104,13 +105,13 @@ def test_gemv_rounds_blocks_of_zeros_and_halves_as_the_reference(type_name) -> N
     x[1, k - block:] = halves
     w = random_blocks(type_name, 64, k, seed=5)
     ours = native_linear(x, [w])
-    ref = linear_reference(x, [w], None, gemv_max_rows(k))
+    ref = linear_reference(x, [w], None, gemv_max_rows(k), integer_gemm(k))
     tol = 2e-6 * ref.abs().max().item() * k ** 0.5
     assert (ours - ref).abs().max().item() <= tol
     off = x.clone()  # a code one step from its half's even neighbour would be seen
     off[0, block + 1] = 0.5001
     off[1, k - block + 1] = 0.5001
-    assert ((linear_reference(off, [w], None, gemv_max_rows(k)) - ours).abs().amax(dim=1) > tol).all()
+    assert ((linear_reference(off, [w], None, gemv_max_rows(k), integer_gemm(k)) - ours).abs().amax(dim=1) > tol).all()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9, 40, "past the GEMV"])
@@ -123,7 +124,7 @@ def test_merged_segments_of_mixed_types_with_a_bias(rows) -> None:
     bias = torch.randn(77)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        ref = linear_reference(x, segments, bias.to(dtype), gemv_max_rows(k))
+        ref = linear_reference(x, segments, bias.to(dtype), gemv_max_rows(k), integer_gemm(k))
         ours = native_linear(x, segments, bias.to(dtype))
         assert ours.dtype == dtype and ours.shape == (rows, 77)
         tol = 2e-3 if dtype == torch.float32 else 2e-2
@@ -176,3 +177,25 @@ def test_a_row_gives_the_same_result_alone_and_in_a_batch(type_name) -> None:
     assert (native_linear(x[:40], [seg]) - alone[:40]).abs().max().item() <= 2e-6 * scale
     if type_name != "F16":
         assert (batched - unrounded).abs().max().item() > 100 * (batched - alone).abs().max().item()
+
+
+@pytest.mark.skipif(not native.load_cpu_ops() or not integer_gemm(512), reason="no integer GEMM in this build or CPU")
+@pytest.mark.parametrize("type_name", TYPES)
+def test_integer_gemm_equals_the_reference(type_name) -> None:
+    """Past the GEMV's rows, the integer GEMM: x's codes as the GEMV rounds them times the blocks'
+    codes, each sub-block's sum scaled in float32, for every type and layout; 37 channels (a panel of
+    32 and one of 5) and a last pass of 3 rows; in bfloat16 with a bias, rounded as the reference."""
+    for k in columns_for(type_name):
+        w = random_blocks(type_name, 37, k, seed=4)
+        rows = gemv_max_rows(k) + 7
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k + 1)) * torch.linspace(0.2, 3, k)
+        ref = linear_reference(x, [w], None, gemv_max_rows(k), True)
+        ours = native_linear(x, [w])
+        scale = ref.abs().max().item()
+        assert (ours - ref).abs().max().item() <= 2e-6 * scale * k ** 0.5, (type_name, k)
+        bias = torch.randn(37).to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)
+        ref16 = linear_reference(xb, [w], bias, gemv_max_rows(k), True)
+        ours16 = native_linear(xb, [w], bias)
+        assert ours16.dtype == torch.bfloat16
+        assert (ours16.float() - ref16.float()).abs().max().item() <= 2 ** -7 * ref16.float().abs().max().item()
