@@ -6,7 +6,7 @@ Q4_K_M-like file of K types only; both with a Q4_K token embedding and a Q6_K LM
 Q4_K_M files hold them.
 
 Greedy tokens are equal (``assert_same``) where every row takes the kernel it takes in the
-reference. A step of up to gguf_gemv_max_rows rows (8 where the GEMM has AMX tiles, more without)
+reference. A step of up to gguf_gemv_max_rows rows (8, more in the avx2 build)
 runs the GEMV, which rounds activations to 8-bit codes, and a longer one a GEMM with the
 activations rounded to the same codes (in integers on AVX512-VNNI without AMX, on dequantized
 weights elsewhere: quantization/gguf.py), so a row's logits do not depend on how many rows share

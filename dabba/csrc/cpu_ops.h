@@ -217,17 +217,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t gr
 // gguf_linear_cpu.cpp: x W^T + b for W in GGUF's blocks, in segments of output rows of one type
 // each (blob: their bytes; segments [S, 3] int64: type, rows, byte offset), the one place that
 // picks the GGUF kernel: the GEMV (x rounded to 8-bit blocks, integer dot products) up to
-// gguf_gemv_max_rows(K) rows, kGgufGemvPassRows a pass; beyond, each segment dequantized to x's
-// dtype kGgufDequantChunkValues values at a time and multiplied by dense_linear. Where that GEMM
-// has AMX tiles, the GEMV takes decode's kGgufGemvMaxRows; elsewhere this build's
-// kGgufGemvMaxRowsNoAmx: with AVX512-VNNI the GEMV's integer products keep up with the bf16 GEMM
-// to a few dozen rows, with AVX2 alone they outrun the build's GEMM at every row count measured,
-// the generic build's scalar GEMV only at decode's (benchmarks/gguf_kernels.py, README).
+// gguf_gemv_max_rows(K) rows, kGgufGemvPassRows a pass; beyond, a GEMM: in integers on the same
+// codes where gguf_integer_gemm(K) (AVX512-VNNI, no AMX tiles), elsewhere each segment dequantized
+// to x's dtype kGgufDequantChunkValues values at a time and multiplied by dense_linear. Where that
+// GEMM has AMX tiles or integer products, the GEMV takes decode's kGgufGemvMaxRows (the integer
+// GEMM outruns it from a dozen rows); elsewhere this build's kGgufGemvMaxRowsNoAmx: with AVX2
+// alone its integer products outrun the build's bf16 GEMM at every row count measured, the
+// generic build's scalar GEMV only at decode's (benchmarks/gguf_kernels.py, README).
 constexpr int kGgufGemvPassRows = 4;
 constexpr int kGgufGemvMaxRows = 8;
-#if defined(__AVX512VNNI__)
-constexpr int kGgufGemvMaxRowsNoAmx = 64;
-#elif defined(__AVX2__)
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
 constexpr int kGgufGemvMaxRowsNoAmx = 512;
 #else
 constexpr int kGgufGemvMaxRowsNoAmx = kGgufGemvMaxRows;

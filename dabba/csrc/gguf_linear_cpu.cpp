@@ -5,16 +5,18 @@
 // whose v rows a Q4_K_M file keeps in Q6_K), in one byte buffer: `segments` [S, 3] int64 holds
 // each segment's (type, rows, byte offset), in output order.
 //
-// Up to gguf_gemv_max_rows(K) rows (decode's few, and without AMX tiles batches of more) take the
+// Up to gguf_gemv_max_rows(K) rows (decode's few, and in the avx2 build batches of more) take the
 // GEMV: x rounded to 8-bit codes, integer dot products with the blocks as they lie (gguf_dot.h), x's
 // rows in passes of kGgufGemvPassRows that each thread's weight rows meet while they sit in L2.
 //
-// Beyond the GEMV's rows (prefills, batches) x is rounded to the same 8-bit codes (given back as
-// q * d, as llama.cpp's CPU backend rounds every batch), and each segment is dequantized to x's dtype
-// some rows at a time and multiplied by dense_linear (the GEMM, AMX tiles where the CPU has them).
+// Beyond the GEMV's rows (prefills, batches) x is rounded to the same 8-bit codes, as llama.cpp's
+// CPU backend rounds every batch. With AVX512-VNNI and no AMX tiles, the integer GEMM
+// (gguf_gemm_cpu.cpp) multiplies them by the blocks' codes as the GEMV does; elsewhere they are
+// given back as q * d, and each segment is dequantized to x's dtype some rows at a time and
+// multiplied by dense_linear (AMX tiles where the CPU has them).
 //
 // The PyTorch reference (dabba/quantization/gguf.py: linear_reference, dequantize then F.linear
-// beyond the GEMV) is what tests hold this to.
+// beyond the GEMV where the GEMM is not in integers) is what tests hold this to.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
