@@ -132,7 +132,8 @@ def test_merged_segments_of_mixed_types_with_a_bias(rows) -> None:
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K", "Q6_K"])
-def test_prefill_rows_take_the_dequantized_gemm(type_name) -> None:
+def test_prefill_rows_stay_near_the_bf16_product(type_name) -> None:
+    """Past the GEMV (either GEMM), within bf16's rounding of the unrounded product."""
     k = columns_for(type_name)[0]
     w = random_blocks(type_name, 70, k, seed=5)
     x = torch.randn(gemv_max_rows(k) + 1, k).to(torch.bfloat16)
