@@ -211,36 +211,40 @@ void place_rows(const GemmSegment& seg, int64_t K, int64_t k0, const uint8_t* (&
 // of a row holds, in lane j, the 4 codes of quad Qv j + v of the run (Qv: 8 for runs of 512 values,
 // 4 for Q6_Kx1's 256), and one 16 x 16 transpose of the 16 rows' vectors gives the lines of those
 // quads; the 16 sub-blocks' scales (and mins) alike. Codes as decode_row gives them, bit for bit.
+// Runs u0 .. u1 of g groups each: 16, or a legacy layout's last run of fewer (its bytes laid out
+// alike, 4 g apart: loads masked to g lanes).
 template <Type kType>
-void place_runs(const uint8_t* (&rows)[kPanel], int line, int64_t runs, Panel& p) {
+void place_runs(const uint8_t* (&rows)[kPanel], int line, int64_t u0, int64_t u1, int g, Panel& p) {
   constexpr bool q6 = kType == kQ6_Kx1, q8 = kType == kQ8_0x16;
   constexpr bool five = kType == kQ5_0x16 || kType == kQ5_Kx2, k = kType == kQ4_Kx2 || kType == kQ5_Kx2;
   constexpr int values = q6 ? 256 : 512, vectors = values / 64, qv = vectors;
   constexpr int64_t bytes = q6 ? 210 : run_bytes(kType);
   const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1), three = _mm512_set1_epi8(3);
   uint32_t* codes = reinterpret_cast<uint32_t*>(p.codes.data());
-  for (int64_t u = 0; u < runs; ++u) {
+  const __mmask16 lanes = static_cast<__mmask16>(g == 16 ? 0xFFFF : (1u << g) - 1);
+  const auto load = [&](const uint8_t* at) { return _mm512_maskz_loadu_epi32(lanes, at); };
+  for (int64_t u = u0; u < u1; ++u) {
     for (int v = 0; v < vectors; ++v) {
       __m512i r[16];
       for (int c = 0; c < 16; ++c) {
         const uint8_t* run = rows[16 * line + c] + u * bytes;
         if constexpr (q8) {
-          r[c] = _mm512_loadu_si512(run + 32 + 64 * v);
+          r[c] = load(run + 2 * g + 4 * g * v);
         } else if constexpr (q6) {  // v = t: nibble t % 2 of bytes 64 (t / 2) .., top bits 2 t of 128 ..
           const __m512i lo = _mm512_loadu_si512(run + 64 * (v / 2)), top = _mm512_loadu_si512(run + 128);
           const __m512i nib = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(lo, 4) : lo, low4);
           r[c] = _mm512_or_si512(nib, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(top, _mm_cvtsi32_si128(2 * v)), three), 4));
         } else {  // v = 2 l + h: nibble h of bytes 64 l ..; the fifth bit 2 l + h of bytes 256 ..
-          const __m512i nibbles = _mm512_loadu_si512(run + 32 + 64 * (v / 2));
+          const __m512i nibbles = load(run + 2 * g + 4 * g * (v / 2));
           r[c] = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(nibbles, 4) : nibbles, low4);
           if constexpr (five) {
-            const __m512i f = _mm512_loadu_si512(run + 32 + 256);
+            const __m512i f = load(run + 2 * g + 16 * g);
             r[c] = _mm512_or_si512(r[c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(f, _mm_cvtsi32_si128(v)), one), 4));
           }
         }
       }
       transpose16(r);
-      for (int j = 0; j < 16; ++j)
+      for (int j = 0; j < g; ++j)
         _mm512_storeu_si512(codes + (u * values / 4 + qv * j + v) * kPanel + 16 * line, r[j]);
     }
     __m512i s[16], o[16];
@@ -265,12 +269,12 @@ void place_runs(const uint8_t* (&rows)[kPanel], int line, int64_t runs, Panel& p
         s[c] = _mm512_castps_si512(_mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
         o[c] = _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
       } else {  // 16 float16 scales first
-        s[c] = _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run))));
+        s[c] = _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, run)));
       }
     }
     transpose16(s);
     if constexpr (k) transpose16(o);
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < g; ++j) {
       _mm512_storeu_si512(p.s.data() + (u * 16 + j) * kPanel + 16 * line, s[j]);
       if constexpr (k) _mm512_storeu_si512(p.o.data() + (u * 16 + j) * kPanel + 16 * line, o[j]);
     }
@@ -294,18 +298,24 @@ void make_panel(const GemmSegment& seg, int64_t K, int64_t first, Panel& p) {
   const int64_t values = t == kQ6_Kx1 ? 256 : kRunValues, bytes = t == kQ6_Kx1 ? 210 : run_bytes(t);
   const bool layout = t == kQ4_0x16 || t == kQ5_0x16 || t == kQ8_0x16 || t == kQ4_Kx2 || t == kQ5_Kx2 || t == kQ6_Kx1;
   const int64_t runs = layout ? K / values : 0;
-  int lines = 0;  // of 16 whole rows, from whole runs in registers
-  for (; runs > 0 && 16 * (lines + 1) <= count; ++lines) {
-    switch (t) {
-      case kQ4_0x16: place_runs<kQ4_0x16>(rows, lines, runs, p); break;
-      case kQ5_0x16: place_runs<kQ5_0x16>(rows, lines, runs, p); break;
-      case kQ8_0x16: place_runs<kQ8_0x16>(rows, lines, runs, p); break;
-      case kQ4_Kx2: place_runs<kQ4_Kx2>(rows, lines, runs, p); break;
-      case kQ5_Kx2: place_runs<kQ5_Kx2>(rows, lines, runs, p); break;
-      default: place_runs<kQ6_Kx1>(rows, lines, runs, p); break;
-    }
+  const bool legacy = t == kQ4_0x16 || t == kQ5_0x16 || t == kQ8_0x16;
+  const int tail = legacy ? static_cast<int>(K % kRunValues / 32) : 0;  // a legacy last run's groups
+  int lines = 0;  // of 16 whole rows, from runs in registers
+  for (; (runs > 0 || tail > 0) && 16 * (lines + 1) <= count; ++lines) {
+    const auto place = [&](int64_t u0, int64_t u1, int g) {
+      switch (t) {
+        case kQ4_0x16: return place_runs<kQ4_0x16>(rows, lines, u0, u1, g, p);
+        case kQ5_0x16: return place_runs<kQ5_0x16>(rows, lines, u0, u1, g, p);
+        case kQ8_0x16: return place_runs<kQ8_0x16>(rows, lines, u0, u1, g, p);
+        case kQ4_Kx2: return place_runs<kQ4_Kx2>(rows, lines, u0, u1, g, p);
+        case kQ5_Kx2: return place_runs<kQ5_Kx2>(rows, lines, u0, u1, g, p);
+        default: return place_runs<kQ6_Kx1>(rows, lines, u0, u1, g, p);
+      }
+    };
+    place(0, runs, 16);
+    if (tail > 0) place(runs, runs + 1, tail);
   }
-  if (runs * values < K && lines > 0) {  // those rows' values past their whole runs
+  if (runs * values < K && tail == 0 && lines > 0) {  // a K row's super-block past its runs: the file's
     const uint8_t* rest[kPanel];
     for (int c = 0; c < 16 * lines; ++c) rest[c] = rows[c] + runs * bytes;
     place_rows(seg, K, runs * values, rest, 0, 16 * lines, p);
