@@ -51,34 +51,24 @@ void decode_row(Type type, const uint8_t* row, int64_t K, uint8_t* codes, float*
       return;
     case kQ4_0:
     case kQ4_1:
-      for (int64_t b = 0; b < K / 32; ++b) {
-        const bool min = type == kQ4_1;
-        const uint8_t* blk = row + (min ? 20 : 18) * b;
-        s[b] = f16(blk);
-        o[b] = min ? -f16(blk + 2) : 0.f;
-        const uint8_t* qs = blk + (min ? 4 : 2);
-        for (int i = 0; i < 16; ++i) {
-          codes[32 * b + i] = qs[i] & 0xF;
-          codes[32 * b + 16 + i] = qs[i] >> 4;
-        }
-      }
-      return;
     case kQ5_0:
-    case kQ5_1:
+    case kQ5_1: {  // d, [m], [the fifth bits, 32 in a word], 16 bytes of nibbles
+      const bool min = type == kQ4_1 || type == kQ5_1, five = type == kQ5_0 || type == kQ5_1;
+      const int64_t bytes = type_info(type)->block_bytes;
       for (int64_t b = 0; b < K / 32; ++b) {
-        const bool min = type == kQ5_1;
-        const uint8_t* blk = row + (min ? 24 : 22) * b;
+        const uint8_t* blk = row + bytes * b;
         s[b] = f16(blk);
         o[b] = min ? -f16(blk + 2) : 0.f;
-        uint32_t qh;
-        std::memcpy(&qh, blk + (min ? 4 : 2), 4);
-        const uint8_t* qs = blk + (min ? 8 : 6);
+        uint32_t qh = 0;
+        if (five) std::memcpy(&qh, blk + (min ? 4 : 2), 4);
+        const uint8_t* qs = blk + bytes - 16;
         for (int i = 0; i < 16; ++i) {
           codes[32 * b + i] = (qs[i] & 0xF) | (((qh >> i) & 1) << 4);
           codes[32 * b + 16 + i] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
         }
       }
       return;
+    }
     case kQ4_K:
     case kQ5_K:
       for (int64_t sb = 0; sb < K / 256; ++sb) {
