@@ -14,8 +14,9 @@ dabba/csrc's comments come from here.
   against (a wrong kernel's timing means nothing).
 - int8_prefill: the INT8 linear at prefill's row counts, _weight_int8pack_mm against codes
   dequantized per call + dabba's linear (what rows past gemm_max_rows get).
-- int4_prefill: the INT4 linear at prefill's row counts, tinygemm against the codes dequantized to
-  bf16 a chunk at a time + dense_linear (int4_linear's path without AMX) and int4_linear as chosen.
+- int4_prefill: the INT4 linear at prefill's row counts, int4_linear as chosen (the integer GEMM
+  without AMX tiles, the AMX GEMM with them) against tinygemm and against dabba's bf16 linear on the
+  weight the codes mean (what the bf16 checkpoint's layer runs).
 - attention: decode over --decode-seqs sequences of --decode-context positions (blocks shuffled, as
   a long-running server's are, and in order), and one prompt of each --prompt-lens, per layer: as
   the backend runs it (layer_us: its bf16 passes on AMX tiles where the CPU has them and
@@ -141,9 +142,10 @@ def bench_int8_prefill(shape: Shape, layers: int, rows: list[int], repeats: int)
 
 def bench_int4_prefill(shape: Shape, layers: int, rows: list[int], repeats: int,
                        group_size: int = 32) -> list[dict[str, Any]]:
-    """The INT4 linear at prefill's row counts: PyTorch's tinygemm, the codes dequantized to bf16 a
-    chunk at a time through dense_linear (what int4_linear takes without AMX; null where this build
-    has it not), and int4_linear as it chooses here (the AMX GEMM where the CPU has AMX)."""
+    """The INT4 linear at prefill's row counts: int4_linear as it chooses here, PyTorch's tinygemm,
+    and the bf16 linear on the weight the codes mean, (q - 8) * scale + zero."""
+    from dabba.ops import native
+
     g = torch.Generator().manual_seed(0)
     weights = []
     for _ in range(layers):
@@ -152,21 +154,22 @@ def bench_int4_prefill(shape: Shape, layers: int, rows: list[int], repeats: int,
             pairs = torch.stack([torch.rand(k // group_size, n, generator=g) / 100,
                                  torch.randn(k // group_size, n, generator=g) / 100], dim=-1)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-            weights.append((packed, pairs.bfloat16().contiguous(), k))
+            pairs = pairs.bfloat16().contiguous()
+            s = pairs.float().transpose(0, 1).repeat_interleave(group_size, dim=1)  # [n, k, 2]
+            dense = ((codes - 8).float() * s[..., 0] + s[..., 1]).bfloat16()
+            weights.append((packed, pairs, k, dense))
     out = []
     for m in rows:
-        xs = {k: torch.randn(m, k).bfloat16() for _, _, k in weights}
-        ops = torch.ops.dabba_cpu
+        xs = {k: torch.randn(m, k).bfloat16() for _, _, k, _ in weights}
         tinygemm = lambda w: torch.ops.aten._weight_int4pack_mm_for_cpu(xs[w[2]], w[0], group_size, w[1])  # noqa: E731
-        chunked = lambda w: ops.int4_dequant_linear(xs[w[2]], w[0], group_size, w[1], None)  # noqa: E731
-        chosen = lambda w: ops.int4_linear(xs[w[2]], w[0], group_size, w[1], None, True)  # noqa: E731
-        built = all(chunked(w) is not None for w in weights)
+        chosen = lambda w: torch.ops.dabba_cpu.int4_linear(xs[w[2]], w[0], group_size, w[1], None, True)  # noqa: E731
+        bf16 = lambda w: native.linear(xs[w[2]], w[3])  # noqa: E731
         out.append({
             "rows": m, "tinygemm_ms": best_ms(lambda: [tinygemm(w) for w in weights], repeats),
-            "dequantized_chunks_ms": best_ms(lambda: [chunked(w) for w in weights], repeats) if built else None,
             "int4_linear_ms": best_ms(lambda: [chosen(w) for w in weights], repeats),
-            "agrees": agree([chosen(w) for w in weights[:4]] + ([chunked(w) for w in weights[:4]] if built else []),
-                            [tinygemm(w) for w in weights[:4]] * (2 if built else 1)),
+            "bf16_linear_ms": best_ms(lambda: [bf16(w) for w in weights], repeats),
+            "agrees": agree([chosen(w) for w in weights[:4]] * 2,
+                            [tinygemm(w) for w in weights[:4]] + [bf16(w) for w in weights[:4]]),
         })
     return out
 

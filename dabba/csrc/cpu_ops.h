@@ -120,6 +120,10 @@ constexpr int kGemmRowBlock = 16;
 // with AMX; python -m benchmarks.kernels --hidden 1536 --intermediate 8960 --num-heads 12
 // --num-kv-heads 2 --head-dim 128 --layers 4 (bf16_native_ms against bf16_gemv_ms).
 bool amx_usable(int64_t K);
+// Whether a GGUF or INT4 linear's rows past its GEMV take the integer GEMM (code_gemm.h: x's 8-bit
+// codes against the weight's, AVX512-VNNI): where this build has it and the CPU no AMX tiles (those
+// multiply the weight dequantized to bf16 on AMX-BF16 tiles). gemm_cpu.cpp.
+bool integer_gemm_usable(int64_t K);
 constexpr int kAmxGemvMaxRows = 0;
 constexpr int kAmxInt8GemmMinRows = 7;
 // w8a8_cpu.cpp: INT8 weights times activations rounded to 8-bit codes per row. The weight packed in
@@ -195,22 +199,18 @@ bool int8_gemv_available();
 void int8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                const c10::optional<at::Tensor>& bias);
 
-// int4_gemv_cpu.cpp: x W^T (+ b) for W in PyTorch's packed int4 CPU layout (scales_and_zeros
+// int4_linear_cpu.cpp: x W^T (+ b) for W in PyTorch's packed int4 CPU layout (scales_and_zeros
 // [groups, N, 2], tinygemm's (q - 8) * scale + zero), the one place that picks the INT4 kernel:
 // dabba's GEMV up to kInt4GemvMaxRows rows (AVX-512, N a multiple of 64, PyTorch packing 64-row
 // blocks, groups of a multiple of 32: integer dot products on x rounded to 8-bit codes per 32, as the
 // GGUF GEMV; or AVX2, N a multiple of 32, PyTorch packing 32-row blocks, as at its AVX2 capability);
 // beyond, bf16 x on AMX tiles, the GEMM over each 64-row block dequantized to bf16 once
-// per call (gemm_amx_cpu.cpp); else _weight_int4pack_mm_for_cpu. native false forces the latter
-// (the tests' reference). Qwen2.5-1.5B's 28 layers against tinygemm: the GEMV 95.5 ms at 8 rows
-// (131.8); the AMX GEMM 127.5 at 9 (200.1), 105.5 at 16, 120.4 at 32 (489.9), 482 at 256 (3835):
-// it pays about 100 ms to dequantize whatever the rows, so the GEMV keeps up to 8. Without AMX (bf16
-// x, AVX512-BF16) from kInt4DequantMinRows rows the weight is dequantized to bf16 once per call,
-// kInt4DequantChunkValues values at a time, each chunk multiplied by dense_linear: prefill's GEMM at
-// the bf16 rate instead of tinygemm's float32 FMAs.
+// per call (gemm_amx_cpu.cpp); without AMX tiles (integer_gemm_usable), x's 8-bit codes through
+// the integer GEMM (code_gemm.h) as GGUF's; else _weight_int4pack_mm_for_cpu. native false forces
+// the latter (the tests' reference). Qwen2.5-1.5B's 28 layers against tinygemm: the GEMV 95.5 ms at
+// 8 rows (131.8); the AMX GEMM 127.5 at 9 (200.1), 105.5 at 16, 120.4 at 32 (489.9), 482 at 256
+// (3835): it pays about 100 ms to dequantize whatever the rows, so the GEMV keeps up to 8.
 constexpr int kInt4GemvMaxRows = 8;
-constexpr int kInt4DequantMinRows = 32;
-constexpr int64_t kInt4DequantChunkValues = 1 << 20;
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
                        const c10::optional<at::Tensor>& bias, bool native = true);
 
@@ -218,7 +218,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t gr
 // each (blob: their bytes; segments [S, 3] int64: type, rows, byte offset), the one place that
 // picks the GGUF kernel: the GEMV (x rounded to 8-bit blocks, integer dot products) up to
 // gguf_gemv_max_rows(K) rows, kGgufGemvPassRows a pass; beyond, a GEMM: in integers on the same
-// codes where gguf_integer_gemm(K) (AVX512-VNNI, no AMX tiles), elsewhere each segment dequantized
+// codes where integer_gemm_usable(K) (AVX512-VNNI, no AMX tiles), elsewhere each segment dequantized
 // to x's dtype kGgufDequantChunkValues values at a time and multiplied by dense_linear. Where that
 // GEMM has AMX tiles or integer products, the GEMV takes decode's kGgufGemvMaxRows (the integer
 // GEMM outruns it from a dozen rows); elsewhere this build's kGgufGemvMaxRowsNoAmx: with AVX2
@@ -233,10 +233,6 @@ constexpr int kGgufGemvMaxRowsNoAmx = kGgufGemvMaxRows;
 #endif
 constexpr int64_t kGgufDequantChunkValues = 1 << 20;
 int64_t gguf_gemv_max_rows(int64_t K);
-// Past the GEMV: the integer GEMM (gguf_gemm.h: AVX512-VNNI, x's 8-bit codes against the blocks'
-// codes) where this build has it and the CPU no AMX tiles; the dequantized weights through
-// dense_linear elsewhere.
-bool gguf_integer_gemm(int64_t K);
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blob, const at::Tensor& segments,
                        const c10::optional<at::Tensor>& bias);
 // GGUF rows [rows, row_bytes] uint8 of one type -> [rows, K] in dtype (bfloat16 or float32)

@@ -36,6 +36,7 @@
 
 #include "bf16_tiles.h"
 #include "cpu_math.h"
+#include "code_gemm.h"
 #include "cpu_ops.h"
 
 #include <algorithm>
@@ -331,6 +332,14 @@ int64_t gemv_max_rows(int64_t K) {
   return std::clamp<int64_t>(kGemvMaxXBytes / (2 * std::max<int64_t>(K, 1)), 1, kGemvMaxRows);
 }
 
+bool integer_gemm_usable(int64_t K) {
+#ifdef DABBA_HAVE_CODE_GEMM
+  return !amx_usable(K);
+#else
+  return false;
+#endif
+}
+
 namespace {
 
 // Rows from which an INT8 linear with K inputs takes the GEMM rather than _weight_int8pack_mm:
@@ -454,6 +463,7 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.impl("int8_gemm", c10::DispatchKey::CPU, TORCH_FN(dabba::int8_gemm));
   m.def("gemm_available() -> bool", &dabba::gemm_available);
   m.def("amx_usable(int K) -> bool", &dabba::amx_usable);  // no tensor: a catch-all
+  m.def("integer_gemm_usable(int K) -> bool", &dabba::integer_gemm_usable);
   m.def("gemv_max_rows(int K) -> int", &dabba::gemv_max_rows);
   m.def("bf16_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, bool amx=True) -> ()");
   m.impl("bf16_gemm", c10::DispatchKey::CPU, TORCH_FN(dabba::bf16_gemm));

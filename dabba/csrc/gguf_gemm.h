@@ -1,9 +1,10 @@
 // The GGUF GEMM in integers (gguf_gemm_cpu.cpp): prefills' and batches' rows against GGUF blocks,
 // x's 8-bit codes (as the GEMV rounds them, gguf_dot.h: quantize_rows) times the weights' codes
-// in vpdpbusd, each sub-block's int32 sum scaled in float32. For CPUs with AVX512-VNNI and no AMX
-// tiles (those take the weights dequantized to bf16 through AMX-BF16: gguf_linear_cpu.cpp chooses).
+// through code_gemm.h. For CPUs with AVX512-VNNI and no AMX tiles (those take the weights
+// dequantized to bf16 through AMX-BF16: gguf_linear_cpu.cpp chooses).
 #pragma once
 
+#include "code_gemm.h"
 #include "gguf_blocks.h"
 #include "gguf_dot.h"
 
@@ -11,12 +12,6 @@
 #include <vector>
 
 namespace dabba::gguf {
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-constexpr bool kIntegerGemm = true;
-#else
-constexpr bool kIntegerGemm = false;
-#endif
 
 // One segment of a linear's weight: rows of one quantized type at data, row_bytes apart, whose
 // outputs are y's columns from `column`.

@@ -1,19 +1,12 @@
-// The GGUF GEMM in integers (gguf_gemm.h). Each thread takes kPanel output channels at a time:
-// their rows are decoded into a panel of unsigned 8-bit codes, 16 channels' 4 consecutive codes in
-// each 64-byte line (vpdpbusd's unsigned operand as it lies, W8A8's order), with each sub-block's
-// scale s and offset o per channel (value = s * code - o; a type without a min keeps its codes'
-// bias b instead, value = s * (code - b)). Every x pass then meets the panel while it sits in L2:
-// 4 of x's codes broadcast against each line; a sub-block's int32 sums start at -b * the sum of x's
-// codes over it (the bias, folded exactly), and are scaled into float32 by x's scale and s (less
-// o * x's sum, where the type has a min). The panel is made per call (the file's bytes stay the
-// only copy of the weights): its cost is a row's decoding against a pass's dot products for
-// every row of x.
+// The GGUF GEMM in integers (gguf_gemm.h): GGUF's blocks decoded into the panels of 8-bit codes
+// that code_gemm.h multiplies, 16 rows at a time in registers where a run layout (gguf_blocks.h)
+// holds them, row by row elsewhere.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-#include "cpu_math.h"
-#include "cpu_ops.h"
 #include "bf16_tiles.h"
+#include "code_gemm.h"
+#include "cpu_ops.h"
 #include "gguf_gemm.h"
 
 #include <algorithm>
@@ -21,10 +14,11 @@
 
 namespace dabba::gguf {
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#ifdef DABBA_HAVE_CODE_GEMM
 namespace {
 
-constexpr int kPanel = 32;  // output channels a panel holds: two vpdpbusd lines of 16
+using code_gemm::kPanel;
+using code_gemm::Panel;
 
 inline int sub_block(Type t) { return t == kQ6_K || t == kQ6_Kx1 ? 16 : 32; }
 inline bool has_min(Type t) { return t == kQ4_1 || t == kQ5_1 || t == kQ4_K || t == kQ5_K || t == kQ4_Kx2 || t == kQ5_Kx2; }
@@ -170,12 +164,13 @@ void decode_row(Type type, const uint8_t* row, int64_t K, uint8_t* codes, float*
   }
 }
 
-// kPanel channels' codes, [K / 4][kPanel][4], and their sub-blocks' s and o, [B][kPanel]; channels
-// past the segment's rows hold zeros.
-struct Panel {
-  std::vector<uint8_t> codes, row_codes;
-  std::vector<float> s, o, row_s, row_o;
+// A row's codes, s and o as decode_row gives them, before place_rows spreads them over the panel:
+// each thread's own, kept from call to call.
+struct RowScratch {
+  std::vector<uint8_t> codes;
+  std::vector<float> s, o;
 };
+thread_local RowScratch row_scratch;
 
 // Channels c0 .. c1 of the panel, row by row: values [k0, K) of each (rows[c]: the bytes of value k0
 // on), from decode_row.
@@ -183,16 +178,17 @@ void place_rows(const GemmSegment& seg, int64_t K, int64_t k0, const uint8_t* (&
                 Panel& p) {
   const int S = sub_block(seg.type);
   const int64_t n = K - k0, b0 = k0 / S;
-  p.row_codes.resize(n);
-  p.row_s.resize(n / S);
-  p.row_o.assign(n / S, 0.f);
+  RowScratch& row = row_scratch;
+  row.codes.resize(n);
+  row.s.resize(n / S);
+  row.o.assign(n / S, 0.f);
   for (int c = c0; c < c1; ++c) {
-    decode_row(seg.type, rows[c], n, p.row_codes.data(), p.row_s.data(), p.row_o.data());
+    decode_row(seg.type, rows[c], n, row.codes.data(), row.s.data(), row.o.data());
     uint32_t* dst = reinterpret_cast<uint32_t*>(p.codes.data()) + k0 / 4 * kPanel + c;
-    for (int64_t q = 0; q < n / 4; ++q) std::memcpy(dst + q * kPanel, p.row_codes.data() + 4 * q, 4);
+    for (int64_t q = 0; q < n / 4; ++q) std::memcpy(dst + q * kPanel, row.codes.data() + 4 * q, 4);
     for (int64_t b = 0; b < n / S; ++b) {
-      p.s[(b0 + b) * kPanel + c] = p.row_s[b];
-      p.o[(b0 + b) * kPanel + c] = p.row_o[b];
+      p.s[(b0 + b) * kPanel + c] = row.s[b];
+      p.o[(b0 + b) * kPanel + c] = row.o[b];
     }
   }
 }
@@ -271,17 +267,9 @@ void place_runs(const uint8_t* (&rows)[kPanel], int line, int64_t u0, int64_t u1
   }
 }
 
+// Channels first .. first + kPanel of the segment (those it has) into p.
 void make_panel(const GemmSegment& seg, int64_t K, int64_t first, Panel& p) {
-  const int S = sub_block(seg.type);
-  const int64_t B = K / S, count = std::min<int64_t>(kPanel, seg.rows - first);
-  p.codes.resize(K / 4 * kPanel * 4);
-  p.s.resize(B * kPanel);
-  p.o.resize(B * kPanel);
-  if (count < kPanel) {  // channels past the rows: zeros
-    std::fill(p.codes.begin(), p.codes.end(), 0);
-    std::fill(p.s.begin(), p.s.end(), 0.f);
-    std::fill(p.o.begin(), p.o.end(), 0.f);
-  }
+  const int64_t count = std::min<int64_t>(kPanel, seg.rows - first);
   const uint8_t* rows[kPanel];
   for (int64_t c = 0; c < count; ++c) rows[c] = seg.data + (first + c) * seg.row_bytes;
   const Type t = seg.type;
@@ -313,148 +301,17 @@ void make_panel(const GemmSegment& seg, int64_t K, int64_t first, Panel& p) {
   place_rows(seg, K, 0, rows, 16 * lines, static_cast<int>(count), p);  // the rest, row by row
 }
 
-// x's side of a sub-block, per row: its scale, its scale times its codes' sum (a min's factor), and
-// where the sums start (-bias * the codes' sum), [M][B]
-struct XSide {
-  std::vector<float> dx, xo;
-  std::vector<int32_t> init;
-};
-
-void make_x_side(const std::vector<A8Rows>& passes, int64_t M, int64_t K, Type type, XSide& x) {
-  const int S = sub_block(type), bias = code_bias(type);
-  const bool k = is_k_quant(type);
-  const int64_t B = K / S;
-  x.dx.resize(M * B);
-  x.xo.resize(M * B);
-  x.init.resize(M * B);
-  at::parallel_for(0, static_cast<int64_t>((M + kGgufGemvPassRows - 1) / kGgufGemvPassRows), 1,
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const A8Rows& a = passes[p];
-      for (int64_t r = 0; r < a.M; ++r) {
-        const int64_t m = p * kGgufGemvPassRows + r;
-        const int8_t* q = k ? a.qk.data() + r * K : a.q.data() + r * a.blocks * kA8Block;
-        for (int64_t b = 0; b < B; ++b) {
-          int sum = 0;
-          for (int i = 0; i < S; ++i) sum += q[b * S + i];
-          const float d = k ? a.dk[r * (K / kSuperBlock) + b * S / kSuperBlock] : a.d[r * a.blocks + b];
-          x.dx[m * B + b] = d;
-          x.xo[m * B + b] = d * static_cast<float>(sum);
-          x.init[m * B + b] = -bias * sum;
-        }
-      }
-    }
-  });
-}
-
-// R rows of x against a panel's two lines of 16 channels, over every sub-block: acc[r][line]
-template <int R, int S, bool kMin>
-inline void tile(const Panel& p, int64_t B, const int8_t* xq, int64_t ldq, const float* dx, const float* xo,
-                 const int32_t* init, int64_t ldb, __m512 (&acc)[R][2]) {
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const uint8_t* wc = p.codes.data();
-  for (int64_t b = 0; b < B; ++b) {
-    __m512i sums[R][2];
-    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_set1_epi32(init[r * ldb + b]);
-    const uint8_t* wb = wc + b * (S / 4) * kPanel * 4;
-    const int8_t* xb = xq + b * S;
-    for (int q = 0; q < S / 4; ++q) {
-      const __m512i w0 = _mm512_loadu_si512(wb + q * kPanel * 4), w1 = _mm512_loadu_si512(wb + q * kPanel * 4 + 64);
-      for (int r = 0; r < R; ++r) {
-        int32_t quad;
-        std::memcpy(&quad, xb + r * ldq + 4 * q, 4);
-        const __m512i a = _mm512_set1_epi32(quad);
-        sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], w0, a);
-        sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], w1, a);
-      }
-    }
-    const __m512 s0 = _mm512_loadu_ps(p.s.data() + b * kPanel), s1 = _mm512_loadu_ps(p.s.data() + b * kPanel + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 d = _mm512_set1_ps(dx[r * ldb + b]);
-      acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][0]), d), s0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][1]), d), s1, acc[r][1]);
-    }
-    if constexpr (kMin) {
-      const __m512 o0 = _mm512_loadu_ps(p.o.data() + b * kPanel), o1 = _mm512_loadu_ps(p.o.data() + b * kPanel + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 v = _mm512_set1_ps(xo[r * ldb + b]);
-        acc[r][0] = _mm512_fnmadd_ps(o0, v, acc[r][0]);
-        acc[r][1] = _mm512_fnmadd_ps(o1, v, acc[r][1]);
-      }
-    }
-  }
-}
-
-// 16 float32 -> bfloat16 bits, rounded to nearest even as from_float (finite values)
-inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
-}
-
-// 16 sums into y[col .. col + 16) (the first `count`), rounded to T before a bias adds to it, as the
-// reference's F.linear then + bias
-inline void store16(__m512 v, const float* bias, float* y, __mmask16 mask) {
-  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
-  _mm512_mask_storeu_ps(y, mask, v);
-}
-inline void store16(__m512 v, const c10::BFloat16* bias, c10::BFloat16* y, __mmask16 mask) {
-  __m256i h = to_bf16(v);
-  if (bias) {
-    const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16));
-    h = to_bf16(_mm512_add_ps(rounded, b));
-  }
-  _mm256_mask_storeu_epi16(y, mask, h);
-}
-
-template <int S, bool kMin, typename T>
-void panels(const std::vector<A8Rows>& passes, int64_t M, int64_t K, const GemmSegment& seg, const XSide& x,
-            const T* bias, T* y, int64_t ldy) {
-  const int64_t B = K / S, count = (seg.rows + kPanel - 1) / kPanel;
-  const bool k = is_k_quant(seg.type);
-  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-    thread_local Panel p;  // each thread's own, kept from call to call
-    for (int64_t i = begin; i < end; ++i) {
-      make_panel(seg, K, i * kPanel, p);
-      const int64_t col = seg.column + i * kPanel, channels = std::min<int64_t>(kPanel, seg.rows - i * kPanel);
-      const __mmask16 m0 = static_cast<__mmask16>(channels >= 16 ? 0xFFFF : (1u << channels) - 1);
-      const __mmask16 m1 = static_cast<__mmask16>(channels >= 32 ? 0xFFFF : channels <= 16 ? 0 : (1u << (channels - 16)) - 1);
-      for (size_t pass = 0; pass * kGgufGemvPassRows < static_cast<size_t>(M); ++pass) {
-        const A8Rows& a = passes[pass];
-        const int64_t m = pass * kGgufGemvPassRows;
-        const int8_t* xq = k ? a.qk.data() : a.q.data();
-        const int64_t ldq = k ? K : a.blocks * kA8Block;
-        with_count<kGgufGemvPassRows>(a.M, [&](auto rows) {
-          constexpr int R = decltype(rows)::value;
-          __m512 acc[R][2];
-          tile<R, S, kMin>(p, B, xq, ldq, x.dx.data() + m * B, x.xo.data() + m * B, x.init.data() + m * B, B, acc);
-          for (int r = 0; r < R; ++r) {
-            T* yr = y + (m + r) * ldy + col;
-            const T* b = bias ? bias + col : nullptr;
-            store16(acc[r][0], b, yr, m0);
-            if (m1) store16(acc[r][1], b ? b + 16 : nullptr, yr + 16, m1);
-          }
-        });
-      }
-    }
-  });
-}
-
 }  // namespace
 
 template <typename T>
 void integer_gemm(const std::vector<A8Rows>& passes, int64_t M, int64_t K, const GemmSegment& seg, const T* bias,
                   T* y, int64_t ldy) {
-  XSide x;
-  make_x_side(passes, M, K, seg.type, x);
-  const bool min = has_min(seg.type);
-  if (sub_block(seg.type) == 16) panels<16, false, T>(passes, M, K, seg, x, bias, y, ldy);
-  else if (min) panels<32, true, T>(passes, M, K, seg, x, bias, y, ldy);
-  else panels<32, false, T>(passes, M, K, seg, x, bias, y, ldy);
+  const code_gemm::CodeForm form{sub_block(seg.type), code_bias(seg.type), has_min(seg.type), is_k_quant(seg.type)};
+  code_gemm::code_gemm<T>(passes, M, K, form, seg.rows, seg.column,
+                          [&](int64_t first, Panel& p) { make_panel(seg, K, first, p); }, bias, y, ldy);
 }
 
-#else  // no AVX512-VNNI: gguf_linear_cpu.cpp never calls it (kIntegerGemm)
+#else  // no AVX512-VNNI: gguf_linear_cpu.cpp never calls it (integer_gemm_usable)
 
 template <typename T>
 void integer_gemm(const std::vector<A8Rows>&, int64_t, int64_t, const GemmSegment&, const T*, T*, int64_t) {

@@ -39,7 +39,6 @@ using gguf::A8Rows;
 using gguf::dot_any_row;
 using gguf::is_float;
 using gguf::is_k_quant;
-using gguf::quantize_rows;
 using gguf::Type;
 
 constexpr int64_t kGgufGemvGrainBytes = 64 * 1024;  // the least a thread takes of a GEMV's weight
@@ -135,30 +134,10 @@ void gemv_passes(const std::vector<A8Rows>& passes, int64_t M, const uint8_t* bl
   });
 }
 
-// x's rows rounded as `needs` asks, kGgufGemvPassRows to a pass, the passes in parallel. Read by
-// this call's threads, rewritten by the next call's (a reference: in a lambda, the name of a
-// thread_local would be each thread's own).
-template <typename T>
-const std::vector<A8Rows>& quantize_passes(const at::Tensor& x, const gguf::A8Needs& needs) {
-  const int64_t M = x.size(0), num_passes = (M + kGgufGemvPassRows - 1) / kGgufGemvPassRows;
-  thread_local std::vector<A8Rows> kept;
-  std::vector<A8Rows>& passes = kept;
-  if (static_cast<int64_t>(passes.size()) < num_passes) passes.resize(num_passes);
-  const T* xp = x.data_ptr<T>();
-  at::parallel_for(0, num_passes, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t r = p * kGgufGemvPassRows;
-      quantize_rows<T>(xp + r * x.stride(0), std::min<int64_t>(kGgufGemvPassRows, M - r), x.size(1), x.stride(0),
-                       needs, passes[p]);
-    }
-  });
-  return passes;
-}
-
 template <typename T>
 void gemv(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, const std::vector<Segment>& segments,
           const c10::optional<at::Tensor>& bias) {
-  const std::vector<A8Rows>& passes = quantize_passes<T>(x, needs_of(segments));
+  const std::vector<A8Rows>& passes = code_gemm::quantize_passes<T>(x, needs_of(segments));
   gemv_passes<T>(passes, x.size(0), blob, segments, bias.has_value() ? bias->data_ptr<T>() : nullptr,
                  out.data_ptr<T>(), out.stride(0));
 }
@@ -206,7 +185,7 @@ void integer_gemm(at::Tensor& out, const at::Tensor& x, const uint8_t* blob, con
     needs.k_quants |= is_k_quant(seg.type);
     needs.legacy |= !is_k_quant(seg.type) && !is_float(seg.type);
   }
-  const std::vector<A8Rows>& passes = quantize_passes<T>(x, needs);
+  const std::vector<A8Rows>& passes = code_gemm::quantize_passes<T>(x, needs);
   const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   for (const Segment& seg : segments) {
     if (is_float(seg.type)) {
@@ -318,8 +297,6 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t K, c10::
 
 int64_t gguf_gemv_max_rows(int64_t K) { return amx_usable(K) ? kGgufGemvMaxRows : kGgufGemvMaxRowsNoAmx; }
 
-bool gguf_integer_gemm(int64_t K) { return gguf::kIntegerGemm && !amx_usable(K); }
-
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blob, const at::Tensor& segments,
                        const c10::optional<at::Tensor>& bias) {
   const auto dtype = x.scalar_type();
@@ -341,7 +318,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blob, const at::Te
   // a prefill or a batch: x rounded to the codes the GEMV multiplies (so that a row's result does not
   // depend on how many rows share the step)
   const at::Tensor xc = x.contiguous();
-  if (gguf_integer_gemm(K)) {
+  if (integer_gemm_usable(K)) {
     if (dtype == at::kBFloat16) integer_gemm<c10::BFloat16>(out, xc, raw, segs, bias);
     else integer_gemm<float>(out, xc, raw, segs, bias);
     return out;
@@ -365,5 +342,4 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor blob, Tensor segments, Tensor? bias) -> Tensor");
   m.impl("gguf_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::gguf_linear));
   m.def("gguf_gemv_max_rows(int K) -> int", &dabba::gguf_gemv_max_rows);  // no tensor: a catch-all
-  m.def("gguf_integer_gemm(int K) -> bool", &dabba::gguf_integer_gemm);
 }

@@ -1,5 +1,5 @@
 // PyTorch's packed int4 CPU layout (_convert_weight_to_int4pack_for_cpu on AVX-512) as dabba's INT4
-// kernels read it: the GEMV (int4_gemv_cpu.cpp) and the AMX GEMM (gemm_amx_cpu.cpp). Per block of
+// kernels read it: the GEMV (int4_linear_cpu.cpp) and the AMX GEMM (gemm_amx_cpu.cpp). Per block of
 // kInt4BlockRows output rows, for each k, 32 bytes: byte i holds row i's code in its low nibble and
 // row 32 + i's in its high nibble. tinygemm dequantizes (q - 8) * scale + zero, with bf16 (scale,
 // zero) pairs [groups, N, 2].

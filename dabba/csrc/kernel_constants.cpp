@@ -17,7 +17,6 @@ c10::Dict<std::string, int64_t> kernel_constants() {
   constants.insert("gemm_row_block", kGemmRowBlock);
   constants.insert("int8_gemv_max_rows", kInt8GemvMaxRows);
   constants.insert("int4_gemv_max_rows", kInt4GemvMaxRows);
-  constants.insert("int4_dequant_min_rows", kInt4DequantMinRows);
   constants.insert("int8_gemm_min_rows", kInt8GemmMinRows);
   constants.insert("int8_dequant_min_rows", kInt8DequantMinRows);
   constants.insert("amx_gemv_max_rows", kAmxGemvMaxRows);

@@ -86,8 +86,7 @@ class KernelConstants:
     gemm_max_rows: int  # and the GEMM beyond, up to here; F.linear (oneDNN) past it
     gemm_row_block: int  # the GEMM computes x's rows this many at a time
     int8_gemv_max_rows: int  # INT8 codes: the GEMV up to here
-    int4_gemv_max_rows: int  # INT4 codes (PyTorch's packed layout): dabba's GEMV up to here, tinygemm beyond
-    int4_dequant_min_rows: int  # without AMX, bf16 rows from here: the codes dequantized to bf16 + dense_linear
+    int4_gemv_max_rows: int  # INT4 codes (PyTorch's packed layout): dabba's GEMV up to here, a GEMM beyond
     int8_gemm_min_rows: int  # INT8's GEMM from here to gemm_max_rows (bf16 activations)
     int8_dequant_min_rows: int  # past the GEMM (or float32 from here) INT8 dequantizes its codes
     amx_gemv_max_rows: int  # where the GEMM runs on AMX tiles (amx_usable): the GEMV only up to here
@@ -165,10 +164,11 @@ def gguf_gemv_max_rows(in_features: int) -> int:
     return int(torch.ops.dabba_cpu.gguf_gemv_max_rows(in_features)) if load_cpu_ops() else 0
 
 
-def gguf_integer_gemm(in_features: int) -> bool:
-    """Whether a GGUF linear's rows past the GEMV take the integer GEMM here (x's 8-bit codes times the
-    blocks' codes, AVX512-VNNI without AMX tiles) rather than the dequantized rows' (csrc/cpu_ops.h)."""
-    return bool(torch.ops.dabba_cpu.gguf_integer_gemm(in_features)) if load_cpu_ops() else False
+def integer_gemm_usable(in_features: int) -> bool:
+    """Whether a GGUF or INT4 linear's rows past its GEMV take the integer GEMM here (x's 8-bit codes
+    times the weight's codes, AVX512-VNNI without AMX tiles: csrc/code_gemm.h) rather than the
+    weight dequantized per call (csrc/cpu_ops.h)."""
+    return bool(torch.ops.dabba_cpu.integer_gemm_usable(in_features)) if load_cpu_ops() else False
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -133,7 +133,7 @@ def linear_reference(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Te
     """What gguf_linear computes: x [M, K] against the segments' rows, in x's dtype; up to
     ``gemv_max_rows`` rows (dabba.ops.native.gguf_gemv_max_rows(K) of the build) as the GEMV does,
     and beyond them too where the build's GEMM multiplies the codes in integers
-    (``integer_gemm``: native.gguf_integer_gemm(K)); otherwise as ``dequantized_linear``."""
+    (``integer_gemm``: native.integer_gemm_usable(K)); otherwise as ``dequantized_linear``."""
     k = x.shape[1]
     if x.shape[0] > gemv_max_rows and not integer_gemm:
         return dequantized_linear(x, segments, bias)

@@ -30,7 +30,7 @@ def int4_bytes(out: int, k: int, group_size: int, dtype: torch.dtype, device_typ
 
 
 def int4_matmul_cpu(layer: nn.Module, x: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """dabba's INT4 GEMV for decode's few rows (csrc/int4_gemv_cpu.cpp reads this layout at close to
+    """dabba's INT4 GEMV for decode's few rows (csrc/int4_linear_cpu.cpp reads this layout at close to
     memory bandwidth), tinygemm beyond; tinygemm alone without the native kernels."""
     from dabba.ops.native import load_cpu_ops
 

@@ -17,7 +17,7 @@ from tools.random_gguf import random_blocks
 
 pytestmark = pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels unavailable")
 gemv_max_rows = native.gguf_gemv_max_rows  # of an input width: the GEMV up to here, the GEMM beyond
-integer_gemm = native.gguf_integer_gemm  # whether that GEMM multiplies x's codes as the GEMV does
+integer_gemm = native.integer_gemm_usable  # whether that GEMM multiplies x's codes as the GEMV does
 
 TYPES = [*BLOCKS, *LAYOUTS]
 

@@ -1,7 +1,8 @@
-"""dabba's INT4 kernels (csrc/int4_gemv_cpu.cpp: the GEMV up to int4_gemv_max_rows rows of x, on
-AVX-512 with x rounded to 8-bit codes as the GGUF GEMV rounds it, or AVX2, the AMX GEMM beyond where the CPU has AMX and x is bf16, without AMX from
-int4_dequant_min_rows bf16 rows the weight dequantized to bf16 and dense_linear) against the exact
-product of the dequantized weight and against PyTorch's tinygemm, which they replace."""
+"""dabba's INT4 kernels (csrc/int4_linear_cpu.cpp: the GEMV up to int4_gemv_max_rows rows of x, on
+AVX-512 with x rounded to 8-bit codes as the GGUF GEMV rounds it, or AVX2; beyond, the AMX GEMM
+where the CPU has AMX and x is bf16, without AMX tiles the integer GEMM on the GEMV's codes of x)
+against the exact product of the dequantized weight and against PyTorch's tinygemm, which they
+replace."""
 from __future__ import annotations
 
 import os
@@ -55,7 +56,7 @@ def test_int4_linear_equals_the_dequantized_product(rows, n, k, group_size, dtyp
     tinygemm = torch.ops.dabba_cpu.int4_linear(x, packed, group_size, scale_zero, bias, False)
     assert ours.dtype == tinygemm.dtype == dtype and ours.shape == (rows, n)
     constants = native.kernel_constants()
-    if rounds_activations(n, rows, group_size):  # the AVX-512 GEMV: x as its 8-bit codes give it back
+    if rounds_activations(n, k, rows, group_size, dtype):  # x as its 8-bit codes give it back
         exact = rounded(x) @ weight.t() + bias.double()
     # bf16: the output's rounding (2^-8 relative) dominates (the AMX GEMM also rounds the dequantized
     # weight to bf16); float32: the sums' (the avx2 GEMV's byte sums less 16x the high nibbles' cost a
@@ -64,51 +65,24 @@ def test_int4_linear_equals_the_dequantized_product(rows, n, k, group_size, dtyp
     assert (ours.double() - exact).abs().max().item() <= tolerance
     assert (tinygemm.double() - (x.double() @ weight.t() + bias.double())).abs().max().item() <= tolerance
     amx = dtype == torch.bfloat16 and native.amx_usable(k)
-    dequantized = dequantizes(packed, group_size, scale_zero) and rows >= constants.int4_dequant_min_rows and \
-        dtype == torch.bfloat16
-    if n % pytorch_block_rows() or (rows > constants.int4_gemv_max_rows and not amx and not dequantized):
+    if n % pytorch_block_rows() or (rows > constants.int4_gemv_max_rows and not amx and
+                                    not rounds_activations(n, k, rows, group_size, dtype)):
         assert torch.equal(ours, tinygemm)  # tinygemm takes these (the GEMV reads whole blocks)
-    if dequantized:  # the bf16 weight through dense_linear, a chunk at a time: what int4_linear takes without AMX
-        chunked = torch.ops.dabba_cpu.int4_dequant_linear(x, packed, group_size, scale_zero, bias)
-        w = torch.ops.dabba_cpu.int4_dequantize(packed, group_size, scale_zero)
-        assert torch.equal(chunked, torch.ops.dabba_cpu.dense_linear(x, w, bias))
-        assert (chunked.double() - exact).abs().max().item() <= tolerance
-        if not amx:
-            assert torch.equal(ours, chunked)
 
 
-def rounds_activations(n: int, rows: int, group_size: int) -> bool:
-    """Whether int4_linear takes these operands to the AVX-512 GEMV, which multiplies x rounded to
-    8-bit codes per 32 values (the GGUF GEMV's legacy rounding)."""
+def rounds_activations(n: int, k: int, rows: int, group_size: int, dtype: torch.dtype) -> bool:
+    """Whether int4_linear multiplies these operands' x rounded to 8-bit codes per 32 values (the GGUF
+    GEMV's legacy rounding): the AVX-512 GEMV, and past it, for bf16 x, the integer GEMM where the
+    CPU has no AMX tiles."""
     return native.loaded_variant() == "avx512" and pytorch_block_rows() == 64 and n % 64 == 0 and \
-        rows <= native.kernel_constants().int4_gemv_max_rows and group_size % 32 == 0
+        group_size % 32 == 0 and (rows <= native.kernel_constants().int4_gemv_max_rows or
+                                  (dtype == torch.bfloat16 and native.integer_gemm_usable(k)))
 
 
 def rounded(x: torch.Tensor) -> torch.Tensor:
     """x as the AVX-512 GEMV's 8-bit codes give it back, in float64."""
     q, d = quantize_activations(x, 32)
     return (q.double().view(x.shape[0], -1, 32) * d.double()[..., None]).view(x.shape[0], -1)
-
-
-def dequantizes(packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor) -> bool:
-    """Whether this build dequantizes these operands to bf16 past int4_dequant_min_rows (without AMX)."""
-    return torch.ops.dabba_cpu.int4_dequantize(packed, group_size, scale_zero) is not None
-
-
-@pytest.mark.parametrize("n, k, group_size", [(128, 256, 32), (192, 512, 64), (2048, 1536, 128), (64, 128, 128)])
-def test_the_dequantized_weight_is_the_codes_meaning_rounded_to_bf16(n, k, group_size) -> None:
-    """What int4_linear multiplies without AMX past int4_dequant_min_rows bf16 rows: (q - 8) * scale
-    + zero, each weight rounded to bf16 once (within one bf16 rounding of the exact value)."""
-    if not native.load_cpu_ops():
-        pytest.skip("native kernels unavailable")
-    packed, scale_zero, weight = packed_weight(n, k, group_size, torch.bfloat16, seed=n + k)
-    w = torch.ops.dabba_cpu.int4_dequantize(packed, group_size, scale_zero)
-    if w is None:
-        assert native.loaded_variant() != "avx512" or pytorch_block_rows() != 64
-        pytest.skip("this build or PyTorch's packing has no dequantizing path")
-    assert w.dtype == torch.bfloat16 and w.shape == (n, k)
-    assert torch.equal(w, weight.float().to(torch.bfloat16)) or \
-        ((w.double() - weight).abs() <= weight.abs() * 2**-8 + 1e-30).all()
 
 
 @pytest.mark.skipif(native.loaded_variant() != "avx2" or pytorch_block_rows() != 64,

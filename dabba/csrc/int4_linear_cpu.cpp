@@ -1,7 +1,8 @@
 // INT4 linear on the CPU: a GEMV for decode's few rows that reads PyTorch's packed int4 CPU layout
 // (int4_pack.h; every 4-bit method in dabba repacks into it: dabba/quantization/kernels.py); past
-// kInt4GemvMaxRows the AMX GEMM (gemm_amx_cpu.cpp) or _weight_int4pack_mm_for_cpu ("tinygemm").
-// int4_linear below is where that is chosen, for the Python layers and the native layer loop alike.
+// kInt4GemvMaxRows the AMX GEMM (gemm_amx_cpu.cpp), the integer GEMM (code_gemm.h, as GGUF's
+// prefills take it) or _weight_int4pack_mm_for_cpu ("tinygemm"). int4_linear below is where that is
+// chosen, for the Python layers and the native layer loop alike.
 //
 // AVX-512 (with VNNI, as every CPU of the avx512 variant): integer dot products, as the GGUF GEMV.
 // Each row of x is rounded to 8-bit codes per block of 32 exactly as the GGUF GEMV rounds it for the
@@ -14,8 +15,8 @@
 // group_size k, tinygemm's dequantization (q - 8) * scale + zero is met by the offset times the
 // rounded x's sum: sum_k w x = scale * sum_k q x + (zero - 8 scale) * sum_k x. The float kernel it
 // replaced widened every code to float32 for an FMA: four times the instructions a byte, and
-// compute-bound below the memory's rate. The GEMM paths keep x unrounded. Rows of x past 4 take
-// another pass.
+// compute-bound below the memory's rate. Rows of x past 4 take another pass. The integer GEMM
+// multiplies the same codes of x, the AMX GEMM keeps x unrounded.
 //
 // On AVX2 + FMA (the avx2 variant) float sums in 8 lanes, over the 32-row blocks PyTorch packs where
 // it runs at AVX2 (as on a CPU without AVX-512): each k's 16 bytes widen to 2 x 8 byte values b =
@@ -27,7 +28,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "bf16_tiles.h"
+#include "code_gemm.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
 #include "gguf_dot.h"
@@ -371,75 +372,73 @@ at::Tensor int4_amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
-// More rows than the GEMV takes, bf16, without AMX (Zen 4 and 5; a Xeon before Sapphire Rapids
-// with AVX512-BF16): the weight dequantized to bf16 once per call, then dense_linear, the bf16 GEMM
-// every dense layer takes, from kInt4DequantMinRows rows (below, tinygemm's float32 FMAs cost less
-// than dequantizing the whole weight).
-bool dequant_takes(const at::Tensor& x, int64_t group_size, const at::Tensor& scale_zero) {
-  return x.size(0) >= kInt4DequantMinRows && x.scalar_type() == at::kBFloat16 &&
-         scale_zero.scalar_type() == at::kBFloat16 && group_size % 16 == 0 && gemv_block_rows() == kInt4BlockRows;
+#endif  // DABBA_HAVE_BF16_GEMM
+
+#ifdef DABBA_HAVE_CODE_GEMM
+
+// More rows than the GEMV takes, bf16, without AMX tiles (Zen 4 and 5): the integer GEMM of
+// code_gemm.h, x rounded as the GEMV rounds it (its groups must hold whole blocks of 32). float32
+// x, asked for where precision matters more than time, keeps tinygemm's unrounded products.
+bool integer_gemm_takes(const at::Tensor& x, int64_t group_size, const at::Tensor& scale_zero) {
+  return x.size(0) > kInt4GemvMaxRows && x.scalar_type() == at::kBFloat16 &&
+         scale_zero.scalar_type() == at::kBFloat16 && group_size % gguf::kA8Block == 0 &&
+         integer_gemm_usable(x.size(1));
 }
 
-// W's blocks [block_begin, block_end) (64 rows each) as bf16 rows of w, from its row 0: per 16 k
-// (within one group) and 16 rows, (q - 8) * scale + zero in float32, transposed in registers to k
-// along each row, rounded once.
-void dequantize_blocks(const uint8_t* packed, const uint32_t* scale_zero, int64_t group_size, int64_t K, int64_t N,
-                       uint16_t* w, int64_t block_begin, int64_t block_end) {
-  w -= block_begin * kInt4BlockRows * K;  // w's row 0 is the first block's
-  for (int64_t b = block_begin; b < block_end; ++b) {
-    const uint8_t* block = packed + b * K * 32;
-    for (int64_t k0 = 0; k0 < K; k0 += 16) {
-      for (int r = 0; r < 4; ++r) {  // rows 16r.. of the block: bytes (r % 2) * 16.., nibble r / 2
-        __m512 scale, offset;
-        int4_scale_offset(scale_zero + (k0 / group_size) * N + b * kInt4BlockRows + 16 * r, scale, offset);
-        __m512i v[16];
-        for (int kk = 0; kk < 16; ++kk) {
-          const uint8_t* bytes = block + (k0 + kk) * 32 + (r % 2) * 16;
-          __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-          q = r < 2 ? _mm512_and_si512(q, _mm512_set1_epi32(15)) : _mm512_srli_epi32(q, 4);
-          v[kk] = _mm512_castps_si512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, offset));
-        }
-        transpose16(v);  // v[row] = row 16r + row's 16 k
-        uint16_t* out = w + (b * kInt4BlockRows + 16 * r) * K + k0;
-        for (int row = 0; row < 16; ++row)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * K),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(v[row])));
-      }
+// Channels first .. first + 32 of W into a panel: a 64-row block's low nibbles (its rows 0-31) or
+// its high ones (32-63), 4 k at a time through the GEMV's gather (a dword permute and a byte
+// shuffle give 16 rows' 4 codes a dword, the panel's line); per group, the rows' scale and
+// offset o = 8 scale - zero (tinygemm's (q - 8) scale + zero = scale q - o) for its sub-blocks.
+void int4_panel(const uint8_t* packed, int64_t K, int64_t N, int64_t group_size, const uint32_t* scale_zero,
+                int64_t first, code_gemm::Panel& p) {
+  const uint8_t* w = packed + first / kInt4BlockRows * K * 32;
+  const bool high = first % kInt4BlockRows != 0;
+  const __m512i index[2] = {int4_quad_index(0), int4_quad_index(1)};
+  const __m512i rows_4x4 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  uint8_t* codes = p.codes.data();
+  for (int64_t k = 0; k < K; k += 4) {
+    const __m512i lo128 = _mm512_loadu_si512(w + k * 32), hi128 = _mm512_loadu_si512(w + k * 32 + 64);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_shuffle_epi8(_mm512_permutex2var_epi32(lo128, index[h], hi128), rows_4x4);
+      _mm512_storeu_si512(codes + k * code_gemm::kPanel + 64 * h,
+                          _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, low4));
     }
   }
+  const int64_t blocks_per_group = group_size / gguf::kA8Block;
+  for (int64_t g = 0; g < K / group_size; ++g)
+    for (int h = 0; h < 2; ++h) {
+      const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + first + 16 * h);  // bf16 (scale, zero) pairs
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      const __m512 offset = _mm512_fmsub_ps(_mm512_set1_ps(8.f), scale, zero);
+      for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+        _mm512_storeu_ps(p.s.data() + b * code_gemm::kPanel + 16 * h, scale);
+        _mm512_storeu_ps(p.o.data() + b * code_gemm::kPanel + 16 * h, offset);
+      }
+    }
 }
 
-// W's blocks [begin, end) dequantized into w's first rows (bf16, [>= (end - begin) * 64, K]).
-void int4_dequantize_into(at::Tensor& w, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
-                          int64_t begin, int64_t end) {
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+// y = x W^T (+ b) for bf16 x, its rows rounded to the GEMV's codes once, W a panel at a time.
+at::Tensor int4_integer_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
+                             const at::Tensor& scale_zero, const c10::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  gguf::A8Needs needs;
+  needs.legacy = true;
+  using T = c10::BFloat16;
+  const std::vector<gguf::A8Rows>& passes = code_gemm::quantize_passes<T>(x, needs);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const bool fused_bias = bias.has_value() && bias->scalar_type() == x.scalar_type() && bias->is_contiguous();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
   const auto* sz = reinterpret_cast<const uint32_t*>(scale_zero.data_ptr());
-  auto* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
-  at::parallel_for(begin, end, 1, [&](int64_t b0, int64_t b1) {
-    dequantize_blocks(packed.data_ptr<uint8_t>(), sz, group_size, K, N, wp + (b0 - begin) * kInt4BlockRows * K, b0, b1);
-  });
+  const code_gemm::CodeForm form{gguf::kA8Block, 0, true, false};
+  code_gemm::code_gemm<T>(passes, M, K, form, N, 0, [&](int64_t first, code_gemm::Panel& p) {
+    int4_panel(w, K, N, group_size, sz, first, p);
+  }, fused_bias ? bias->data_ptr<T>() : nullptr, y.data_ptr<T>(), N);
+  return fused_bias || !bias.has_value() ? y : y + *bias;
 }
 
-// y = x W^T (+ b), W dequantized kInt4DequantChunkValues values at a time into one buffer and each
-// chunk multiplied by dense_linear: the chunk stays in the caches for the GEMM, and no fresh
-// weight-sized allocation is faulted in per call.
-at::Tensor int4_dequant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
-                               const at::Tensor& scale_zero, const c10::optional<at::Tensor>& bias) {
-  const int64_t N = packed.size(0), K = packed.size(1) * 2, blocks = N / kInt4BlockRows;
-  const int64_t chunk = std::max<int64_t>(1, kInt4DequantChunkValues / (kInt4BlockRows * K));  // blocks
-  at::Tensor out = at::empty({x.size(0), N}, x.options());
-  at::Tensor w = at::empty({std::min(chunk, blocks) * kInt4BlockRows, K}, x.options());
-  for (int64_t b = 0; b < blocks; b += chunk) {
-    const int64_t end = std::min(blocks, b + chunk), rows = (end - b) * kInt4BlockRows;
-    int4_dequantize_into(w, packed, group_size, scale_zero, b, end);
-    const c10::optional<at::Tensor> bb =
-        bias.has_value() ? c10::optional<at::Tensor>(bias->narrow(0, b * kInt4BlockRows, rows)) : c10::nullopt;
-    out.narrow(1, b * kInt4BlockRows, rows).copy_(dense_linear(x, w.narrow(0, 0, rows), bb));
-  }
-  return out;
-}
-
-#endif  // DABBA_HAVE_BF16_GEMM
+#endif  // DABBA_HAVE_CODE_GEMM
 
 }  // namespace
 
@@ -447,9 +446,9 @@ at::Tensor int4_dequant_linear(const at::Tensor& x, const at::Tensor& packed, in
 
 // The one place an INT4 linear picks its kernel: the GEMV above for up to kInt4GemvMaxRows rows;
 // beyond, the AMX GEMM on blocks dequantized to bf16 where the CPU has AMX and x is bf16; without
-// AMX, from kInt4DequantMinRows bf16 rows, the weight dequantized to bf16 and dense_linear; else (and
-// where PyTorch packed another layout) PyTorch's tinygemm. ``native`` false forces tinygemm (the
-// tests hold the others equal to it within rounding).
+// AMX tiles, the integer GEMM on x's 8-bit codes (AVX512-VNNI); else (and where PyTorch packed
+// another layout) PyTorch's tinygemm. ``native`` false forces tinygemm (the tests hold the others
+// equal to it within rounding).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero,
                        const c10::optional<at::Tensor>& bias, bool native) {
   at::Tensor y;
@@ -457,7 +456,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t gr
   if (native && packed_operands(x, packed, group_size, scale_zero)) {
 #ifdef DABBA_HAVE_BF16_GEMM
     if (amx_takes(x, group_size, scale_zero, bias)) return int4_amx_gemm(x, packed, group_size, scale_zero, bias);
-    if (dequant_takes(x, group_size, scale_zero)) return int4_dequant_linear(x, packed, group_size, scale_zero, bias);
+#endif
+#ifdef DABBA_HAVE_CODE_GEMM
+    if (integer_gemm_takes(x, group_size, scale_zero)) return int4_integer_gemm(x, packed, group_size, scale_zero, bias);
 #endif
     if (gemv_takes(x, group_size, scale_zero)) y = int4_gemv(x, packed, group_size, scale_zero);
   }
@@ -466,41 +467,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t gr
   return bias.has_value() ? y + *bias : y;
 }
 
-// The weight as bf16 [N, K], as int4_linear dequantizes it past kInt4DequantMinRows rows without AMX;
-// none where that path is not built or the operands are not its (64-row blocks, bf16 scales, groups
-// of a multiple of 16).
-c10::optional<at::Tensor> int4_dequantize(const at::Tensor& packed, int64_t group_size, const at::Tensor& scale_zero) {
-#if defined(DABBA_HAVE_INT4_GEMV) && defined(DABBA_HAVE_BF16_GEMM)
-  const at::Tensor x = at::empty({kInt4DequantMinRows, packed.size(1) * 2}, packed.options().dtype(at::kBFloat16));
-  if (packed_operands(x, packed, group_size, scale_zero) && dequant_takes(x, group_size, scale_zero)) {
-    at::Tensor w = at::empty({packed.size(0), x.size(1)}, x.options());
-    int4_dequantize_into(w, packed, group_size, scale_zero, 0, packed.size(0) / kInt4BlockRows);
-    return w;
-  }
-#endif
-  return c10::nullopt;
-}
-
-// The path int4_linear takes without AMX past kInt4DequantMinRows rows, on any CPU it is built for
-// (the tests run it where AMX takes int4_linear); none where it is not built or not these operands'.
-c10::optional<at::Tensor> int4_dequant_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
-                                                 const at::Tensor& scale_zero, const c10::optional<at::Tensor>& bias) {
-#if defined(DABBA_HAVE_INT4_GEMV) && defined(DABBA_HAVE_BF16_GEMM)
-  if (packed_operands(x, packed, group_size, scale_zero) && dequant_takes(x, group_size, scale_zero) &&
-      x.is_contiguous() && (!bias.has_value() || bias->scalar_type() == at::kBFloat16))
-    return int4_dequant_linear(x, packed, group_size, scale_zero, bias);
-#endif
-  return c10::nullopt;
-}
-
 }  // namespace dabba
 
 TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor? bias, bool native=True) -> Tensor");
   m.impl("int4_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::int4_linear));
-  m.def("int4_dequantize(Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor?");
-  m.def("int4_dequant_linear(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor? bias) -> "
-        "Tensor?");
-  m.impl("int4_dequant_linear", c10::DispatchKey::CPU, TORCH_FN(dabba::int4_dequant_linear_op));
-  m.impl("int4_dequantize", c10::DispatchKey::CPU, TORCH_FN(dabba::int4_dequantize));
 }
