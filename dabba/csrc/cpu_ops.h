@@ -165,16 +165,22 @@ at::Tensor dense_linear_gelu_tanh_and_mul(const at::Tensor& x, const at::Tensor&
 // bf16 once per call and multiplied by the same tiles.
 void int8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                const c10::optional<at::Tensor>& bias, bool amx = true);
+// int8_code_gemm_cpu.cpp: (x Q^T) * s (+ b) for bf16 x through the integer GEMM (code_gemm.h), x
+// rounded to 8-bit codes per 32 values; takes where K is whole blocks of 32 and integer_gemm_usable.
+bool int8_integer_gemm_takes(const at::Tensor& x, const at::Tensor& codes);
+at::Tensor int8_integer_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& bias);
 // (x Q^T) * s + b on the CPU, the one place that picks the INT8 kernel: the INT8 GEMV up to
-// kInt8GemvMaxRows rows, int8_gemm from kInt8GemmMinRows (kAmxInt8GemmMinRows on AMX tiles) to
-// kGemmMaxRows (bf16 x), codes
-// dequantized + dense_linear from kInt8DequantMinRows, else _weight_int8pack_mm. A build without
-// the GEMM (avx2) runs the INT8 GEMV at any count of bf16 rows, kInt8GemvMaxRows a pass.
+// kInt8GemvMaxRows rows; past it, bf16 rows without AMX tiles take the integer GEMM
+// (int8_integer_gemm); elsewhere int8_gemm from kInt8GemmMinRows (kAmxInt8GemmMinRows on AMX
+// tiles) to kGemmMaxRows (bf16 x), codes dequantized + dense_linear from kInt8DequantMinRows, else
+// _weight_int8pack_mm. A build without the GEMM (avx2) runs the INT8 GEMV at any count of bf16
+// rows, kInt8GemvMaxRows a pass.
 // Batch invariance: within each kernel's range of row counts a row's output does not depend on
 // the other rows (bit for bit; on the avx2 build bf16 rows take one kernel at every count);
 // crossing a threshold (a step with more or fewer requests) moves it by at most both kernels'
-// roundings: the GEMV's int16 activations, float32 sums, and past kGemmMaxRows the weight rounded
-// to bf16 once dequantized. Measured on random layers (K 576-8960): 2% of outputs move by one bf16
+// roundings: the GEMV's int16 activations, the integer GEMM's 8-bit ones, float32 sums, and past
+// kGemmMaxRows the weight rounded to bf16 once dequantized. Measured on random layers (K 576-8960): 2% of outputs move by one bf16
 // ulp between the GEMV and the GEMM, 41% by one or a few into the dequantized path, all within
 // 2e-3 (GEMV, GEMM) and 3.3e-3 (dequantized) of the largest output from exact products;
 // tests/layers/test_int8_batch_invariance.py holds the bound. Greedy output can then change with

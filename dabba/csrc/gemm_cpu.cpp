@@ -434,6 +434,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
       (x.size(0) <= kInt8GemvMaxRows || (dtype == at::kBFloat16 && !gemm_available())))
     return gemv_passes(x, codes.size(0), kInt8GemvMaxRows,
                        [&](at::Tensor y, const at::Tensor& rows) { int8_gemv(y, rows, codes, scales, bias); });
+  if (operands && int8_integer_gemm_takes(x, codes)) return int8_integer_gemm(x, codes, scales, bias);
   // PyTorch's _weight_int8pack_mm (2.13, CPU) crashes when K is not a multiple of 32: never hand it one.
   const bool pack_mm_safe = x.size(-1) % 32 == 0;
   if (operands && dtype == at::kBFloat16 && (x.size(0) >= int8_gemm_min_rows(x.size(1)) || !pack_mm_safe) &&

@@ -203,10 +203,12 @@ def int8_gemv_available() -> bool:
 def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x (codes * scales[:, None])^T + bias on the CPU through dabba's INT8 kernels: the INT8 GEMV for
-    decode's few rows (csrc/int8_gemv_cpu.cpp), the GEMM on codes widened to bf16 from
-    int8_gemm_min_rows to gemm_max_rows (csrc/gemm_cpu.cpp; KernelConstants), codes dequantized + linear for long
-    prefills, else PyTorch's _weight_int8pack_mm (the avx2 build, without the GEMM: the GEMV for any
-    count of bf16 rows). None off the CPU or without the native kernels."""
+    decode's few rows (csrc/int8_gemv_cpu.cpp); past it bf16 rows without AMX tiles take the integer
+    GEMM (csrc/int8_code_gemm_cpu.cpp; integer_gemm_usable); elsewhere the GEMM on codes widened to
+    bf16 from int8_gemm_min_rows to gemm_max_rows (csrc/gemm_cpu.cpp; KernelConstants), codes
+    dequantized + linear for long prefills, else PyTorch's _weight_int8pack_mm (the avx2 build,
+    without the GEMM: the GEMV for any count of bf16 rows). None off the CPU or without the native
+    kernels."""
     if x.dim() == 2 and x.device.type == "cpu" and load_cpu_ops():
         return torch.ops.dabba_cpu.int8_linear(x, codes, scales, bias)
     return None

@@ -2,15 +2,17 @@
 requests share the step). Within each kernel's range of row counts a row's output is the same
 bit for bit (each output depends on its own row of x and of codes only); where the row count
 crosses a threshold into another kernel, outputs may move by that kernel's roundings: the GEMV's
-int16 activations (at most max|x| / 65534 an element), _weight_int8pack_mm's and the GEMM's
-float32 sums, and past kGemmMaxRows the dequantized bf16 weight (2^-9 of each product). The bound
-is the sum of the two kernels' bounds against exact products (csrc/cpu_ops.h, int8_linear)."""
+int16 activations (at most max|x| / 65534 an element), the integer GEMM's 8-bit ones (per 32
+values), _weight_int8pack_mm's and the GEMM's float32 sums, and past kGemmMaxRows the dequantized
+bf16 weight (2^-9 of each product). The bound is the sum of the two kernels' bounds against exact
+products (csrc/cpu_ops.h, int8_linear)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dabba.ops import native
+from dabba.quantization.gguf import quantize_activations
 
 pytestmark = pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels cannot be built here")
 
@@ -21,6 +23,8 @@ def _kernel(rows: int, in_features: int) -> str:
     amx = native.amx_usable(in_features)
     if native.int8_gemv_available() and (rows <= c.int8_gemv_max_rows or not native.gemm_available()):
         return "gemv"  # (without the GEMM, the avx2 build, the GEMV takes every count of bf16 rows)
+    if in_features % 32 == 0 and native.integer_gemm_usable(in_features):
+        return "integer"
     gemm_from = c.amx_int8_gemm_min_rows if amx else c.int8_gemm_min_rows
     if native.gemm_available() and (rows >= gemm_from or in_features % 32) and rows <= c.gemm_max_rows:
         return "gemm"
@@ -37,6 +41,10 @@ def _bound(kernel: str, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> to
     bound = magnitudes * 2**-20 + exact.abs() * 2**-8 + 1e-30  # float32 sums; the output's rounding
     if kernel == "gemv":
         bound = bound + xd.abs().amax(1, keepdim=True) / 65534 * qd.abs().sum(1) * sd.abs()
+    if kernel == "integer":  # x as its 8-bit codes give it back, through every code
+        codes, d = quantize_activations(x, 32)
+        rounded = (codes.double().view(x.shape[0], -1, 32) * d.double()[..., None]).view(x.shape[0], -1)
+        bound = bound + (rounded[:, :x.shape[1]] - xd).abs() @ qd.abs().T * sd.abs()
     if kernel == "dequantized":
         bound = bound + magnitudes * 2**-8
     return bound

@@ -2,24 +2,41 @@
 rows) quantizes each activation row to int16 with one scale, so every output may be off by that
 rounding (at most max|x| / 65534 per element, times the codes' magnitudes), float32 summation and
 the output's own rounding, and no more; the GEMM (batches) multiplies the bf16 rows by the codes
-widened to bf16, exactly, so only the summation and the roundings remain."""
+widened to bf16, exactly, so only the summation and the roundings remain. Without AMX tiles bf16
+batches take the integer GEMM instead (csrc/int8_code_gemm_cpu.cpp): x rounded to 8-bit codes per 32
+values as the GGUF GEMV rounds it, whose exact effect on the products is added to the bound."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dabba.ops import native
+from dabba.quantization.gguf import quantize_activations
 
 pytestmark = pytest.mark.skipif(not native.int8_gemv_available(), reason="no AVX-512 VNNI or AVX2 GEMV here")
 needs_gemm = pytest.mark.skipif(not native.gemm_available(), reason="no AVX512-BF16 GEMM here")
 limits = native.kernel_constants()  # the row thresholds the kernels choose by (csrc/cpu_ops.h)
 
 
-def _bound(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, int16_x: bool = True
-           ) -> torch.Tensor:
+def integer_gemm_takes(x: torch.Tensor) -> bool:
+    """Whether int8_linear takes x to the integer GEMM (csrc/gemm_cpu.cpp's choice, restated)."""
+    return x.dtype == torch.bfloat16 and x.shape[0] > limits.int8_gemv_max_rows and x.shape[1] % 32 == 0 and \
+        native.integer_gemm_usable(x.shape[1])
+
+
+def codes_of(x: torch.Tensor) -> torch.Tensor:
+    """x as its 8-bit codes per 32 values give it back (the integer GEMM's rounding), float64."""
+    q, d = quantize_activations(x, 32)
+    return (q.double().view(x.shape[0], -1, 32) * d.double()[..., None]).view(x.shape[0], -1)[:, :x.shape[1]]
+
+
+def _bound(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, int16_x: bool = True,
+           codes8: bool = False) -> torch.Tensor:
     xd, qd, sd = x.double(), q.double(), s.double()
     amax = xd.abs().amax(1, keepdim=True)
     quant = (amax / 65534) * qd.abs().sum(1) * sd.abs() * int16_x  # int16 rounding of x, through every code
+    if codes8:  # the integer GEMM's codes of x, through every code
+        quant = (codes_of(x) - xd).abs() @ qd.abs().T * sd.abs()
     sums = (xd.abs() @ qd.abs().T) * sd.abs() * 2**-20  # float32 additions
     out = xd @ qd.T * sd + (b.double() if b is not None else 0)
     ulp = 2**-7 if x.dtype == torch.bfloat16 else 2**-22  # the product's rounding, then the bias add's
@@ -64,17 +81,21 @@ def test_int8_gemm_matches_exact_products(rows, out_features, in_features, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     exact = x.double() @ q.double().T * s.double() + (b.double() if b is not None else 0)
     bound = _bound(x, q, s, b, int16_x=False)
-    assert ((got.double() - exact).abs() <= bound).all()
+    assert ((got.double() - exact).abs() <= _bound(x, q, s, b, int16_x=False, codes8=integer_gemm_takes(x))).all()
+    if integer_gemm_takes(x):  # exactly the products of x's codes, but for the float32 sums and roundings
+        of_codes = codes_of(x) @ q.double().T * s.double() + (b.double() if b is not None else 0)
+        rounding = (of_codes - exact).abs() * 2**-7  # the output's rounding, of a value that far from exact
+        assert ((got.double() - of_codes).abs() <= bound + rounding).all()
     direct, reference = torch.empty_like(got), torch.empty_like(got)
     torch.ops.dabba_cpu.int8_gemm(direct, x, q, s, b)  # the kernel itself, whatever the row count
-    assert torch.equal(direct, got) or rows < limits.int8_gemm_min_rows
+    assert torch.equal(direct, got) or rows < limits.int8_gemm_min_rows or integer_gemm_takes(x)
     assert ((direct.double() - exact).abs() <= bound).all()
     torch.ops.dabba_cpu.int8_gemm(reference, x, q, s, b, False)  # the AVX512-BF16 tiles, where AMX took direct
     assert ((reference.double() - exact).abs() <= bound).all()
     if in_features % 32 == 0:  # (PyTorch's kernel crashes past that, such as 37 x 70)
         ref = torch.ops.aten._weight_int8pack_mm(x, q, s)
         ref = ref + b if b is not None else ref
-        assert ((got.double() - ref.double()).abs() <= 2 * bound).all()
+        assert ((direct.double() - ref.double()).abs() <= 2 * bound).all()
 
 
 def test_widths_that_crash_pytorchs_kernel_take_ours() -> None:
@@ -100,10 +121,11 @@ def test_zero_rows_and_fallbacks() -> None:
     s = torch.rand(64).bfloat16()
     zero = torch.zeros(2, 128).bfloat16()
     assert torch.equal(native.int8_linear(zero, q, s), torch.zeros(2, 64).bfloat16())
-    for rows in (3, 20):  # a row stride wider than the row: still the GEMV, the GEMM
+    for rows in (3, 20):  # a row stride wider than the row: still the GEMV, the GEMM (integer or bf16)
         padded = torch.randn(rows, 256).bfloat16()[:, :128]
         assert ((native.int8_linear(padded, q, s).double() - padded.double() @ q.double().T * s.double()).abs()
-                <= _bound(padded, q, s, None)).all()
+                <= _bound(padded, q, s, None, int16_x=rows <= limits.int8_gemv_max_rows,
+                          codes8=integer_gemm_takes(padded))).all()
     x16 = torch.randn(20, 128).half()  # neither kernel: PyTorch's
     assert torch.equal(native.int8_linear(x16, q, s.half()), torch.ops.aten._weight_int8pack_mm(x16, q, s.half()))
     x32 = torch.randn(limits.int8_dequant_min_rows, 128)  # a long float32 prefill: dequantized codes, F.linear
