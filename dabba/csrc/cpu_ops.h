@@ -120,9 +120,9 @@ constexpr int kGemmRowBlock = 16;
 // with AMX; python -m benchmarks.kernels --hidden 1536 --intermediate 8960 --num-heads 12
 // --num-kv-heads 2 --head-dim 128 --layers 4 (bf16_native_ms against bf16_gemv_ms).
 bool amx_usable(int64_t K);
-// Whether a GGUF or INT4 linear's rows past its GEMV take the integer GEMM (code_gemm.h: x's 8-bit
-// codes against the weight's, AVX512-VNNI): where this build has it and the CPU no AMX tiles (those
-// multiply the weight dequantized to bf16 on AMX-BF16 tiles). gemm_cpu.cpp.
+// Whether a GGUF, INT4 or INT8 linear's rows past its GEMV take the integer GEMM (code_gemm.h: x's
+// 8-bit codes against the weight's, AVX512-VNNI): where this build has it and the CPU no AMX tiles
+// (those multiply the weight as bf16 on AMX-BF16 tiles). gemm_cpu.cpp.
 bool integer_gemm_usable(int64_t K);
 constexpr int kAmxGemvMaxRows = 0;
 constexpr int kAmxInt8GemmMinRows = 7;
@@ -180,8 +180,9 @@ at::Tensor int8_integer_gemm(const at::Tensor& x, const at::Tensor& codes, const
 // the other rows (bit for bit; on the avx2 build bf16 rows take one kernel at every count);
 // crossing a threshold (a step with more or fewer requests) moves it by at most both kernels'
 // roundings: the GEMV's int16 activations, the integer GEMM's 8-bit ones, float32 sums, and past
-// kGemmMaxRows the weight rounded to bf16 once dequantized. Measured on random layers (K 576-8960): 2% of outputs move by one bf16
-// ulp between the GEMV and the GEMM, 41% by one or a few into the dequantized path, all within
+// kGemmMaxRows the weight rounded to bf16 once dequantized. Measured on random layers (K 576-8960)
+// before the integer GEMM: 2% of outputs move by one bf16 ulp between the GEMV and the GEMM, 41% by
+// one or a few into the dequantized path, all within
 // 2e-3 (GEMV, GEMM) and 3.3e-3 (dequantized) of the largest output from exact products;
 // tests/layers/test_int8_batch_invariance.py holds the bound. Greedy output can then change with
 // the batch only where two candidates' logits lie that close.

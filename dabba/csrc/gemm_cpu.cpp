@@ -35,8 +35,8 @@
 #include <torch/library.h>
 
 #include "bf16_tiles.h"
-#include "cpu_math.h"
 #include "code_gemm.h"
+#include "cpu_math.h"
 #include "cpu_ops.h"
 
 #include <algorithm>

@@ -165,9 +165,9 @@ def gguf_gemv_max_rows(in_features: int) -> int:
 
 
 def integer_gemm_usable(in_features: int) -> bool:
-    """Whether a GGUF or INT4 linear's rows past its GEMV take the integer GEMM here (x's 8-bit codes
-    times the weight's codes, AVX512-VNNI without AMX tiles: csrc/code_gemm.h) rather than the
-    weight dequantized per call (csrc/cpu_ops.h)."""
+    """Whether a GGUF, INT4 or INT8 linear's rows past its GEMV take the integer GEMM here (x's 8-bit
+    codes times the weight's codes, AVX512-VNNI without AMX tiles: csrc/code_gemm.h) rather than the
+    weight dequantized or widened per call (csrc/cpu_ops.h)."""
     return bool(torch.ops.dabba_cpu.integer_gemm_usable(in_features)) if load_cpu_ops() else False
 
 
