@@ -69,7 +69,8 @@ struct CodeForm {
 };
 
 // x's side of a sub-block, per row: its scale, its scale times its codes' sum (an offset's
-// factor), and where the sums start (-bias * the codes' sum), [M][B]
+// factor; for k_quants, whose scale is the super-block's, the sum alone: tile applies the scale
+// once a super-block), and where the sums start (-bias * the codes' sum), [M][B]
 struct XSide {
   std::vector<float> dx, xo;
   std::vector<int32_t> init;
@@ -95,7 +96,7 @@ inline void make_x_side(const std::vector<gguf::A8Rows>& passes, int64_t M, int6
           for (int i = 0; i < S; ++i) sum += q[b * S + i];
           const float d = k ? a.dk[r * (K / gguf::kSuperBlock) + b * S / gguf::kSuperBlock] : a.d[r * a.blocks + b];
           x.dx[m * B + b] = d;
-          x.xo[m * B + b] = d * static_cast<float>(sum);
+          x.xo[m * B + b] = k ? static_cast<float>(sum) : d * static_cast<float>(sum);
           x.init[m * B + b] = -bias * sum;
         }
       }
@@ -103,11 +104,15 @@ inline void make_x_side(const std::vector<gguf::A8Rows>& passes, int64_t M, int6
   });
 }
 
-// R rows of x against a panel's two lines of 16 channels, over every sub-block: acc[r][line]
-template <int R, int S, bool kOffsets>
+// R rows of x against a panel's two lines of 16 channels, over every sub-block: acc[r][line]. With
+// kKQuants (x rounded per super-block of 256) a super-block's scaled sums gather in part and meet
+// x's scale once, at its end: a multiply a sub-block fewer.
+template <int R, int S, bool kOffsets, bool kKQuants>
 inline void tile(const Panel& p, int64_t B, const int8_t* xq, int64_t ldq, const float* dx, const float* xo,
                  const int32_t* init, int64_t ldb, __m512 (&acc)[R][2]) {
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  constexpr int kSubBlocks = gguf::kSuperBlock / S;  // a super-block's
+  __m512 part[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = part[r][0] = part[r][1] = _mm512_setzero_ps();
   const uint8_t* wc = p.codes.data();
   for (int64_t b = 0; b < B; ++b) {
     __m512i sums[R][2];
@@ -125,6 +130,29 @@ inline void tile(const Panel& p, int64_t B, const int8_t* xq, int64_t ldq, const
       }
     }
     const __m512 s0 = _mm512_loadu_ps(p.s.data() + b * kPanel), s1 = _mm512_loadu_ps(p.s.data() + b * kPanel + 16);
+    if constexpr (kKQuants) {
+      for (int r = 0; r < R; ++r) {
+        part[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][0]), s0, part[r][0]);
+        part[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][1]), s1, part[r][1]);
+      }
+      if constexpr (kOffsets) {
+        const __m512 o0 = _mm512_loadu_ps(p.o.data() + b * kPanel), o1 = _mm512_loadu_ps(p.o.data() + b * kPanel + 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512 v = _mm512_set1_ps(xo[r * ldb + b]);
+          part[r][0] = _mm512_fnmadd_ps(o0, v, part[r][0]);
+          part[r][1] = _mm512_fnmadd_ps(o1, v, part[r][1]);
+        }
+      }
+      if ((b + 1) % kSubBlocks == 0) {
+        for (int r = 0; r < R; ++r) {
+          const __m512 d = _mm512_set1_ps(dx[r * ldb + b]);
+          acc[r][0] = _mm512_fmadd_ps(part[r][0], d, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(part[r][1], d, acc[r][1]);
+          part[r][0] = part[r][1] = _mm512_setzero_ps();
+        }
+      }
+      continue;
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 d = _mm512_set1_ps(dx[r * ldb + b]);
       acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][0]), d), s0, acc[r][0]);
@@ -166,8 +194,8 @@ inline void store16(__m512 v, const c10::BFloat16* bias, c10::BFloat16* y, __mma
 
 // Panels of `rows` channels in parallel, y's columns from `column`: fill(first, panel) decodes
 // channels first .. first + kPanel (codes sized [K / 4][kPanel][4], s and o [K / S][kPanel]).
-template <int S, bool kOffsets, typename T, typename Fill>
-void panels(const std::vector<gguf::A8Rows>& passes, int64_t M, int64_t K, bool k_quants, int64_t rows,
+template <int S, bool kOffsets, bool kKQuants, typename T, typename Fill>
+void panels(const std::vector<gguf::A8Rows>& passes, int64_t M, int64_t K, int64_t rows,
             int64_t column, const XSide& x, const Fill& fill, const T* bias, T* y, int64_t ldy) {
   const int64_t B = K / S, count = (rows + kPanel - 1) / kPanel;
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
@@ -188,12 +216,12 @@ void panels(const std::vector<gguf::A8Rows>& passes, int64_t M, int64_t K, bool 
       for (size_t pass = 0; pass * kGgufGemvPassRows < static_cast<size_t>(M); ++pass) {
         const gguf::A8Rows& a = passes[pass];
         const int64_t m = pass * kGgufGemvPassRows;
-        const int8_t* xq = k_quants ? a.qk.data() : a.q.data();
-        const int64_t ldq = k_quants ? K : a.blocks * gguf::kA8Block;
+        const int8_t* xq = kKQuants ? a.qk.data() : a.q.data();
+        const int64_t ldq = kKQuants ? K : a.blocks * gguf::kA8Block;
         with_count<kGgufGemvPassRows>(a.M, [&](auto count_rows) {
           constexpr int R = decltype(count_rows)::value;
           __m512 acc[R][2];
-          tile<R, S, kOffsets>(p, B, xq, ldq, x.dx.data() + m * B, x.xo.data() + m * B, x.init.data() + m * B, B, acc);
+          tile<R, S, kOffsets, kKQuants>(p, B, xq, ldq, x.dx.data() + m * B, x.xo.data() + m * B, x.init.data() + m * B, B, acc);
           for (int r = 0; r < R; ++r) {
             T* yr = y + (m + r) * ldy + col;
             const T* b = bias ? bias + col : nullptr;
@@ -214,15 +242,17 @@ void code_gemm(const std::vector<gguf::A8Rows>& passes, int64_t M, int64_t K, co
                int64_t column, const Fill& fill, const T* bias, T* y, int64_t ldy) {
   XSide x;
   make_x_side(passes, M, K, form, x);
-  if (form.sub_block == 16 && !form.offsets)
-    panels<16, false, T>(passes, M, K, form.k_quants, rows, column, x, fill, bias, y, ldy);
-  else if (form.sub_block == 32 && form.offsets)
-    panels<32, true, T>(passes, M, K, form.k_quants, rows, column, x, fill, bias, y, ldy);
-  else if (form.sub_block == 32)
-    panels<32, false, T>(passes, M, K, form.k_quants, rows, column, x, fill, bias, y, ldy);
+  if (form.sub_block == 16 && !form.offsets && form.k_quants)  // Q6_K
+    panels<16, false, true, T>(passes, M, K, rows, column, x, fill, bias, y, ldy);
+  else if (form.sub_block == 32 && form.offsets && form.k_quants)  // Q4_K, Q5_K
+    panels<32, true, true, T>(passes, M, K, rows, column, x, fill, bias, y, ldy);
+  else if (form.sub_block == 32 && form.offsets && !form.k_quants)  // Q4_1, Q5_1, INT4
+    panels<32, true, false, T>(passes, M, K, rows, column, x, fill, bias, y, ldy);
+  else if (form.sub_block == 32 && !form.offsets && !form.k_quants)  // Q4_0, Q5_0, Q8_0, INT8
+    panels<32, false, false, T>(passes, M, K, rows, column, x, fill, bias, y, ldy);
   else
     TORCH_CHECK(false, "code_gemm: sub-blocks of ", form.sub_block, (form.offsets ? " with" : " without"),
-                " offsets are not built");
+                " offsets and x's scale per ", (form.k_quants ? "256" : "32"), " are not built");
 }
 
 #endif
