@@ -129,41 +129,33 @@ inline void tile(const Panel& p, int64_t B, const int8_t* xq, int64_t ldq, const
         sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], w1, a);
       }
     }
+    // a sub-block's sums into acc, or into part where x's scale waits for the super-block's end
+    __m512 (&into)[R][2] = kKQuants ? part : acc;
     const __m512 s0 = _mm512_loadu_ps(p.s.data() + b * kPanel), s1 = _mm512_loadu_ps(p.s.data() + b * kPanel + 16);
-    if constexpr (kKQuants) {
-      for (int r = 0; r < R; ++r) {
-        part[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][0]), s0, part[r][0]);
-        part[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][1]), s1, part[r][1]);
-      }
-      if constexpr (kOffsets) {
-        const __m512 o0 = _mm512_loadu_ps(p.o.data() + b * kPanel), o1 = _mm512_loadu_ps(p.o.data() + b * kPanel + 16);
-        for (int r = 0; r < R; ++r) {
-          const __m512 v = _mm512_set1_ps(xo[r * ldb + b]);
-          part[r][0] = _mm512_fnmadd_ps(o0, v, part[r][0]);
-          part[r][1] = _mm512_fnmadd_ps(o1, v, part[r][1]);
-        }
-      }
-      if ((b + 1) % kSubBlocks == 0) {
-        for (int r = 0; r < R; ++r) {
-          const __m512 d = _mm512_set1_ps(dx[r * ldb + b]);
-          acc[r][0] = _mm512_fmadd_ps(part[r][0], d, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(part[r][1], d, acc[r][1]);
-          part[r][0] = part[r][1] = _mm512_setzero_ps();
-        }
-      }
-      continue;
-    }
     for (int r = 0; r < R; ++r) {
-      const __m512 d = _mm512_set1_ps(dx[r * ldb + b]);
-      acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][0]), d), s0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][1]), d), s1, acc[r][1]);
+      __m512 v0 = _mm512_cvtepi32_ps(sums[r][0]), v1 = _mm512_cvtepi32_ps(sums[r][1]);
+      if constexpr (!kKQuants) {
+        const __m512 d = _mm512_set1_ps(dx[r * ldb + b]);
+        v0 = _mm512_mul_ps(v0, d);
+        v1 = _mm512_mul_ps(v1, d);
+      }
+      into[r][0] = _mm512_fmadd_ps(v0, s0, into[r][0]);
+      into[r][1] = _mm512_fmadd_ps(v1, s1, into[r][1]);
     }
     if constexpr (kOffsets) {
       const __m512 o0 = _mm512_loadu_ps(p.o.data() + b * kPanel), o1 = _mm512_loadu_ps(p.o.data() + b * kPanel + 16);
       for (int r = 0; r < R; ++r) {
         const __m512 v = _mm512_set1_ps(xo[r * ldb + b]);
-        acc[r][0] = _mm512_fnmadd_ps(o0, v, acc[r][0]);
-        acc[r][1] = _mm512_fnmadd_ps(o1, v, acc[r][1]);
+        into[r][0] = _mm512_fnmadd_ps(o0, v, into[r][0]);
+        into[r][1] = _mm512_fnmadd_ps(o1, v, into[r][1]);
+      }
+    }
+    if (kKQuants && (b + 1) % kSubBlocks == 0) {
+      for (int r = 0; r < R; ++r) {
+        const __m512 d = _mm512_set1_ps(dx[r * ldb + b]);
+        acc[r][0] = _mm512_fmadd_ps(part[r][0], d, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(part[r][1], d, acc[r][1]);
+        part[r][0] = part[r][1] = _mm512_setzero_ps();
       }
     }
   }
