@@ -102,15 +102,16 @@ def quantize_activations(x: torch.Tensor, block: int = A8_BLOCK) -> tuple[torch.
     return q.to(torch.int8).view(m, padded), d
 
 
-def rounded_activations(x: torch.Tensor, type_name: str) -> torch.Tensor:
-    """x as the 8-bit codes a segment of ``type_name`` multiplies give it back (q * d), in x's
-    dtype; x itself for a float segment."""
+def rounded_activations(x: torch.Tensor, type_name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x as the 8-bit codes a segment of ``type_name`` multiplies give it back (q * d), in ``dtype``
+    (x's by default; float64 holds the products exactly); x itself for a float segment."""
     if type_name in FLOAT_TYPES:
         return x
     block = 256 if file_type(type_name) in K_TYPES else A8_BLOCK
     q, d = quantize_activations(x, block)
     m, k = x.shape
-    return (q.float().view(m, -1, block) * d[..., None]).view(m, -1)[:, :k].to(x.dtype)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return (q.to(wide).view(m, -1, block) * d.to(wide)[..., None]).view(m, -1)[:, :k].to(dtype or x.dtype)
 
 
 def dequantized_linear(x: torch.Tensor, segments: list[GGUFBlocks], bias: torch.Tensor | None) -> torch.Tensor:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dabba.ops import native
-from dabba.quantization.gguf import quantize_activations
+from dabba.quantization.gguf import rounded_activations
 
 pytestmark = pytest.mark.skipif(not native.load_cpu_ops(), reason="native CPU kernels cannot be built here")
 
@@ -42,9 +42,7 @@ def _bound(kernel: str, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> to
     if kernel == "gemv":
         bound = bound + xd.abs().amax(1, keepdim=True) / 65534 * qd.abs().sum(1) * sd.abs()
     if kernel == "integer":  # x as its 8-bit codes give it back, through every code
-        codes, d = quantize_activations(x, 32)
-        rounded = (codes.double().view(x.shape[0], -1, 32) * d.double()[..., None]).view(x.shape[0], -1)
-        bound = bound + (rounded[:, :x.shape[1]] - xd).abs() @ qd.abs().T * sd.abs()
+        bound = bound + (rounded_activations(x, "Q8_0", torch.float64) - xd).abs() @ qd.abs().T * sd.abs()
     if kernel == "dequantized":
         bound = bound + magnitudes * 2**-8
     return bound

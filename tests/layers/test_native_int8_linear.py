@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dabba.ops import native
-from dabba.quantization.gguf import quantize_activations
+from dabba.quantization.gguf import rounded_activations
 
 pytestmark = pytest.mark.skipif(not native.int8_gemv_available(), reason="no AVX-512 VNNI or AVX2 GEMV here")
 needs_gemm = pytest.mark.skipif(not native.gemm_available(), reason="no AVX512-BF16 GEMM here")
@@ -26,8 +26,7 @@ def integer_gemm_takes(x: torch.Tensor) -> bool:
 
 def codes_of(x: torch.Tensor) -> torch.Tensor:
     """x as its 8-bit codes per 32 values give it back (the integer GEMM's rounding), float64."""
-    q, d = quantize_activations(x, 32)
-    return (q.double().view(x.shape[0], -1, 32) * d.double()[..., None]).view(x.shape[0], -1)[:, :x.shape[1]]
+    return rounded_activations(x, "Q8_0", torch.float64)
 
 
 def _bound(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, int16_x: bool = True,

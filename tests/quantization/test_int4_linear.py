@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dabba.ops import native
-from dabba.quantization.gguf import quantize_activations
+from dabba.quantization.gguf import rounded_activations
 
 
 def packed_weight(n: int, k: int, group_size: int, dtype: torch.dtype, seed: int):
@@ -81,8 +81,7 @@ def rounds_activations(n: int, k: int, rows: int, group_size: int, dtype: torch.
 
 def rounded(x: torch.Tensor) -> torch.Tensor:
     """x as the AVX-512 GEMV's 8-bit codes give it back, in float64."""
-    q, d = quantize_activations(x, 32)
-    return (q.double().view(x.shape[0], -1, 32) * d.double()[..., None]).view(x.shape[0], -1)
+    return rounded_activations(x, "Q8_0", torch.float64)
 
 
 @pytest.mark.skipif(native.loaded_variant() != "avx2" or pytorch_block_rows() != 64,
