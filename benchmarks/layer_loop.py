@@ -2,7 +2,7 @@
 tokens/s of each, in one process, alternating. Prints JSON.
 
     python -m benchmarks.layer_loop --model DIR [--batch-size 1] [--input-len 128] [--output-len 64]
-        [--rounds 4] [--quantization int8|int4]
+        [--rounds 4] [--quantization int8|int4|w8a8]
 
 Both engines load the same checkpoint in one process, and each round runs one generate on each in
 turn: on these VMs a process's memory bandwidth is a draw (some read ~46 GB/s, some ~66), so two
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--quantization", choices=["int8", "int4"], default=None)
+    parser.add_argument("--quantization", choices=["int8", "int4", "w8a8"], default=None)
     args = parser.parse_args()
     if args.output_len < 2:
         parser.error("--output-len must be at least 2 (the decode rate is of the tokens after the first)")

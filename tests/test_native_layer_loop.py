@@ -1,6 +1,6 @@
 """The native layer loop (csrc/decode_cpu.cpp) against the Python layers it stands in for: the same
 kernels in the same order, so greedy tokens and their logprobs must be bit-identical, for dense
-bf16 and float32, load-time INT8 and INT4, q/k/v biases (Qwen2), partial rotary (Phi-3), q/k
+bf16 and float32, load-time INT8, INT4 and W8A8, q/k/v biases (Qwen2), partial rotary (Phi-3), q/k
 norms (Qwen3, OLMoE, Gemma 3), mixtures of experts, Gemma's norms, GeGLU, soft caps and RoPE
 tables, 8-bit KV caches (int8, fp8) and batches of one and many. The model runner chooses the path
 once (``native_layer_loop``): these tests observe which layers ran (a forward hook on a decoder layer fires only in Python) and the
@@ -50,6 +50,9 @@ def count_python_layer_calls(llm: LLM) -> list[int]:
     # their own RoPE base
     ("gemma2", "bfloat16", None, "auto"), ("gemma2", "float32", "int8", "auto"), ("gemma2", "bfloat16", None, "fp8"),
     ("gemma3", "bfloat16", None, "auto"), ("gemma3", "float32", None, "auto"), ("gemma3", "bfloat16", "int4", "int8"),
+    # W8A8: rounded activations, the gated MLP's activation in the epilogue (SwiGLU, GeGLU), experts
+    ("llama", "bfloat16", "w8a8", "auto"), ("qwen2", "float32", "w8a8", "int8"), ("gemma2", "bfloat16", "w8a8", "auto"),
+    ("mixtral", "bfloat16", "w8a8", "auto"),
 ])
 def test_native_loop_is_bit_identical_to_the_python_layers(checkpoints, family, dtype, quantization,
                                                            kv_cache_dtype) -> None:

@@ -13,8 +13,8 @@ namespace dabba {
 
 // How one linear layer of the native layer loop computes x W^T + b (decode_cpu.cpp): its
 // LinearMethod's form on the CPU. Python reads these numbers from kernel_constants() (below) by
-// name ("dense", "int8", "int4", "gguf"), so they are written only here.
-enum class LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kGguf = 3 };
+// name ("dense", "int8", "int4", "gguf", "w8a8", "w8a8_asymmetric"), so they are written only here.
+enum class LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kGguf = 3, kW8A8 = 4, kW8A8Asymmetric = 5 };
 
 // kernel_constants.cpp: the row-count thresholds below and the LinearKind values by name,
 // registered as torch.ops.dabba_cpu.kernel_constants() for dabba/native.py.
@@ -137,6 +137,13 @@ constexpr int64_t kW8A8MaxInputs = 32768;
 constexpr int kAmxW8A8MinRows = 12;
 // The kernel w8a8_linear takes for M rows of K inputs here: "amx", "vnni", "avx2" or "scalar".
 std::string w8a8_path(int64_t M, int64_t K);
+// x [M, K] times the packed codes, x rounded per row (or by input_scale / input_zero, or by each
+// whole row's x_range where x is a row-parallel slice); act "silu" / "gelu_tanh": a merged
+// [gate; up] layer, act(gate) * up stored. path "": w8a8_path chooses.
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wsum, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias, bool asymmetric, const std::string& path,
+                       const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& input_zero,
+                       const c10::optional<at::Tensor>& x_range, const std::string& act);
 bool gemm_available();
 // amx: take the AMX tiles where the CPU has them (gemm_amx_cpu.cpp); false keeps the AVX512-BF16
 // ones, the reference.

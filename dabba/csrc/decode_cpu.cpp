@@ -69,18 +69,19 @@ class NativeDecoder : public torch::CustomClassHolder {
   // One decoder layer: its norms (q_norm/k_norm empty: none; whole: over all heads at once;
   // pre_ffw_norm/post_ffw_norm: Gemma's, empty for Llama's layout, where post_norm is the MLP's
   // input norm), its linears as LinearKind values, weights, scales (empty where unused), group
-  // sizes and biases (empty where none): four (qkv, o, gate_up, down), or two (qkv, o) for a layer
+  // sizes, W8A8's codes' sums and biases (empty where none): four (qkv, o, gate_up, down), or two (qkv, o) for a layer
   // whose MLP add_moe gives next; its attention's sliding window (0: none; per layer, as models
   // interleave sliding and global layers) and the index of its RoPE table in forward's cos/sin.
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor pre_ffw_norm, at::Tensor post_ffw_norm,
                  at::Tensor q_norm, at::Tensor k_norm, bool qk_norm_whole, std::vector<int64_t> kinds,
                  std::vector<at::Tensor> weights, std::vector<at::Tensor> scales, std::vector<int64_t> group_sizes,
-                 std::vector<at::Tensor> biases, int64_t sliding_window, int64_t rope_table) {
+                 std::vector<at::Tensor> sums, std::vector<at::Tensor> biases, int64_t sliding_window,
+                 int64_t rope_table) {
     TORCH_CHECK(sliding_window >= 0, "add_layer: sliding_window must be >= 0 (0: none)");
     TORCH_CHECK(rope_table >= 0, "add_layer: rope_table must be >= 0");
     const size_t count = kinds.size();
     TORCH_CHECK((count == 4 || count == 2) && weights.size() == count && scales.size() == count &&
-                    group_sizes.size() == count && biases.size() == count,
+                    group_sizes.size() == count && sums.size() == count && biases.size() == count,
                 "add_layer: four linears (qkv, o, gate_up, down), or two (qkv, o) before add_moe");
     TORCH_CHECK(q_norm.numel() == 0 && k_norm.numel() == 0 || q_norm.numel() > 0 && k_norm.numel() > 0,
                 "add_layer: q and k norms come together");
@@ -88,7 +89,9 @@ class NativeDecoder : public torch::CustomClassHolder {
                 "add_layer: the norms before and after the MLP come together");
     std::vector<NativeLinear> linears(4);
     for (size_t i = 0; i < count; ++i)
-      linears[i] = NativeLinear::make(kinds[i], weights[i], scales[i], group_sizes[i], biases[i]);
+      linears[i] = NativeLinear::make(kinds[i], weights[i], scales[i], group_sizes[i], sums[i], biases[i]);
+    check_row_parallel(linears[1]);
+    check_row_parallel(linears[3]);
     const auto defined = [](const at::Tensor& t) { return t.numel() ? t : at::Tensor(); };
     layers_.push_back(NativeLayer{std::move(input_norm), std::move(post_norm), defined(pre_ffw_norm),
                                   defined(post_ffw_norm), defined(q_norm), defined(k_norm), qk_norm_whole,
@@ -99,14 +102,14 @@ class NativeDecoder : public torch::CustomClassHolder {
 
   // The mixture-of-experts MLP of the layer add_layer just took with two linears: its router's
   // weight (unquantized, no bias), each expert's gate_up and down linears in turn (kinds, weights,
-  // scales, group sizes as add_layer's; no biases), and the routing of dabba.models.config.MoEConfig.
+  // scales, group sizes, sums as add_layer's; no biases), and the routing of dabba.models.config.MoEConfig.
   void add_moe(at::Tensor router_weight, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
-               std::vector<at::Tensor> scales, std::vector<int64_t> group_sizes, int64_t top_k, bool renormalize,
-               bool weights_in_model_dtype) {
+               std::vector<at::Tensor> scales, std::vector<int64_t> group_sizes, std::vector<at::Tensor> sums,
+               int64_t top_k, bool renormalize, bool weights_in_model_dtype) {
     TORCH_CHECK(mlp_pending_, "add_moe follows an add_layer with two linears");
     const size_t count = kinds.size();
     TORCH_CHECK(count >= 2 && count % 2 == 0 && weights.size() == count && scales.size() == count &&
-                    group_sizes.size() == count,
+                    group_sizes.size() == count && sums.size() == count,
                 "add_moe: each expert's gate_up and down linears in turn");
     const int64_t num_experts = static_cast<int64_t>(count / 2);
     TORCH_CHECK(router_weight.dim() == 2 && router_weight.size(0) == num_experts,
@@ -114,11 +117,13 @@ class NativeDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "add_moe: top_k must lie in [1, num_experts]");
     const at::Tensor no_bias;  // undefined: numel() 0, so none
     NativeMoE moe{NativeLinear::make(static_cast<int64_t>(LinearKind::kDense), std::move(router_weight),
-                                     at::Tensor(), 0, no_bias),
+                                     at::Tensor(), 0, at::Tensor(), no_bias),
                   {}, {}, top_k, renormalize, weights_in_model_dtype, activation_};
     for (size_t i = 0; i < count; i += 2) {
-      moe.gate_up.push_back(NativeLinear::make(kinds[i], weights[i], scales[i], group_sizes[i], no_bias));
-      moe.down.push_back(NativeLinear::make(kinds[i + 1], weights[i + 1], scales[i + 1], group_sizes[i + 1], no_bias));
+      moe.gate_up.push_back(NativeLinear::make(kinds[i], weights[i], scales[i], group_sizes[i], sums[i], no_bias));
+      moe.down.push_back(NativeLinear::make(kinds[i + 1], weights[i + 1], scales[i + 1], group_sizes[i + 1],
+                                            sums[i + 1], no_bias));
+      check_row_parallel(moe.down.back());
     }
     layers_.back().moe = std::move(moe);
     mlp_pending_ = false;
@@ -234,6 +239,12 @@ class NativeDecoder : public torch::CustomClassHolder {
     const int64_t width = t.size(1) * t.size(2);
     const at::Tensor all = group_->all_gather(t.reshape({t.size(0), width}));
     return norm_rows(all, weight, all.size(1)).narrow(1, group_->rank() * width, width).reshape(t.sizes());
+  }
+
+  // A W8A8 shard of a row-parallel linear rounds x by the whole row's range (W8A8Method's
+  // whole_row_range gathers it from every rank), which the loop does not: such a model runs in Python.
+  void check_row_parallel(const NativeLinear& linear) const {
+    TORCH_CHECK(!group_ || !linear.w8a8(), "a row-parallel W8A8 shard has no native form");
   }
 
   // A row-parallel linear (o, down): this rank's partial sums, summed over the ranks, then the bias.

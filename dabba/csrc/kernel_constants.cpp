@@ -26,6 +26,8 @@ c10::Dict<std::string, int64_t> kernel_constants() {
   constants.insert("linear_kind.int8", static_cast<int64_t>(LinearKind::kInt8));
   constants.insert("linear_kind.int4", static_cast<int64_t>(LinearKind::kInt4));
   constants.insert("linear_kind.gguf", static_cast<int64_t>(LinearKind::kGguf));
+  constants.insert("linear_kind.w8a8", static_cast<int64_t>(LinearKind::kW8A8));
+  constants.insert("linear_kind.w8a8_asymmetric", static_cast<int64_t>(LinearKind::kW8A8Asymmetric));
   constants.insert("w8a8_columns", kW8A8Columns);
   constants.insert("w8a8_depth", kW8A8Depth);
   constants.insert("w8a8_max_inputs", kW8A8MaxInputs);

@@ -25,26 +25,38 @@ inline Activation activation_named(const std::string& name) {
 // How one linear layer computes x W^T + b, as its Python LinearMethod does on the CPU.
 struct NativeLinear {
   LinearKind kind = LinearKind::kDense;
-  at::Tensor weight;  // dense [N, K]; int8 codes [N, K]; int4 codes in PyTorch's packed CPU layout; gguf blocks
-  at::Tensor scales;  // int8: [N]; int4: scales_and_zeros; gguf: segments; dense: unused
+  at::Tensor weight;  // dense [N, K]; int8 codes [N, K]; int4 codes in PyTorch's packed CPU layout; gguf blocks;
+                      // w8a8 codes packed as w8a8_linear reads them
+  at::Tensor scales;  // int8, w8a8: [N]; int4: scales_and_zeros; gguf: segments; dense: unused
   int64_t group_size = 0;  // int4
+  at::Tensor sums;  // w8a8: each channel's codes summed (int32 [N]), the zero point's correction
   c10::optional<at::Tensor> bias;
 
-  // kind: a LinearKind value (Python's native.KernelConstants.linear_kinds); empty scales or bias: none.
-  static NativeLinear make(int64_t kind, at::Tensor weight, at::Tensor scales, int64_t group_size,
+  // kind: a LinearKind value (Python's native.KernelConstants.linear_kinds); empty scales, sums or bias: none.
+  static NativeLinear make(int64_t kind, at::Tensor weight, at::Tensor scales, int64_t group_size, at::Tensor sums,
                            const at::Tensor& bias) {
-    TORCH_CHECK(kind >= static_cast<int64_t>(LinearKind::kDense) && kind <= static_cast<int64_t>(LinearKind::kGguf),
+    TORCH_CHECK(kind >= static_cast<int64_t>(LinearKind::kDense) &&
+                    kind <= static_cast<int64_t>(LinearKind::kW8A8Asymmetric),
                 "unknown linear kind ", kind);
-    return NativeLinear{static_cast<LinearKind>(kind), std::move(weight), std::move(scales), group_size,
+    const auto k = static_cast<LinearKind>(kind);
+    TORCH_CHECK((k == LinearKind::kW8A8 || k == LinearKind::kW8A8Asymmetric) == (sums.numel() > 0),
+                "a W8A8 linear, and only one, comes with its codes' sums");
+    return NativeLinear{k, std::move(weight), std::move(scales), group_size, std::move(sums),
                         bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt};
   }
 
+  bool w8a8() const { return kind == LinearKind::kW8A8 || kind == LinearKind::kW8A8Asymmetric; }
+
   // act(gate) * up of a merged gate_up projection's output (SwiGLU or GeGLU): fused into the GEMM
-  // where dense, as LinearMethod.apply_act_and_mul(..., activation) does.
+  // where dense, and into W8A8's epilogue where each half is whole blocks of its channels, as
+  // LinearMethod.apply_act_and_mul(..., activation) does.
   at::Tensor act_and_mul(const at::Tensor& x, Activation activation) const {
     const bool silu = activation == Activation::kSilu;
     if (kind == LinearKind::kDense)
       return silu ? dense_linear_silu_and_mul(x, weight, bias) : dense_linear_gelu_tanh_and_mul(x, weight, bias);
+    if (w8a8() && sums.numel() % (2 * kW8A8Columns) == 0)  // as W8A8Method.apply_act_and_mul
+      return w8a8_linear(x, weight, sums, scales, bias, kind == LinearKind::kW8A8Asymmetric, "", c10::nullopt,
+                         c10::nullopt, c10::nullopt, silu ? "silu" : "gelu_tanh");
     const at::Tensor gate_up = (*this)(x);
     at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
     if (silu)
@@ -61,6 +73,9 @@ struct NativeLinear {
     if (kind == LinearKind::kDense) return dense_linear(x, weight, b);  // as dabba.native.linear
     if (kind == LinearKind::kInt8) return int8_linear(x, weight, scales, b);  // as dabba.native.int8_linear
     if (kind == LinearKind::kGguf) return gguf_linear(x, weight, scales, b);  // as dabba.quantization.gguf
+    if (w8a8())  // as dabba.quantization.w8a8.W8A8Method.apply (dynamic per-row rounding)
+      return w8a8_linear(x, weight, sums, scales, b, kind == LinearKind::kW8A8Asymmetric, "", c10::nullopt,
+                         c10::nullopt, c10::nullopt, "");
     return int4_linear(x, weight, group_size, scales, b);  // as dabba.quantization.kernels.int4_matmul_cpu
   }
 

@@ -71,14 +71,14 @@ class NativeLayerLoop:
         empty = torch.empty(0)
         for form in forms:
             linears = form.linears
-            kind_ids, weights, scales, group_sizes = _specs(linears, kinds)
+            kind_ids, weights, scales, group_sizes, sums = _specs(linears, kinds)
             qk = form.qk_norm
             q_norm, k_norm = (qk.q_norm.weight, qk.k_norm.weight) if qk is not None else (empty, empty)
             pre_mlp = empty if form.pre_mlp_norm is None else form.pre_mlp_norm.weight
             post_mlp = empty if form.post_mlp_norm is None else form.post_mlp_norm.weight
             self.decoder.add_layer(form.input_norm.weight, form.post_attention_norm.weight, pre_mlp, post_mlp,
                                    q_norm, k_norm, qk is not None and qk.whole,
-                                   kind_ids, weights, scales, group_sizes,
+                                   kind_ids, weights, scales, group_sizes, sums,
                                    [empty if linear.bias is None else linear.bias for linear in linears],
                                    form.attention.sliding_window or 0, ROPE_TABLES.index(form.rope_table))
             moe = form.mlp.moe
@@ -108,11 +108,12 @@ class NativeLayerLoop:
         return [codes.view(code_dtype) for codes, _ in kv_caches], [scales for _, scales in kv_caches]
 
 
-def _specs(linears: list[Any],
-           kinds: dict[str, int]) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[int]]:
+def _specs(linears: list[Any], kinds: dict[str, int]) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor],
+                                                           list[int], list[torch.Tensor]]:
     """The linears' native forms as NativeDecoder takes them: kinds, weights, scales (empty where
-    none) and group sizes."""
+    none), group sizes and codes' sums (empty where none)."""
     specs = [linear.quant_method.native_spec(linear) for linear in linears]
     empty = torch.empty(0)
     return ([kinds[s.kind] for s in specs], [s.weight for s in specs],
-            [empty if s.scales is None else s.scales for s in specs], [s.group_size for s in specs])
+            [empty if s.scales is None else s.scales for s in specs], [s.group_size for s in specs],
+            [empty if s.sums is None else s.sums for s in specs])

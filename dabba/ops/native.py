@@ -96,7 +96,7 @@ class KernelConstants:
     w8a8_depth: int  # ... with K padded to a multiple of this (csrc/w8a8_cpu.cpp)
     w8a8_max_inputs: int  # the most inputs its int32 sums hold
     amx_w8a8_min_rows: int  # W8A8 on AMX-INT8 tiles from here, where the CPU has them
-    linear_kinds: dict[str, int]  # "dense", "int8", "int4", "gguf" -> LinearKind in csrc/cpu_ops.h
+    linear_kinds: dict[str, int]  # "dense", "int8", "int4", "gguf", "w8a8", ... -> LinearKind in csrc/cpu_ops.h
     gguf_types: dict[str, int]  # the GGUF types the kernels take, by name -> ggml's type id (csrc/gguf_blocks.h)
 
 

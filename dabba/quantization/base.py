@@ -50,10 +50,11 @@ class LinearMethod:
 
 @dataclass(frozen=True)
 class NativeLinearSpec:
-    kind: str  # "dense", "int8" or "int4": a LinearKind of csrc/cpu_ops.h by name (native.KernelConstants)
+    kind: str  # "dense", "int8", "int4", "gguf", "w8a8", ...: a LinearKind of csrc/cpu_ops.h by name
     weight: torch.Tensor
     scales: torch.Tensor | None = None
     group_size: int = 0
+    sums: torch.Tensor | None = None  # W8A8: each channel's codes summed, its zero point's correction
 
 
 class UnquantizedLinearMethod(LinearMethod):

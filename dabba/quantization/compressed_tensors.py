@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from dabba.arch.checkpoint_names import shard_checkpoint_names
-from dabba.quantization.base import LinearMethod, UnquantizedLinearMethod
+from dabba.quantization.base import LinearMethod, NativeLinearSpec, UnquantizedLinearMethod
 from dabba.quantization.w8a8 import W8A8Method, packing
 
 QUANT_METHOD = "compressed-tensors"
@@ -296,6 +296,13 @@ class CompressedTensorsW8A8Method(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.w8a8.apply(layer, x, bias)
+
+    def apply_act_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                          activation: str) -> torch.Tensor:
+        return self.w8a8.apply_act_and_mul(layer, x, bias, activation)
+
+    def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
+        return self.w8a8.native_spec(layer)
 
     def codes(self, layer: nn.Module) -> torch.Tensor:
         """The layer's INT8 codes [out, in] (tests)."""

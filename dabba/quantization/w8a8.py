@@ -20,7 +20,7 @@ from torch import nn
 
 from dabba.ops import native
 from dabba.ops.host_memory import on_huge_pages
-from dabba.quantization.base import LinearMethod
+from dabba.quantization.base import LinearMethod, NativeLinearSpec
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,6 +188,15 @@ class W8A8Method(LinearMethod):
         y = w8a8_linear(x2, layer.w8a8_packed, layer.w8a8_wsum, layer.w8a8_scales, bias, self.asymmetric, "",
                         layer.w8a8_input_scale, layer.w8a8_input_zero, self.whole_row_range(layer, x2), activation)
         return y.view(*shape[:-1], half)
+
+    def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
+        """Dynamic rounding on the packed codes, as ``apply`` runs it; none for a static input
+        scale, or for a row-parallel shard, whose rounding needs the whole row's range from every
+        rank (whole_row_range)."""
+        if self.static or layer.parallel == "row" or layer.w8a8_codes is not None:
+            return None
+        kind = "w8a8_asymmetric" if self.asymmetric else "w8a8"
+        return NativeLinearSpec(kind, layer.w8a8_packed, layer.w8a8_scales, sums=layer.w8a8_wsum)
 
     def whole_row_range(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """A row-parallel shard sees a slice of each row: the whole row's range, gathered from every

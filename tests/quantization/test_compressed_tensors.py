@@ -307,6 +307,13 @@ def test_dabba_computes_its_own_checkpoints(sources, calibration, tmp_path) -> N
     dynamic = dabba_quantize(sources["llama"], tmp_path / "dyn", calibration, "--asymmetric-activations")
     llm = LLM(str(dynamic), dtype="float32")
     assert_greedy_as_reference(llm, dynamic, prompts_for(dynamic))
+    # its layers run in the native loop (asymmetric rounding there too), bit for bit the Python layers'
+    assert llm.llm_engine.engine_core.model_runner.native_loop is not None
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = token_prompts(prompts_for(dynamic))
+    python = LLM(str(dynamic), dtype="float32", native_layer_loop="off").generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)] \
+        == [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in python]
     load_time = model_of(LLM(str(sources["llama"]), dtype="float32", quantization="w8a8"))
     for layer in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         ours = model_of(llm).get_submodule(f"model.layers.1.{layer}")
