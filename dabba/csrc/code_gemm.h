@@ -1,5 +1,6 @@
 // The integer GEMM on 8-bit codes that the quantized weight formats share: GGUF's blocks
-// (gguf_gemm_cpu.cpp) and PyTorch's packed INT4 (int4_linear_cpu.cpp) each decode kPanel output
+// (gguf_gemm_cpu.cpp), PyTorch's packed INT4 (int4_linear_cpu.cpp) and INT8's codes
+// (int8_code_gemm_cpu.cpp) each decode kPanel output
 // channels at a time into a panel of unsigned 8-bit codes, 16 channels' 4 consecutive codes in each
 // 64-byte line (vpdpbusd's unsigned operand as it lies, W8A8's order), with each sub-block's scale
 // s and offset o per channel (value = s * code - o; a format without one keeps its codes' bias b
