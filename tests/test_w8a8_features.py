@@ -281,8 +281,9 @@ def test_moe_experts_run_w8a8_and_give_the_pytorch_references_tokens(family, tmp
     prompts at once through the kernels give each prompt's tokens alone through the all-PyTorch
     path (tests/quantization/test_w8a8_model.py's: w8a8_reference, the Python layers)."""
     path = checkpoint(tmp_path_factory, family)
-    llm = engine(path, native_layer_loop="off")  # the Python layers, whose calls this counts (the native loop's
-    # experts are bit for bit these: tests/test_native_layer_loop.py)
+    # the Python layers, whose calls this counts (the native loop's experts are bit for bit these:
+    # tests/test_native_layer_loop.py)
+    llm = engine(path, native_layer_loop="off")
     model = llm.llm_engine.engine_core.model_runner.model
     moes = [m for m in model.modules() if type(m).__name__ == "FusedMoE"]
     assert moes and all(isinstance(moe.gate.quant_method, UnquantizedLinearMethod) for moe in moes)

@@ -69,9 +69,10 @@ class NativeDecoder : public torch::CustomClassHolder {
   // One decoder layer: its norms (q_norm/k_norm empty: none; whole: over all heads at once;
   // pre_ffw_norm/post_ffw_norm: Gemma's, empty for Llama's layout, where post_norm is the MLP's
   // input norm), its linears as LinearKind values, weights, scales (empty where unused), group
-  // sizes, W8A8's codes' sums and biases (empty where none): four (qkv, o, gate_up, down), or two (qkv, o) for a layer
-  // whose MLP add_moe gives next; its attention's sliding window (0: none; per layer, as models
-  // interleave sliding and global layers) and the index of its RoPE table in forward's cos/sin.
+  // sizes, W8A8's codes' sums and biases (empty where none): four (qkv, o, gate_up, down), or two
+  // (qkv, o) for a layer whose MLP add_moe gives next; its attention's sliding window (0: none; per
+  // layer, as models interleave sliding and global layers) and the index of its RoPE table in
+  // forward's cos/sin.
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor pre_ffw_norm, at::Tensor post_ffw_norm,
                  at::Tensor q_norm, at::Tensor k_norm, bool qk_norm_whole, std::vector<int64_t> kinds,
                  std::vector<at::Tensor> weights, std::vector<at::Tensor> scales, std::vector<int64_t> group_sizes,
@@ -102,7 +103,8 @@ class NativeDecoder : public torch::CustomClassHolder {
 
   // The mixture-of-experts MLP of the layer add_layer just took with two linears: its router's
   // weight (unquantized, no bias), each expert's gate_up and down linears in turn (kinds, weights,
-  // scales, group sizes, sums as add_layer's; no biases), and the routing of dabba.models.config.MoEConfig.
+  // scales, group sizes, sums as add_layer's; no biases), and the routing of
+  // dabba.models.config.MoEConfig.
   void add_moe(at::Tensor router_weight, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
                std::vector<at::Tensor> scales, std::vector<int64_t> group_sizes, std::vector<at::Tensor> sums,
                int64_t top_k, bool renormalize, bool weights_in_model_dtype) {
