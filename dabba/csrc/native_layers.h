@@ -47,6 +47,12 @@ struct NativeLinear {
 
   bool w8a8() const { return kind == LinearKind::kW8A8 || kind == LinearKind::kW8A8Asymmetric; }
 
+  // W8A8 with dynamic per-row rounding, as W8A8Method.apply (act ""), or apply_act_and_mul (act named)
+  at::Tensor w8a8_apply(const at::Tensor& x, const c10::optional<at::Tensor>& b, const std::string& act) const {
+    return w8a8_linear(x, weight, sums, scales, b, kind == LinearKind::kW8A8Asymmetric, "", c10::nullopt,
+                       c10::nullopt, c10::nullopt, act);
+  }
+
   // act(gate) * up of a merged gate_up projection's output (SwiGLU or GeGLU): fused into the GEMM
   // where dense, and into W8A8's epilogue where each half is whole blocks of its channels, as
   // LinearMethod.apply_act_and_mul(..., activation) does.
@@ -55,8 +61,7 @@ struct NativeLinear {
     if (kind == LinearKind::kDense)
       return silu ? dense_linear_silu_and_mul(x, weight, bias) : dense_linear_gelu_tanh_and_mul(x, weight, bias);
     if (w8a8() && sums.numel() % (2 * kW8A8Columns) == 0)  // as W8A8Method.apply_act_and_mul
-      return w8a8_linear(x, weight, sums, scales, bias, kind == LinearKind::kW8A8Asymmetric, "", c10::nullopt,
-                         c10::nullopt, c10::nullopt, silu ? "silu" : "gelu_tanh");
+      return w8a8_apply(x, bias, silu ? "silu" : "gelu_tanh");
     const at::Tensor gate_up = (*this)(x);
     at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
     if (silu)
@@ -73,9 +78,7 @@ struct NativeLinear {
     if (kind == LinearKind::kDense) return dense_linear(x, weight, b);  // as dabba.native.linear
     if (kind == LinearKind::kInt8) return int8_linear(x, weight, scales, b);  // as dabba.native.int8_linear
     if (kind == LinearKind::kGguf) return gguf_linear(x, weight, scales, b);  // as dabba.quantization.gguf
-    if (w8a8())  // as dabba.quantization.w8a8.W8A8Method.apply (dynamic per-row rounding)
-      return w8a8_linear(x, weight, sums, scales, b, kind == LinearKind::kW8A8Asymmetric, "", c10::nullopt,
-                         c10::nullopt, c10::nullopt, "");
+    if (w8a8()) return w8a8_apply(x, b, "");  // as dabba.quantization.w8a8.W8A8Method.apply
     return int4_linear(x, weight, group_size, scales, b);  // as dabba.quantization.kernels.int4_matmul_cpu
   }
 
