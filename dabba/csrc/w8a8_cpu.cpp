@@ -17,7 +17,7 @@
 //
 // Kernels (the same int32 sums, so the same outputs bit for bit; chosen in w8a8_path):
 // AMX-INT8 tiles (32 x 32 outputs a step) from kAmxW8A8MinRows rows where the CPU and the OS have
-// them; AVX512-VNNI (4 rows x 64 channels of vpdpbusd); AVX2 (codes widened to int16, vpmaddwd);
+// them; AVX512-VNNI (6 rows x 64 channels of vpdpbusd); AVX2 (codes widened to int16, vpmaddwd);
 // scalar elsewhere. Sums carry in an int32 block between ranges of K (cache blocking), exactly.
 // The activation rounding is the packing: one pass over x writes the codes the kernels read.
 #include <ATen/ATen.h>
@@ -282,16 +282,20 @@ void vnni_tile(const Tile& t) {
     for (int j = 0; j < NR; ++j) _mm512_storeu_si512(t.c + r * t.ldc + 16 * j, acc[r][j]);
 }
 
+// 6 rows x 4 blocks: 24 accumulators, 4 weights and a broadcast in 29 of the 32 zmm registers, so a
+// weight load serves 6 vpdpbusd, not 4 (4 x 4's broadcasts held Zen 4 well below its VNNI peak)
+constexpr int kVnniRows = 6, kVnniBlocks = 4;
+
 void vnni_block(const Tile& t, int64_t rows, int64_t blocks) {
-  for (int64_t r = 0; r < rows; r += 4)
-    for (int64_t j = 0; j < blocks; j += 4) {
+  for (int64_t r = 0; r < rows; r += kVnniRows)
+    for (int64_t j = 0; j < blocks; j += kVnniBlocks) {
       Tile s = t;
       s.u += r * t.ldu;
       s.w += j * t.block_bytes;
       s.c += r * t.ldc + 16 * j;
-      with_count<4>(std::min<int64_t>(4, rows - r), [&](auto mr) {
-        with_count<4>(std::min<int64_t>(4, blocks - j),
-                      [&](auto nr) { vnni_tile<decltype(mr)::value, decltype(nr)::value>(s); });
+      with_count<kVnniRows>(std::min<int64_t>(kVnniRows, rows - r), [&](auto mr) {
+        with_count<kVnniBlocks>(std::min<int64_t>(kVnniBlocks, blocks - j),
+                                [&](auto nr) { vnni_tile<decltype(mr)::value, decltype(nr)::value>(s); });
       });
     }
 }

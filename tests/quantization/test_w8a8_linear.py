@@ -33,7 +33,7 @@ def run(x, codes, scales, bias, asymmetric, path):
 
 @pytest.mark.parametrize("asymmetric", [False, True])
 @pytest.mark.parametrize("rows, n, k", [(1, 48, 64), (3, 37, 100), (8, 130, 256), (17, 64, 1100), (40, 33, 2100),
-                                        (70, 96, 192)])
+                                        (70, 96, 192), (131, 80, 96)])
 def test_every_path_equals_the_reference_bit_for_bit(rows, n, k, asymmetric) -> None:
     codes, scales = make_weight(n, k, seed=rows)
     for dtype in (torch.bfloat16, torch.float32):
