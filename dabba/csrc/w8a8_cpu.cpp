@@ -34,6 +34,7 @@
 #include "x_loads.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -218,16 +219,25 @@ Codes round_activations(const at::Tensor& x, int64_t Kp, bool asymmetric, const 
   const int64_t K = x.size(1), rows = (c.M + 31) / 32 * 32;
   c.rows = rows;
   c.u = aligned_buffer<uint8_t>(rows * Kp);
-  std::memset(c.u.get(), 0, rows * Kp);
   c.scale.resize(c.M);
   c.zero.resize(c.M);
+  // code 0 in the padding (K..Kp of each row, and the rows past M), written beside the codes rather
+  // than by a pass over the whole buffer first
+  const int64_t stride = c.chunk_stride(), chunks = Kp / 64;
   with_x_type(x, [&](auto zero) {
     using T = decltype(zero);
     const T* xp = x.data_ptr<T>();
-    at::parallel_for(0, c.M, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m)
-        round_row(xp + m * x.stride(0), K, asymmetric, fixed, ranges ? ranges + 2 * m : nullptr, c.row(m),
-                  c.chunk_stride(), c.scale[m], c.zero[m]);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        uint8_t* u = c.row(m);
+        if (m >= c.M) {
+          for (int64_t j = 0; j < chunks; ++j) std::memset(u + j * stride, 0, 64);
+          continue;
+        }
+        if (K % 64) std::memset(u + K / 64 * stride + K % 64, 0, 64 - K % 64);
+        round_row(xp + m * x.stride(0), K, asymmetric, fixed, ranges ? ranges + 2 * m : nullptr, u, stride,
+                  c.scale[m], c.zero[m]);
+      }
     });
   });
   return c;
@@ -648,16 +658,15 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       gated_epilogue<T>(a, c, ldc, nb * kW8A8Columns, m0, valid, n0, n1, half, ws, sw, bp, act == "silu", yp, half);
     });
   };
-  // threads split the channel blocks (in pairs, AMX's step; gated, the gate's blocks, each with its up
-  // block); each keeps an int32 block of sums
+  // units of work: channel blocks in pairs (AMX's step), or gated, a gate block with its up block;
+  // each thread keeps an int32 block of sums
   const int64_t units = gated ? up_blocks : (blocks + 1) / 2, per_unit = gated ? 1 : 2;
-  at::parallel_for(0, units, 1, [&](int64_t unit_begin, int64_t unit_end) {
+  const int64_t mc = std::min(kMc, M), ldc = kNcBlocks * kW8A8Columns, per_panel = gated ? kNcBlocks / 2 : kNcBlocks;
+  auto run_units = [&](int64_t unit_begin, int64_t unit_end, int32_t* c) {
     const int64_t b_begin = per_unit * unit_begin, b_end = std::min(gated ? up_blocks : blocks, per_unit * unit_end);
 #ifdef DABBA_W8A8_AMX
     if (p == Path::kAmx) return amx_gemm(a, w, block_bytes, b_begin, b_end, Steps{up_blocks}, store);
 #endif
-    const int64_t mc = std::min(kMc, M), ldc = kNcBlocks * kW8A8Columns, per_panel = gated ? kNcBlocks / 2 : kNcBlocks;
-    const AlignedBuffer<int32_t> c = aligned_buffer<int32_t>(mc * ldc);
     for (int64_t b0 = b_begin; b0 < b_end; b0 += per_panel) {
       const int64_t nb = std::min(per_panel, b_end - b0);
       for (int64_t m0 = 0; m0 < M; m0 += mc) {
@@ -667,13 +676,24 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
           for (int64_t part = 0; part < (gated ? 2 : 1); ++part) {  // gated: the gate's blocks, then the up's
             const int64_t first = b0 + part * up_blocks;
             const Tile t{a.u.get() + m0 * Kp + k0, Kp, w + first * block_bytes + k0 * kW8A8Columns, block_bytes,
-                         kc / 4, c.get() + part * nb * kW8A8Columns, ldc, k0 == 0};
+                         kc / 4, c + part * nb * kW8A8Columns, ldc, k0 == 0};
             run_block(p, t, rows, nb);
           }
         }
-        store(m0, rows, b0, nb, c.get(), ldc);
+        store(m0, rows, b0, nb, c, ldc);
       }
     }
+  };
+  // Each thread takes the next few units as it finishes: a VM's two cores often run at unequal
+  // speeds, and a static half each leaves the faster one waiting at the end. Every output's sums
+  // are one thread's whichever it is, so the split never changes a bit.
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::clamp<int64_t>(units / (8 * threads), 1, per_panel / per_unit);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const AlignedBuffer<int32_t> c = aligned_buffer<int32_t>(mc * ldc);
+    for (int64_t u0 = next.fetch_add(chunk); u0 < units; u0 = next.fetch_add(chunk))
+      run_units(u0, std::min(units, u0 + chunk), c.get());
   });
   return y;
 }
