@@ -39,6 +39,16 @@ inline T from_float(float f) {
   else return static_cast<T>(f);
 }
 
+// Loops GCC vectorises, on 512-bit vectors where the build has them (the avx512 variant's tuning
+// picks 256): elementwise epilogues such as SwiGLU's exp and bf16 roundings then issue half the
+// instructions. Each element's operations are the same at either width, so are its bits. Never
+// inlined: GCC would compile the loop at its caller's width. Mark whole row loops, not helpers.
+#if defined(__AVX512F__) && (defined(__x86_64__) || defined(__i386__))
+#define DABBA_WIDE_LOOPS __attribute__((target("prefer-vector-width=512"), noinline))
+#else
+#define DABBA_WIDE_LOOPS
+#endif
+
 // exp(x) for x <= 0: 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (relative
 // error ~2e-7, below float32's rounding of a softmax sum). libm's expf does not vectorise here.
 inline float exp_nonpositive(float x) {

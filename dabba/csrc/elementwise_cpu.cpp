@@ -145,8 +145,9 @@ namespace {
 // transformers' act_fn(gate_proj(x)) * up_proj(x). (For bf16 this is silu_mul_bf16_bits /
 // gelu_mul_bf16_bits, which the GEMM's fused epilogue applies: the two agree bit for bit.)
 template <float (*Act)(float), typename scalar_t>
-inline void act_and_mul_row(scalar_t* __restrict out, const scalar_t* __restrict gate, const scalar_t* __restrict up,
-                            int64_t d) {
+DABBA_WIDE_LOOPS
+void act_and_mul_row(scalar_t* __restrict out, const scalar_t* __restrict gate, const scalar_t* __restrict up,
+                     int64_t d) {
   for (int64_t i = 0; i < d; ++i)
     out[i] = Cvt<scalar_t>::store(round_to<scalar_t>(Act(Cvt<scalar_t>::load(gate[i]))) * Cvt<scalar_t>::load(up[i]));
 }

@@ -34,7 +34,6 @@
 #include "x_loads.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -271,24 +270,33 @@ void scalar_tile(const Tile& t, int64_t rows, int64_t blocks) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // MR rows x NR blocks (16 channels each) of vpdpbusd: per 4 k, NR 64-byte weight loads and MR
-// broadcasts of 4 codes feed MR x NR accumulators.
+// broadcasts of 4 codes feed MR x NR accumulators. Its own function, with the loops over them
+// unrolled whole, so that every accumulator and pointer stays in a register (inlined into its
+// caller, or left to GCC's unrolling, the loop has kept accumulators or counters on the stack).
 template <int MR, int NR>
-void vnni_tile(const Tile& t) {
+__attribute__((noinline)) void vnni_tile(const Tile& t) {
   __m512i acc[MR][NR];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int j = 0; j < NR; ++j)
       acc[r][j] = t.first ? _mm512_setzero_si512() : _mm512_loadu_si512(t.c + r * t.ldc + 16 * j);
   for (int64_t q = 0; q < t.quads; ++q) {
     __m512i w[NR];
+#pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_si512(t.w + j * t.block_bytes + 64 * q);
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       int32_t quad;
       std::memcpy(&quad, t.u + r * t.ldu + 4 * q, 4);
       const __m512i a = _mm512_set1_epi32(quad);
+#pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], a, w[j]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) _mm512_storeu_si512(t.c + r * t.ldc + 16 * j, acc[r][j]);
 }
 
@@ -508,6 +516,7 @@ void run_block(Path p, const Tile& t, int64_t rows, int64_t blocks) {
 // then by the code silu_and_mul / gelu_tanh_and_mul run (elementwise_cpu.cpp): the fused layer equals
 // the layer then the activation, bit for bit.
 template <typename T>
+DABBA_WIDE_LOOPS
 void gated_epilogue(const Codes& a, const int32_t* c, int64_t ldc, int64_t up_col, int64_t m0, int64_t rows,
                     int64_t n0, int64_t n1, int64_t up_offset, const int32_t* wsum, const float* sw, const T* bias,
                     bool silu, T* y, int64_t ldy) {
@@ -541,6 +550,7 @@ void gated_epilogue(const Codes& a, const int32_t* c, int64_t ldc, int64_t up_co
 // y rows [m0, m0 + rows) x channels [n0, n1) from their int32 sums c (row stride ldc); loops GCC
 // vectorises (cpu_math.h's conversions).
 template <typename T>
+DABBA_WIDE_LOOPS
 void epilogue(const Codes& a, const int32_t* c, int64_t ldc, int64_t m0, int64_t rows, int64_t n0, int64_t n1,
               const int32_t* wsum, const float* sw, const T* bias, T* y, int64_t ldy) {
   const int64_t width = n1 - n0;
@@ -658,15 +668,16 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       gated_epilogue<T>(a, c, ldc, nb * kW8A8Columns, m0, valid, n0, n1, half, ws, sw, bp, act == "silu", yp, half);
     });
   };
-  // units of work: channel blocks in pairs (AMX's step), or gated, a gate block with its up block;
-  // each thread keeps an int32 block of sums
+  // threads split the channel blocks (in pairs, AMX's step; gated, the gate's blocks, each with its up
+  // block); each keeps an int32 block of sums
   const int64_t units = gated ? up_blocks : (blocks + 1) / 2, per_unit = gated ? 1 : 2;
-  const int64_t mc = std::min(kMc, M), ldc = kNcBlocks * kW8A8Columns, per_panel = gated ? kNcBlocks / 2 : kNcBlocks;
-  auto run_units = [&](int64_t unit_begin, int64_t unit_end, int32_t* c) {
+  at::parallel_for(0, units, 1, [&](int64_t unit_begin, int64_t unit_end) {
     const int64_t b_begin = per_unit * unit_begin, b_end = std::min(gated ? up_blocks : blocks, per_unit * unit_end);
 #ifdef DABBA_W8A8_AMX
     if (p == Path::kAmx) return amx_gemm(a, w, block_bytes, b_begin, b_end, Steps{up_blocks}, store);
 #endif
+    const int64_t mc = std::min(kMc, M), ldc = kNcBlocks * kW8A8Columns, per_panel = gated ? kNcBlocks / 2 : kNcBlocks;
+    const AlignedBuffer<int32_t> c = aligned_buffer<int32_t>(mc * ldc);
     for (int64_t b0 = b_begin; b0 < b_end; b0 += per_panel) {
       const int64_t nb = std::min(per_panel, b_end - b0);
       for (int64_t m0 = 0; m0 < M; m0 += mc) {
@@ -676,24 +687,13 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
           for (int64_t part = 0; part < (gated ? 2 : 1); ++part) {  // gated: the gate's blocks, then the up's
             const int64_t first = b0 + part * up_blocks;
             const Tile t{a.u.get() + m0 * Kp + k0, Kp, w + first * block_bytes + k0 * kW8A8Columns, block_bytes,
-                         kc / 4, c + part * nb * kW8A8Columns, ldc, k0 == 0};
+                         kc / 4, c.get() + part * nb * kW8A8Columns, ldc, k0 == 0};
             run_block(p, t, rows, nb);
           }
         }
-        store(m0, rows, b0, nb, c, ldc);
+        store(m0, rows, b0, nb, c.get(), ldc);
       }
     }
-  };
-  // Each thread takes the next few units as it finishes: a VM's two cores often run at unequal
-  // speeds, and a static half each leaves the faster one waiting at the end. Every output's sums
-  // are one thread's whichever it is, so the split never changes a bit.
-  const int64_t threads = at::get_num_threads();
-  const int64_t chunk = std::clamp<int64_t>(units / (8 * threads), 1, per_panel / per_unit);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    const AlignedBuffer<int32_t> c = aligned_buffer<int32_t>(mc * ldc);
-    for (int64_t u0 = next.fetch_add(chunk); u0 < units; u0 = next.fetch_add(chunk))
-      run_units(u0, std::min(units, u0 + chunk), c.get());
   });
   return y;
 }
