@@ -81,10 +81,10 @@ void with_x_type(const at::Tensor& x, F&& f) {
 }
 
 struct Codes {
-  AlignedBuffer<uint8_t> u;  // rows padded to a multiple of 32 with code 0; laid out as below
+  AlignedBuffer<uint8_t> u;  // laid out as below; AMX's rows padded to a multiple of 32 with code 0
   std::vector<float> scale;  // [M]
   std::vector<int32_t> zero;  // [M]
-  int64_t M = 0, Kp = 0, rows = 0;  // rows: M padded
+  int64_t M = 0, Kp = 0, rows = 0;  // rows: M, padded where tiled (the other paths read M rows)
   // AMX: in tiles, [rows / 16][Kp / 64][16][64], so each tile load reads 1 KiB in a row (16 rows Kp
   // apart would meet in the same L1 sets when Kp is a multiple of 4096). Else [rows][Kp].
   bool tiled = false;
@@ -215,13 +215,13 @@ Codes round_activations(const at::Tensor& x, int64_t Kp, bool asymmetric, const 
   c.M = x.size(0);
   c.Kp = Kp;
   c.tiled = tiled;
-  const int64_t K = x.size(1), rows = (c.M + 31) / 32 * 32;
+  const int64_t K = x.size(1), rows = tiled ? (c.M + 31) / 32 * 32 : c.M;
   c.rows = rows;
   c.u = aligned_buffer<uint8_t>(rows * Kp);
   c.scale.resize(c.M);
   c.zero.resize(c.M);
-  // code 0 in the padding (K..Kp of each row, and the rows past M), written beside the codes rather
-  // than by a pass over the whole buffer first
+  // code 0 in the padding (K..Kp of each row, and AMX's rows past M), written beside the codes
+  // rather than by a pass over the whole buffer first
   const int64_t stride = c.chunk_stride(), chunks = Kp / 64;
   with_x_type(x, [&](auto zero) {
     using T = decltype(zero);
