@@ -53,7 +53,7 @@ def test_the_model_holds_the_files_blocks_and_the_planner_counts_them(files) -> 
             assert m.gguf_segment_types == [layout_for(t, m.in_features) or t for t in m.quant_method.shard_types]
         assert model.model.layers[0].mlp.down_proj.gguf_segment_types[0] in ("Q4_0x16", "Q4_Kx2")
     embedding = model.model.embed_tokens
-    assert (embedding.gguf_rows is not None) == ("token_embd.weight" in blocks)
+    assert (embedding.gguf_rows is not None or embedding.packed_rows is not None) == ("token_embd.weight" in blocks)
     held_bytes = sum(m.gguf_blob.numel() for m in held)
     if "token_embd.weight" in blocks and "output.weight" in tensors:  # untied: the table's own blocks
         held_bytes += embedding.gguf_rows.data.numel()

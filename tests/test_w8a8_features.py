@@ -8,12 +8,8 @@ random Llama (tests/conftest.py's "llama" shape), and conftest's three MoE shape
 Greedy tokens are equal (``assert_same``): each row of activations is rounded with its own scale
 and summed exactly in integers, so a W8A8 layer's row is the same bits whichever kernel its step
 takes (AMX tiles from 16 rows where the CPU has them, VNNI or AVX2 below; the first test holds them
-equal row by row) and whichever rows share the step. One layer is not W8A8: the LM head is INT8
-weight-only (QuantConfig.get_lm_head_method: Int8RTNMethod), whose kernel is chosen by the number
-of rows (csrc/gemm_cpu.cpp: int8_linear; the GEMV to 6 rows, then _weight_int8pack_mm or the GEMM,
-the dequantized codes from 96), and those round apart: on this model a row's float32 logits move by
-up to 1.3e-4 (bf16: one ulp) with the rows beside it. The tokens here do not (no top two lie that
-close); a model that held such a near tie could change a greedy token with the batch at the head.
+equal row by row) and whichever rows share the step; the LM head is W8A8 too
+(QuantConfig.get_lm_head_method), so a request's logits are the same bits alone and in a batch.
 Where the arithmetic itself changes (an 8-bit KV cache against a float one, tensor parallelism's
 all-reduce) the tokens are held by ``assert_follows`` and a perplexity or logprob bar, as
 tests/test_gguf_features.py holds its quantized GGUF models."""
@@ -74,7 +70,7 @@ def references(model):
     def alone(dtype: str = "float32") -> list:
         if dtype not in done:
             llm = engine(model, dtype, enable_prefix_caching=False)
-            assert len(w8a8_layers(llm)) == 4 * 2  # qkv, o, gate_up, down of both layers
+            assert len(w8a8_layers(llm)) == 4 * 2 + 1  # qkv, o, gate_up, down of both layers; the head
             done[dtype] = one_by_one(llm, PROMPTS)
         return done[dtype]
     return alone
@@ -86,7 +82,7 @@ def alone(references) -> list:
 
 
 def w8a8_layers(llm: LLM) -> list:
-    """The model's W8A8 layers (the LM head is INT8 weight-only: QuantConfig.get_lm_head_method)."""
+    """The model's W8A8 layers, its LM head among them (QuantConfig.get_lm_head_method)."""
     model = llm.llm_engine.engine_core.model_runner.model
     return [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), W8A8Method)]
 
@@ -133,10 +129,12 @@ def test_a_row_alone_equals_the_same_row_in_a_batch_of_40(dtype, asymmetric) -> 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_continuous_batching_gives_each_prompt_its_own_tokens(model, references, dtype) -> None:
     """Three prompts together, two more joining while they decode (their prefill shares steps
-    with the others' decodes), the batch shrinking as they end: each its tokens alone."""
+    with the others' decodes), the batch shrinking as they end: each its tokens alone, and their
+    logprobs to the bit (every layer, the head too, computes a row the same way in any batch)."""
     llm = engine(model, dtype)
     llm_engine = llm.llm_engine
-    params = [SamplingParams(temperature=0, max_tokens=24 - 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    params = [SamplingParams(temperature=0, max_tokens=24 - 3 * i, ignore_eos=True, logprobs=5)
+              for i in range(len(PROMPTS))]
     for i in range(3):
         llm_engine.add_request(f"r{i}", {"prompt_token_ids": PROMPTS[i]}, params[i])
     results, steps, widest = {}, 0, 0
@@ -150,9 +148,12 @@ def test_continuous_batching_gives_each_prompt_its_own_tokens(model, references,
         widest = max(widest, len(llm_engine.engine_core.scheduler.running))
         llm_engine.engine_core.kv_cache_manager.check_integrity()
         steps += 1
-    outputs = [results[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
-    assert [len(o) for o in outputs] == [p.max_tokens for p in params] and widest == len(PROMPTS)
-    assert_same(outputs, references(dtype))
+    outputs = [results[f"r{i}"].outputs[0] for i in range(len(PROMPTS))]
+    assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params] and widest == len(PROMPTS)
+    assert_same([o.token_ids for o in outputs], references(dtype))
+    for ours, alone in zip(outputs, references(dtype)):
+        assert [{t: lp.logprob for t, lp in step.items()} for step in ours.logprobs] == \
+            [{t: lp.logprob for t, lp in step.items()} for step in alone.logprobs[:len(ours.logprobs)]]
 
 
 @pytest.mark.parametrize("chunk", [8, 16])
@@ -278,8 +279,9 @@ MOE_PROMPTS = PROMPTS[:4]
 def test_moe_experts_run_w8a8_and_give_the_pytorch_references_tokens(family, tmp_path_factory, monkeypatch) -> None:
     """Every expert's gate_up and down projections are W8A8 layers (the router stays float) and run
     (each chosen expert takes its tokens' rows, a few of several requests: any count of rows); all
-    prompts at once through the kernels give each prompt's tokens alone through the all-PyTorch
-    path (tests/quantization/test_w8a8_model.py's: w8a8_reference, the Python layers)."""
+    prompts at once through the kernels give each prompt's tokens alone with every W8A8 layer on
+    the PyTorch reference (w8a8_reference; the other ops as in the kernels' run, whose float
+    rounding would otherwise move a code, and then a near tie)."""
     path = checkpoint(tmp_path_factory, family)
     # the Python layers, whose calls this counts (the native loop's experts are bit for bit these:
     # tests/test_native_layer_loop.py)
@@ -302,9 +304,10 @@ def test_moe_experts_run_w8a8_and_give_the_pytorch_references_tokens(family, tmp
     ran = [r for r in rows.values() if r]
     assert len(ran) > len(experts) / 2 and len({n for r in ran for n in r}) > 10  # many experts, many row counts
     monkeypatch.setattr(W8A8Method, "whole_row_range", whole_row_range)
-    monkeypatch.setattr(w8a8.native, "load_cpu_ops", lambda: False)  # the layers take w8a8_reference
-    reference = one_by_one(engine(path, native_layer_loop="off"), MOE_PROMPTS)
-    assert_same(ours, reference)
+    reference = engine(path, native_layer_loop="off")
+    for layer in w8a8_layers(reference):  # codes held unpacked, as off the CPU: each layer takes w8a8_reference
+        layer.w8a8_codes = layer.quant_method.codes(layer).contiguous()
+    assert_same(ours, one_by_one(reference, MOE_PROMPTS))
 
 
 # ---- parallelism ----------------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ the logits, and the group gathers them in rank order.
 """
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,6 @@ from dabba.distributed.tensor_parallel import TensorParallel, current_tensor_par
 from dabba.ops import native
 from dabba.quantization.base import LinearMethod
 from dabba.quantization.gguf import GGUFBlocks, GGUFLinearMethod, dequantize_rows
-from dabba.quantization.rtn import Int8RTNMethod
 
 
 class VocabShard:
@@ -67,7 +68,7 @@ class VocabEmbedding(nn.Module):
         self.weight.weight_loader = self.load_rows
         self.dtype = self.weight.dtype  # the model's, also once the table is held otherwise
         self.scale = scale
-        self.int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes, scales): see use_int8_rows
+        self.packed_rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # see use_packed_rows
         self.gguf_rows: GGUFBlocks | None = None  # the table as a GGUF file's blocks: see load_rows
 
     def load_rows(self, param: nn.Parameter, loaded: torch.Tensor | GGUFBlocks, shard_id=None) -> None:
@@ -78,12 +79,12 @@ class VocabEmbedding(nn.Module):
             return
         self.shard.load_rows(param, loaded, shard_id)
 
-    def use_int8_rows(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        """Look rows up in a tied LM head's INT8 codes ([vocab, hidden], a scale per row) and drop
-        the full-precision table: one copy of the vocabulary's weights, as llama.cpp keeps, not a
-        bf16 table beside the quantized head (272 MiB on Qwen2.5-0.5B, 512 MiB on Llama-3.2-1B).
-        A row comes back as codes * scale in the model's dtype, the head's own dequantization."""
-        self.int8_rows = (codes, scales)
+    def use_packed_rows(self, lookup: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Look rows up in a tied LM head's packed weight (``lookup``: ids [T] -> rows [T, hidden]
+        in the model's dtype, as the head dequantizes them) and drop the full-precision table: one
+        copy of the vocabulary's weights, as llama.cpp keeps, not a bf16 table beside the quantized
+        head (272 MiB on Qwen2.5-0.5B, 512 MiB on Llama-3.2-1B)."""
+        self.packed_rows = lookup
         self.weight = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -99,25 +100,22 @@ class VocabEmbedding(nn.Module):
             return x
         return x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(x.dtype)
 
-    def use_gguf_rows(self, rows: GGUFBlocks) -> None:
-        """Look rows up in a tied LM head's GGUF blocks (one copy of the vocabulary, as the file has it)."""
-        self.gguf_rows = rows
-        self.weight = None
-
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.gguf_rows is not None:
             rows = self.gguf_rows
             return dequantize_rows(rows.type_name, rows.data[ids], rows.columns, self.dtype)
-        if self.int8_rows is not None:
-            codes, scales = self.int8_rows
-            return F.embedding(ids, codes).to(scales.dtype) * scales[ids, None]
+        if self.packed_rows is not None:
+            return self.packed_rows(ids.reshape(-1)).view(*ids.shape, -1)
         return F.embedding(ids, self.weight)
 
 
 class LMHead(nn.Module):
     """hidden -> logits. With a ``quant_method`` the head packs its weight once after loading; a
-    tied embedding then looks its rows up in the head's INT8 codes where the head has them
-    (shares_packed_rows), else keeps its full-precision table."""
+    tied embedding then looks its rows up in the head's packed weight where the method keeps rows
+    it can read (shares_packed_rows), else keeps its full-precision table."""
+
+    prefix = "lm_head"  # what a quant method names the layer by
+    parallel = "column"  # each rank holds whole rows (output channels): its inputs are whole
 
     def __init__(self, vocab_size: int, hidden_size: int, quant_method: LinearMethod | None = None) -> None:
         super().__init__()
@@ -146,18 +144,15 @@ class LMHead(nn.Module):
 
     @property
     def shares_packed_rows(self) -> bool:
-        """Tied, and packed as rows the embedding can read: INT8 rows with a scale each (load-time
-        int8/int4's head), or a GGUF file's blocks."""
-        return bool(self._tied) and isinstance(self.quant_method, (Int8RTNMethod, GGUFLinearMethod))
+        """Tied, and packed as rows the embedding can read (the method's packs_embedding_rows:
+        load-time INT8/INT4's and W8A8's INT8 head, a GGUF file's blocks)."""
+        return bool(self._tied) and self.quant_method is not None and self.quant_method.packs_embedding_rows
 
     def packed(self) -> None:
         """Called once the quant method has packed the weight (the loader's LayerwiseRepacking)."""
-        if not self.shares_packed_rows:
-            return
-        if isinstance(self.quant_method, GGUFLinearMethod):
-            self._tied[0].use_gguf_rows(self.quant_method.segments(self)[0])
-        else:
-            self._tied[0].use_int8_rows(self.qweight, self.scales)
+        if self.shares_packed_rows:
+            self._tied[0].use_packed_rows(functools.partial(self.quant_method.embedding_rows, self,
+                                                            dtype=self._tied[0].dtype))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # [num_rows, hidden] -> [num_rows, vocab]; only the rows that sample reach here.

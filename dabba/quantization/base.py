@@ -16,6 +16,10 @@ from dabba.ops import native
 from dabba.ops.activation import act_and_mul
 
 class LinearMethod:
+    # Whether a tied embedding can look its rows up in what process_weights_after_loading keeps
+    # (embedding_rows), so the vocabulary is held once: known before loading, for the planner.
+    packs_embedding_rows: bool = False
+
     def create_weights(self, layer: nn.Module) -> None:
         """The tensors the checkpoint provides: a full-precision weight unless a format says otherwise."""
         layer.add_param("weight", torch.empty(layer.out_features, layer.in_features), input_dim=1)
@@ -41,6 +45,11 @@ class LinearMethod:
         ("silu": SwiGLU, "gelu_tanh": GeGLU). A method may fuse the two; the native layer loop does
         what this does for SwiGLU (NativeLinear::silu_and_mul)."""
         return act_and_mul(self.apply(layer, x, bias), activation)
+
+    def embedding_rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` [T] of the packed weight in ``dtype``, dequantized as ``apply`` reads them
+        (a tied LM head's, for its embedding; where ``packs_embedding_rows``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no rows an embedding can read")
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
         """How the native layer loop (csrc/decode_cpu.cpp) computes what ``apply`` does on the CPU;

@@ -71,12 +71,17 @@ class QuantConfig:
     def get_lm_head_method(self) -> LinearMethod | None:
         """Load-time int8 and int4 also quantize the LM head, to INT8 per output channel: at
         SmolLM's size it is a fifth of the weights, the largest single read of a decode step.
-        (llama.cpp likewise keeps output.weight at 6 to 8 bits under Q4_0.) A tied embedding
+        (llama.cpp likewise keeps output.weight at 6 to 8 bits under Q4_0.) Load-time w8a8 makes
+        it W8A8 like its other layers: a batch's logits then take the integer GEMM with weights
+        packed once (INT8 weight-only re-gathers the vocabulary's codes into panels every call),
+        and each row's logits are the same bits whatever rows share the step. A tied embedding
         then looks its rows up in these codes (LMHead.shares_packed_rows), so the vocabulary is
         held once. GPTQ/AWQ and compressed-tensors checkpoints leave the head as saved (a
         compressed-tensors config that quantizes it is refused)."""
         if self.method == "gguf":  # a quantized output.weight (or tied token_embd) stays in its blocks
             return GGUFLinearMethod([self.tensor_types["lm_head"]]) if "lm_head" in self.tensor_types else None
+        if self.method == "w8a8":
+            return W8A8Method()
         return Int8RTNMethod() if self.method in QUANTIZATION_METHODS else None
 
     def embedding_bytes(self, rows: int, hidden_size: int) -> int | None:

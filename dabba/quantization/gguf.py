@@ -157,6 +157,8 @@ class GGUFLinearMethod(LinearMethod):
     held as it came; a shard the file keeps as F32/F16/BF16 beside quantized ones arrives as a
     float32 tensor and is held as F32 (its values exactly)."""
 
+    packs_embedding_rows = True  # a tied table stays in the file's blocks, looked up row by row
+
     def __init__(self, shard_types: list[str]) -> None:
         self.shard_types = shard_types  # per merged shard, as the file has it ("F32" for a float one)
         self.native = False  # set once packed: on the CPU, every segment of a type the kernels take
@@ -244,6 +246,10 @@ class GGUFLinearMethod(LinearMethod):
 
     def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
         return sum(row_bytes(t, layer.in_features) * rows for t, rows in zip(self.shard_types, layer.output_sizes))
+
+    def embedding_rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows = self.segments(layer)[0]  # an LM head is one segment
+        return dequantize_rows(rows.type_name, rows.data[ids], rows.columns, dtype)
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
         return NativeLinearSpec("gguf", layer.gguf_blob, layer.gguf_segments) if self.native else None

@@ -90,6 +90,8 @@ class Int8RTNMethod(LinearMethod):
     rank holds only part of it (whole_tensor_loaded), so every tensor-parallel size computes
     with the same codes."""
 
+    packs_embedding_rows = True
+
     def whole_tensor_loaded(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param is layer.weight:
             layer.row_absmax = loaded.to(param.dtype).float().abs().amax(dim=1, keepdim=True)  # [out, 1]
@@ -107,6 +109,9 @@ class Int8RTNMethod(LinearMethod):
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
         return NativeLinearSpec("int8", layer.qweight, layer.scales)
+
+    def embedding_rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (F.embedding(ids, layer.qweight).to(layer.scales.dtype) * layer.scales[ids, None]).to(dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape

@@ -93,6 +93,13 @@ def pack_weight(codes: torch.Tensor) -> torch.Tensor:
     return padded.view(np_ // columns, columns, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows ``ids`` [T] of the INT8 codes, read out of pack_weight's layout: [T, in_features]."""
+    columns = packed.shape[2]
+    rows = packed[ids // columns, :, ids % columns, :]  # [T, Kp / 4, 4]
+    return rows.reshape(ids.shape[0], -1)[:, :in_features]
+
+
 def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None, asymmetric: bool, path: str = "", input_scale: torch.Tensor | None = None,
                 input_zero: torch.Tensor | None = None, x_range: torch.Tensor | None = None,
@@ -107,6 +114,8 @@ class W8A8Method(LinearMethod):
     """Load-time W8A8 from a float checkpoint: the weight rounded as INT8 (rtn.Int8RTNMethod's
     codes: symmetric, a scale per output channel of the whole row, at every tensor-parallel size),
     activations rounded per row at run time (or, ``static``, with the checkpoint's one scale per layer)."""
+
+    packs_embedding_rows = True
 
     def __init__(self, asymmetric: bool = False, static: bool = False) -> None:
         self.asymmetric = asymmetric
@@ -188,6 +197,11 @@ class W8A8Method(LinearMethod):
         y = w8a8_linear(x2, layer.w8a8_packed, layer.w8a8_wsum, layer.w8a8_scales, bias, self.asymmetric, "",
                         layer.w8a8_input_scale, layer.w8a8_input_zero, self.whole_row_range(layer, x2), activation)
         return y.view(*shape[:-1], half)
+
+    def embedding_rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        codes = (F.embedding(ids, layer.w8a8_codes) if layer.w8a8_codes is not None
+                 else packed_rows(layer.w8a8_packed, ids, layer.in_features))
+        return (codes.float() * layer.w8a8_scales[ids, None]).to(dtype)
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
         """Dynamic rounding on the packed codes, as ``apply`` runs it; none for a static input

@@ -3,10 +3,12 @@ quantized models through the whole engine."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from dabba import LLM, SamplingParams
 from dabba.config import DEMO_MODEL
@@ -14,7 +16,7 @@ from dabba.entrypoints.cli import main
 from dabba.layers.linear import Linear
 from dabba.models.sizes import weights_bytes
 from dabba.quantization.config import QuantConfig
-from dabba.quantization.rtn import quantize
+from dabba.quantization.rtn import quantize, quantize_rows
 from dabba.tools.evaluation import perplexity
 
 
@@ -82,18 +84,25 @@ def test_quantized_models_generate_through_the_engine(checkpoints) -> None:
     assert (sizes["int4"] - lm_head) / (sizes[None] - embedding) == pytest.approx(0.28, abs=0.03)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
 def test_a_tied_embedding_reads_its_rows_from_the_quantized_head(method) -> None:
     """No bf16 vocabulary table beside the INT8 head: the embedding looks rows up in the head's
-    codes, dequantized as the head dequantizes them, and the planner counts the one table."""
+    codes (W8A8's: in its packed layout), dequantized as the head dequantizes them, and the
+    planner counts the one table."""
     llm = LLM(DEMO_MODEL, quantization=method)
     model = llm.llm_engine.engine_core.model_runner.model
     embedding, head = model.model.embed_tokens, model.lm_head
     assert embedding.weight is None and head.shares_packed_rows
-    codes, scales = embedding.int8_rows
-    assert codes.data_ptr() == head.qweight.data_ptr() and scales.data_ptr() == head.scales.data_ptr()
     ids = torch.tensor([0, 5, 4095, 5])
-    assert torch.equal(embedding(ids), head.qweight[ids].to(torch.bfloat16) * head.scales[ids, None])
+    if method == "w8a8":  # the checkpoint's table rounded per row, read back out of the packed layout
+        table = load_file(str(Path(DEMO_MODEL) / "model.safetensors"))["model.embed_tokens.weight"]
+        q = quantize_rows(table, 8, table.shape[1], symmetric=True, codes_dtype=torch.int8)
+        expected = (q.q[ids].float() * q.scale[ids, 0].float()[:, None]).to(torch.bfloat16)
+        assert torch.equal(head.w8a8_scales, q.scale[:, 0].float())
+    else:
+        expected = head.qweight[ids].to(torch.bfloat16) * head.scales[ids, None]
+    assert torch.equal(embedding(ids), expected)
+    assert torch.equal(embedding(ids.view(2, 2)), expected.view(2, 2, -1))
     planned = weights_bytes(llm.llm_engine.resolved.arch, torch.bfloat16, QuantConfig(method), "cpu")
     assert planned == llm.llm_engine.engine_core.model_runner.weight_bytes
 
