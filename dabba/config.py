@@ -54,6 +54,8 @@ class ModelConfig:
     revision: str | None = _help("The Hub revision (branch, tag or commit) of a model given as a repo id; default: main.",
                                  None)
     tokenizer: str | None = _help("The tokenizer's directory or Hub repo id, where it is not the model's.", None)
+    chat_template: str | None = _help("A chat template in place of the checkpoint's: a file's path, or the "
+                                      "template's text (Jinja, as Hugging Face writes them).", None)
     gguf_file: str | None = _help(
         "The GGUF file to serve from the Hub repo given as the model (its path in the repo); the model's :TAG "
         "(llama.cpp's owner/repo:Q4_K_M) picks one by its quantization too.", None)
@@ -276,6 +278,9 @@ class ServerConfig:
     structured_outputs_compile_timeout: float = _help(
         "Seconds a request waits for its constraint to compile (queued and compiling); past them it is refused "
         "(400) and a compile that no request waits for any more is stopped.", 5.0)
+    max_stored_responses: int = _help(
+        "Most Responses API responses kept in memory (store: true) for GET /v1/responses/{id} and "
+        "previous_response_id; storing one more evicts the least recently used.", 1000)
     max_connections: int = _help(
         "Most client connections open at once (each holds a file descriptor); one more is answered 503 and "
         "closed.", 2048)

@@ -230,3 +230,33 @@ def test_get_stats_counts_a_shared_prefix_once(checkpoints) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert llm.get_stats().kv_tokens_stored == 0 and llm.get_stats().num_running_reqs == 0
+
+
+def test_chat_renders_conversations_with_the_template_and_its_kwargs(llama, tmp_path) -> None:
+    """LLM.chat: one conversation or several, through the model's template, a chat_template in its
+    place (the engine's --chat-template, a file or the text, or one call's), and chat_template_kwargs."""
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                "{% if enable_thinking is false %}(no thinking)\n{% endif %}{% if add_generation_prompt %}[assistant]"
+                "{% endif %}")
+    (tmp_path / "t.jinja").write_text(template)
+    llm = LLM(str(llama.path), dtype="float32", chat_template=str(tmp_path / "t.jinja"))
+    one = [{"role": "user", "content": "Hi"}]
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]}, *one]
+    outs = llm.chat([one, parts], greedy(3), use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    assert [o.prompt for o in outs] == ["[user] Hi\n(no thinking)\n[assistant]",
+                                        "[system] Be brief.\n[user] Hi\n(no thinking)\n[assistant]"]
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+    tokenizer = llm.get_tokenizer()
+    assert outs[0].prompt_token_ids == tokenizer.encode(outs[0].prompt, add_special_tokens=False)
+    (out,) = llm.chat(one, greedy(1), use_tqdm=False, chat_template="{{ messages[0].content }}!")
+    assert out.prompt == "Hi!"
+    assert LLM(str(llama.path), dtype="float32", chat_template=template).chat(one, greedy(1), use_tqdm=False)[0] \
+        .prompt == "[user] Hi\n[assistant]"
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        llm.chat(one, greedy(1), chat_template_kwargs={"messages": []})
+    with pytest.raises(ValueError, match="chat template failed"):
+        llm.chat(one, greedy(1), chat_template="{{ raise_exception('no system turn') }}")
+    with pytest.raises(ValueError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], greedy(1))
+    with pytest.raises(ValueError, match="chat_template"):
+        LLM(str(llama.path), dtype="float32", chat_template="no/such/file.jinja")

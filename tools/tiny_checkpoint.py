@@ -223,6 +223,54 @@ def first_layers(src: str | Path, dst: str | Path, num_layers: int) -> Path:
     return dst
 
 
+def scripted_checkpoint(out_dir: str | Path, pieces: list[str], **options: Any) -> Path:
+    """A tiny Llama that, whatever the prompt, replies with ``pieces`` (each added to the tokenizer
+    as one token) and then its EOS: a random-weight model that thinks, calls tools or answers on
+    cue, for tests of what reads its replies (reasoning and tool-call parsers, the APIs' events).
+
+    Every layer's output projections are zero, so the last hidden state is the token's embedding
+    and the next token depends on the current one only: the embeddings of the pieces are
+    orthonormal, every other token shares one more unit vector, and the LM head maps each to the
+    next piece (any other token to the first). ``options`` go to make_checkpoint."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import AddedToken, Tokenizer
+
+    if len(set(pieces)) != len(pieces) or not pieces:
+        raise ValueError("scripted_checkpoint: the pieces must be distinct (each token has one successor)")
+    out_dir = make_checkpoint(out_dir, **options)
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in pieces])
+    tok.save(str(out_dir / "tokenizer.json"))
+    ids = [tok.token_to_id(p) for p in pieces]
+    config = json.loads((out_dir / "config.json").read_text())
+    hidden, old_vocab, vocab = config["hidden_size"], config["vocab_size"], tok.get_vocab_size()
+    if len(pieces) + 1 > hidden:
+        raise ValueError(f"scripted_checkpoint: at most {hidden - 1} pieces")
+    basis = torch.linalg.qr(torch.randn(hidden, len(pieces) + 1, generator=torch.Generator().manual_seed(0)))[0].T
+    other, own = basis[0], basis[1:]
+    tensors = load_file(out_dir / "model.safetensors")
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    embed = other.repeat(vocab, 1)
+    embed[ids] = own
+    head = torch.zeros(vocab, hidden)
+    following = ids[1:] + [config["eos_token_id"]]
+    head[ids[0]] = other
+    for vector, successor in zip(own, following):
+        head[successor] = vector
+    tensors["model.embed_tokens.weight"], tensors["lm_head.weight"] = embed.to(dtype), (head * 8).to(dtype)
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = torch.zeros_like(tensors[name])
+        elif name.endswith("norm.weight"):
+            tensors[name] = torch.ones_like(tensors[name])
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config["vocab_size"] = vocab
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    assert vocab > old_vocab
+    return out_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")

@@ -41,7 +41,7 @@ class LLMEngine:
         self.config = config
         self.resolved = resolve_config(config)  # the one resolved configuration: the ranks get a copy
         arch, model_dir = self.resolved.arch, Path(self.resolved.model_dir)
-        tokenizer = Tokenizer(self.resolved.tokenizer_dir)
+        tokenizer = Tokenizer(self.resolved.tokenizer_dir, config.model_config.chat_template)
         generation_config = load_generation_config(model_dir)
         eos_token_ids = _eos_token_ids(generation_config, arch, tokenizer)
         self.engine_core = EngineCore(self.resolved, tokenizer, eos_token_ids, replica or 0)

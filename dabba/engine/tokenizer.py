@@ -3,11 +3,13 @@ special tokens and the chat template (rendered with jinja2 in a sandbox)."""
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -25,8 +27,49 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %} ... {% endgeneration %}`` (transformers marks the assistant's tokens
+    with it for training masks): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in (its globals, filters and
+    extensions), sandboxed: templates come with checkpoints from anywhere."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
+    return env
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file's path or as its text (``--chat-template``)."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:  # a template's text too long to be a path
+        pass
+    if "{{" not in value and "{%" not in value:
+        raise ValueError(f"chat_template: {value!r} is neither a file nor a template's text")
+    return value
+
+
 class Tokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
+        """``chat_template``: one in place of the checkpoint's (a file's path or the text)."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -41,7 +84,9 @@ class Tokenizer:
         self.eos_token = _token_content(self.config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self.chat_template = self._find_chat_template(model_dir)
+        self.chat_template = (read_chat_template(chat_template) if chat_template is not None
+                              else self._find_chat_template(model_dir))
+        self._templates = _template_environment()
 
     def _find_chat_template(self, model_dir: Path) -> str | None:
         jinja_file = model_dir / "chat_template.jinja"
@@ -71,13 +116,14 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        if not self.chat_template:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        """The conversation as the template writes it; ``chat_template`` in place of the
+        tokenizer's, ``kwargs`` the template's other variables (tools, enable_thinking, ...)."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if not template:
             raise ValueError("this model has no chat template (tokenizer_config.json or chat_template.jinja)")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        return env.from_string(self.chat_template).render(
+        return self._templates.from_string(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
         )

@@ -11,6 +11,7 @@ from typing import Sequence
 
 from dabba.config import DEMO_MODEL, EngineConfig, ServerConfig, parse_bytes
 from dabba.entrypoints.cli_args import add_config_args, add_engine_args, config_kwargs, engine_kwargs
+from dabba.entrypoints.openai.reasoning import REASONING_PARSERS
 from dabba.entrypoints.cli_tools import (cmd_bench_latency, cmd_bench_serve, cmd_bench_throughput,
                                          cmd_eval_kl_divergence, cmd_eval_perplexity, cmd_plan, cmd_quantize)
 from dabba.logger import init_logger
@@ -77,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or ("demo" if args.model == DEMO_MODEL else args.model)
     client = make_engine_client(engine, name, start_thread=False)  # serve() runs its loop on this thread
     return serve(client, name, args.host, args.port, args.api_key,
-                 args.tool_call_parser if args.enable_auto_tool_choice else None, server_config)
+                 args.tool_call_parser if args.enable_auto_tool_choice else None, server_config, args.reasoning_parser)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -160,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                      help="how replies write calls: hermes (Qwen 2.5/3, Hermes: <tool_call> blocks) or "
                           "llama3_json (Llama 3.x: a JSON object)")
+    srv.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                     help="split a reasoning model's <think> block from its answer (reasoning_content): qwen3 "
+                          "(the reply opens the block) or deepseek_r1 (the prompt opens it: DeepSeek-R1, QwQ, "
+                          "Qwen3's thinking-only models)")
 
     chat = _model_command(sub, "chat", "chat in the terminal, the reply streamed as it is generated", cmd_chat)
     chat.add_argument("--system", default=None, help="a system message")

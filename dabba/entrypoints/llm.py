@@ -11,6 +11,7 @@ from dabba.config import EngineConfig
 from dabba.core.stats import SchedulerStats
 from dabba.engine.llm_engine import LLMEngine, PromptType
 from dabba.engine.tokenizer import Tokenizer
+from dabba.entrypoints.chat_utils import render_conversation, text_of
 from dabba.outputs import RequestOutput
 from dabba.sampling_params import RequestOutputKind, SamplingParams
 
@@ -40,6 +41,32 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} messages) or to each of a
+        list of them, as vLLM's LLM.chat: the chat template (``chat_template``'s text in place of
+        the model's) renders each, with ``chat_template_kwargs`` (Qwen3's enable_thinking, ...)
+        and ``tools``; then generate()."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer, prompts = self.get_tokenizer(), []
+        for c, conversation in enumerate(conversations):
+            rendered = []
+            for i, message in enumerate(conversation):
+                if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                    raise ValueError(f"messages[{c}][{i}]: a message is a dict with a 'role'")
+                rendered.append({**message, "content": text_of(message.get("content"), f"messages[{c}][{i}].content")})
+            prompts.append(render_conversation(tokenizer, rendered, add_generation_prompt, tools, chat_template,
+                                               chat_template_kwargs))
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate(
         self,

@@ -25,7 +25,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def live_server(path: str, model_name: str, api_key: str | None, tool_call_parser: str | None = None,
                 config: ServerConfig | None = None, app_state: dict | None = None,
-                **engine_options) -> Iterator[tuple[str, LLMEngine | list[LLMEngine]]]:
+                reasoning_parser: str | None = None, **engine_options) -> Iterator[tuple[str, LLMEngine | list[LLMEngine]]]:
     """Yields (base URL, engine, or the replicas under data_parallel_size); stops the server on
     exit. ``app_state``, if given, receives the app's state (its EngineClient as "engine");
     ``engine_options`` add to the engine's."""
@@ -34,9 +34,20 @@ def live_server(path: str, model_name: str, api_key: str | None, tool_call_parse
     engine = (LLMEngine(engine_config) if engine_config.parallel_config.data_parallel_size == 1 else
               build_replicas(engine_config))
     app = build_app(make_engine_client(engine, model_name), model_name, api_key=api_key,
-                    tool_call_parser=tool_call_parser, config=config)
+                    tool_call_parser=tool_call_parser, config=config, reasoning_parser=reasoning_parser)
     if app_state is not None:
         app_state["engine"] = app.state.engine_client
+    try:
+        with serving(app, config) as url:
+            yield url, engine
+    finally:
+        for each in engine if isinstance(engine, list) else [engine]:
+            each.shutdown()  # worker processes, if any
+
+
+@contextlib.contextmanager
+def serving(app, config: ServerConfig | None = None) -> Iterator[str]:
+    """``app`` on uvicorn (as serve() runs it) on a free loopback port: yields its base URL."""
     # bound here and handed to uvicorn, so no other process can take the port in between
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -50,10 +61,8 @@ def live_server(path: str, model_name: str, api_key: str | None, tool_call_parse
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", engine
+        yield f"http://127.0.0.1:{port}"
     finally:
         srv.should_exit = True
         thread.join(timeout=30)
         sock.close()
-        for each in engine if isinstance(engine, list) else [engine]:
-            each.shutdown()  # worker processes, if any

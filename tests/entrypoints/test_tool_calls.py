@@ -4,10 +4,12 @@ read by the hermes parser, streamed deltas that reassemble to the non-streamed m
 template fed tools and tool messages, and 400s for bad tool requests."""
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
 from types import SimpleNamespace
+from typing import Iterator
 
 import httpx
 import jsonschema
@@ -98,14 +100,22 @@ def test_required_and_named_readers() -> None:
         jsonschema.validate([{"name": "f", "parameters": {"city": "x", "unit": "c"}}] * 2, schema)
 
 
-@pytest.fixture(scope="module")
-def server(checkpoints, tmp_path_factory):
+@contextlib.contextmanager
+def tool_server(checkpoints, tmp_path_factory) -> Iterator[SimpleNamespace]:
+    """The tiny Qwen2 with TEMPLATE, served with the hermes parser (these tests', and the other
+    APIs' tool loops): its url, engine, path and an OpenAI client."""
     path = tmp_path_factory.mktemp("tools") / "model"
     shutil.copytree(checkpoints["qwen2"].path, path)
     (path / "chat_template.jinja").write_text(TEMPLATE)
     with live_server(str(path), MODEL, None, tool_call_parser="hermes") as (url, engine):
         yield SimpleNamespace(url=url, engine=engine, path=path,
                               client=openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, tmp_path_factory):
+    with tool_server(checkpoints, tmp_path_factory) as running:
+        yield running
 
 
 def reassemble(stream) -> tuple[str | None, list[dict], str]:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import httpx
 
 from dabba.config import ServerConfig
+from dabba.entrypoints.anthropic.errors import speaks_anthropic
 
 
 # ---- the server under test ---------------------------------------------------------------------------
@@ -98,11 +99,14 @@ def served_model(url: str, api_key: str | None, timeout_s: float = 60.0) -> str:
 
 
 def error_shape_problem(r: httpx.Response) -> str | None:
-    """What keeps a 4xx/5xx body from being OpenAI's error object, or None."""
+    """What keeps a 4xx/5xx body from being the API's error object (OpenAI's; Anthropic's on the
+    Messages API's paths), or None."""
     try:
         body = r.json()
     except ValueError:
         return f"error body is not JSON: {r.text[:120]!r}"
+    if speaks_anthropic(request_path(r)):
+        return anthropic_error_problem(body, r.text)
     if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
         return f"error body is not {{'error': {{...}}}}: {r.text[:160]!r}"
     e = body["error"]
@@ -119,9 +123,39 @@ def error_shape_problem(r: httpx.Response) -> str | None:
     return None
 
 
-def sse_events(text: str) -> tuple[list[dict], list[str]]:
+def request_path(r: httpx.Response) -> str:
+    """The path ``r`` answered ("" for a response read off a raw socket, which has no request)."""
+    try:
+        return r.request.url.path
+    except RuntimeError:
+        return ""
+
+
+def anthropic_error_problem(body: Any, text: str) -> str | None:
+    """What keeps ``body`` from being Anthropic's error: {"type": "error", "error": {"type", "message"}}."""
+    if not isinstance(body, dict) or set(body) != {"type", "error"} or body["type"] != "error" \
+            or not isinstance(body["error"], dict):
+        return f"error body is not {{'type': 'error', 'error': {{...}}}}: {text[:160]!r}"
+    e = body["error"]
+    if set(e) != {"type", "message"} or not isinstance(e["type"], str) or not isinstance(e["message"], str):
+        return f"error fields are {sorted(e)}, not type/message (strings)"
+    if "Traceback" in e["message"]:
+        return "error message holds a traceback"
+    return None
+
+
+def named_events(path: str) -> bool:
+    """Whether a stream from ``path`` is one of named events (Anthropic's and the Responses API's:
+    ``event: NAME`` then ``data: {"type": NAME, ...}``, no [DONE]), not chat completions' data lines."""
+    return speaks_anthropic(path) or path == "/v1/responses"
+
+
+def sse_events(text: str, named: bool = False) -> tuple[list[dict], list[str]]:
     """The JSON events of a server-sent-events body, and what is wrong with it: every line is
-    ``data: ...`` (or blank), each event JSON, the last ``data: [DONE]`` and only the last."""
+    ``data: ...`` (or blank), each event JSON, the last ``data: [DONE]`` and only the last; or,
+    ``named``, each ``data:`` line after an ``event:`` line naming its type, no [DONE]."""
+    if named:
+        return _named_events(text)
     problems: list[str] = []
     lines = text.split("\n")
     others = [line for line in lines if line and not line.startswith("data: ")]
@@ -149,8 +183,41 @@ def sse_events(text: str) -> tuple[list[dict], list[str]]:
     return events, problems
 
 
+def _named_events(text: str) -> tuple[list[dict], list[str]]:
+    problems: list[str] = []
+    events: list[dict] = []
+    name = None
+    for line in text.split("\n"):
+        if not line:
+            continue
+        if line.startswith("event: "):
+            if name is not None:
+                problems.append(f"an event line without its data: {name!r}")
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            try:
+                event = json.loads(line[len("data: "):])
+            except ValueError:
+                problems.append(f"an event is not JSON: {line[:80]!r}")
+                event = None
+            if not isinstance(event, dict) or event.get("type") != name:
+                problems.append(f"data of type {event.get('type') if isinstance(event, dict) else None!r} under "
+                                f"event {name!r}")
+            elif event is not None:
+                events.append(event)
+            name = None
+        else:
+            problems.append(f"a line that is neither event nor data: {line[:80]!r}")
+    ends = {"message_stop", "response.completed", "response.incomplete", "error"}
+    if not events or events[-1]["type"] not in ends:
+        problems.append(f"the stream does not end with its last event (ends {text[-80:]!r})")
+    return events, problems
+
+
 def stream_error_events(events: list[dict]) -> list[dict]:
-    return [e["error"] for e in events if "error" in e]
+    """The error events' errors: OpenAI's {"error": {...}}, Anthropic's {"type": "error", "error":
+    {...}}, the Responses API's {"type": "error", "code", "message"}."""
+    return [e.get("error", e) for e in events if "error" in e or e.get("type") == "error"]
 
 
 def is_server_error(r: httpx.Response) -> bool:
@@ -158,8 +225,9 @@ def is_server_error(r: httpx.Response) -> bool:
     if r.status_code >= 500:
         return True
     if r.status_code == 200 and is_sse(r):
-        errors = stream_error_events(sse_events(r.text)[0])
-        return any(isinstance(e, dict) and e.get("type") == "server_error" for e in errors)
+        errors = stream_error_events(sse_events(r.text, named_events(request_path(r)))[0])
+        return any(isinstance(e, dict) and (e.get("type") in ("server_error", "api_error", "overloaded_error")
+                                            or e.get("code") == "server_error") for e in errors)
     return False
 
 

@@ -9,14 +9,16 @@ from typing import Any, Callable, Iterator
 
 import httpx
 
-from .common import (PhaseResult, Target, error_shape_problem, is_json, is_server_error, is_sse, sse_events,
-                     stream_error_events, timed, wait_idle)
+from .common import (PhaseResult, Target, error_shape_problem, is_json, is_server_error, is_sse, named_events,
+                     sse_events, stream_error_events, timed, wait_idle)
 from .constraints import fuzz_constraints
 
 
 # ---- phase 3: fuzz -----------------------------------------------------------------------------------
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+# each generation path's output-length field (chat takes max_completion_tokens too)
+LENGTH_KEYS = {"/v1/messages": ("max_tokens",), "/v1/responses": ("max_output_tokens",)}
 TEXT_BODIES = {"/metrics": "text/plain", "/health": ""}  # 2xx bodies that are not JSON: content type prefix
 
 
@@ -29,7 +31,7 @@ class FuzzConfig:
     constraint_cases: int = 16  # random valid constraints (the hostile ones come on top)
 
 
-def adjust_body(body: Any, cap: int, model: str | None) -> Any:
+def adjust_body(body: Any, cap: int, model: str | None, path: str = "/v1/completions") -> Any:
     """Generated generation bodies may ask for max_model_len tokens x n samples (and leaving
     max_tokens out means as many as fit): each length is lowered to ``cap`` tokens before
     sending, so a few hundred cases take seconds. Only valid lengths change; invalid ones (0,
@@ -41,13 +43,13 @@ def adjust_body(body: Any, cap: int, model: str | None) -> Any:
     body = dict(body)
     if model is not None and isinstance(body.get("model"), str):
         body["model"] = model
-    keys = ("max_tokens", "max_completion_tokens")
+    keys = LENGTH_KEYS.get(path, ("max_tokens", "max_completion_tokens"))
     for key in keys:
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
             body[key] = cap
     if all(body.get(key) is None for key in keys):
-        body["max_tokens"] = cap
+        body[keys[0]] = cap
     return body
 
 
@@ -61,7 +63,7 @@ def fuzz_response_problems(path: str, r: httpx.Response) -> list[str]:
     if not 200 <= r.status_code < 300:
         return [f"unexpected HTTP {r.status_code}"]
     if is_sse(r):
-        events, problems = sse_events(r.text)
+        events, problems = sse_events(r.text, named_events(path))
         errors = stream_error_events(events)
         return problems + ([f"error events in a 200 stream: {errors[:2]}"] if errors else [])
     if is_json(r):
@@ -86,7 +88,7 @@ def send_case(client: httpx.Client, target: Target, case: Any, cap: int, positiv
     if "json" in kwargs:
         body = kwargs["json"]
         if path in GENERATION_PATHS:
-            body = adjust_body(body, cap, target.model if positive else None)
+            body = adjust_body(body, cap, target.model if positive else None, path)
         elif positive and isinstance(body, dict) and isinstance(body.get("model"), str):
             body = {**body, "model": target.model}
         content = json.dumps(body, allow_nan=True).encode()
@@ -130,6 +132,7 @@ def schema_operations(target: Target) -> Iterator[Any]:
 def run_fuzz(target: Target, config: FuzzConfig = FuzzConfig()) -> PhaseResult:
     """schemathesis cases of every operation in /openapi.json: the POSTs in positive and
     negative modes, the GETs positive (they take no parameters to break)."""
+    import hypothesis.errors
     from schemathesis import GenerationMode
 
     result = PhaseResult("fuzz", {"cases": 0})
@@ -166,6 +169,10 @@ def run_fuzz(target: Target, config: FuzzConfig = FuzzConfig()) -> PhaseResult:
 
             try:
                 fuzz_operation(op, mode, max_examples, None if config.seed is None else config.seed + k, check)
+            except hypothesis.errors.Unsatisfiable:
+                if mode != GenerationMode.NEGATIVE:
+                    raise
+                result.add("operations_without_invalid_cases")  # a path parameter alone: any string is one
             except Exception as e:  # schemathesis/hypothesis could not generate (or send) its cases
                 result.failures.append(f"{label}: fuzzing stopped: {type(e).__name__}: {e}")
     fuzz_constraints(target, result, config.constraint_cases, config.seed or 0)

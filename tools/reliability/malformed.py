@@ -109,11 +109,44 @@ def malformed_table(target: Target) -> list[BadRequest]:
                    b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
         BadRequest("wrong model name (/tokenize)", "/tokenize", b'{"model": "no-such-model", "prompt": "x"}', 404,
                    "model"),
+        # the Responses API (OpenAI's shape) and the Messages API (Anthropic's: no param)
+        BadRequest("invalid JSON (responses)", "/v1/responses", b'{"input": [', 400, None),
+        BadRequest("no input (responses)", "/v1/responses", b'{"model": %s}' % model.encode(), 400, "input"),
+        BadRequest("an image item (responses)", "/v1/responses",
+                   b'{"input": [{"type": "input_image", "image_url": "x"}]}', 400, "input"),
+        BadRequest("a hosted tool (responses)", "/v1/responses", b'{"input": "x", "tools": [{"type": "web_search"}]}',
+                   400, "tools"),
+        BadRequest("an unknown previous_response_id", "/v1/responses",
+                   b'{"input": "x", "previous_response_id": "resp_none"}', 404, "previous_response_id"),
+        BadRequest("an unknown response (GET)", "/v1/responses/resp_none", None, 404, "response_id", method="GET",
+                   content_type=None),
+        BadRequest("cancel an unknown response", "/v1/responses/resp_none/cancel", None, 404, "response_id",
+                   content_type=None),
+        BadRequest("wrong model name (responses)", "/v1/responses", b'{"model": "no-such-model", "input": "x"}', 404,
+                   "model"),
+        BadRequest("invalid JSON (messages)", "/v1/messages", b'{"messages": [', 400, None),
+        BadRequest("no max_tokens (messages)", "/v1/messages",
+                   b'{"model": %s, "messages": [{"role": "user", "content": "x"}]}' % model.encode(), 400, None),
+        BadRequest("a system role in messages", "/v1/messages",
+                   b'{"model": %s, "max_tokens": 2, "messages": [{"role": "system", "content": "x"}]}'
+                   % model.encode(), 400, None),
+        BadRequest("an image block (messages)", "/v1/messages",
+                   b'{"model": %s, "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image"}]}]}'
+                   % model.encode(), 400, None),
+        BadRequest("wrong model name (messages)", "/v1/messages",
+                   b'{"model": "no-such-model", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}',
+                   404, None),
+        BadRequest("wrong model name (count_tokens)", "/v1/messages/count_tokens",
+                   b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}', 404, None),
     ]
     if target.api_key:
         rows += [
             BadRequest("missing API key", "/v1/completions", completion(""), 401, None, auth=False),
             BadRequest("missing API key (chat)", "/v1/chat/completions", chat_body(), 401, None, auth=False),
+            BadRequest("missing API key (responses)", "/v1/responses", b'{"input": "x"}', 401, None, auth=False),
+            BadRequest("missing API key (messages)", "/v1/messages",
+                       b'{"model": %s, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}'
+                       % model.encode(), 401, None, auth=False),
             BadRequest("missing API key (/detokenize)", "/detokenize", b'{"tokens": [1]}', 401, None, auth=False),
             BadRequest("missing API key (GET /v1/models)", "/v1/models", None, 401, None, method="GET",
                        content_type=None, auth=False),
@@ -128,7 +161,7 @@ def bad_request_problems(r: httpx.Response, row: BadRequest) -> list[str]:
     shape = error_shape_problem(r)
     if shape:
         problems.append(shape)
-    elif r.json()["error"]["param"] not in (row.param, *row.or_param):
+    elif "param" in r.json()["error"] and r.json()["error"]["param"] not in (row.param, *row.or_param):
         problems.append(f"param {r.json()['error']['param']!r}, expected {row.param!r}")
     return problems
 

@@ -27,10 +27,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import dabba
 from dabba.config import ServerConfig
 from dabba.engine.protocol import EngineClient, EngineDeadError
+from dabba.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from dabba.entrypoints.anthropic.serving import AnthropicServing
 from dabba.entrypoints.openai.http_protocol import protocol_class, raise_open_file_limit
 from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                TokenizeRequest)
 from dabba.entrypoints.openai.errors import OpenAIError
+from dabba.entrypoints.openai.response_store import ResponseStore
+from dabba.entrypoints.openai.responses_protocol import ResponsesRequest
+from dabba.entrypoints.openai.serving_responses import OpenAIServingResponses
 from dabba.entrypoints.openai.serving_chat import OpenAIServingChat
 from dabba.entrypoints.web.routes import add_web_routes
 
@@ -58,7 +63,8 @@ class RequestBodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
-            response = OpenAIError(413, BodyTooLarge(self.limit).detail, code="request_too_large").response()
+            response = OpenAIError(413, BodyTooLarge(self.limit).detail, code="request_too_large").response(
+                scope["path"])
             return await response(scope, receive, send)
         received = 0
 
@@ -75,13 +81,17 @@ class RequestBodyLimit:
 
 
 def build_app(client: EngineClient, served_model_name: str, api_key: str | None = None,
-              tool_call_parser: str | None = None, config: ServerConfig | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, config: ServerConfig | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app in front of ``client`` (engine/clients.py makes one). ``tool_call_parser``: how
     tool_choice "auto" reads the model's calls (None: no auto tool choice); ``config``: the bounds
-    on requests."""
+    on requests; ``reasoning_parser``: how a reply's thinking is split from its answer (None: it
+    is not)."""
     config = config or ServerConfig()
     model_info = client.model_info
-    serving = OpenAIServingChat(client, served_model_name, tool_call_parser, config)
+    serving = OpenAIServingChat(client, served_model_name, tool_call_parser, config, reasoning_parser)
+    anthropic = AnthropicServing(serving)
+    responses = OpenAIServingResponses(serving, ResponseStore(config.max_stored_responses))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -98,51 +108,56 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
     async def check_api_key(request: Request) -> None:
         # A dependency of the /v1 routes, not an HTTP middleware: Starlette's BaseHTTPMiddleware
         # hides client disconnects from the handlers, and those must abort requests.
+        # The key as OpenAI's clients send it (Authorization: Bearer) or Anthropic's (x-api-key).
         if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):  # constant time
-                raise OpenAIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                                  type="authentication_error", code="invalid_api_key")
+            bearer = hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                         f"Bearer {api_key}".encode())  # constant time
+            header = hmac.compare_digest(request.headers.get("x-api-key", "").encode(), api_key.encode())
+            if not (bearer or header):
+                raise OpenAIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or "
+                                       "'x-api-key: <key>').", type="authentication_error", code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)], redirect_slashes=False)
 
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, e: OpenAIError):
-        return e.response()
+    async def openai_error(request: Request, e: OpenAIError):
+        return e.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError):
+    async def validation_error(request: Request, e: RequestValidationError):
         # 400 with the first problem in words, never pydantic's trace
         first = e.errors()[0] if e.errors() else {}
         if first.get("type") == "json_invalid":  # FastAPI's loc is ("body", character offset): no field to name
             offset = first.get("loc", ("body", "?"))[-1]
             reason = first.get("ctx", {}).get("error", "decode error")
-            return OpenAIError(400, f"the body is not valid JSON: {reason} at character {offset}").response()
+            return OpenAIError(400, f"the body is not valid JSON: {reason} at character {offset}").response(
+                request.url.path)
         if first.get("type") == "lone_surrogate":  # found by the body's walk: its place is in ctx
             path = first["ctx"]["path"]
-            return OpenAIError(400, first["msg"], param=str(path[0]) if path else None).response()
+            return OpenAIError(400, first["msg"], param=str(path[0]) if path else None).response(request.url.path)
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
-        return OpenAIError(400, f"{where}: {first.get('msg', 'invalid request')}", param=param).response()
+        return OpenAIError(400, f"{where}: {first.get('msg', 'invalid request')}", param=param).response(
+            request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         if e.status_code == 404:
-            return OpenAIError(404, f"Route {request.url.path} not found", code="not_found").response()
+            return OpenAIError(404, f"Route {request.url.path} not found", code="not_found").response(request.url.path)
         if isinstance(e, BodyTooLarge):
-            return OpenAIError(413, str(e.detail), code="request_too_large").response()
-        return OpenAIError(e.status_code, str(e.detail)).response()
+            return OpenAIError(413, str(e.detail), code="request_too_large").response(request.url.path)
+        return OpenAIError(e.status_code, str(e.detail)).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception):
-        # A bug: the client gets an error in OpenAI's shape like every other (not Starlette's plain
+    async def internal_error(request: Request, e: Exception):
+        # A bug: the client gets an error in the API's shape like every other (not Starlette's plain
         # text), without internals; Starlette re-raises it, so uvicorn logs its traceback.
-        return OpenAIError(500, "internal server error", type="server_error").response()
+        return OpenAIError(500, "internal server error", type="server_error").response(request.url.path)
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError):
-        return OpenAIError(503, str(e), type="server_error").response()
+    async def engine_dead(request: Request, e: EngineDeadError):
+        return OpenAIError(503, str(e), type="server_error").response(request.url.path)
 
     @app.get("/health")
     async def health():
@@ -169,6 +184,26 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await serving.chat(req, raw)
 
+    @v1.post("/responses")
+    async def create_response(req: ResponsesRequest, raw: Request):
+        return await responses.create(req, raw)
+
+    @v1.get("/responses/{response_id}")
+    async def get_response(response_id: str):
+        return responses.retrieve(response_id)
+
+    @v1.post("/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return responses.cancel(response_id)
+
+    @v1.post("/messages")
+    async def messages(req: MessagesRequest, raw: Request):
+        return await anthropic.messages(req, raw)
+
+    @v1.post("/messages/count_tokens")
+    async def count_tokens(req: CountTokensRequest):
+        return await anthropic.count_tokens(req)
+
     app.include_router(v1)
 
     # vLLM's paths, outside /v1, behind the same key; the tokenizer runs off the event loop.
@@ -178,7 +213,8 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            prompt = await asyncio.to_thread(serving.chat_prompt, req.messages, req.add_generation_prompt, req.tools)
+            prompt = await asyncio.to_thread(serving.chat_prompt, req.messages, req.add_generation_prompt, req.tools,
+                                             req.chat_template_kwargs)
             tokens = prompt["prompt_token_ids"]
         else:
             tokens = await asyncio.to_thread(model_info.tokenizer.encode, req.prompt,
@@ -225,7 +261,8 @@ def uvicorn_config(app: FastAPI, host: str, port: int, config: ServerConfig, log
 
 
 def serve(client: EngineClient, served_model_name: str, host: str, port: int, api_key: str | None,
-          tool_call_parser: str | None = None, config: ServerConfig | None = None) -> int:
+          tool_call_parser: str | None = None, config: ServerConfig | None = None,
+          reasoning_parser: str | None = None) -> int:
     """Run until SIGINT/SIGTERM, then drain: new requests are refused (503), those in flight get
     ``config.shutdown_timeout`` seconds to finish, and any still running end with an error (an
     error event and [DONE] for a stream, a 503 body otherwise). Returns the exit status: 0 after
@@ -234,7 +271,8 @@ def serve(client: EngineClient, served_model_name: str, host: str, port: int, ap
     start_thread=False: its loop runs here, on the main thread (see AsyncLLMEngine)."""
     config = config or ServerConfig()
     raise_open_file_limit(config.max_connections)
-    app = build_app(client, served_model_name, api_key, tool_call_parser=tool_call_parser, config=config)
+    app = build_app(client, served_model_name, api_key, tool_call_parser=tool_call_parser, config=config,
+                    reasoning_parser=reasoning_parser)
     log_level = logging.getLevelName(logger.getEffectiveLevel()).lower()  # dabba's (--log-level)
     server = uvicorn.Server(uvicorn_config(app, host, port, config, log_level))
     status: dict[str, int] = {}

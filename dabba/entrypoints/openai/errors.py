@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 from dabba.engine.protocol import InvalidRequest
+from dabba.entrypoints.anthropic.errors import error_response as anthropic_error, speaks_anthropic
 from dabba.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 
 
@@ -16,7 +17,10 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
+        """In OpenAI's shape, or in Anthropic's for a request to the Messages API (``path``)."""
+        if speaks_anthropic(path):
+            return anthropic_error(self.status, self.message)
         body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
         return JSONResponse(body.model_dump(), status_code=self.status)
 

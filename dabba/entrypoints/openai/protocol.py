@@ -119,6 +119,8 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this message answers
+    reasoning_content: str | None = None  # assistant: its thinking, as a reasoning parser split it
+    reasoning: str | None = None  # the same, as vLLM now spells it
 
 
 class FunctionDefinition(OpenAIModel):
@@ -148,9 +150,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply continues the last (assistant) message
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (enable_thinking, ...)
+    include_reasoning: bool = True  # vLLM's: False drops the thinking a reasoning parser split off
 
 
 class PromptTokensDetails(BaseModel):
@@ -221,6 +226,8 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the thinking (--reasoning-parser), as DeepSeek's API names it
+    reasoning: str | None = None  # the same, as vLLM now names it
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -241,6 +248,8 @@ class DeltaToolCall(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -276,6 +285,7 @@ class TokenizeRequest(OpenAIRequest):
     tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIRequest):

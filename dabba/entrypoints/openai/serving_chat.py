@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -20,11 +21,26 @@ from dabba.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, 
 from dabba.entrypoints.openai.errors import OpenAIError
 from dabba.entrypoints.openai.request_bounds import check_bounds, constraint_field, structured_outputs_of
 from dabba.entrypoints.openai.serving import ChoiceProgress, OpenAIServing, final_usage, usage_info
-from dabba.entrypoints.openai.tool_calls import (TOOL_CALL_PARSERS, Extracted, Extractor, NamedExtractor, ToolCall,
-                                                 make_extractor, named_schema, required_schema)
+from dabba.entrypoints.chat_utils import render_conversation, text_of
+from dabba.entrypoints.openai.reasoning import REASONING_PARSERS
+from dabba.entrypoints.openai.reply import CallOpened, ReplyFormat, Text, Thinking
+from dabba.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS, ToolCall, named_schema, required_schema
 from dabba.outputs import PositionLogprobs, RequestOutput
 from dabba.sampling_params import SamplingParams
 from dabba.structured_output import StructuredOutputsParams
+
+
+@dataclass
+class ChatRun:
+    """A chat request queued in the engine: its streams (one), how its replies are read, and the
+    prompt's length (known before the first output)."""
+
+    request_id: str
+    streams: list[RequestStream]
+    params: SamplingParams
+    form: ReplyFormat
+    constraint_param: str
+    num_prompt_tokens: int
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -32,46 +48,65 @@ class OpenAIServingChat(OpenAIServing):
     the model's calls (``--enable-auto-tool-choice --tool-call-parser NAME``); None: no auto."""
 
     def __init__(self, client: EngineClient, served_model_name: str, tool_call_parser: str | None = None,
-                 config: ServerConfig | None = None) -> None:
+                 config: ServerConfig | None = None, reasoning_parser: str | None = None) -> None:
         super().__init__(client, served_model_name, config)
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+
+    def reply_format(self, tool_choice: Any, has_tools: bool, constrained: bool,
+                     parallel_tool_calls: bool = True) -> ReplyFormat:
+        """How this server reads a request's replies (reply.py): every chat API's one reading."""
+        return ReplyFormat(tool_choice, self.tool_call_parser if has_tools else None, self.reasoning_parser,
+                           constrained, parallel_tool_calls)
 
     # ---- the prompt ---------------------------------------------------------------------------
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    tools: list[ChatTool] | None = None) -> dict:
+                    tools: list[ChatTool] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                    continue_final_message: bool = False) -> dict:
         """The template renders the conversation (and ``tools``, as Hugging Face templates take
         them); an assistant's tool calls reach it with their arguments as objects, as
-        transformers passes them."""
+        transformers passes them, and its earlier thinking as ``reasoning_content``.
+        ``continue_final_message``: the last message is the start of the reply (an assistant's
+        prefill): the conversation before it, the generation prompt, then its text."""
+        if continue_final_message:
+            if add_generation_prompt or not messages or messages[-1].role != "assistant":
+                raise OpenAIError(400, "continue_final_message needs add_generation_prompt=false and an assistant "
+                                       "message last", param="continue_final_message")
+            head = self.chat_prompt(messages[:-1], True, tools, chat_template_kwargs)
+            try:
+                tail = text_of(messages[-1].content, f"messages.{len(messages) - 1}.content")
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param="messages") from None
+            text = head["prompt"] + tail
+            return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
         conversation = []
         for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):  # content parts: text only
-                for j, part in enumerate(content):
-                    if part.get("type") != "text":
-                        raise OpenAIError(400, f"messages.{i}.content.{j}: only text content parts are supported",
-                                          param="messages")
-                    if not isinstance(part.get("text"), str):
-                        raise OpenAIError(400, f"messages.{i}.content.{j}.text must be a string", param="messages")
-                content = "".join(part["text"] for part in content)
-            message: dict[str, Any] = {"role": m.role, "content": content or ""}
+            try:
+                content = text_of(m.content, f"messages.{i}.content")
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param="messages") from None
+            message: dict[str, Any] = {"role": m.role, "content": content}
             if m.tool_calls:
                 message["tool_calls"] = [_template_call(call) for call in m.tool_calls]
             if m.tool_call_id is not None:
                 message["tool_call_id"] = m.tool_call_id
             if m.name is not None:
                 message["name"] = m.name
+            thinking = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if thinking is not None:
+                message["reasoning_content"] = thinking
             conversation.append(message)
-        kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, **kwargs)
+            return render_conversation(self.tokenizer, conversation, add_generation_prompt,
+                                       [t.model_dump(exclude_none=True) for t in tools or []],
+                                       chat_template_kwargs=chat_template_kwargs)
         except ValueError as e:
-            raise OpenAIError(400, str(e), param="messages") from None
-        except Exception as e:  # a template that raises on this conversation
-            raise OpenAIError(400, f"chat template failed: {e}", param="messages") from None
-        # The template writes the special tokens itself.
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+            param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+            raise OpenAIError(400, str(e), param=param) from None
 
     def _tool_choice(self, req: ChatCompletionRequest) -> Any:
         """The effective tool_choice: "none", "auto", "required" or the named-function dict.
@@ -111,35 +146,48 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(400, str(e), param="tools") from None
 
     # ---- the request ---------------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, raw: Request):
+    async def start_chat(self, req: ChatCompletionRequest, raw: Request, request_id: str | None = None) -> ChatRun:
+        """The engine's request for a chat request, queued: every chat API converts its request to
+        a ChatCompletionRequest and comes here (the template, sampling, tool choice and its
+        constraint, the reply format), then renders the run's outputs in its own shapes."""
         self.check_model(req.model)
         tool_choice = self._tool_choice(req)
         check_bounds(req, self.config)  # before the template's work
         # As vLLM: tools reach the template even for "none". Off the event loop: a long
         # conversation must not stall other clients.
-        prompt = await asyncio.to_thread(self.chat_prompt, req.messages, req.add_generation_prompt, req.tools)
+        prompt = await asyncio.to_thread(self.chat_prompt, req.messages, req.add_generation_prompt, req.tools,
+                                         req.chat_template_kwargs, req.continue_final_message)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = req.top_logprobs if req.top_logprobs is not None else 0
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         constraint, constraint_param = self._constraint(req, tool_choice)
         params = self.sampling_params(req, max_tokens, top if req.logprobs else None, structured=constraint)
-        request_id = random_id("chatcmpl")
+        request_id = request_id or random_id("chatcmpl")
         streams = await self._start(raw, [request_id], [prompt], params, req.priority, constraint_param, "messages")
-        parser = self.tool_call_parser if req.tools else None
+        form = self.reply_format(tool_choice, bool(req.tools), constraint is not None, req.parallel_tool_calls)
+        return ChatRun(request_id, streams, params, form, constraint_param, len(prompt["prompt_token_ids"]))
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        run = await self.start_chat(req, raw)
+        request_id, streams, params, form, constraint_param = (run.request_id, run.streams, run.params, run.form,
+                                                               run.constraint_param)
+        top = req.top_logprobs if req.top_logprobs is not None else 0
         if req.stream:
-            return self._streaming(self._chat_events(req, request_id, streams, params, tool_choice, parser,
-                                                     constraint_param))
+            return self._streaming(self._chat_events(req, request_id, streams, params, form, constraint_param))
         (out,) = await self._finals(streams, raw, constraint_param)
         choices = []
         for o in out.outputs:
-            extractor = make_extractor(tool_choice, parser)
-            content, calls = extractor.read(o.text) if extractor else (o.text, [])
-            calls = calls if req.parallel_tool_calls else calls[:1]
+            reader = form.reader()
+            reply = reader.read(o.text)
+            reasoning = reply.reasoning if req.include_reasoning else None
+            content = reply.content if reader.reads_calls or reply.reasoning else reply.content or ""
+            message = ChatMessageOut(content=content, reasoning_content=reasoning, reasoning=reasoning,
+                                     tool_calls=[_call_out(c) for c in reply.calls] or None)
             choices.append(ChatChoice(
-                index=o.index, message=ChatMessageOut(content=content, tool_calls=[_call_out(c) for c in calls] or None),
+                index=o.index, message=message,
                 logprobs=self._chat_logprobs(o.token_ids, o.logprobs, top) if req.logprobs else None,
-                finish_reason=_finish_reason(o.finish_reason, bool(calls)), stop_reason=o.stop_reason))
+                finish_reason=_finish_reason(o.finish_reason, bool(reply.calls)), stop_reason=o.stop_reason))
         return JSONResponse(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                                    usage=final_usage([out])).model_dump())
 
@@ -156,23 +204,25 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     async def _chat_events(self, req: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
-                           params: SamplingParams, tool_choice: Any, parser: str | None,
-                           constraint_param: str) -> AsyncIterator[dict]:
-        """A chunk per DELTA output of a choice that brings content or its finish, and one per
-        tool-call delta (a call's id and name, then its arguments); tokens that brought neither
-        (held back, a partial character, text still to be read as calls) go out with the next."""
+                           params: SamplingParams, form: ReplyFormat, constraint_param: str) -> AsyncIterator[dict]:
+        """A chunk per tool-call event (a call's id and name, then its arguments), and one per
+        DELTA output of a choice that brings thinking, content or its finish; tokens that brought
+        none (held back: a partial character or tag, text still to be read as calls) go out with
+        the next."""
         def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> dict:
             body = ChatCompletionChunk(id=request_id, model=self.served_model_name,
                                        choices=[choice] if choice else [], usage=usage).model_dump()
-            for c in body["choices"]:  # a tool-call delta carries only what it brings, as OpenAI's do
+            for c in body["choices"]:  # a delta carries only what it brings, as OpenAI's do
                 calls = c["delta"].pop("tool_calls")
                 if calls is not None:
                     c["delta"]["tool_calls"] = [_without_none(call) for call in calls]
+                for name in ("reasoning_content", "reasoning"):
+                    if c["delta"][name] is None:
+                        del c["delta"][name]
             return body
 
         progress = {i: ChoiceProgress() for i in range(params.n)}
-        extractors: dict[int, Extractor | None] = {i: make_extractor(tool_choice, parser) for i in range(params.n)}
-        num_calls = dict.fromkeys(range(params.n), 0)
+        readers = {i: form.reader() for i in range(params.n)}
         for i in range(params.n):
             yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
         first: RequestOutput | None = None  # the output that carries the prompt
@@ -180,45 +230,36 @@ class OpenAIServingChat(OpenAIServing):
             if first is None:
                 first = out
             for o in out.outputs:
-                state, extractor = progress[o.index], extractors[o.index]
+                state, reader = progress[o.index], readers[o.index]
                 state.num_tokens += len(o.token_ids)
                 if req.logprobs:
                     state.pending_token_ids += o.token_ids
                     state.pending_logprobs += o.logprobs or []
-                if extractor is None:
-                    news = Extracted(o.text)
-                elif isinstance(extractor, NamedExtractor):  # the call opens at once; the text is its arguments
-                    if num_calls[o.index] == 0:
-                        num_calls[o.index] = 1
-                        yield chunk(_call_delta(o.index, 0, extractor.call, opening=True))
-                    extractor.feed(o.text)
-                    if o.text:
-                        yield chunk(ChatStreamChoice(index=o.index, delta=ChatDelta(tool_calls=[DeltaToolCall(
-                            index=0, function=DeltaFunctionCall(arguments=o.text))])))
-                    news = Extracted()
-                else:
-                    news = extractor.feed(o.text)
-                    if o.finish_reason is not None:
-                        rest = extractor.finish()
-                        news = Extracted(news.content + rest.content, news.calls + rest.calls)
-                for call in news.calls:
-                    if num_calls[o.index] and not req.parallel_tool_calls:
-                        break
-                    k = num_calls[o.index]
-                    num_calls[o.index] += 1
-                    yield chunk(_call_delta(o.index, k, call, opening=True))
-                    yield chunk(_call_delta(o.index, k, call, opening=False))
-                if not news.content and o.finish_reason is None:
+                reasoning = content = ""
+                for event in reader.feed(o.text, o.finish_reason is not None):
+                    if isinstance(event, Thinking):
+                        reasoning += event.text if req.include_reasoning else ""
+                    elif isinstance(event, Text):
+                        content += event.text
+                    elif isinstance(event, CallOpened):
+                        yield chunk(_call_delta(o.index, DeltaToolCall(index=event.index, id=event.call.id,
+                                                                       type="function", function=DeltaFunctionCall(
+                                                                           name=event.call.name, arguments=""))))
+                    elif event.text:
+                        yield chunk(_call_delta(o.index, DeltaToolCall(index=event.index, function=DeltaFunctionCall(
+                            arguments=event.text))))
+                if not content and not reasoning and o.finish_reason is None:
                     continue
                 logprobs = None
                 if req.logprobs:
                     logprobs = self._chat_logprobs(state.pending_token_ids, state.pending_logprobs,
                                                    params.logprobs or 0)
                     state.pending_token_ids, state.pending_logprobs = [], []
-                content = news.content if extractor is None else news.content or None
                 yield chunk(ChatStreamChoice(
-                    index=o.index, delta=ChatDelta(content=content),
-                    logprobs=logprobs, finish_reason=_finish_reason(o.finish_reason, num_calls[o.index] > 0),
+                    index=o.index, delta=ChatDelta(content=content if not (reader.reads_calls or reasoning)
+                                                   else content or None,
+                                                   reasoning_content=reasoning or None, reasoning=reasoning or None),
+                    logprobs=logprobs, finish_reason=_finish_reason(o.finish_reason, reader.num_calls > 0),
                     stop_reason=o.stop_reason))
         if req.stream_options and req.stream_options.include_usage and first is not None:
             yield chunk(None, usage_info(len(first.prompt_token_ids), sum(c.num_tokens for c in progress.values()),
@@ -247,10 +288,7 @@ def _call_out(call: ToolCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
-def _call_delta(index: int, k: int, call: ToolCall, opening: bool) -> ChatStreamChoice:
-    """Call k of choice ``index``: its id, type and name (``opening``), or its arguments."""
-    delta = (DeltaToolCall(index=k, id=call.id, type="function", function=DeltaFunctionCall(name=call.name, arguments=""))
-             if opening else DeltaToolCall(index=k, function=DeltaFunctionCall(arguments=call.arguments)))
+def _call_delta(index: int, delta: DeltaToolCall) -> ChatStreamChoice:
     return ChatStreamChoice(index=index, delta=ChatDelta(tool_calls=[delta]))
 
 
