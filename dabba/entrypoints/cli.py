@@ -12,6 +12,7 @@ from typing import Sequence
 from dabba.config import DEMO_MODEL, EngineConfig, ServerConfig, parse_bytes
 from dabba.entrypoints.cli_args import add_config_args, add_engine_args, config_kwargs, engine_kwargs
 from dabba.entrypoints.openai.reasoning import REASONING_PARSERS
+from dabba.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from dabba.entrypoints.cli_tools import (cmd_bench_latency, cmd_bench_serve, cmd_bench_throughput,
                                          cmd_eval_kl_divergence, cmd_eval_perplexity, cmd_plan, cmd_quantize)
 from dabba.logger import init_logger
@@ -71,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dabba.entrypoints.openai.api_server import serve
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
     server_config = ServerConfig(**config_kwargs(args, SERVER_PARTS))  # a bad bound fails before the model loads
     config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
     engine = LLMEngine(config) if config.parallel_config.data_parallel_size == 1 else build_replicas(config)
@@ -158,9 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help='tool_choice "auto" (the default when a request has tools): read calls from the reply')
-    srv.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
-                     help="how replies write calls: hermes (Qwen 2.5/3, Hermes: <tool_call> blocks) or "
-                          "llama3_json (Llama 3.x: a JSON object)")
+    srv.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                     help="how replies write calls: hermes (Qwen 2.5/3, Hermes: <tool_call> blocks), "
+                          "llama3_json (Llama 3.x: a JSON object), mistral ([TOOL_CALLS]), pythonic (Llama "
+                          "3.2/4: [f(a=1)]) or qwen3_coder (Qwen3-Coder's <function=...> XML)")
     srv.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                      help="split a reasoning model's <think> block from its answer (reasoning_content): qwen3 "
                           "(the reply opens the block) or deepseek_r1 (the prompt opens it: DeepSeek-R1, QwQ, "

@@ -16,10 +16,12 @@ import jsonschema
 import openai
 import pytest
 
-from dabba.entrypoints.openai.tool_calls import (HermesExtractor, Llama3JsonExtractor, NamedExtractor,
+from dabba.entrypoints.openai.tool_calls import (HermesExtractor, Llama3JsonExtractor, MistralExtractor,
+                                                 NamedExtractor, PythonicExtractor, Qwen3CoderExtractor,
                                                  RequiredExtractor, required_schema)
 
 from tests.entrypoints.live_server import live_server
+from tools.tiny_checkpoint import scripted_checkpoint
 
 MODEL = "tiny"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -46,14 +48,20 @@ TEMPLATE = (
 )
 
 
-def split_feed(extractor, text: str, seed: int):
-    """Feed ``text`` in random pieces; returns (content, calls) as a stream delivers them."""
+def split_feed(extractor, text: str, seed: int, pieces: list[str] | None = None):
+    """Feed ``text`` in random pieces (or these ``pieces``); returns (content, calls) as a stream
+    delivers them."""
     rng = random.Random(seed)
-    content, calls, i = "", [], 0
-    while i < len(text):
-        j = min(len(text), i + rng.randint(1, 7))
-        news = extractor.feed(text[i:j])
-        content, calls, i = content + news.content, calls + news.calls, j
+    if pieces is None:
+        pieces, i = [], 0
+        while i < len(text):
+            j = min(len(text), i + rng.randint(1, 7))
+            pieces.append(text[i:j])
+            i = j
+    content, calls = "", []
+    for piece in pieces:
+        news = extractor.feed(piece)
+        content, calls = content + news.content, calls + news.calls
     news = extractor.finish()
     return content + news.content or None, [(c.name, json.loads(c.arguments)) for c in calls + news.calls]
 
@@ -86,6 +94,64 @@ def test_hermes(text, content, calls) -> None:
 def test_llama3_json(text, content, calls) -> None:
     for seed in range(5):
         assert split_feed(Llama3JsonExtractor(), text, seed) == (content, calls)
+
+
+def every_cut(extractor_type, text: str, **options) -> tuple[str | None, list]:
+    """The reading of ``text`` fed whole, checked equal to its reading cut at every position."""
+    whole = split_feed(extractor_type(**options), text, 0, pieces=[text])
+    for at in range(1, len(text)):
+        assert split_feed(extractor_type(**options), text, 0, pieces=[text[:at], text[at:]]) == whole, at
+    for seed in range(3):
+        assert split_feed(extractor_type(**options), text, seed) == whole
+    return whole
+
+
+CALL_ARGS = '{"city": "Paris", "unit": "c"}'
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("Just text.", "Just text.", []),
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": ' + CALL_ARGS + '}, {"name": "search", "arguments": '
+     '{"query": "x"}}]', None, [("get_weather", {"city": "Paris", "unit": "c"}), ("search", {"query": "x"})]),
+    ("Let me look.[TOOL_CALLS]get_weather[ARGS]" + CALL_ARGS + '[TOOL_CALLS]search[ARGS]{"query": "x"}',
+     "Let me look.", [("get_weather", {"city": "Paris", "unit": "c"}), ("search", {"query": "x"})]),
+    ("[TOOL_CALLS]not calls", "[TOOL_CALLS]not calls", []),  # not calls after all: content
+    ("a [TOOL_CA", "a [TOOL_CA", []),
+])
+def test_mistral(text, content, calls) -> None:
+    assert every_cut(MistralExtractor, text) == (content, calls)
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('[get_weather(city="Paris", unit="c"), search(query="x", limit=2)]', None,
+     [("get_weather", {"city": "Paris", "unit": "c"}), ("search", {"query": "x", "limit": 2})]),
+    ('<|python_start|>[f(a=[1, {"b": None}], c=True)]<|python_end|>', None, [("f", {"a": [1, {"b": None}], "c": True})]),
+    ("The answer is [1, 2].", "The answer is [1, 2].", []),
+    ("[1, 2]", "[1, 2]", []),  # a list, not calls
+    ("[f(1)]", "[f(1)]", []),  # a positional argument: not a call of this form
+    ("[f(x=open('/etc/passwd'))]", "[f(x=open('/etc/passwd'))]", []),  # never evaluated: only literals
+    ("[f(x={1, 2})]", "[f(x={1, 2})]", []),  # a literal JSON cannot hold
+])
+def test_pythonic(text, content, calls) -> None:
+    assert every_cut(PythonicExtractor, text) == (content, calls)
+
+
+QWEN3_CODER = ("<tool_call>\n<function=search>\n<parameter=query>\nrain & snow\n</parameter>\n<parameter=limit>\n3\n"
+               "</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("I will search.\n" + QWEN3_CODER, "I will search.\n", [("search", {"query": "rain & snow", "limit": 3})]),
+    (QWEN3_CODER + "\n" + QWEN3_CODER.replace("rain & snow", 'say "hi"\\n'), None,
+     [("search", {"query": "rain & snow", "limit": 3}), ("search", {"query": 'say "hi"\\n', "limit": 3})]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=unit>\nc", None,
+     [("get_weather", {"city": "Oslo", "unit": "c"})]),  # cut off by max_tokens: the last block still read
+    ("<tool_call>no function here</tool_call>", None, []),
+    ("a <tool", "a <tool", []),
+])
+def test_qwen3_coder(text, content, calls) -> None:
+    functions = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert every_cut(Qwen3CoderExtractor, text, functions=functions) == (content, calls)
 
 
 def test_required_and_named_readers() -> None:
@@ -243,3 +309,37 @@ def test_the_openai_clients_stream_helper_reassembles_calls(server) -> None:
         assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == \
             [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
         assert final.choices[0].finish_reason == full.choices[0].finish_reason
+
+
+# Each parser on a scripted model (tools/tiny_checkpoint.scripted_checkpoint) that writes its calls
+# in that syntax, through the server, streamed and not ("required" and named calls are the
+# constraint's, the same whatever the parser: test_forced_tool_choice_validates_streamed_and_not).
+OSLO = {"city": "Oslo", "unit": "c"}
+SCRIPTED_CALLS = {
+    "hermes": ["Checking.", "<tool_call>", json.dumps({"name": "get_weather", "arguments": OSLO}), "</tool_call>"],
+    "llama3_json": [json.dumps({"name": "get_weather", "parameters": OSLO})],
+    "mistral": ["[TOOL_CALLS]", json.dumps([{"name": "get_weather", "arguments": OSLO}])],
+    "pythonic": ['[get_weather(city="Oslo", unit="c")]'],
+    "qwen3_coder": ["Checking.", "<tool_call>", "\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+                    "<parameter=unit>\nc\n</parameter>\n</function>\n", "</tool_call>"],
+}
+
+
+@pytest.mark.parametrize("parser", sorted(SCRIPTED_CALLS))
+def test_each_parser_reads_its_models_calls_through_the_server(parser, tmp_path_factory) -> None:
+    path = scripted_checkpoint(tmp_path_factory.mktemp(parser) / "model", SCRIPTED_CALLS[parser])
+    with live_server(str(path), MODEL, None, tool_call_parser=parser) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        kw = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=20)
+        r = client.chat.completions.create(**kw)
+        message = r.choices[0].message
+        assert [(c["name"], json.loads(c["arguments"])) for c in as_dicts(message)] == [("get_weather", OSLO)]
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert message.content == ("Checking." if SCRIPTED_CALLS[parser][0] == "Checking." else None)
+        content, streamed, finish = reassemble(client.chat.completions.create(**kw, stream=True))
+        assert [(c["name"], c["arguments"]) for c in streamed] == [(c["name"], c["arguments"]) for c in
+                                                                   as_dicts(message)]
+        assert content == message.content and finish == "tool_calls"
+        none = client.chat.completions.create(**kw, tool_choice="none")  # the same reply is content then
+        assert none.choices[0].message.tool_calls is None
+        assert none.choices[0].message.content == "".join(SCRIPTED_CALLS[parser])

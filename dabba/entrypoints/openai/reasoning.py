@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dabba.entrypoints.openai.tool_calls import partial_marker_at_end
+
 START, END = "<think>", "</think>"
 
 
@@ -27,14 +29,6 @@ class Split:
 
     reasoning: str = ""
     content: str = ""
-
-
-def _partial_tag_at_end(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that a ``tag`` could still grow from."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
 
 
 class ReasoningParser:
@@ -67,7 +61,7 @@ class ReasoningParser:
         if self.state == "thinking":
             end = self.text.find(END, self.pos)
             if end < 0:  # all but what may be the closing tag, and whitespace that may end the thinking
-                out.reasoning = self._show("thinking", self._trimmed(len(self.text) - _partial_tag_at_end(self.text, END)))
+                out.reasoning = self._show("thinking", self._trimmed(len(self.text) - partial_marker_at_end(self.text, END)))
                 return out
             out.reasoning = self._show("thinking", self._trimmed(end))
             self.state, self.pos = "answer", end + len(END)

@@ -54,13 +54,15 @@ class ReplyFormat:
     """How a request's replies are read: ``tool_choice`` "none", "auto", "required" or a named
     function ({"function": {"name": ...}}), with the server's ``tool_parser`` for "auto";
     ``reasoning_parser`` the server's (unused for a ``constrained`` reply, whose grammar holds from
-    its first token: all answer); ``parallel_tool_calls`` False keeps the first call only."""
+    its first token: all answer); ``parallel_tool_calls`` False keeps the first call only;
+    ``functions`` the tools' parameter schemas by name (a parser may type values by them)."""
 
     tool_choice: Any = "none"
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     constrained: bool = False
     parallel_tool_calls: bool = True
+    functions: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)  # parameters by name
 
     def reader(self) -> ReplyReader:
         return ReplyReader(self)
@@ -73,7 +75,7 @@ class ReplyReader:
 
     def __init__(self, form: ReplyFormat) -> None:
         self.thinking: ReasoningParser | None = None if form.constrained else make_reasoning_parser(form.reasoning_parser)
-        self.extractor: Extractor | None = make_extractor(form.tool_choice, form.tool_parser)
+        self.extractor: Extractor | None = make_extractor(form.tool_choice, form.tool_parser, form.functions)
         self.parallel = form.parallel_tool_calls
         self.num_calls = 0
 

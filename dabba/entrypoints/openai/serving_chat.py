@@ -57,11 +57,12 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
 
-    def reply_format(self, tool_choice: Any, has_tools: bool, constrained: bool,
+    def reply_format(self, tool_choice: Any, tools: list[ChatTool] | None, constrained: bool,
                      parallel_tool_calls: bool = True) -> ReplyFormat:
         """How this server reads a request's replies (reply.py): every chat API's one reading."""
-        return ReplyFormat(tool_choice, self.tool_call_parser if has_tools else None, self.reasoning_parser,
-                           constrained, parallel_tool_calls)
+        functions = {t.function.name: t.function.parameters or {} for t in tools or []}
+        return ReplyFormat(tool_choice, self.tool_call_parser if tools else None, self.reasoning_parser,
+                           constrained, parallel_tool_calls, functions)
 
     # ---- the prompt ---------------------------------------------------------------------------
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
@@ -165,7 +166,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(req, max_tokens, top if req.logprobs else None, structured=constraint)
         request_id = request_id or random_id("chatcmpl")
         streams = await self._start(raw, [request_id], [prompt], params, req.priority, constraint_param, "messages")
-        form = self.reply_format(tool_choice, bool(req.tools), constraint is not None, req.parallel_tool_calls)
+        form = self.reply_format(tool_choice, req.tools, constraint is not None, req.parallel_tool_calls)
         return ChatRun(request_id, streams, params, form, constraint_param, len(prompt["prompt_token_ids"]))
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
