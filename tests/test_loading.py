@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jinja2
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -159,6 +160,48 @@ def test_tokenizer_matches_transformers(checkpoints) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is JSON?"}]
     assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+# A template with what real ones use (Qwen3's, Llama 3.x's, Mistral's, Gemma 3's): namespace()
+# across loops, loop controls, reverse slices, tests (is string, is defined, is false), tojson with
+# its arguments, raise_exception, {% generation %}, tools, tool calls with object arguments,
+# earlier thinking (reasoning_content) and a template variable (enable_thinking).
+RICH_TEMPLATE = """
+{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages[::-1] %}{% if m.role == 'user' %}{% set ns.last_user = messages | length - 1 - loop.index0 %}{% break %}{% endif %}{% endfor %}
+{%- if tools %}<tools>{% for t in tools %}{{ t | tojson(indent=2) }}{% if not loop.last %},{% endif %}{% endfor %}</tools>\n{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' and not loop.first %}{{ raise_exception('the system message must come first') }}{% endif %}
+{%- if m.role == 'assistant' %}<|assistant|>{% generation %}
+{%- if m.reasoning_content is string and loop.index0 > ns.last_user %}<think>{{ m.reasoning_content }}</think>{% endif %}
+{{- m.content }}{% for c in m.tool_calls or [] %}<call>{{ c.function.arguments | tojson(sort_keys=true) }}</call>{% continue %}{% endfor %}
+{%- endgeneration %}{% else %}<|{{ m.role }}|>{{ m.content }}{% endif %}{{ '\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% endif %}"""
+
+
+def test_chat_templates_render_as_transformers_renders_them(checkpoints) -> None:
+    from transformers import AutoTokenizer
+
+    path = checkpoints["llama"].path
+    ours, theirs = Tokenizer(path, chat_template=RICH_TEMPLATE), AutoTokenizer.from_pretrained(path)
+    theirs.chat_template = RICH_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"unit": "c", "city": "é"}}}
+    conversations = [
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], {}),
+        ([{"role": "user", "content": "Hi"}], {"enable_thinking": False}),
+        ([{"role": "user", "content": "Weather?"},
+          {"role": "assistant", "content": "", "reasoning_content": "a tool", "tool_calls": [call]},
+          {"role": "tool", "tool_call_id": "c1", "content": "-3"},
+          {"role": "assistant", "content": "Cold.", "reasoning_content": "done"}], {"tools": tools}),
+    ]
+    for messages, kwargs in conversations:
+        for generation_prompt in (True, False):
+            assert ours.apply_chat_template(messages, add_generation_prompt=generation_prompt, **kwargs) == \
+                theirs.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
+    with pytest.raises(jinja2.TemplateError, match="the system message must come first"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}])
 
 
 def test_chat_template_from_tokenizer_config(checkpoints, tmp_path) -> None:
