@@ -223,7 +223,7 @@ def first_layers(src: str | Path, dst: str | Path, num_layers: int) -> Path:
     return dst
 
 
-def scripted_checkpoint(out_dir: str | Path, pieces: list[str], **options: Any) -> Path:
+def scripted_checkpoint(out_dir: str | Path, pieces: list[str], also: tuple[str, ...] = (), **options: Any) -> Path:
     """A tiny Llama that, whatever the prompt, replies with ``pieces`` (each added to the tokenizer
     as one token) and then its EOS: a random-weight model that thinks, calls tools or answers on
     cue, for tests of what reads its replies (reasoning and tool-call parsers, the APIs' events).
@@ -231,7 +231,8 @@ def scripted_checkpoint(out_dir: str | Path, pieces: list[str], **options: Any) 
     Every layer's output projections are zero, so the last hidden state is the token's embedding
     and the next token depends on the current one only: the embeddings of the pieces are
     orthonormal, every other token shares one more unit vector, and the LM head maps each to the
-    next piece (any other token to the first). ``options`` go to make_checkpoint."""
+    next piece (any other token to the first). ``also``: more tokens for the vocabulary, never
+    written (a thinking tag the reply might open). ``options`` go to make_checkpoint."""
     import torch
     from safetensors.torch import load_file, save_file
     from tokenizers import AddedToken, Tokenizer
@@ -240,7 +241,7 @@ def scripted_checkpoint(out_dir: str | Path, pieces: list[str], **options: Any) 
         raise ValueError("scripted_checkpoint: the pieces must be distinct (each token has one successor)")
     out_dir = make_checkpoint(out_dir, **options)
     tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
-    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in pieces])
+    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in [*pieces, *also]])
     tok.save(str(out_dir / "tokenizer.json"))
     ids = [tok.token_to_id(p) for p in pieces]
     config = json.loads((out_dir / "config.json").read_text())

@@ -76,7 +76,8 @@ class EngineCore:
         if request.compilation is not None:
             compiled = request.compilation.future.result()  # done: the front end waited for it
             for sample in request.samples:
-                self.structured_output.add_request(sample.request_id, compiled)
+                self.structured_output.add_request(sample.request_id, compiled,
+                                                   sample.sampling_params.structured_outputs.thinking)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:

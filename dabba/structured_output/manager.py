@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dabba.structured_output.compile_pool import Compilation, Vocabulary, compiler_pool
-from dabba.structured_output.params import StructuredOutputsParams
+from dabba.structured_output.params import StructuredOutputsParams, ThinkingSpan
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -50,6 +50,8 @@ class StructuredOutputManager:
         self._vocabulary: Vocabulary | None = None
         self._matchers: dict[str, "xgr.GrammarMatcher"] = {}  # request id -> its matcher (engine thread)
         self._dead_ends: set[str] = set()  # requests whose last row allowed nothing
+        # requests that may think first: (their span, "start" / "inside" / "answer")
+        self._thinking: dict[str, tuple[ThinkingSpan, str]] = {}
 
     # ---- compilation (any thread) ---------------------------------------------------------
     def _get_vocabulary(self) -> Vocabulary:
@@ -74,13 +76,19 @@ class StructuredOutputManager:
         compiler_pool().release(compilation)
 
     # ---- the engine thread ----------------------------------------------------------------
-    def add_request(self, request_id: str, compiled: "xgr.CompiledGrammar") -> None:
+    def add_request(self, request_id: str, compiled: "xgr.CompiledGrammar", thinking: ThinkingSpan | None = None) -> None:
+        """``thinking``: the reply may think first, unconstrained (a reasoning model's; see
+        ThinkingSpan); the grammar holds the answer after it."""
         import xgrammar as xgr
 
         self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+        if thinking is not None:
+            self._thinking[request_id] = (thinking, "inside" if thinking.start is None else "start")
 
     def grammar_bitmask(self, request_ids: list[str]) -> np.ndarray | None:
-        """[len(request_ids), ceil(vocab / 32)] int32: bit t of a row allows token t next."""
+        """[len(request_ids), ceil(vocab / 32)] int32: bit t of a row allows token t next. A row
+        inside the thinking allows every token; one where the reply may still open its thinking
+        allows the opening tag beside what the grammar allows."""
         if not request_ids:
             return None
         import xgrammar as xgr
@@ -90,7 +98,13 @@ class StructuredOutputManager:
         tensor = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
         bitmask = tensor.numpy()  # the same memory
         for row, request_id in enumerate(request_ids):
+            span, where = self._thinking.get(request_id, (None, "answer"))
+            if where == "inside":
+                bitmask[row] = -1  # every bit
+                continue
             self._matchers[request_id].fill_next_token_bitmask(tensor, row)
+            if where == "start":  # the opening tag too
+                bitmask.view(np.uint32)[row, span.start // 32] |= np.uint32(1 << (span.start % 32))
             if admits_no_token(bitmask[row]):
                 self._dead_ends.add(request_id)
                 bitmask[row, 0] = 1  # token 0 alone, so that the row samples; accept_token ends the request
@@ -99,9 +113,19 @@ class StructuredOutputManager:
     def accept_token(self, request_id: str, token_id: int) -> bool:
         """Advance the request's matcher; True when its grammar has ended (the token was a stop
         token where the grammar may end). Raises GrammarDeadEnd after a row that allowed nothing,
-        ValueError on a token the grammar forbids."""
+        ValueError on a token the grammar forbids. Tokens of the thinking pass the grammar by."""
         if request_id in self._dead_ends:
             raise GrammarDeadEnd(DEAD_END)
+        if request_id in self._thinking:
+            span, where = self._thinking[request_id]
+            if where == "start" and token_id == span.start:
+                self._thinking[request_id] = (span, "inside")
+                return False
+            if where == "inside":
+                if token_id == span.end:
+                    self._thinking[request_id] = (span, "answer")
+                return False
+            self._thinking.pop(request_id)  # the answer: the grammar holds from here
         matcher = self._matchers[request_id]
         if not matcher.accept_token(token_id):
             raise ValueError(f"token {token_id} is not allowed by the request's structured_outputs")
@@ -109,4 +133,5 @@ class StructuredOutputManager:
 
     def free(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._thinking.pop(request_id, None)
         self._dead_ends.discard(request_id)

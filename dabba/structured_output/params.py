@@ -52,6 +52,17 @@ def _schema_size(schema: Any) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class ThinkingSpan:
+    """A reasoning model's thinking, which a constraint does not hold: it holds the answer, from
+    the token after ``end`` (the closing tag's id). ``start``: the reply thinks only if it opens
+    with this token (else it is all answer, constrained from its first token); None: the reply
+    starts inside the thinking (the prompt opened it)."""
+
+    end: int
+    start: int | None = None
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``regex``, ``choice``
     (the output is one of these strings), ``grammar`` (EBNF/GBNF text, root rule ``root``) or
@@ -65,6 +76,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    thinking: ThinkingSpan | None = None  # the server's, for a reasoning model: not a client's field
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -92,6 +104,8 @@ class StructuredOutputsParams:
             raise _invalid(f"structured_outputs.grammar must be a non-empty string, got {self.grammar!r}")
         if self.json_object not in (None, True, False):
             raise _invalid(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+        if self.thinking is not None and not isinstance(self.thinking, ThinkingSpan):
+            raise _invalid(f"structured_outputs.thinking must be a ThinkingSpan, got {self.thinking!r}")
         if not isinstance(self.disable_any_whitespace, bool):
             raise _invalid("structured_outputs.disable_any_whitespace must be a boolean, got "
                              f"{self.disable_any_whitespace!r}")
@@ -103,7 +117,7 @@ class StructuredOutputsParams:
             return value
         if not isinstance(value, dict):
             raise _invalid(f"structured_outputs must be an object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"thinking"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise _invalid(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}")

@@ -104,8 +104,8 @@ TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{% if m.reasoning_content %}
 
 
 @contextlib.contextmanager
-def scripted_server(tmp_path_factory, pieces: list[str], **options):
-    path = scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "model", pieces)
+def scripted_server(tmp_path_factory, pieces: list[str], also: tuple[str, ...] = (), **options):
+    path = scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "model", pieces, also)
     with live_server(str(path), "scripted", None, **options) as (url, _):
         yield SimpleNamespace(url=url, client=openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0))
 
@@ -155,12 +155,42 @@ def test_include_reasoning_false_drops_the_thinking(thinking_server) -> None:
     assert streamed["content"] == "It is 4." and streamed["reasoning"] == ""
 
 
-def test_a_constrained_reply_is_all_answer(thinking_server) -> None:
-    """A structured output holds from the first token (the model cannot think first): the reply
-    is the answer, and the parser does not look for thinking in it."""
-    r = thinking_server.client.chat.completions.create(model="scripted", messages=MESSAGES, max_tokens=5,
-                                                extra_body={"structured_outputs": {"choice": ["<think>no"]}})
-    assert r.choices[0].message.content == "<think>no" and r.choices[0].message.model_extra["reasoning"] is None
+@pytest.mark.parametrize("parser, pieces, reasoning, content", [
+    ("qwen3", ["<think>", "Thinking it over.", "</think>", "no"], "Thinking it over.", "no"),
+    ("qwen3", ["no"], None, "no"),  # a reply that does not open its thinking: constrained from its first token
+    ("deepseek_r1", ["Thinking it over.", "</think>", "yes"], "Thinking it over.", "yes"),
+])
+def test_a_constraint_holds_the_answer_after_the_thinking(tmp_path_factory, parser, pieces, reasoning,
+                                                            content) -> None:
+    """The grammar lets the thinking by (the tags are single tokens here, as in Qwen3's and
+    DeepSeek-R1's vocabularies) and holds the answer: streamed and not, a choice and a named
+    tool's arguments (in the spacing a forced call's grammar writes)."""
+    tags = ("<think>", "</think>")  # in the vocabulary, whether the reply writes them or not
+    with scripted_server(tmp_path_factory, pieces, tuple(t for t in tags if t not in pieces),
+                         reasoning_parser=parser) as server:
+        kw = dict(model="scripted", messages=MESSAGES, max_tokens=20)
+        choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+        message = server.client.chat.completions.create(**kw, extra_body=choice).choices[0].message
+        assert (message.model_extra["reasoning"], message.content) == (reasoning, content)
+        streamed = streamed_message(server.client.chat.completions.create(**kw, extra_body=choice, stream=True))
+        assert (streamed["reasoning"] or None, streamed["content"]) == (reasoning, content)
+    call = '{"city": "Oslo"}'
+    with scripted_server(tmp_path_factory, [*pieces[:-1], call], tuple(t for t in tags if t not in pieces),
+                         reasoning_parser=parser) as server:
+        r = server.client.chat.completions.create(model="scripted", messages=MESSAGES, max_tokens=20, tools=TOOLS,
+                                                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        message = r.choices[0].message
+        assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_weather", call)]
+        assert message.model_extra["reasoning"] == reasoning and r.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_constraint_holds_the_whole_reply_where_the_tags_are_not_single_tokens(tmp_path_factory) -> None:
+    """Without single-token tags the grammar cannot tell where the thinking ends: it holds the
+    reply from its first token, which is then all answer."""
+    with scripted_server(tmp_path_factory, ["Thinking.", "no"], reasoning_parser="deepseek_r1") as server:
+        assert server.client.chat.completions.create(**dict(model="scripted", messages=MESSAGES, max_tokens=20),
+                                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+                                                     ).choices[0].message.model_extra["reasoning"] is None
 
 
 def rendered(server, **body) -> httpx.Response:

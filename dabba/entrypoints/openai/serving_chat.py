@@ -4,6 +4,7 @@ reading (tool_calls.py) turns into ``message.tool_calls``, streamed or not."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -22,12 +23,13 @@ from dabba.entrypoints.openai.errors import OpenAIError
 from dabba.entrypoints.openai.request_bounds import check_bounds, constraint_field, structured_outputs_of
 from dabba.entrypoints.openai.serving import ChoiceProgress, OpenAIServing, final_usage, usage_info
 from dabba.entrypoints.chat_utils import render_conversation, text_of
-from dabba.entrypoints.openai.reasoning import REASONING_PARSERS
+from dabba.entrypoints.openai.reasoning import END, REASONING_PARSERS, START
 from dabba.entrypoints.openai.reply import CallOpened, ReplyFormat, Text, Thinking
 from dabba.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS, ToolCall, named_schema, required_schema
 from dabba.outputs import PositionLogprobs, RequestOutput
 from dabba.sampling_params import SamplingParams
 from dabba.structured_output import StructuredOutputsParams
+from dabba.structured_output.params import ThinkingSpan
 
 
 @dataclass
@@ -56,10 +58,12 @@ class OpenAIServingChat(OpenAIServing):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+        self.thinking_span = thinking_span(self.tokenizer, reasoning_parser)
 
     def reply_format(self, tool_choice: Any, tools: list[ChatTool] | None, constrained: bool,
                      parallel_tool_calls: bool = True) -> ReplyFormat:
-        """How this server reads a request's replies (reply.py): every chat API's one reading."""
+        """How this server reads a request's replies (reply.py): every chat API's one reading.
+        ``constrained``: a grammar holds the reply from its first token (it cannot think)."""
         functions = {t.function.name: t.function.parameters or {} for t in tools or []}
         return ReplyFormat(tool_choice, self.tool_call_parser if tools else None, self.reasoning_parser,
                            constrained, parallel_tool_calls, functions)
@@ -163,10 +167,13 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         constraint, constraint_param = self._constraint(req, tool_choice)
+        if constraint is not None and self.thinking_span is not None:  # the grammar holds the answer
+            constraint = dataclasses.replace(constraint, thinking=self.thinking_span)
         params = self.sampling_params(req, max_tokens, top if req.logprobs else None, structured=constraint)
         request_id = request_id or random_id("chatcmpl")
         streams = await self._start(raw, [request_id], [prompt], params, req.priority, constraint_param, "messages")
-        form = self.reply_format(tool_choice, req.tools, constraint is not None, req.parallel_tool_calls)
+        form = self.reply_format(tool_choice, req.tools, constraint is not None and constraint.thinking is None,
+                                 req.parallel_tool_calls)
         return ChatRun(request_id, streams, params, form, constraint_param, len(prompt["prompt_token_ids"]))
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
@@ -265,6 +272,19 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream_options and req.stream_options.include_usage and first is not None:
             yield chunk(None, usage_info(len(first.prompt_token_ids), sum(c.num_tokens for c in progress.values()),
                                          first.num_cached_tokens))
+
+
+def thinking_span(tokenizer: Any, reasoning_parser: str | None) -> ThinkingSpan | None:
+    """Where a reasoning model's thinking is, for a constraint to hold only the answer after it:
+    the tags' token ids, where the vocabulary has each as one token (Qwen3's, DeepSeek-R1's);
+    else None, and a constraint holds the reply from its first token (all answer)."""
+    if reasoning_parser is None:
+        return None
+    end = tokenizer.hf_tokenizer.token_to_id(END)
+    start = tokenizer.hf_tokenizer.token_to_id(START)
+    if end is None or (start is None and not REASONING_PARSERS[reasoning_parser]):
+        return None
+    return ThinkingSpan(end=end, start=None if REASONING_PARSERS[reasoning_parser] else start)
 
 
 def _without_none(value: Any) -> Any:
