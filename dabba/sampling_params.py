@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from dabba.errors import InvalidRequest
-from dabba.structured_output.params import StructuredOutputsParams
+from dabba.structured_output.params import StructuredOutputsParams, ThinkingSpan
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -74,6 +74,9 @@ class SamplingParams:
     # taken too). Its mask applies before everything above, logprobs included; the grammar's end
     # stops the request, and before min_tokens it is the grammar that says whether eos may come.
     structured_outputs: StructuredOutputsParams | None = None
+    # A reasoning model's thinking (the server sets it from its reasoning parser): a constraint
+    # holds only the answer after it, and a budget bounds it (structured_output/params.py).
+    thinking: ThinkingSpan | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
@@ -113,6 +116,14 @@ class SamplingParams:
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind", self.output_kind)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        _check(self.thinking is None or isinstance(self.thinking, ThinkingSpan), "thinking", "None or a ThinkingSpan",
+               self.thinking)
+
+    @property
+    def masked(self) -> bool:
+        """Whether each sampled token goes through a mask the structured-output manager keeps: a
+        constraint's, or a thinking budget's (which allows only the closing tag once spent)."""
+        return self.structured_outputs is not None or (self.thinking is not None and self.thinking.budget is not None)
 
     @property
     def greedy(self) -> bool:

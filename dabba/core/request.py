@@ -102,7 +102,8 @@ class Request:
 
     @property
     def use_structured_output(self) -> bool:
-        return self.sampling_params.structured_outputs is not None
+        """Its tokens go through the structured-output manager's mask (a constraint, or a thinking budget)."""
+        return self.sampling_params.masked
 
     @property
     def max_tokens(self) -> int:

@@ -73,11 +73,10 @@ class EngineCore:
             for sample in added:
                 self.scheduler.abort_request(sample.request_id)
             raise
-        if request.compilation is not None:
-            compiled = request.compilation.future.result()  # done: the front end waited for it
-            for sample in request.samples:
-                self.structured_output.add_request(sample.request_id, compiled,
-                                                   sample.sampling_params.structured_outputs.thinking)
+        compiled = request.compilation.future.result() if request.compilation is not None else None  # done
+        for sample in request.samples:
+            if sample.use_structured_output:  # a grammar, or a thinking budget alone
+                self.structured_output.add_request(sample.request_id, compiled, sample.sampling_params.thinking)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +42,20 @@ class GrammarDeadEnd(ValueError):
     """The request's grammar allows no next token and cannot end (found as it generates)."""
 
 
+@dataclass
+class _Thinking:
+    """Where a reply is with respect to its thinking: "start" (it may still open it), "inside"
+    or "answer"; and the thinking's tokens so far."""
+
+    span: ThinkingSpan
+    where: str
+    tokens: int = 0
+
+    @property
+    def spent(self) -> bool:
+        return self.span.budget is not None and self.tokens >= self.span.budget
+
+
 class StructuredOutputManager:
     def __init__(self, tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: frozenset[int]) -> None:
         self.tokenizer = tokenizer
@@ -50,8 +65,7 @@ class StructuredOutputManager:
         self._vocabulary: Vocabulary | None = None
         self._matchers: dict[str, "xgr.GrammarMatcher"] = {}  # request id -> its matcher (engine thread)
         self._dead_ends: set[str] = set()  # requests whose last row allowed nothing
-        # requests that may think first: (their span, "start" / "inside" / "answer")
-        self._thinking: dict[str, tuple[ThinkingSpan, str]] = {}
+        self._thinking: dict[str, _Thinking] = {}  # requests that may think first
 
     # ---- compilation (any thread) ---------------------------------------------------------
     def _get_vocabulary(self) -> Vocabulary:
@@ -76,19 +90,23 @@ class StructuredOutputManager:
         compiler_pool().release(compilation)
 
     # ---- the engine thread ----------------------------------------------------------------
-    def add_request(self, request_id: str, compiled: "xgr.CompiledGrammar", thinking: ThinkingSpan | None = None) -> None:
-        """``thinking``: the reply may think first, unconstrained (a reasoning model's; see
+    def add_request(self, request_id: str, compiled: "xgr.CompiledGrammar | None",
+                    thinking: ThinkingSpan | None = None) -> None:
+        """``compiled``: the request's grammar (None: a thinking budget alone). ``thinking``: the
+        reply may think first, unconstrained, within its budget (a reasoning model's; see
         ThinkingSpan); the grammar holds the answer after it."""
         import xgrammar as xgr
 
-        self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+        if compiled is not None:
+            self._matchers[request_id] = xgr.GrammarMatcher(compiled)
         if thinking is not None:
-            self._thinking[request_id] = (thinking, "inside" if thinking.start is None else "start")
+            self._thinking[request_id] = _Thinking(thinking, "inside" if thinking.start is None else "start")
 
     def grammar_bitmask(self, request_ids: list[str]) -> np.ndarray | None:
         """[len(request_ids), ceil(vocab / 32)] int32: bit t of a row allows token t next. A row
-        inside the thinking allows every token; one where the reply may still open its thinking
-        allows the opening tag beside what the grammar allows."""
+        inside the thinking allows every token (only the closing tag once its budget is spent);
+        one where the reply may still open its thinking allows the opening tag beside what the
+        grammar allows."""
         if not request_ids:
             return None
         import xgrammar as xgr
@@ -97,14 +115,23 @@ class StructuredOutputManager:
 
         tensor = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
         bitmask = tensor.numpy()  # the same memory
+        words = bitmask.view(np.uint32)
         for row, request_id in enumerate(request_ids):
-            span, where = self._thinking.get(request_id, (None, "answer"))
-            if where == "inside":
-                bitmask[row] = -1  # every bit
+            thinking = self._thinking.get(request_id)
+            matcher = self._matchers.get(request_id)
+            if thinking is not None and thinking.where == "inside":
+                if thinking.spent:
+                    bitmask[row] = 0
+                    words[row, thinking.span.end // 32] = np.uint32(1 << (thinking.span.end % 32))
+                else:
+                    bitmask[row] = -1  # every bit
                 continue
-            self._matchers[request_id].fill_next_token_bitmask(tensor, row)
-            if where == "start":  # the opening tag too
-                bitmask.view(np.uint32)[row, span.start // 32] |= np.uint32(1 << (span.start % 32))
+            if matcher is None:  # a budget alone, past the thinking: anything
+                bitmask[row] = -1
+                continue
+            matcher.fill_next_token_bitmask(tensor, row)
+            if thinking is not None and thinking.where == "start":  # the opening tag too
+                words[row, thinking.span.start // 32] |= np.uint32(1 << (thinking.span.start % 32))
             if admits_no_token(bitmask[row]):
                 self._dead_ends.add(request_id)
                 bitmask[row, 0] = 1  # token 0 alone, so that the row samples; accept_token ends the request
@@ -116,17 +143,21 @@ class StructuredOutputManager:
         ValueError on a token the grammar forbids. Tokens of the thinking pass the grammar by."""
         if request_id in self._dead_ends:
             raise GrammarDeadEnd(DEAD_END)
-        if request_id in self._thinking:
-            span, where = self._thinking[request_id]
-            if where == "start" and token_id == span.start:
-                self._thinking[request_id] = (span, "inside")
+        thinking = self._thinking.get(request_id)
+        if thinking is not None:
+            if thinking.where == "start" and token_id == thinking.span.start:
+                thinking.where = "inside"
                 return False
-            if where == "inside":
-                if token_id == span.end:
-                    self._thinking[request_id] = (span, "answer")
+            if thinking.where == "inside":
+                if token_id == thinking.span.end:
+                    thinking.where = "answer"
+                else:
+                    thinking.tokens += 1
                 return False
-            self._thinking.pop(request_id)  # the answer: the grammar holds from here
-        matcher = self._matchers[request_id]
+            thinking.where = "answer"  # the answer: the grammar holds from here
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return False
         if not matcher.accept_token(token_id):
             raise ValueError(f"token {token_id} is not allowed by the request's structured_outputs")
         return matcher.is_terminated()

@@ -56,10 +56,18 @@ class ThinkingSpan:
     """A reasoning model's thinking, which a constraint does not hold: it holds the answer, from
     the token after ``end`` (the closing tag's id). ``start``: the reply thinks only if it opens
     with this token (else it is all answer, constrained from its first token); None: the reply
-    starts inside the thinking (the prompt opened it)."""
+    starts inside the thinking (the prompt opened it). ``budget``: the most tokens the thinking
+    may take; then the closing tag is the only token allowed (None: no bound)."""
 
     end: int
     start: int | None = None
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("end", "start", "budget"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise InvalidRequest("thinking", f"thinking.{name} must be an integer >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,6 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
-    thinking: ThinkingSpan | None = None  # the server's, for a reasoning model: not a client's field
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -104,8 +111,6 @@ class StructuredOutputsParams:
             raise _invalid(f"structured_outputs.grammar must be a non-empty string, got {self.grammar!r}")
         if self.json_object not in (None, True, False):
             raise _invalid(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
-        if self.thinking is not None and not isinstance(self.thinking, ThinkingSpan):
-            raise _invalid(f"structured_outputs.thinking must be a ThinkingSpan, got {self.thinking!r}")
         if not isinstance(self.disable_any_whitespace, bool):
             raise _invalid("structured_outputs.disable_any_whitespace must be a boolean, got "
                              f"{self.disable_any_whitespace!r}")
@@ -117,7 +122,7 @@ class StructuredOutputsParams:
             return value
         if not isinstance(value, dict):
             raise _invalid(f"structured_outputs must be an object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)} - {"thinking"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
             raise _invalid(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}")

@@ -206,7 +206,7 @@ class ModelRunner:
         for request_id in request_ids:
             state = self.requests.states[request_id]
             state.draft_probs = None
-            if state.sampling_params.structured_outputs is not None:
+            if state.sampling_params.masked:  # a grammar or a thinking budget would have to walk them
                 continue
             if state.spec_pause > 0:
                 state.spec_pause -= 1

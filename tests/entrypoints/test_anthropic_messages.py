@@ -153,6 +153,18 @@ def test_blocks_become_chat_messages() -> None:
     assert chat.chat_template_kwargs == {"enable_thinking": False} and not chat.stream
 
 
+def test_thinking_maps_to_the_template_and_the_budget() -> None:
+    def converted(thinking: dict):
+        return AnthropicServing(chat=None).chat_request(MessagesRequest.model_validate(
+            {"model": "m", "max_tokens": 4096, "messages": USER, "thinking": thinking}))
+
+    enabled = converted({"type": "enabled", "budget_tokens": 2048})
+    assert enabled.chat_template_kwargs == {"enable_thinking": True} and enabled.max_thinking_tokens == 2048
+    adaptive = converted({"type": "adaptive"})
+    assert adaptive.chat_template_kwargs == {"enable_thinking": True} and adaptive.max_thinking_tokens is None
+    assert converted({"type": "disabled"}).chat_template_kwargs == {"enable_thinking": False}
+
+
 # ---- a tool loop on a random-weight model: tool_choice forces the call -----------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -184,6 +184,27 @@ def test_a_constraint_holds_the_answer_after_the_thinking(tmp_path_factory, pars
         assert message.model_extra["reasoning"] == reasoning and r.choices[0].finish_reason == "tool_calls"
 
 
+def test_a_thinking_budget_closes_the_thinking(tmp_path_factory) -> None:
+    """max_thinking_tokens (Anthropic's thinking.budget_tokens maps to it): once the thinking has
+    taken that many tokens, the closing tag is the only token allowed; the answer follows."""
+    pieces = ["<think>", "Step one.", "Step two.", "Step three.", "</think>", "Done."]
+    with scripted_server(tmp_path_factory, pieces, reasoning_parser="qwen3") as server:
+        kw = dict(model="scripted", messages=MESSAGES, max_tokens=20)
+        for budget, reasoning in ((None, "Step one.Step two.Step three."), (1, "Step one."), (2, "Step one.Step two."),
+                                  (0, None)):
+            extra = {} if budget is None else {"max_thinking_tokens": budget}
+            message = server.client.chat.completions.create(**kw, extra_body=extra).choices[0].message
+            assert (message.model_extra["reasoning"], message.content) == (reasoning, "Done."), budget
+            streamed = streamed_message(server.client.chat.completions.create(**kw, extra_body=extra, stream=True))
+            assert (streamed["reasoning"] or None, streamed["content"]) == (reasoning, "Done.")
+        # with a constraint too: the budget, then the grammar holds the answer
+        message = server.client.chat.completions.create(**kw, extra_body={
+            "max_thinking_tokens": 1, "structured_outputs": {"choice": ["Done."]}}).choices[0].message
+        assert (message.model_extra["reasoning"], message.content) == ("Step one.", "Done.")
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={**kw, "max_thinking_tokens": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_thinking_tokens"
+
+
 def test_a_constraint_holds_the_whole_reply_where_the_tags_are_not_single_tokens(tmp_path_factory) -> None:
     """Without single-token tags the grammar cannot tell where the thinking ends: it holds the
     reply from its first token, which is then all answer."""

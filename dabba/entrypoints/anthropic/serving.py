@@ -80,6 +80,8 @@ class AnthropicServing:
                 raise OpenAIError(400, f"thinking.budget_tokens: must be at least {MIN_THINKING_BUDGET} and less than "
                                        f"max_tokens ({req.max_tokens}), got {budget}", param="thinking")
             body.update(max_tokens=req.max_tokens, stream=req.stream)
+            if req.thinking is not None and req.thinking.type == "enabled":
+                body["max_thinking_tokens"] = budget  # enforced where the server splits thinking
             for ours, theirs in (("stop", "stop_sequences"), ("temperature", "temperature"), ("top_p", "top_p"),
                                  ("top_k", "top_k")):
                 if getattr(req, theirs) is not None:

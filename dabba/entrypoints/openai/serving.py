@@ -23,6 +23,7 @@ from dabba.entrypoints.openai.request_bounds import (check_bounds, check_constra
 from dabba.outputs import PositionLogprobs, RequestOutput
 from dabba.sampling_params import RequestOutputKind, SamplingParams
 from dabba.structured_output import StructuredOutputsParams
+from dabba.structured_output.params import ThinkingSpan
 
 logger = logging.getLogger("dabba")
 
@@ -56,8 +57,8 @@ class OpenAIServing:
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, structured: StructuredOutputsParams | None = None,
+                        thinking: ThinkingSpan | None = None) -> SamplingParams:
         """A stream takes each step's news (DELTA); a single response takes the end (FINAL_ONLY)."""
         try:
             logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
@@ -74,7 +75,7 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
-                structured_outputs=structured, **optional,
+                structured_outputs=structured, thinking=thinking, **optional,
             )
         except ValueError as e:
             raise OpenAIError(400, str(e), param=param_of(e)) from None

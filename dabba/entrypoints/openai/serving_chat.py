@@ -167,12 +167,17 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         constraint, constraint_param = self._constraint(req, tool_choice)
-        if constraint is not None and self.thinking_span is not None:  # the grammar holds the answer
-            constraint = dataclasses.replace(constraint, thinking=self.thinking_span)
-        params = self.sampling_params(req, max_tokens, top if req.logprobs else None, structured=constraint)
+        thinking = self.thinking_span  # a constraint holds the answer after it; a budget bounds it
+        if req.max_thinking_tokens is not None and req.max_thinking_tokens < 0:
+            raise OpenAIError(400, f"max_thinking_tokens must be >= 0, got {req.max_thinking_tokens}",
+                              param="max_thinking_tokens")
+        if thinking is not None and req.max_thinking_tokens is not None:
+            thinking = dataclasses.replace(thinking, budget=req.max_thinking_tokens)
+        params = self.sampling_params(req, max_tokens, top if req.logprobs else None, structured=constraint,
+                                      thinking=thinking)
         request_id = request_id or random_id("chatcmpl")
         streams = await self._start(raw, [request_id], [prompt], params, req.priority, constraint_param, "messages")
-        form = self.reply_format(tool_choice, req.tools, constraint is not None and constraint.thinking is None,
+        form = self.reply_format(tool_choice, req.tools, constraint is not None and thinking is None,
                                  req.parallel_tool_calls)
         return ChatRun(request_id, streams, params, form, constraint_param, len(prompt["prompt_token_ids"]))
 

@@ -129,7 +129,7 @@ class DraftModel:
         req_ids, starts, ends, budget = [], [], [], {}
         for request_id, num_scheduled in sched.num_scheduled_tokens.items():
             state = requests.states[request_id]
-            if request_id not in wants and (request_id in sampled_ids or state.sampling_params.structured_outputs):
+            if request_id not in wants and (request_id in sampled_ids or state.sampling_params.masked):
                 continue
             table = self._table(requests, request_id)
             if state.draft_computed is None:  # first seen: a prefix hit's blocks may hold its KV already
