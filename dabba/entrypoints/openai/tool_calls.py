@@ -92,18 +92,53 @@ class Extractor:
         return content or None, first.calls + last.calls
 
 
-class HermesExtractor(Extractor):
-    """Content is the text before the first ``<tool_call>``; each block that closes (or the last,
-    left open when the reply ends) holding {"name", "arguments"} is a call; a block that does not
-    parse is dropped (logged); text after the first block is not content."""
+class TaggedBlocksExtractor(Extractor):
+    """Content is the text before the first ``START``; each ``START``...``END`` block that closes
+    (or the last, left open when the reply ends, if it holds anything) is read as calls
+    (``_block``); text after the first block is not content."""
 
-    START, END = "<tool_call>", "</tool_call>"
+    START = END = ""
 
     def __init__(self) -> None:
         super().__init__()
-        self.content_sent = 0  # characters of the text before the first block already shown
-        self.scanned = 0  # where the next block may start
-        self.in_calls = False
+        self.held = _Holdback(self.START)
+        self.scanned = -1  # where the next block may start, once the first one did
+
+    def feed(self, delta: str) -> Extracted:
+        self.text += delta
+        out = Extracted()
+        if self.scanned < 0:
+            out.content = self.held.content(self.text)
+            start = self.text.find(self.START)
+            if start < 0:
+                return out
+            self.scanned = start
+        while True:
+            start = self.text.find(self.START, self.scanned)
+            end = self.text.find(self.END, start + len(self.START)) if start >= 0 else -1
+            if end < 0:
+                return out
+            out.calls += self._block(self.text[start + len(self.START):end])
+            self.scanned = end + len(self.END)
+
+    def finish(self) -> Extracted:
+        if self.scanned < 0:  # no block: the held-back tail is content too
+            return Extracted(self.held.rest(self.text))
+        start = self.text.find(self.START, self.scanned)
+        self.scanned = len(self.text)
+        if start < 0 or not self.text[start + len(self.START):].strip():
+            return Extracted()
+        return Extracted(calls=self._block(self.text[start + len(self.START):]))
+
+    def _block(self, body: str) -> list[ToolCall]:
+        raise NotImplementedError
+
+
+class HermesExtractor(TaggedBlocksExtractor):
+    """``<tool_call>`` blocks each holding {"name", "arguments"}; a block that does not parse is
+    dropped (logged)."""
+
+    START, END = "<tool_call>", "</tool_call>"
 
     def _block(self, body: str) -> list[ToolCall]:
         try:
@@ -115,43 +150,13 @@ class HermesExtractor(Extractor):
             return []
         return [call]
 
-    def feed(self, delta: str) -> Extracted:
-        self.text += delta
-        out = Extracted()
-        if not self.in_calls:
-            start = self.text.find(self.START)
-            if start < 0:  # hold back what could be the start of the marker
-                safe = len(self.text) - partial_marker_at_end(self.text, self.START)
-                out.content, self.content_sent = self.text[self.content_sent:safe], safe
-                return out
-            out.content, self.content_sent = self.text[self.content_sent:start], start
-            self.in_calls, self.scanned = True, start
-        while True:
-            start = self.text.find(self.START, self.scanned)
-            end = self.text.find(self.END, start + len(self.START)) if start >= 0 else -1
-            if end < 0:
-                return out
-            out.calls += self._block(self.text[start + len(self.START):end])
-            self.scanned = end + len(self.END)
 
-    def finish(self) -> Extracted:
-        if not self.in_calls:  # no block: the held-back tail is content too
-            out = Extracted(self.text[self.content_sent:])
-            self.content_sent = len(self.text)
-            return out
-        start = self.text.find(self.START, self.scanned)
-        if start < 0 or not self.text[start + len(self.START):].strip():
-            return Extracted()
-        self.scanned = len(self.text)
-        return Extracted(calls=self._block(self.text[start + len(self.START):]))
+class WholeReplyExtractor(Extractor):
+    """A reply that opens (after whitespace) with ``OPENS`` or with the tag ``TAG`` is calls as a
+    whole, read when it ends (``_read``); if they do not read, it is content after all. Other
+    replies are content, streamed as they come."""
 
-
-class Llama3JsonExtractor(Extractor):
-    """A reply that starts (after whitespace, or ``<|python_tag|>``) with "{" is calls: JSON
-    objects {"name", "parameters"} joined by ";". If it does not parse, it is content after all.
-    Other replies are content, streamed as they come."""
-
-    TAG = "<|python_tag|>"
+    OPENS = TAG = ""
 
     def __init__(self) -> None:
         super().__init__()
@@ -162,7 +167,7 @@ class Llama3JsonExtractor(Extractor):
         self.text += delta
         if self.mode is None:
             head = self.text.lstrip()
-            if head.startswith("{") or head.startswith(self.TAG):
+            if head.startswith(self.OPENS) or head.startswith(self.TAG):
                 self.mode = "calls"
             elif head and not self.TAG.startswith(head):
                 self.mode = "content"
@@ -174,12 +179,26 @@ class Llama3JsonExtractor(Extractor):
 
     def finish(self) -> Extracted:
         if self.mode == "calls":
-            calls = self._calls(self.text.lstrip().removeprefix(self.TAG))
+            calls = self._read(self.text)
             if calls:
                 return Extracted(calls=calls)
         out = Extracted(self.text[self.sent:])
         self.sent = len(self.text)
         return out
+
+    def _read(self, text: str) -> list[ToolCall] | None:
+        raise NotImplementedError
+
+
+class Llama3JsonExtractor(WholeReplyExtractor):
+    """A reply that starts (after whitespace, or ``<|python_tag|>``) with "{" is calls: JSON
+    objects {"name", "parameters"} joined by ";". If it does not parse, it is content after all.
+    Other replies are content, streamed as they come."""
+
+    OPENS, TAG = "{", "<|python_tag|>"
+
+    def _read(self, text: str) -> list[ToolCall]:
+        return self._calls(text.lstrip().removeprefix(self.TAG))
 
     @staticmethod
     def _calls(text: str) -> list[ToolCall]:
@@ -245,41 +264,17 @@ class MistralExtractor(Extractor):
         return calls or None
 
 
-class PythonicExtractor(Extractor):
+class PythonicExtractor(WholeReplyExtractor):
     """Llama 3.2 / 4's pythonic calls: a reply that is a Python list of calls with literal keyword
     arguments, ``[get_weather(city="Paris"), search(query="x", limit=2)]`` (Llama 4 may wrap it
     in ``<|python_start|>``...``<|python_end|>``). Read when the reply ends; a reply that does not
     start with "[" is content, streamed as it comes; one that does not parse is content too."""
 
-    START, END = "<|python_start|>", "<|python_end|>"
+    OPENS, TAG = "[", "<|python_start|>"
+    END = "<|python_end|>"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.mode: str | None = None
-        self.sent = 0
-
-    def feed(self, delta: str) -> Extracted:
-        self.text += delta
-        if self.mode is None:
-            head = self.text.lstrip()
-            if head.startswith("[") or head.startswith(self.START):
-                self.mode = "calls"
-            elif head and not self.START.startswith(head):
-                self.mode = "content"
-        if self.mode != "content":
-            return Extracted()
-        out = Extracted(self.text[self.sent:])
-        self.sent = len(self.text)
-        return out
-
-    def finish(self) -> Extracted:
-        if self.mode == "calls":
-            calls = self._calls(self.text.strip().removeprefix(self.START).removesuffix(self.END).strip())
-            if calls:
-                return Extracted(calls=calls)
-        out = Extracted(self.text[self.sent:])
-        self.sent = len(self.text)
-        return out
+    def _read(self, text: str) -> list[ToolCall] | None:
+        return self._calls(text.strip().removeprefix(self.TAG).removesuffix(self.END).strip())
 
     @staticmethod
     def _calls(text: str) -> list[ToolCall] | None:
@@ -308,7 +303,7 @@ class PythonicExtractor(Extractor):
         return calls
 
 
-class Qwen3CoderExtractor(Extractor):
+class Qwen3CoderExtractor(TaggedBlocksExtractor):
     """Qwen3-Coder's XML calls: content before the first ``<tool_call>``; each block
     ``<function=NAME><parameter=KEY>VALUE</parameter>...</function>`` is a call once it closes (or
     the last, left open when the reply ends). A value is text, read as JSON where its parameter's
@@ -321,32 +316,6 @@ class Qwen3CoderExtractor(Extractor):
     def __init__(self, functions: dict[str, dict[str, Any]] | None = None) -> None:
         super().__init__()
         self.functions = functions or {}
-        self.held = _Holdback(self.START)
-        self.scanned = -1  # where the next block may start, once the first one did
-
-    def feed(self, delta: str) -> Extracted:
-        self.text += delta
-        out = Extracted()
-        if self.scanned < 0:
-            out.content = self.held.content(self.text)
-            start = self.text.find(self.START)
-            if start < 0:
-                return out
-            self.scanned = start
-        while True:
-            start = self.text.find(self.START, self.scanned)
-            end = self.text.find(self.END, start + len(self.START)) if start >= 0 else -1
-            if end < 0:
-                return out
-            out.calls += self._block(self.text[start + len(self.START):end])
-            self.scanned = end + len(self.END)
-
-    def finish(self) -> Extracted:
-        if self.scanned < 0:
-            return Extracted(self.held.rest(self.text))
-        start = self.text.find(self.START, self.scanned)
-        self.scanned = len(self.text)
-        return Extracted(calls=self._block(self.text[start + len(self.START):]) if start >= 0 else [])
 
     def _block(self, body: str) -> list[ToolCall]:
         match = self.FUNCTION.search(body)
