@@ -233,6 +233,18 @@ def test_the_template_takes_the_thinking_and_chat_template_kwargs(thinking_serve
     r = thinking_server.client.chat.completions.create(model="scripted", messages=MESSAGES, max_tokens=20,
                                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.content == "It is 4."
+    # OpenAI's reasoning_effort "none" (also the Responses API's reasoning.effort) is the same switch
+    off_count = httpx.post(f"{thinking_server.url}/tokenize", json={
+        "messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}).json()["count"]
+    on_count = httpx.post(f"{thinking_server.url}/tokenize", json={"messages": MESSAGES}).json()["count"]
+    assert off_count > on_count
+    for effort, count in (("none", off_count), ("high", on_count)):
+        r = thinking_server.client.chat.completions.create(model="scripted", messages=MESSAGES, max_tokens=2,
+                                                           reasoning_effort=effort)
+        assert r.usage.prompt_tokens == count, effort
+        response = thinking_server.client.responses.create(model="scripted", input=MESSAGES[0]["content"],
+                                                           max_output_tokens=2, reasoning={"effort": effort})
+        assert response.usage.input_tokens == count, effort
     for body in ({"chat_template_kwargs": {"messages": []}}, {"chat_template_kwargs": {"add_generation_prompt": 1}}):
         r = httpx.post(f"{thinking_server.url}/v1/chat/completions", json={"messages": MESSAGES, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text

@@ -114,6 +114,11 @@ def test_store_previous_response_id_and_the_eviction_rule(thinking) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model="scripted", input="x", previous_response_id=second.id)
     assert e.value.body["param"] == "previous_response_id"
+    client.responses.delete(third.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(third.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(third.id)
 
 
 @pytest.mark.parametrize("body, param", [

@@ -192,6 +192,10 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
     async def get_response(response_id: str):
         return responses.retrieve(response_id)
 
+    @v1.delete("/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
+
     @v1.post("/responses/{response_id}/cancel")
     async def cancel_response(response_id: str):
         return responses.cancel(response_id)

@@ -156,6 +156,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (enable_thinking, ...)
     include_reasoning: bool = True  # vLLM's: False drops the thinking a reasoning parser split off
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # "none": enable_thinking off
     max_thinking_tokens: int | None = None  # dabba's: the thinking's budget, then </think> is forced
 
 

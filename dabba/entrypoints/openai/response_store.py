@@ -41,5 +41,9 @@ class ResponseStore:
                 self._items.move_to_end(response_id)
             return stored
 
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._items.pop(response_id, None) is not None
+
     def __len__(self) -> int:
         return len(self._items)

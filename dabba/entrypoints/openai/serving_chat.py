@@ -160,8 +160,11 @@ class OpenAIServingChat(OpenAIServing):
         check_bounds(req, self.config)  # before the template's work
         # As vLLM: tools reach the template even for "none". Off the event loop: a long
         # conversation must not stall other clients.
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:  # OpenAI's switch, as the template's (Qwen3's) enable_thinking
+            kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
         prompt = await asyncio.to_thread(self.chat_prompt, req.messages, req.add_generation_prompt, req.tools,
-                                         req.chat_template_kwargs, req.continue_final_message)
+                                         kwargs or None, req.continue_final_message)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = req.top_logprobs if req.top_logprobs is not None else 0
         if req.top_logprobs is not None and not req.logprobs:

@@ -88,11 +88,10 @@ class OpenAIServingResponses:
                 body["response_format"] = {"type": "json_schema", "json_schema": {
                     "name": form.name or "output", "schema": form.json_schema,
                     **({"strict": form.strict} if form.strict is not None else {})}}
-        kwargs = dict(req.chat_template_kwargs or {})
+        if req.chat_template_kwargs:
+            body["chat_template_kwargs"] = req.chat_template_kwargs
         if req.reasoning is not None and req.reasoning.effort is not None:
-            kwargs.setdefault("enable_thinking", req.reasoning.effort != "none")
-        if kwargs:
-            body["chat_template_kwargs"] = kwargs
+            body["reasoning_effort"] = req.reasoning.effort  # the chat path maps it to enable_thinking
         try:
             return ChatCompletionRequest.model_validate(body), conversation
         except ValueError as e:  # what the items held (a call's arguments that are no string, ...)
@@ -118,6 +117,14 @@ class OpenAIServingResponses:
 
     def retrieve(self, response_id: str) -> JSONResponse:
         return JSONResponse(self._stored(response_id).body)
+
+    def delete(self, response_id: str) -> JSONResponse:
+        """Forget a stored response (one in progress is cancelled first), as OpenAI's DELETE does."""
+        stored = self._stored(response_id)
+        if stored.body.get("status") == "in_progress" and response_id in self._cancel:
+            self.cancel(response_id)
+        self.store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     def cancel(self, response_id: str) -> JSONResponse:
         """Stop an in-progress response (its stream ends with it, status "cancelled")."""
