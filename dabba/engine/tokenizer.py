@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+import functools
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,8 @@ class Tokenizer:
         self.chat_template = (read_chat_template(chat_template) if chat_template is not None
                               else self._find_chat_template(model_dir))
         self._templates = _template_environment()
+        # compiled once per template text, not per request (a Qwen3 template takes milliseconds)
+        self._compiled = functools.lru_cache(maxsize=8)(self._templates.from_string)
 
     def _find_chat_template(self, model_dir: Path) -> str | None:
         jinja_file = model_dir / "chat_template.jinja"
@@ -123,7 +126,7 @@ class Tokenizer:
         template = chat_template if chat_template is not None else self.chat_template
         if not template:
             raise ValueError("this model has no chat template (tokenizer_config.json or chat_template.jinja)")
-        return self._templates.from_string(template).render(
+        return self._compiled(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
         )

@@ -12,7 +12,7 @@ from typing import Sequence
 from dabba.config import DEMO_MODEL, EngineConfig, ServerConfig, parse_bytes
 from dabba.entrypoints.cli_args import add_config_args, add_engine_args, config_kwargs, engine_kwargs
 from dabba.entrypoints.openai.reasoning import REASONING_PARSERS
-from dabba.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from dabba.entrypoints.openai.tool_call_parsers import TOOL_CALL_PARSERS
 from dabba.entrypoints.cli_tools import (cmd_bench_latency, cmd_bench_serve, cmd_bench_throughput,
                                          cmd_eval_kl_divergence, cmd_eval_perplexity, cmd_plan, cmd_quantize)
 from dabba.logger import init_logger

@@ -7,7 +7,6 @@ the logits, and the group gathers them in rank order.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 
@@ -151,8 +150,7 @@ class LMHead(nn.Module):
     def packed(self) -> None:
         """Called once the quant method has packed the weight (the loader's LayerwiseRepacking)."""
         if self.shares_packed_rows:
-            self._tied[0].use_packed_rows(functools.partial(self.quant_method.embedding_rows, self,
-                                                            dtype=self._tied[0].dtype))
+            self._tied[0].use_packed_rows(self.quant_method.embedding_rows(self, self._tied[0].dtype))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # [num_rows, hidden] -> [num_rows, vocab]; only the rows that sample reach here.

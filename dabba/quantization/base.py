@@ -8,6 +8,7 @@ weight into the kernel's layout once, ``apply`` computes x W^T + b every forward
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -46,9 +47,9 @@ class LinearMethod:
         what this does for SwiGLU (NativeLinear::silu_and_mul)."""
         return act_and_mul(self.apply(layer, x, bias), activation)
 
-    def embedding_rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` [T] of the packed weight in ``dtype``, dequantized as ``apply`` reads them
-        (a tied LM head's, for its embedding; where ``packs_embedding_rows``)."""
+    def embedding_rows(self, layer: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """ids [T] -> rows [T, in] of the packed weight in ``dtype``, dequantized as ``apply`` reads
+        them (a tied LM head's, for its embedding; where ``packs_embedding_rows``); made once."""
         raise NotImplementedError(f"{type(self).__name__} keeps no rows an embedding can read")
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:

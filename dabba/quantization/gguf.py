@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -247,9 +248,9 @@ class GGUFLinearMethod(LinearMethod):
     def packed_bytes(self, layer: nn.Module, dtype: torch.dtype, device_type: str) -> int:
         return sum(row_bytes(t, layer.in_features) * rows for t, rows in zip(self.shard_types, layer.output_sizes))
 
-    def embedding_rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def embedding_rows(self, layer: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
         rows = self.segments(layer)[0]  # an LM head is one segment
-        return dequantize_rows(rows.type_name, rows.data[ids], rows.columns, dtype)
+        return lambda ids: dequantize_rows(rows.type_name, rows.data[ids], rows.columns, dtype)
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
         return NativeLinearSpec("gguf", layer.gguf_blob, layer.gguf_segments) if self.native else None

@@ -13,6 +13,7 @@ Elsewhere they dequantize and multiply.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -110,8 +111,9 @@ class Int8RTNMethod(LinearMethod):
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
         return NativeLinearSpec("int8", layer.qweight, layer.scales)
 
-    def embedding_rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return (F.embedding(ids, layer.qweight).to(layer.scales.dtype) * layer.scales[ids, None]).to(dtype)
+    def embedding_rows(self, layer: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        codes, scales = layer.qweight, layer.scales
+        return lambda ids: (F.embedding(ids, codes).to(scales.dtype) * scales[ids, None]).to(dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape

@@ -13,6 +13,7 @@ operations in the same order, so the reference here and every kernel give the sa
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -198,10 +199,14 @@ class W8A8Method(LinearMethod):
                         layer.w8a8_input_scale, layer.w8a8_input_zero, self.whole_row_range(layer, x2), activation)
         return y.view(*shape[:-1], half)
 
-    def embedding_rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        codes = (F.embedding(ids, layer.w8a8_codes) if layer.w8a8_codes is not None
-                 else packed_rows(layer.w8a8_packed, ids, layer.in_features))
-        return (codes.float() * layer.w8a8_scales[ids, None]).to(dtype)
+    def embedding_rows(self, layer: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        unpacked, packed = layer.w8a8_codes, getattr(layer, "w8a8_packed", None)  # packed on the CPU only
+        scales, width = layer.w8a8_scales, layer.in_features
+
+        def rows(ids: torch.Tensor) -> torch.Tensor:
+            codes = F.embedding(ids, unpacked) if unpacked is not None else packed_rows(packed, ids, width)
+            return (codes.float() * scales[ids, None]).to(dtype)
+        return rows
 
     def native_spec(self, layer: nn.Module) -> NativeLinearSpec | None:
         """Dynamic rounding on the packed codes, as ``apply`` runs it; none for a static input

@@ -16,9 +16,9 @@ import jsonschema
 import openai
 import pytest
 
-from dabba.entrypoints.openai.tool_calls import (HermesExtractor, Llama3JsonExtractor, MistralExtractor,
-                                                 NamedExtractor, PythonicExtractor, Qwen3CoderExtractor,
-                                                 RequiredExtractor, required_schema)
+from dabba.entrypoints.openai.tool_call_parsers import (HermesExtractor, Llama3JsonExtractor, MistralExtractor,
+                                                        PythonicExtractor, Qwen3CoderExtractor)
+from dabba.entrypoints.openai.tool_calls import NamedExtractor, RequiredExtractor, required_schema
 
 from tests.entrypoints.live_server import live_server
 from tools.tiny_checkpoint import scripted_checkpoint

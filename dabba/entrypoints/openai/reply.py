@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dabba.entrypoints.openai.reasoning import ReasoningParser, make_reasoning_parser
-from dabba.entrypoints.openai.tool_calls import Extracted, Extractor, NamedExtractor, ToolCall, make_extractor
+from dabba.entrypoints.openai.tool_call_parsers import make_extractor
+from dabba.entrypoints.openai.tool_calls import Extracted, Extractor, NamedExtractor, ToolCall
 
 
 @dataclass

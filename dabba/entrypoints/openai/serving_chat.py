@@ -25,7 +25,8 @@ from dabba.entrypoints.openai.serving import ChoiceProgress, OpenAIServing, fina
 from dabba.entrypoints.chat_utils import render_conversation, text_of
 from dabba.entrypoints.openai.reasoning import END, REASONING_PARSERS, START
 from dabba.entrypoints.openai.reply import CallOpened, ReplyFormat, Text, Thinking
-from dabba.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS, ToolCall, named_schema, required_schema
+from dabba.entrypoints.openai.tool_call_parsers import TOOL_CALL_PARSERS
+from dabba.entrypoints.openai.tool_calls import ToolCall, named_schema, required_schema
 from dabba.outputs import PositionLogprobs, RequestOutput
 from dabba.sampling_params import SamplingParams
 from dabba.structured_output import StructuredOutputsParams
