@@ -1,5 +1,5 @@
 """One reply as every chat API reads it: its thinking (reasoning.py), its answer text and the tool
-calls in the answer (tool_calls.py), as events in the order the reply writes them. The chat
+calls in the answer (tool_calls.py, tool_call_parsers.py), as events in the order the reply writes them. The chat
 completions, Messages and Responses APIs each render these events in their own shapes; none of
 them reads a reply itself."""
 from __future__ import annotations
