@@ -2,7 +2,8 @@
 # llama.cpp as the GGUF tests' peer, two parts, each quick when already done:
 # - its source tree (from the llama-cpp-python sdist on PyPI) unpacked into .peers/llama.cpp/: its
 #   convert_hf_to_gguf.py and gguf-py write the files tests/test_gguf_models.py serves (dabba's venv
-#   runs the converter);
+#   runs the converter), and its models/templates (the model families' own chat templates, kept for
+#   llama.cpp's tests) are tests/entrypoints/test_vendor_templates.py's;
 # - llama-cpp-python built for this CPU into its own venv, .venv-llamacpp/ (about 5 minutes on 2
 #   cores): it quantizes those files with llama.cpp's own llama_model_quantize and computes the
 #   reference tokens and log-probabilities of tests/test_gguf_llamacpp.py (tests/peer_llamacpp.py).

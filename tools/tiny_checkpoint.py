@@ -223,7 +223,9 @@ def first_layers(src: str | Path, dst: str | Path, num_layers: int) -> Path:
     return dst
 
 
-def scripted_checkpoint(out_dir: str | Path, pieces: list[str], also: tuple[str, ...] = (), **options: Any) -> Path:
+def scripted_checkpoint(out_dir: str | Path, pieces: list[str], also: tuple[str, ...] = (),
+                        specials: tuple[str, ...] = (), bos: str | None = None, eos: str | None = None,
+                        **options: Any) -> Path:
     """A tiny Llama that, whatever the prompt, replies with ``pieces`` (each added to the tokenizer
     as one token) and then its EOS: a random-weight model that thinks, calls tools or answers on
     cue, for tests of what reads its replies (reasoning and tool-call parsers, the APIs' events).
@@ -232,7 +234,10 @@ def scripted_checkpoint(out_dir: str | Path, pieces: list[str], also: tuple[str,
     and the next token depends on the current one only: the embeddings of the pieces are
     orthonormal, every other token shares one more unit vector, and the LM head maps each to the
     next piece (any other token to the first). ``also``: more tokens for the vocabulary, never
-    written (a thinking tag the reply might open). ``options`` go to make_checkpoint."""
+    written (a thinking tag the reply might open). ``specials``: tokens added as special tokens, as
+    a model family's tokenizer has them (its turn markers; a piece may be one); ``bos``/``eos``:
+    the tokenizer's BOS and EOS in place of <s> and </s> (the EOS ends the reply: a family's
+    end-of-turn token). ``options`` go to make_checkpoint."""
     import torch
     from safetensors.torch import load_file, save_file
     from tokenizers import AddedToken, Tokenizer
@@ -241,10 +246,21 @@ def scripted_checkpoint(out_dir: str | Path, pieces: list[str], also: tuple[str,
         raise ValueError("scripted_checkpoint: the pieces must be distinct (each token has one successor)")
     out_dir = make_checkpoint(out_dir, **options)
     tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
-    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in [*pieces, *also]])
+    tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in specials])
+    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in [*pieces, *also] if p not in specials])
     tok.save(str(out_dir / "tokenizer.json"))
     ids = [tok.token_to_id(p) for p in pieces]
     config = json.loads((out_dir / "config.json").read_text())
+    tokenizer_config = json.loads((out_dir / "tokenizer_config.json").read_text())
+    for key, token in (("bos", bos), ("eos", eos)):
+        if token is not None:
+            if token not in specials:
+                raise ValueError(f"scripted_checkpoint: the {key} token {token!r} must be among the specials")
+            config[f"{key}_token_id"], tokenizer_config[f"{key}_token"] = tok.token_to_id(token), token
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    generation = json.loads((out_dir / "generation_config.json").read_text())
+    generation.update({k: config[k] for k in ("bos_token_id", "eos_token_id")})
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
     hidden, old_vocab, vocab = config["hidden_size"], config["vocab_size"], tok.get_vocab_size()
     if len(pieces) + 1 > hidden:
         raise ValueError(f"scripted_checkpoint: at most {hidden - 1} pieces")

@@ -153,14 +153,22 @@ class OutputProcessor:
         return result
 
     def _update_sample(self, sample: SampleState, out: EngineCoreOutput, min_tokens: int) -> str | None:
-        """Take a sample's new tokens; returns a stop string if its text now ends one."""
+        """Take a sample's new tokens; returns a stop string if its text now ends one. The token
+        that stopped the request in the core (EOS, a stop token id: always the last) is not text
+        unless include_stop_str_in_output, as in vLLM: with skip_special_tokens off a reply must
+        not end in "</s>"."""
         stop = None
+        stop_token = (out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+                      and not sample.detokenizer.include_stop)
+        last = len(out.new_token_ids) - 1
         for i, token_id in enumerate(out.new_token_ids):  # several with speculative decoding: a stop string cuts them
             sample.token_ids.append(token_id)
             if sample.logprobs is not None and out.new_logprobs is not None:
                 entry = out.new_logprobs[i]
                 sample.logprobs.append(self._position(entry))
                 sample.cumulative_logprob += entry.logprobs[0]
+            if stop_token and i == last:
+                break
             # Like stop tokens, stop strings do not count before min_tokens.
             stop = sample.detokenizer.update([token_id], check_stop=len(sample.token_ids) > min_tokens)
             if stop is not None:

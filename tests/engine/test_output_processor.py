@@ -185,6 +185,26 @@ def test_stop_strings_wait_for_min_tokens(tokenizer) -> None:
     assert result.request_outputs[0].outputs[0].text == "Return a new list. Return a "
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_the_token_that_stopped_a_request_is_text_only_when_asked(tokenizer, skip_special_tokens,
+                                                                   include_stop) -> None:
+    """EOS (special) or a stop token id (any token) ends the request in the core: as in vLLM, its
+    text is not the reply's unless include_stop_str_in_output (then as skip_special_tokens says)."""
+    ids = tokenizer.encode("Return a new list", add_special_tokens=False)
+    period = tokenizer.encode(".", add_special_tokens=False)
+    for last, stop_reason in ((tokenizer.eos_token_id, None), (*period, *period)):
+        processor = OutputProcessor(tokenizer)
+        params = SamplingParams(skip_special_tokens=skip_special_tokens, include_stop_str_in_output=include_stop,
+                                stop_token_ids=period, output_kind=RequestOutputKind.FINAL_ONLY)
+        processor.add_request("s", None, [7], params, ["s"])
+        processor.process_outputs(EngineCoreOutputs([EngineCoreOutput("s", ids[:-1])]))
+        result = processor.process_outputs(EngineCoreOutputs([EngineCoreOutput("s", [ids[-1], last], "stop", stop_reason)]))
+        (out,) = result.request_outputs[0].outputs
+        shown = tokenizer.decode([last], skip_special_tokens=skip_special_tokens) if include_stop else ""
+        assert (out.text, out.token_ids, out.finish_reason) == ("Return a new list" + shown, [*ids, last], "stop")
+
+
 def test_outputs_of_an_aborted_prompt_are_ignored(tokenizer) -> None:
     processor = OutputProcessor(tokenizer)
     processor.add_request("a", None, [7], SamplingParams(n=2), ["a#0", "a#1"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import re
 import shutil
 from types import SimpleNamespace
 from typing import Iterator
@@ -18,6 +19,7 @@ import pytest
 
 from dabba.entrypoints.openai.tool_call_parsers import (HermesExtractor, Llama3JsonExtractor, MistralExtractor,
                                                         PythonicExtractor, Qwen3CoderExtractor)
+from dabba.entrypoints.openai.reply import ReplyFormat
 from dabba.entrypoints.openai.tool_calls import NamedExtractor, RequiredExtractor, required_schema
 
 from tests.entrypoints.live_server import live_server
@@ -115,11 +117,26 @@ CALL_ARGS = '{"city": "Paris", "unit": "c"}'
      '{"query": "x"}}]', None, [("get_weather", {"city": "Paris", "unit": "c"}), ("search", {"query": "x"})]),
     ("Let me look.[TOOL_CALLS]get_weather[ARGS]" + CALL_ARGS + '[TOOL_CALLS]search[ARGS]{"query": "x"}',
      "Let me look.", [("get_weather", {"city": "Paris", "unit": "c"}), ("search", {"query": "x"})]),
+    ("[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]" + CALL_ARGS, None,  # as Small 3.2's template writes it
+     [("get_weather", {"city": "Paris", "unit": "c"})]),
     ("[TOOL_CALLS]not calls", "[TOOL_CALLS]not calls", []),  # not calls after all: content
     ("a [TOOL_CA", "a [TOOL_CA", []),
 ])
 def test_mistral(text, content, calls) -> None:
     assert every_cut(MistralExtractor, text) == (content, calls)
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "function": {"name": "search"}}])
+def test_a_mistral_server_names_its_calls_as_mistral_templates_require(tool_choice) -> None:
+    """Mistral's templates raise on a call id that is not 9 letters or digits, and the ids come back
+    to the template in the next turn, whichever reading made the call."""
+    ids = {}
+    for parser, own in (("mistral", "[TOOL_CALLS]search[ARGS]{}"), ("hermes", '<tool_call>{"name": "search"}</tool_call>')):
+        text = {"auto": own, "required": '[{"name": "search", "parameters": {}}]'}.get(str(tool_choice), "{}")
+        (call,) = ReplyFormat(tool_choice, parser).reader().read(text).calls
+        ids[parser] = call.id
+    assert re.fullmatch("[A-Za-z0-9]{9}", ids["mistral"]) and ids["hermes"].startswith("call_")
+    assert ReplyFormat(tool_choice, "mistral").keeps_special_tokens == (tool_choice == "auto")
 
 
 @pytest.mark.parametrize("text, content, calls", [

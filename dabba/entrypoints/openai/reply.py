@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dabba.entrypoints.openai.reasoning import ReasoningParser, make_reasoning_parser
-from dabba.entrypoints.openai.tool_call_parsers import make_extractor
+from dabba.entrypoints.openai.tool_call_parsers import READS_SPECIAL_TOKENS, call_id_maker, make_extractor
 from dabba.entrypoints.openai.tool_calls import Extracted, Extractor, NamedExtractor, ToolCall
 
 
@@ -65,6 +65,11 @@ class ReplyFormat:
     parallel_tool_calls: bool = True
     functions: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)  # parameters by name
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The reply must be detokenized with its special tokens for the parser to see its marker."""
+        return self.tool_choice == "auto" and self.tool_parser in READS_SPECIAL_TOKENS
+
     def reader(self) -> ReplyReader:
         return ReplyReader(self)
 
@@ -78,6 +83,7 @@ class ReplyReader:
         self.thinking: ReasoningParser | None = None if form.constrained else make_reasoning_parser(form.reasoning_parser)
         self.extractor: Extractor | None = make_extractor(form.tool_choice, form.tool_parser, form.functions)
         self.parallel = form.parallel_tool_calls
+        self.new_call_id = call_id_maker(form.tool_parser)
         self.num_calls = 0
 
     @property
@@ -102,6 +108,7 @@ class ReplyReader:
         if isinstance(self.extractor, NamedExtractor):  # the call opens at once; the text is its arguments
             if self.num_calls == 0:
                 self.num_calls = 1
+                self.extractor.call.id = self.new_call_id()
                 events.append(CallOpened(0, self.extractor.call))
             self.extractor.feed(answer)
             if answer:
@@ -116,6 +123,7 @@ class ReplyReader:
         for call in news.calls:
             if self.num_calls and not self.parallel:
                 break
+            call.id = self.new_call_id()
             events += [CallOpened(self.num_calls, call), CallArguments(self.num_calls, call.arguments)]
             self.num_calls += 1
         return events

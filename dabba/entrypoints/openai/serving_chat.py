@@ -179,10 +179,12 @@ class OpenAIServingChat(OpenAIServing):
             thinking = dataclasses.replace(thinking, budget=req.max_thinking_tokens)
         params = self.sampling_params(req, max_tokens, top if req.logprobs else None, structured=constraint,
                                       thinking=thinking)
-        request_id = request_id or random_id("chatcmpl")
-        streams = await self._start(raw, [request_id], [prompt], params, req.priority, constraint_param, "messages")
         form = self.reply_format(tool_choice, req.tools, constraint is not None and thinking is None,
                                  req.parallel_tool_calls)
+        if form.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        request_id = request_id or random_id("chatcmpl")
+        streams = await self._start(raw, [request_id], [prompt], params, req.priority, constraint_param, "messages")
         return ChatRun(request_id, streams, params, form, constraint_param, len(prompt["prompt_token_ids"]))
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):

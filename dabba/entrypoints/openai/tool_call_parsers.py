@@ -2,7 +2,8 @@
 was started with (``--tool-call-parser``): ``hermes`` (Qwen 2.5/3, Hermes: ``<tool_call>{"name":
 ..., "arguments": {...}}</tool_call>`` blocks after any content), ``llama3_json`` (Llama 3.x: the
 whole reply is ``{"name": ..., "parameters": {...}}``, several joined by ";"), ``mistral``
-(``[TOOL_CALLS]`` then a JSON array, or ``name[ARGS]{...}``), ``pythonic`` (Llama 3.2/4:
+(``[TOOL_CALLS]`` then a JSON array, or ``name[ARGS]{...}``; its marker is a special token, its
+call ids 9 letters or digits), ``pythonic`` (Llama 3.2/4:
 ``[f(a=1), g(b="x")]``, literals only, never evaluated) or ``qwen3_coder`` (Qwen3-Coder's XML:
 ``<tool_call><function=f><parameter=a>1</parameter></function></tool_call>``). Each streams as
 tool_calls.py's Extractor does: deltas reassemble to the whole reply's reading.
@@ -13,14 +14,30 @@ import ast
 import json
 import logging
 import re
-from typing import Any
+import secrets
+import string
+from typing import Any, Callable
 
 from dabba.entrypoints.openai.tool_calls import (Extracted, Extractor, NamedExtractor, RequiredExtractor, ToolCall,
-                                                 call_of, partial_marker_at_end)
+                                                 call_of, partial_marker_at_end, tool_call_id)
 
 logger = logging.getLogger("dabba")
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
+# Parsers whose marker the tokenizer holds as a special token (Mistral's [TOOL_CALLS]): the reply is
+# detokenized with its special tokens, or the marker would never reach the parser (as vLLM does).
+READS_SPECIAL_TOKENS = frozenset({"mistral"})
+
+
+def mistral_call_id() -> str:
+    """Mistral's templates raise on a call id that is not 9 letters or digits."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+def call_id_maker(parser: str | None) -> Callable[[], str]:
+    """How a server with this parser names the calls it returns (whatever reads them: a forced
+    tool_choice's calls come back to the same template)."""
+    return mistral_call_id if parser == "mistral" else tool_call_id
 
 
 class TaggedBlocksExtractor(Extractor):
@@ -153,9 +170,10 @@ class Llama3JsonExtractor(WholeReplyExtractor):
 class MistralExtractor(Extractor):
     """Mistral's ``[TOOL_CALLS]``: content before the first marker; after it, a JSON array of
     {"name", "arguments"} (v0.3 tokenizers) or ``name[ARGS]{...}`` (v11 and later, one call per
-    marker). Calls are read when the reply ends; text that does not read as calls is content."""
+    marker; ``name[CALL_ID]id[ARGS]{...}`` as Mistral Small 3.2's template writes its history).
+    Calls are read when the reply ends; text that does not read as calls is content."""
 
-    MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    MARKER, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 
     def __init__(self) -> None:
         super().__init__()
@@ -188,6 +206,7 @@ class MistralExtractor(Extractor):
                 found = [call_of(item, "arguments") for item in items] if isinstance(items, list) else [None]
             else:  # name[ARGS]{...}
                 name, sep, args = part.partition(self.ARGS)
+                name = name.partition(self.CALL_ID)[0]  # the id is the server's to give
                 found = [call_of({"name": name.strip(), "arguments": args}, "arguments")] if sep else [None]
             if None in found:
                 return None
