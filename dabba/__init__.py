@@ -13,10 +13,12 @@ _init_logger()
 
 if _typing.TYPE_CHECKING:
     from dabba.entrypoints.llm import LLM
-    from dabba.outputs import CompletionOutput, RequestOutput
+    from dabba.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+    from dabba.pooling_params import PoolingParams
     from dabba.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "PoolingParams",
+           "PoolingRequestOutput"]
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
@@ -26,6 +28,8 @@ _LAZY_ATTRS = {
     "RequestOutputKind": "dabba.sampling_params",
     "RequestOutput": "dabba.outputs",
     "CompletionOutput": "dabba.outputs",
+    "PoolingParams": "dabba.pooling_params",
+    "PoolingRequestOutput": "dabba.outputs",
 }
 
 

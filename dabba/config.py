@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 NATIVE_LAYER_LOOP = ("auto", "on", "off")
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # how embeddings pool (arch/pooling_config.py)
 
 # The small model dabba trains itself (tools/train_demo_model.py), shipped in the package: the
 # default MODEL of `dabba serve`, `generate` and `chat`.
@@ -67,6 +69,12 @@ class ModelConfig:
     seed: int = _help("Seed for requests that sample without a seed of their own.", 0)
     quantization: str | None = _help('Weight quantization at load time: "int8" (per channel) or "int4" (groups of 128; 64 or 32 where 128 does not tile a layer), round to nearest; "w8a8": int8 weights times activations rounded to int8 per token at run time (integer GEMMs).', None)
     attention_backend: str = _help('"auto" (native CPU kernels on CPU, else the reference), "torch_ref" or "cpu".', "auto")
+    runner: str = _help(
+        '"auto": a pooler (embeddings only, no LM head) where the checkpoint is one (a base *Model, or '
+        'sentence-transformers files), else a generator, which embeds too; "generate" or "pooling" to say.', "auto")
+    pooling_type: str | None = _help(
+        'How embeddings pool the hidden states: "LAST", "MEAN" or "CLS"; default: the checkpoint\'s '
+        'sentence-transformers Pooling module, else the family\'s convention (LAST for decoders).', None)
     native_layer_loop: str = _help(
         '"auto": run every step\'s layers in the native C++ loop (csrc/decode_cpu.cpp) where it computes exactly '
         'what the Python layers do (CPU attention backend, a family and linear layers with a native form), '
@@ -84,6 +92,10 @@ class ModelConfig:
             raise ValueError(f'quantization must be "int8", "int4", "w8a8" or None, got {self.quantization!r}')
         if self.attention_backend not in ("auto", "torch_ref", "cpu"):
             raise ValueError(f'attention_backend must be "auto", "torch_ref" or "cpu", got {self.attention_backend!r}')
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.pooling_type is not None and self.pooling_type.upper() not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
         if self.native_layer_loop not in NATIVE_LAYER_LOOP:
             raise ValueError(f"native_layer_loop must be one of {NATIVE_LAYER_LOOP}, got {self.native_layer_loop!r}")
 

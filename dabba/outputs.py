@@ -1,4 +1,5 @@
-"""What callers get back: one RequestOutput per prompt, one CompletionOutput per sample."""
+"""What callers get back: one RequestOutput per prompt, one CompletionOutput per sample; a pooling
+request's PoolingRequestOutput, its embedding."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,3 +42,21 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # None for the first prompt token
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's one output (vLLM's EmbeddingRequestOutput): it comes when the whole
+    input went through, finished."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
     .venv/bin/pip install --quiet --upgrade pip
 fi
-if ! .venv/bin/python -c "import dabba, transformers, pytest, fastapi, openai, anthropic, xgrammar, jsonschema, schemathesis, playwright, ray, gguf, sentencepiece, compressed_tensors" 2>/dev/null; then
+if ! .venv/bin/python -c "import dabba, transformers, pytest, fastapi, openai, anthropic, xgrammar, jsonschema, schemathesis, playwright, ray, gguf, sentencepiece, compressed_tensors, sentence_transformers" 2>/dev/null; then
     .venv/bin/pip install --quiet "torch==2.13.0"
     .venv/bin/pip install --quiet -e ".[dev]"
 fi

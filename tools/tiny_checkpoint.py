@@ -288,6 +288,50 @@ def scripted_checkpoint(out_dir: str | Path, pieces: list[str], also: tuple[str,
     return out_dir
 
 
+ST_POOLING_MODES = {"LAST": "pooling_mode_lasttoken", "MEAN": "pooling_mode_mean_tokens",
+                    "CLS": "pooling_mode_cls_token"}
+
+
+def embedding_checkpoint(out_dir: str | Path, arch: str = "Qwen3ForCausalLM", pooling: str = "LAST",
+                         normalize: bool = True, architecture: str | None = None, strip_prefix: bool = True,
+                         prompts: dict[str, str] | None = None, default_prompt: str | None = None,
+                         matryoshka: bool = False, sentence_transformers: bool = True, **options: Any) -> Path:
+    """A tiny decoder saved as an embedding checkpoint: ``arch``'s random weights, its tensors as the
+    base model saves them (no LM head; without the ``model.`` prefix if ``strip_prefix``, as
+    Qwen3-Embedding's are), config.json naming ``architecture`` (default: ``arch``; "Qwen3Model"
+    for a base model), and sentence-transformers' files (modules.json, 1_Pooling/config.json,
+    2_Normalize if ``normalize``, config_sentence_transformers.json with ``prompts``)."""
+    from safetensors.torch import load_file, save_file
+
+    out_dir = make_checkpoint(out_dir, arch, **options)
+    tensors = load_file(out_dir / "model.safetensors")
+    tensors = {(k.removeprefix("model.") if strip_prefix else k): v for k, v in tensors.items()
+               if not k.startswith("lm_head.")}
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["architectures"] = [architecture or arch]
+    config["tie_word_embeddings"] = True  # no head of its own stored
+    if matryoshka:
+        config["is_matryoshka"] = True
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    if not sentence_transformers:
+        return out_dir
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (out_dir / "2_Normalize").mkdir(exist_ok=True)
+    (out_dir / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out_dir / "1_Pooling").mkdir(exist_ok=True)
+    pooling_config = {"word_embedding_dimension": config["hidden_size"], "include_prompt": True,
+                      **{mode: name == pooling for name, mode in ST_POOLING_MODES.items()}}
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
+    (out_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
+    (out_dir / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": prompts or {}, "default_prompt_name": default_prompt, "similarity_fn_name": "cosine"}, indent=2))
+    return out_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")

@@ -16,6 +16,11 @@ QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausal
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GEMMA_MAX_POSITIONS = {"Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}  # their configs' defaults
+# A family's base model (transformers' *Model: no LM head, tensors without the "model." prefix), as
+# embedding checkpoints save it: served as a pooler (runner "pooling"), never as a generator.
+BASE_MODEL_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                            "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
+                            "Gemma2Model": "Gemma2ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM"}
 # Architectures dabba knows and refuses, with what to use instead.
 REFUSED_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "Gemma 3's multimodal checkpoints (4B and up: vision tower, "
@@ -90,6 +95,8 @@ class ArchConfig:
     moe: MoEConfig | None = None
     # OLMoE normalises q and k over the whole projection (all heads at once), not per head
     qk_norm_whole: bool = False
+    # config.json names the family's base model (BASE_MODEL_ARCHITECTURES): no LM head to generate with
+    base_model: bool = False
 
     @property
     def attn_scale(self) -> float:
@@ -123,15 +130,17 @@ class ArchConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
-        archs = cfg.get("architectures") or []
+        named = cfg.get("architectures") or []
+        archs = [BASE_MODEL_ARCHITECTURES.get(a, a) if isinstance(a, str) else a for a in named]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        base_model = arch is not None and named[archs.index(arch)] != arch
         refused = next((a for a in archs if a in REFUSED_ARCHITECTURES), None)
         if arch is None and refused is not None:
             raise ValueError(f"unsupported architecture {refused!r}: {REFUSED_ARCHITECTURES[refused]}")
         if arch is None:
             remote = " (its config asks for remote code via auto_map, which dabba never runs)" if "auto_map" in cfg else ""
             raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}{remote}; "
+                f"unsupported architecture {named or cfg.get('model_type')!r}{remote}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         gemma = arch in GEMMA_ARCHITECTURES
@@ -218,6 +227,7 @@ class ArchConfig:
             mlp_activation=MLP_ACTIVATIONS[act],
             query_pre_attn_scalar=None if query_pre_attn_scalar is None else float(query_pre_attn_scalar),
             rope_local_theta=None if local_rope is None else float(local_rope["rope_theta"]),
+            base_model=base_model,
             **caps,
         )
 

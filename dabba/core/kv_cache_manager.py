@@ -100,8 +100,8 @@ class KVCacheManager:
         At most ``num_tokens - 1`` tokens may come from the cache: the last token must be
         computed to give the logits of the next one.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return tuple([] for _ in self.groups), 0  # prompt logprobs need every prompt token's hidden state
+        if not self.enable_caching or not request.uses_prefix_cache:
+            return tuple([] for _ in self.groups), 0  # every prompt token's hidden state is needed
         hashes = request.prefix_block_hashes
         num_hit = len(hashes)
         while True:  # a group's hit is at most the others': shrink until all groups agree

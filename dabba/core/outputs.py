@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import SamplingParams
 
 
@@ -19,6 +20,7 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hit
     num_output_tokens: int  # where output starts in token_ids (seeded sampling is keyed on it)
     eos_token_ids: frozenset[int] = frozenset()  # banned with the stop tokens before min_tokens
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled when its prompt is done, never sampled
 
 
 @dataclass
@@ -78,6 +80,8 @@ class ModelRunnerOutput:
     # adaptive drafts price a pass by it (core/spec_budget.py)
     draft_passes: int = 0
     draft_seconds: float = 0.0
+    # Pooling requests whose whole input went through this step: their embeddings
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,6 +98,7 @@ class EngineCoreOutput:
     new_prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first scheduling
     error: str | None = None  # with finish_reason "error": why, in words for the caller
+    pooling_output: list[float] | None = None  # a pooling request's embedding (it finishes with it)
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
+from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import SamplingParams
 
 
@@ -55,6 +56,9 @@ class Request:
         0              num_computed_tokens    num_tokens
 
     A decode step computes the one token sampled last step, whose KV is not yet cached.
+
+    A pooling request (``pooling_params``) computes its prompt and ends with its embedding: it
+    samples nothing (its sampling_params are a placeholder of max_tokens 1, as vLLM's).
     """
 
     request_id: str
@@ -65,6 +69,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
     block_size: int = 16
+    pooling_params: PoolingParams | None = None
+    pools_every_token: bool = False  # its pooling reads every prompt token's hidden state (MEAN, CLS)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -99,6 +105,12 @@ class Request:
         """The full blocks a prefix cache may serve: never the one holding the last token, which
         must be computed to give the logits of the next."""
         return self.block_hashes[:(self.num_tokens - 1) // self.block_size]
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether cached blocks may serve its prompt: not where every prompt position's hidden
+        state is needed (prompt logprobs, mean or first-token pooling)."""
+        return self.sampling_params.prompt_logprobs is None and not self.pools_every_token
 
     @property
     def use_structured_output(self) -> bool:

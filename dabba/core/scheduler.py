@@ -69,15 +69,16 @@ class Scheduler:
             raise InvalidRequest("request_id", f"request_id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise InvalidRequest("prompt", "prompt must contain at least one token")
-        need = request.num_prompt_tokens + request.max_tokens
+        pooling = request.pooling_params is not None
+        need = request.num_prompt_tokens + (0 if pooling else request.max_tokens)
         if need > self.max_model_len:
-            raise InvalidRequest(
-                "prompt",
+            raise InvalidRequest("prompt", (
+                f"input ({request.num_prompt_tokens} tokens) exceeds max_model_len ({self.max_model_len}); shorten "
+                "it or set truncate_prompt_tokens" if pooling else
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {need} "
-                f"exceeds max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
-            )
-        # The last sampled token is never fed back, so it never needs a KV slot.
-        num_blocks = self.kv_cache_manager.blocks_needed(need - 1)
+                f"exceeds max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"))
+        # The last sampled token is never fed back, so it never needs a KV slot (a pooled input's all do).
+        num_blocks = self.kv_cache_manager.blocks_needed(need if pooling else need - 1)
         if num_blocks > self.kv_cache_manager.num_usable_blocks:
             raise InvalidRequest(
                 None,
@@ -157,6 +158,7 @@ class Scheduler:
                     num_computed_tokens=num_hit,
                     num_output_tokens=request.num_output_tokens,
                     eos_token_ids=request.eos_token_ids,
+                    pooling_params=request.pooling_params,
                 )
             )
             out.num_scheduled_tokens[request.request_id] = num_new
@@ -210,6 +212,12 @@ class Scheduler:
             request.num_computed_tokens += num_tokens - num_rejected
             if drafts:
                 self.speculation.verified(request, len(drafts), num_rejected)
+            pooled = runner_out.pooler_output.get(request_id)
+            if pooled is not None:  # its whole input went through: the embedding ends it
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                outputs.outputs.append(EngineCoreOutput(request_id, [], "stop", pooling_output=pooled,
+                                                        num_cached_tokens=request.num_cached_tokens))
+                continue
             if token_ids is None:  # a prefill chunk that has not reached the end of the prompt
                 if prompt_logprobs is not None:
                     outputs.outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=prompt_logprobs,

@@ -24,7 +24,8 @@ from dabba.engine.processor import EngineRequest, Processor, PromptType
 from dabba.engine.tokenizer import Tokenizer
 from dabba.errors import InvalidRequest
 from dabba.models.resolved_config import load_generation_config, resolve_config
-from dabba.outputs import RequestOutput
+from dabba.outputs import PoolingRequestOutput, RequestOutput
+from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import SamplingParams
 
 logger = logging.getLogger("dabba")
@@ -46,7 +47,8 @@ class LLMEngine:
         eos_token_ids = _eos_token_ids(generation_config, arch, tokenizer)
         self.engine_core = EngineCore(self.resolved, tokenizer, eos_token_ids, replica or 0)
         self.model_info = ModelInfo(arch.architecture, tokenizer, self.resolved.max_model_len, arch.vocab_size,
-                                    eos_token_ids, config.cache_config.block_size, generation_config)
+                                    eos_token_ids, config.cache_config.block_size, generation_config,
+                                    self.resolved.runner, self.resolved.pooler_config, arch.hidden_size)
         self.processor = Processor(self.model_info, self.engine_core.structured_output)
         self.output_processor = OutputProcessor(tokenizer)
 
@@ -58,10 +60,12 @@ class LLMEngine:
         return self.model_info.default_sampling_params()
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
-        """Queue one prompt (n samples of it); raises InvalidRequest (a ValueError), and queues
-        nothing, if it is invalid or can never fit. A constrained one waits here for its grammar
-        to compile (no deadline: the caller's own constraint; a server bounds it, see AsyncLLMEngine)."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                    priority: int = 0) -> None:
+        """Queue one prompt (n samples of it; PoolingParams: its embedding); raises InvalidRequest
+        (a ValueError), and queues nothing, if it is invalid or can never fit. A constrained one
+        waits here for its grammar to compile (no deadline: the caller's own constraint; a server
+        bounds it, see AsyncLLMEngine)."""
         request = self.processor.process(request_id, prompt, params, priority)
         if request.compilation is not None:
             try:
@@ -90,12 +94,12 @@ class LLMEngine:
         return self.engine_core.reset_prefix_cache()
 
     # ---- the loop ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one step; returns an output for each prompt that has one to give under its
         output kind (its ``finished`` flag says whether all its samples are done)."""
         return self.step_with_stats()[0]
 
-    def step_with_stats(self) -> tuple[list[RequestOutput], IterationStats]:
+    def step_with_stats(self) -> tuple[list[RequestOutput | PoolingRequestOutput], IterationStats]:
         """step(), plus what the step generated per prompt, for metrics whatever the output kind."""
         processed = self.output_processor.process_outputs(self.engine_core.step())
         self.engine_core.finish_step(processed.reqs_to_finish)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dabba.arch.pooling_config import PoolerConfig
 from dabba.engine.tokenizer import Tokenizer
 from dabba.sampling_params import SamplingParams
 
@@ -21,6 +22,9 @@ class ModelInfo:
     eos_token_ids: frozenset[int]  # generation_config's and the tokenizer's
     block_size: int  # tokens per KV block: the prefix cache's unit
     generation_config: dict[str, Any] = field(default_factory=dict)  # generation_config.json, as read
+    runner: str = "generate"  # "pooling": it embeds only (no LM head)
+    pooler: PoolerConfig | None = None  # how its embeddings pool; None: it does not embed
+    hidden_size: int = 0  # an embedding's length (before dimensions cut it)
 
     def default_sampling_params(self) -> SamplingParams:
         """Defaults from generation_config.json, as the checkpoint's authors meant them."""

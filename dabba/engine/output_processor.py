@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from dabba.core.outputs import EngineCoreOutput, EngineCoreOutputs, TokenLogprobs
 from dabba.engine.detokenizer import IncrementalDetokenizer
 from dabba.engine.tokenizer import Tokenizer
-from dabba.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from dabba.outputs import (CompletionOutput, EmbeddingOutput, Logprob, PoolingRequestOutput, PositionLogprobs,
+                           RequestOutput)
+from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -47,6 +49,8 @@ class ParentState:
     samples: list[SampleState] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # the first sample's (samples share the prompt)
     num_cached_tokens: int = 0  # the first sample's
+    embedding: list[float] | None = None  # a pooling request's, once its input went through
+    pooling: bool = False  # a pooling request (its one sample never samples)
 
     @property
     def finished(self) -> bool:
@@ -75,7 +79,7 @@ class IterationStats:
 class ProcessedOutputs:
     """One step, for the engine: outputs for the caller, requests to finish, stats for metrics."""
 
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    request_outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)
     reqs_to_finish: dict[str, str] = field(default_factory=dict)  # core request id -> stop string in its text
     iteration_stats: IterationStats = field(default_factory=IterationStats)
 
@@ -87,9 +91,17 @@ class OutputProcessor:
         self.sample_of: dict[str, tuple[ParentState, SampleState]] = {}  # core request id ->
         self._token_text: dict[int, str] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    child_ids: list[str]) -> None:
-        """A prompt whose ``params.n`` samples run in the core as ``child_ids``."""
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams | PoolingParams, child_ids: list[str]) -> None:
+        """A prompt whose ``params.n`` samples run in the core as ``child_ids`` (a pooling
+        request: one, whose output is its embedding)."""
+        if isinstance(params, PoolingParams):
+            parent = ParentState(request_id, prompt, prompt_token_ids, SamplingParams(max_tokens=1), pooling=True)
+            sample = SampleState(child_ids[0], 0, IncrementalDetokenizer(self.tokenizer, parent.params))
+            parent.samples.append(sample)
+            self.sample_of[child_ids[0]] = (parent, sample)
+            self.parents[request_id] = parent
+            return
         parent = ParentState(request_id, prompt, prompt_token_ids, params)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
@@ -130,11 +142,17 @@ class OutputProcessor:
                         parent.prompt_logprobs[start + offset] = self._position(entry)
             if not out.new_token_ids and not out.finished:
                 continue  # a prompt chunk
+            if parent.pooling:
+                parent.embedding = out.pooling_output
+                sample.finish_reason, sample.error = out.finish_reason, out.error
             stats = result.iteration_stats.requests.get(parent.request_id)
             if stats is None:
                 stats = result.iteration_stats.requests[parent.request_id] = RequestIterationStats(
                     len(parent.prompt_token_ids) * len(parent.samples), not any(s.token_ids for s in parent.samples))
             stats.num_new_tokens += len(out.new_token_ids)
+            if parent.pooling:
+                changed.setdefault(parent.request_id, []).append(sample)
+                continue
             stop = self._update_sample(sample, out, parent.params.min_tokens)
             if stop is not None and not out.finished:
                 result.reqs_to_finish[sample.request_id] = stop
@@ -179,10 +197,16 @@ class OutputProcessor:
             sample.finish_reason, sample.stop_reason, sample.error = out.finish_reason, out.stop_reason, out.error
         return stop
 
-    def _make_output(self, parent: ParentState, changed: list[SampleState], is_first: bool) -> RequestOutput | None:
+    def _make_output(self, parent: ParentState, changed: list[SampleState],
+                     is_first: bool) -> RequestOutput | PoolingRequestOutput | None:
         """CUMULATIVE: every sample, everything so far. FINAL_ONLY: the same, once, when all
         finished. DELTA: only the samples that changed, only what is new; the prompt only in
         the prompt's first output."""
+        if parent.pooling:  # aborted or failed without an embedding: it gives nothing
+            if parent.embedding is None:
+                return None
+            return PoolingRequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                                        EmbeddingOutput(parent.embedding), True, parent.num_cached_tokens)
         kind = parent.params.output_kind
         finished = parent.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:

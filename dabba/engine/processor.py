@@ -10,7 +10,8 @@ from typing import Any
 from dabba.core.request import Request
 from dabba.engine.model_info import ModelInfo
 from dabba.errors import InvalidRequest
-from dabba.sampling_params import SamplingParams
+from dabba.pooling_params import PoolingParams
+from dabba.sampling_params import RequestOutputKind, SamplingParams
 from dabba.structured_output.compile_pool import Compilation
 from dabba.structured_output.manager import StructuredOutputManager
 
@@ -25,7 +26,7 @@ class EngineRequest:
     request_id: str
     prompt: str | None  # the text, when the caller gave one
     prompt_token_ids: list[int]
-    params: SamplingParams  # with the engine's defaults applied (max_tokens)
+    params: SamplingParams | PoolingParams  # with the engine's defaults applied (max_tokens)
     priority: int
     samples: list[Request]
     # its constraint's compile, claimed: the caller waits for it to finish, then releases it
@@ -42,18 +43,25 @@ class Processor:
         self.grammars = grammars
 
     @staticmethod
-    def needs_work(prompt: PromptType, params: SamplingParams) -> bool:
+    def needs_work(prompt: PromptType, params: SamplingParams | PoolingParams) -> bool:
         """Whether processing tokenizes or claims a compile, which may start a compiler process (an
         async caller then processes off its event loop): a prompt given as token ids without a
         constraint is checked in no time."""
-        return params.structured_outputs is not None or not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
+        constrained = isinstance(params, SamplingParams) and params.structured_outputs is not None
+        return constrained or not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> EngineRequest:
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                priority: int = 0) -> EngineRequest:
         info = self.model_info
-        params.check_vocab(info.vocab_size)
-        text, token_ids = self._parse_prompt(prompt)
         if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
             raise InvalidRequest("priority", f"priority must be an integer in [-2**63, 2**63), got {priority!r}")
+        if isinstance(params, PoolingParams):
+            return self._process_pooling(request_id, prompt, params, priority)
+        if info.runner == "pooling":
+            raise InvalidRequest(None, "this model is served as a pooler (runner 'pooling'): it embeds and does "
+                                       "not generate")
+        params.check_vocab(info.vocab_size)
+        text, token_ids = self._parse_prompt(prompt)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max(info.max_model_len - len(token_ids), 1))
         samples: list[Request] = []
@@ -72,6 +80,34 @@ class Processor:
         if params.structured_outputs is not None:  # compiling from now: last, so nothing after it fails
             compilation = self.grammars.compile(params.structured_outputs)
         return EngineRequest(request_id, text, token_ids, params, priority, samples, compilation)
+
+    def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                         priority: int) -> EngineRequest:
+        """An embedding request: the model's default prompt before a text input (sentence-
+        transformers' default_prompt_name), truncated to its last ``truncate_prompt_tokens``."""
+        info, pooler = self.model_info, self.model_info.pooler
+        if pooler is None:
+            raise InvalidRequest(None, f"this model ({info.architecture}) does not embed")
+        if params.dimensions is not None and not pooler.matryoshka:
+            raise InvalidRequest("dimensions", "dimensions: this model is not a Matryoshka model (its config.json "
+                                               "has no is_matryoshka or matryoshka_dimensions); it gives its full "
+                                               f"{info.hidden_size} values")
+        if params.dimensions is not None and params.dimensions > info.hidden_size:
+            raise InvalidRequest("dimensions", f"dimensions must be at most the model's {info.hidden_size}, got "
+                                               f"{params.dimensions}")
+        if pooler.prompt and isinstance(prompt, str):
+            prompt = pooler.prompt + prompt
+        text, token_ids = self._parse_prompt(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            token_ids = token_ids[-(info.max_model_len if keep == -1 else keep):]
+        if not token_ids:
+            raise InvalidRequest("prompt", "the input must contain at least one token")
+        sample = Request(request_id=request_id, prompt_token_ids=token_ids,
+                         sampling_params=SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY),
+                         priority=priority, block_size=info.block_size, pooling_params=params,
+                         pools_every_token=pooler.needs_all_tokens)
+        return EngineRequest(request_id, text, token_ids, params, priority, [sample])
 
     def _parse_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         tokenizer, vocab_size = self.model_info.tokenizer, self.model_info.vocab_size

@@ -1,4 +1,4 @@
-"""The offline Python API: ``LLM(model).generate(prompts, params)``."""
+"""The offline Python API: ``LLM(model).generate(prompts, params)``, ``LLM(model).embed(texts)``."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,8 @@ from dabba.core.stats import SchedulerStats
 from dabba.engine.llm_engine import LLMEngine, PromptType
 from dabba.engine.tokenizer import Tokenizer
 from dabba.entrypoints.chat_utils import render_conversation, text_of
-from dabba.outputs import RequestOutput
+from dabba.outputs import PoolingRequestOutput, RequestOutput
+from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -86,12 +87,39 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
+        return self._run(prompts, params, priority, "Generating", use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (``out.outputs.embedding``), in input order, as vLLM's
+        LLM.embed: pooled as the checkpoint says (arch/pooling_config.py); ``pooling_params``
+        ask for ``dimensions`` or another normalisation; ``truncate_prompt_tokens`` keeps each
+        input's last tokens."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        pooling_params = pooling_params if pooling_params is not None else PoolingParams()
+        params = ([pooling_params] * len(prompts) if isinstance(pooling_params, PoolingParams)
+                  else list(pooling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} pooling_params for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        return self._run(prompts, params, None, "Embedding", use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams],
+             priority: Sequence[int] | None, what: str, use_tqdm: bool) -> list[Any]:
+        """Add every prompt (all or none), step until each has its final output; in input order."""
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-
         engine = self.llm_engine
-        request_ids = [f"gen-{next(self._counter)}" for _ in prompts]
+        request_ids = [f"req-{next(self._counter)}" for _ in prompts]
         added: list[str] = []
         try:
             for request_id, prompt, p, prio in zip(request_ids, prompts, params, priorities):
@@ -102,13 +130,14 @@ class LLM:
                 engine.abort_request(request_id)
             raise
 
-        results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+        results: dict[str, Any] = {}
+        with tqdm(total=len(prompts), desc=what, unit="req", disable=not use_tqdm) as bar:
             num_output_tokens = 0
             while len(results) < len(prompts) and engine.has_unfinished_requests():
-                for out in engine.step():  # FINAL_ONLY: each output is a finished prompt
+                for out in engine.step():  # FINAL_ONLY (and pooling): each output is a finished prompt
                     results[out.request_id] = out
-                    num_output_tokens += sum(len(o.token_ids) for o in out.outputs)
+                    if isinstance(out, RequestOutput):
+                        num_output_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        bar.set_postfix(out_tok_s=f"{num_output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f}")
                     bar.update(1)
-                    bar.set_postfix(out_tok_s=f"{num_output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f}")
         return [results[r] for r in request_ids]

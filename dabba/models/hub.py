@@ -14,7 +14,9 @@ from typing import Callable, TypeVar
 from dabba.arch.gguf_file import SPLIT_SHARD, shard_names
 
 T = TypeVar("T")
-CONFIG_FILES = ["config.json", "generation_config.json"]
+# with sentence-transformers' files: how an embedding model pools (arch/pooling_config.py)
+CONFIG_FILES = ["config.json", "generation_config.json", "modules.json", "*_Pooling/config.json",
+                "config_sentence_transformers.json"]
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json"]
 WEIGHT_FILES = ["*.safetensors", "model.safetensors.index.json"]

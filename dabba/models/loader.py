@@ -23,6 +23,7 @@ from dabba.distributed.tensor_parallel import SINGLE, TensorParallel, building_f
 from dabba.layers.embedding import LMHead
 from dabba.layers.rotary import describe_longrope
 from dabba.models.gguf_checkpoint import GGUF_LINK, iterate_gguf_weights
+from dabba.models.pooling import pooling_variant
 from dabba.models.registry import get_model_class
 from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.config import QuantConfig
@@ -169,12 +170,16 @@ def release_freed_heap() -> None:
 
 
 def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_position: int,
-               quant_config: QuantConfig | None = None, tp: TensorParallel = SINGLE) -> nn.Module:
-    """The model, or under tensor parallelism rank ``tp.rank``'s shard of it, loaded."""
+               quant_config: QuantConfig | None = None, tp: TensorParallel = SINGLE,
+               pooling: bool = False) -> nn.Module:
+    """The model, or under tensor parallelism rank ``tp.rank``'s shard of it, loaded; ``pooling``:
+    its layers without the LM head (models/pooling.py)."""
     model_dir = Path(model_dir)
     gguf = model_dir / GGUF_LINK
     files = [] if gguf.exists() else find_weight_files(model_dir)
     model_cls = get_model_class(arch.architecture)
+    if pooling:
+        model_cls = pooling_variant(model_cls)
     if arch.rope_scaling.rope_type == "longrope":
         logger.info(describe_longrope(arch.rope_scaling, max_position))
     previous = torch.get_default_dtype()

@@ -14,6 +14,7 @@ import torch
 
 from dabba.arch.config import ArchConfig
 from dabba.arch.files import read_json_object
+from dabba.arch.pooling_config import PoolerConfig, is_sentence_transformer, read_pooler_config
 from dabba.config import EngineConfig
 from dabba.models.hub import MODEL_FILES, TOKENIZER_FILES, resolve_model_dir
 from dabba.quantization.config import QUANTIZATION_METHODS, QuantConfig
@@ -59,6 +60,17 @@ def checkpoint_quant_config(arch: ArchConfig, requested: str | None) -> QuantCon
     return QuantConfig(requested) if requested else None
 
 
+def resolve_runner(requested: str, arch: ArchConfig, model_dir: Path) -> str:
+    """"pooling" for a checkpoint that is a pooler (a base model, sentence-transformers files),
+    else "generate"; a base model has no LM head to generate with."""
+    if requested == "generate" and arch.base_model:
+        raise ValueError(f"runner='generate': {model_dir} holds a base model without an LM head; it can only "
+                         "pool (runner 'pooling' or 'auto')")
+    if requested != "auto":
+        return requested
+    return "pooling" if arch.base_model or is_sentence_transformer(model_dir) else "generate"
+
+
 @dataclass(frozen=True)
 class ResolvedDraft:
     """A draft model's checkpoint, resolved as the target's is (speculative decoding)."""
@@ -81,6 +93,8 @@ class ResolvedConfig:
     max_model_len: int
     quant_config: QuantConfig | None
     draft: ResolvedDraft | None = None
+    runner: str = "generate"  # "pooling": the model is built without its LM head
+    pooler_config: PoolerConfig | None = None  # how its embeddings pool (a generator embeds too)
 
 
 def resolve_config(config: EngineConfig, model_files: list[str] = MODEL_FILES) -> ResolvedConfig:
@@ -101,5 +115,8 @@ def resolve_config(config: EngineConfig, model_files: list[str] = MODEL_FILES) -
         own = QuantConfig.from_checkpoint(draft_arch.quantization_config) if draft_arch.quantization_config else None
         rounding = quant_config if quant_config is not None and quant_config.method in QUANTIZATION_METHODS else None
         draft = ResolvedDraft(str(draft_dir), draft_arch, own or rounding)
+    runner = resolve_runner(mc.runner, arch, model_dir)
+    pooler = read_pooler_config(model_dir, read_json_object(model_dir / "config.json"), mc.pooling_type)
     return ResolvedConfig(config, str(model_dir), str(tokenizer_dir), arch, resolve_dtype(mc.dtype, arch.torch_dtype),
-                          resolve_device(mc.device), resolve_max_model_len(mc.max_model_len, arch), quant_config, draft)
+                          resolve_device(mc.device), resolve_max_model_len(mc.max_model_len, arch), quant_config, draft,
+                          runner, pooler)

@@ -3,12 +3,23 @@ each request's tokens sit in it, and the model's inputs built from it (worker/re
 builds them each step)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from dabba.attention.backend import CommonAttentionMetadata
+
+
+@dataclass(frozen=True)
+class PoolingChunk:
+    """A pooling request's rows in a step: its input from ``first_position`` on, ``finishes`` when
+    they reach the input's end (its embedding is then ready)."""
+
+    request_id: str
+    rows: slice  # in the step's flat batch
+    first_position: int
+    finishes: bool
 
 
 @dataclass
@@ -20,6 +31,7 @@ class ModelInputs:
     # preceded by its last known token and all but the last of its drafts where it has drafts
     sampling_req_ids: list[str]  # requests that sample this step, in logits_indices order
     num_rows: list[int]  # logits rows of each of them: 1, or 1 + its drafts
+    pooling: list[PoolingChunk] = field(default_factory=list)  # pooling requests' rows (they never sample)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from dabba.core.kv_cache_groups import KVCacheGroup, group_layers, group_size, l
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from dabba.core.spec_budget import RowBlocks
 from dabba.distributed.tensor_parallel import SINGLE, KVHeadShard, TensorParallel
+from dabba.layers.pooler import Pooler
 from dabba.models.loader import load_model
 from dabba.models.resolved_config import ResolvedConfig
 from dabba.models.sizes import weights_bytes
@@ -82,7 +83,8 @@ class ModelRunner:
                    "quantize them (quantization int8 or int4) or take a smaller model; `dabba plan` shows what fits")
         start = time.perf_counter()
         self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len, quant_config=quant_config,
-                                tp=tp)
+                                tp=tp, pooling=resolved.runner == "pooling")
+        self.pooler = Pooler(resolved.pooler_config) if resolved.pooler_config is not None else None
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_quant = make_kv_quant(kv_cache_dtype, dtype)
         self.backend = get_attention_backend(mc.attention_backend, device, self.kv_quant)
@@ -163,6 +165,8 @@ class ModelRunner:
         hidden = run_layers(self.model, self.native_loop, self.backend, inputs.input_ids, inputs.positions, metadata,
                             self.kv_caches, self.layer_groups)  # [num_tokens, hidden]
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden))
+        if inputs.pooling:
+            output.pooler_output = self._pool(inputs, hidden)
         if not inputs.sampling_req_ids:
             if self.proposer is not None:  # nothing to propose from, but a draft model's KV keeps up
                 self.proposer.propose(self.requests, sched, [], {})
@@ -219,6 +223,18 @@ class ModelRunner:
             self.requests.states[request_id].draft_probs = proposal.probs
         return ({request_id: proposal.token_ids for request_id, proposal in proposals.items()},
                 max(wants.values(), default=0))
+
+    def _pool(self, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """Each pooling request's rows into its pooling; the embedding of each whose input ended."""
+        assert self.pooler is not None, "pooling requests reach a model with a pooler only"
+        pooled = {}
+        for chunk in inputs.pooling:
+            state = self.requests.states[chunk.request_id]
+            rows = hidden[chunk.rows]  # [num_tokens, hidden]
+            self.pooler.add(state.pooling, rows, chunk.first_position)
+            if chunk.finishes:
+                pooled[chunk.request_id] = self.pooler.pooled(state.pooling, rows[-1], state.pooling_params).tolist()
+        return pooled
 
     def _prompt_logprobs(self, sched: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor) -> dict:
         """For requests asking prompt_logprobs, the logprob of each prompt token this step's chunk

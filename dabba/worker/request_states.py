@@ -9,9 +9,11 @@ import numpy as np
 import torch
 
 from dabba.core.outputs import SchedulerOutput
+from dabba.layers.pooler import PoolingState
+from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import SamplingParams
 from dabba.worker.block_table import BlockTables
-from dabba.worker.model_inputs import FlatBatch, ModelInputs
+from dabba.worker.model_inputs import FlatBatch, ModelInputs, PoolingChunk
 from dabba.worker.spec_decode.ngram import PackedTokens
 
 SPEC_MISSES_BEFORE_PAUSE = 3
@@ -31,6 +33,8 @@ class CachedRequestState:
     spec_pause: int = 0  # steps left without proposals (text with nothing to look up costs no drafts)
     draft_probs: Any = None  # a draft model's q for its pending drafts ([k, vocab] tensor), sampled requests only
     draft_computed: int | None = None  # tokens whose KV a draft model has written (None: not yet looked up)
+    pooling_params: PoolingParams | None = None  # a pooling request: its hidden states pooled, nothing sampled
+    pooling: PoolingState = field(default_factory=PoolingState)  # its pooling so far, chunk by chunk
 
     @property
     def num_output_tokens(self) -> int:
@@ -64,6 +68,7 @@ class RequestStates:
                 num_computed_tokens=new.num_computed_tokens,
                 num_prompt_tokens=len(new.token_ids) - new.num_output_tokens,
                 eos_token_ids=new.eos_token_ids,
+                pooling_params=new.pooling_params,
             )
             self.block_tables.add(new.request_id, new.block_ids)
         for cached in sched.scheduled_cached_reqs:
@@ -94,8 +99,13 @@ class RequestStates:
         attn = [batch.metadata(self.block_tables.gather(req_ids, g), block_size, device)
                 for g in range(len(self.block_tables.tables))]
 
-        # A request samples when this step reaches the end of its known tokens (and drafts).
-        samples = [seq_lens[i] == len(s.token_ids) + len(drafts[i]) for i, s in enumerate(states)]
+        # A request samples when this step reaches the end of its known tokens (and drafts); a
+        # pooling request never does: its rows are pooled, and the step that ends its input pools it.
+        samples = [s.pooling_params is None and seq_lens[i] == len(s.token_ids) + len(drafts[i])
+                   for i, s in enumerate(states)]
+        pooling = [PoolingChunk(r, slice(int(query_start_loc[i]), int(query_start_loc[i + 1])), int(num_computed[i]),
+                                bool(seq_lens[i] == len(s.token_ids)))
+                   for i, (r, s) in enumerate(zip(req_ids, states)) if s.pooling_params is not None]
         num_rows = [1 + len(drafts[i]) for i in range(len(req_ids)) if samples[i]]
         ends = query_start_loc[1:][np.array(samples, dtype=bool)]
         logits_indices = np.concatenate([np.arange(end - rows, end) for end, rows in zip(ends, num_rows)]
@@ -107,6 +117,7 @@ class RequestStates:
             logits_indices=torch.from_numpy(logits_indices).to(device),
             sampling_req_ids=[r for r, s in zip(req_ids, samples) if s],
             num_rows=num_rows,
+            pooling=pooling,
         )
 
     def append_sampled(self, sampled: dict[str, list[int]]) -> None:

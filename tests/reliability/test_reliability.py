@@ -80,7 +80,7 @@ def test_fuzz(target) -> None:
     assert result.failures == []
     assert result.server_errors == 0
     posts = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/responses", "/v1/messages",
-             "/v1/messages/count_tokens"]
+             "/v1/messages/count_tokens", "/v1/embeddings"]
     for path in posts:  # every POST operation fuzzed in both modes
         for mode in ("positive", "negative"):
             assert result.breakdown.get(f"POST {path} {mode}", {}).get("cases", 0) >= 20, result.breakdown

@@ -109,6 +109,16 @@ def malformed_table(target: Target) -> list[BadRequest]:
                    b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
         BadRequest("wrong model name (/tokenize)", "/tokenize", b'{"model": "no-such-model", "prompt": "x"}', 404,
                    "model"),
+        # embeddings (the reliability server's model is a generator: it embeds too)
+        BadRequest("invalid JSON (embeddings)", "/v1/embeddings", b'{"input": [', 400, None),
+        BadRequest("no input (embeddings)", "/v1/embeddings", b'{"model": %s}' % model.encode(), 400, "input"),
+        BadRequest("an empty input (embeddings)", "/v1/embeddings", b'{"input": ""}', 400, "input"),
+        BadRequest("a token id out of range (embeddings)", "/v1/embeddings", b'{"input": [[1, 99999999]]}', 400,
+                   "input"),
+        BadRequest("dimensions on a model without Matryoshka", "/v1/embeddings", b'{"input": "x", "dimensions": 8}',
+                   400, "dimensions"),
+        BadRequest("wrong model name (embeddings)", "/v1/embeddings", b'{"model": "no-such-model", "input": "x"}',
+                   404, "model"),
         # the Responses API (OpenAI's shape) and the Messages API (Anthropic's: no param)
         BadRequest("invalid JSON (responses)", "/v1/responses", b'{"input": [', 400, None),
         BadRequest("no input (responses)", "/v1/responses", b'{"model": %s}' % model.encode(), 400, "input"),

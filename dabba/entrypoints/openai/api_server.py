@@ -37,6 +37,7 @@ from dabba.entrypoints.openai.response_store import ResponseStore
 from dabba.entrypoints.openai.responses_protocol import ResponsesRequest
 from dabba.entrypoints.openai.serving_responses import OpenAIServingResponses
 from dabba.entrypoints.openai.serving_chat import OpenAIServingChat
+from dabba.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from dabba.entrypoints.web.routes import add_web_routes
 
 logger = logging.getLogger("dabba")
@@ -92,6 +93,7 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
     serving = OpenAIServingChat(client, served_model_name, tool_call_parser, config, reasoning_parser)
     anthropic = AnthropicServing(serving)
     responses = OpenAIServingResponses(serving, ResponseStore(config.max_stored_responses))
+    embedding = OpenAIServingEmbedding(client, served_model_name, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -183,6 +185,10 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
     @v1.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await serving.chat(req, raw)
+
+    @v1.post("/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request):
+        return await embedding.embeddings(req, raw)
 
     @v1.post("/responses")
     async def create_response(req: ResponsesRequest, raw: Request):

@@ -110,7 +110,10 @@ class OpenAIServing:
 
     @staticmethod
     def _check_failed(out: RequestOutput, constraint_param: str) -> None:
-        """A request that ended with an error (its grammar reached a dead end) answers with it."""
+        """A request that ended with an error (its grammar reached a dead end) answers with it (an
+        embedding never does: it comes only when its input went through)."""
+        if not isinstance(out, RequestOutput):
+            return
         for o in out.outputs:
             if o.finish_reason == "error":
                 raise OpenAIError(400, o.error or "the request ended with an error", param=constraint_param)
