@@ -161,3 +161,24 @@ def test_the_checkpoint_says_how_it_pools(tmp_path, llama_mean) -> None:
         read_pooler_config(path, {})
     with pytest.raises(ValueError, match="base model without an LM head"):
         LLM(str(llama_mean), runner="generate")
+
+
+# ---- BERT-style encoders ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch, pooling", [("BertModel", "CLS"), ("XLMRobertaModel", "MEAN")])
+def test_encoder_embeddings_equal_sentence_transformers(arch, pooling, tmp_path) -> None:
+    """Bidirectional attention within each input, no KV kept, every input whole in its step."""
+    from tools.tiny_checkpoint import encoder_checkpoint
+
+    path = encoder_checkpoint(tmp_path / "m", arch, pooling)
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=128, max_num_seqs=8)
+    assert llm.llm_engine.model_info.runner == "pooling" and llm.llm_engine.model_info.encoder
+    assert_close(vectors(llm.embed(TEXTS * 3)), reference(path, TEXTS * 3))  # more tokens than one step takes
+    stats = llm.get_stats()
+    assert stats.num_running_reqs == stats.num_waiting_reqs == 0
+    out = llm.embed({"prompt_token_ids": list(range(3, 300))}, truncate_prompt_tokens=100)
+    assert out[0].prompt_token_ids == list(range(200, 300))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):  # an input cannot be split
+        LLM(str(path), dtype="float32", max_num_batched_tokens=16).embed(TEXTS[1])
+    with pytest.raises(ValueError, match="encoder"):
+        LLM(str(path), runner="generate")

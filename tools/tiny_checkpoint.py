@@ -316,6 +316,54 @@ def embedding_checkpoint(out_dir: str | Path, arch: str = "Qwen3ForCausalLM", po
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     if not sentence_transformers:
         return out_dir
+    return write_sentence_transformers_files(out_dir, config["hidden_size"], pooling, normalize, prompts,
+                                             default_prompt)
+
+
+ENCODER_CONFIGS = {"Bert": "BertConfig", "XLMRoberta": "XLMRobertaConfig"}
+
+
+def encoder_checkpoint(out_dir: str | Path, arch: str = "BertModel", pooling: str | None = "CLS",
+                       normalize: bool = True, num_labels: int = 1, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny BERT-style encoder (``arch``: BertModel, XLMRobertaModel, or their
+    ForSequenceClassification, a cross-encoder with ``num_labels`` outputs) with the byte-level
+    tokenizer (its BOS as the first token, as BERT's [CLS] is; a pair's texts joined by <s>), and
+    sentence-transformers' files for ``pooling`` (None: none)."""
+    import torch
+    import transformers
+    from tokenizers import processors
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab_size = save_byte_level_tokenizer(out_dir, 1024, "docstrings")
+    family = arch.removesuffix("Model").removesuffix("ForSequenceClassification")
+    params: dict[str, Any] = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=130, initializer_range=0.1,
+                                  pad_token_id=2, bos_token_id=0, eos_token_id=1)
+    if arch.endswith("ForSequenceClassification"):
+        params["num_labels"] = num_labels
+    params.update(overrides)
+    config = getattr(transformers, ENCODER_CONFIGS[family])(**params)
+    config.architectures = [arch]
+    torch.manual_seed(seed)
+    auto = (transformers.AutoModelForSequenceClassification if arch.endswith("ForSequenceClassification")
+            else transformers.AutoModel)
+    auto.from_config(config).save_pretrained(out_dir)
+    tokenizer_file = out_dir / "tokenizer.json"
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tokenizer_file))  # a pair as BERT writes it: <s> A </s> B </s>, types 0 then 1
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1",
+                                                       special_tokens=[("<s>", 0), ("</s>", 1)])
+    tok.save(str(tokenizer_file))
+    if pooling is not None:
+        write_sentence_transformers_files(out_dir, config.hidden_size, pooling, normalize)
+    return out_dir
+
+
+def write_sentence_transformers_files(out_dir: Path, hidden_size: int, pooling: str, normalize: bool,
+                                      prompts: dict[str, str] | None = None, default_prompt: str | None = None) -> Path:
+    """modules.json (Transformer, Pooling, Normalize if ``normalize``), the Pooling module's config
+    for ``pooling`` (LAST, MEAN or CLS), config_sentence_transformers.json with ``prompts``."""
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if normalize:
@@ -323,7 +371,7 @@ def embedding_checkpoint(out_dir: str | Path, arch: str = "Qwen3ForCausalLM", po
         (out_dir / "2_Normalize").mkdir(exist_ok=True)
     (out_dir / "modules.json").write_text(json.dumps(modules, indent=2))
     (out_dir / "1_Pooling").mkdir(exist_ok=True)
-    pooling_config = {"word_embedding_dimension": config["hidden_size"], "include_prompt": True,
+    pooling_config = {"word_embedding_dimension": hidden_size, "include_prompt": True,
                       **{mode: name == pooling for name, mode in ST_POOLING_MODES.items()}}
     (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
     (out_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))

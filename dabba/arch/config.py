@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dabba.arch.encoder_config import ENCODER_ARCHITECTURES, EncoderConfig, encoder_config
 from dabba.arch.files import read_json_object
 from dabba.arch.rope_scaling import RopeScaling, rope_scaling
 
@@ -97,6 +98,8 @@ class ArchConfig:
     qk_norm_whole: bool = False
     # config.json names the family's base model (BASE_MODEL_ARCHITECTURES): no LM head to generate with
     base_model: bool = False
+    # a BERT-style bidirectional encoder (arch/encoder_config.py): it pools or classifies, never generates
+    encoder: EncoderConfig | None = None
 
     @property
     def attn_scale(self) -> float:
@@ -129,8 +132,27 @@ class ArchConfig:
         return arch
 
     @classmethod
+    def _encoder(cls, arch: str, cfg: dict[str, Any]) -> "ArchConfig":
+        """A BERT-style encoder: the decoder fields it shares (sizes, biases everywhere), no RoPE,
+        its positions those its position table holds past RoBERTa's offset."""
+        encoder = encoder_config(arch, cfg)
+        num_heads = cfg["num_attention_heads"]
+        return cls(
+            architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads, num_key_value_heads=num_heads, head_dim=cfg["hidden_size"] // num_heads,
+            rms_norm_eps=encoder.layer_norm_eps, rope_theta=0.0, rope_scaling=RopeScaling(),
+            max_position_embeddings=cfg.get("max_position_embeddings", 512) - encoder.position_offset,
+            tie_word_embeddings=False, qkv_bias=True, o_bias=True, qk_norm=False, sliding_window=None,
+            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"), bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=(), base_model=encoder.classifier is None, encoder=encoder)
+
+    @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
         named = cfg.get("architectures") or []
+        encoder = next((a for a in named if a in ENCODER_ARCHITECTURES), None)
+        if encoder is not None:
+            return cls._encoder(encoder, cfg)
         archs = [BASE_MODEL_ARCHITECTURES.get(a, a) if isinstance(a, str) else a for a in named]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         base_model = arch is not None and named[archs.index(arch)] != arch

@@ -42,14 +42,16 @@ def is_sentence_transformer(model_dir: Path) -> bool:
     return (model_dir / "modules.json").is_file()
 
 
-def read_pooler_config(model_dir: Path, hf_config: dict[str, Any], pooling_type: str | None = None) -> PoolerConfig:
-    """The checkpoint's pooling; ``pooling_type`` (the operator's flag) overrides its type. A
-    decoder's convention is LAST, normalised (Qwen3-Embedding, gte-Qwen2 and vLLM's default)."""
+def read_pooler_config(model_dir: Path, hf_config: dict[str, Any], pooling_type: str | None = None,
+                       convention: str = "LAST") -> PoolerConfig:
+    """The checkpoint's pooling; ``pooling_type`` (the operator's flag) overrides its type. The
+    family's ``convention``, normalised, where the checkpoint says nothing: a decoder's is LAST
+    (Qwen3-Embedding, gte-Qwen2), an encoder's CLS (BERT's; vLLM's defaults both)."""
     matryoshka = bool(hf_config.get("is_matryoshka") or hf_config.get("matryoshka_dimensions"))
     if is_sentence_transformer(model_dir):
         config = _sentence_transformers_config(model_dir, matryoshka)
     else:
-        config = PoolerConfig("LAST", True, matryoshka)
+        config = PoolerConfig(convention, True, matryoshka)
     if pooling_type is not None:
         config = PoolerConfig(pooling_type.upper(), config.normalize, config.matryoshka, config.prompt,
                               f"{config.source}, its type set by pooling_type")

@@ -76,6 +76,7 @@ class ForwardContext:
     metadata: list[Any]  # one per KV-cache group: each group's layers read their own block tables
     kv_caches: list[torch.Tensor]  # one per layer
     layer_groups: Sequence[int] | None = None  # layer -> its group; None: one group
+    token_type_ids: torch.Tensor | None = None  # [num_tokens]: an encoder's text pairs (1: the second text)
 
     def layer_metadata(self, layer_idx: int) -> Any:
         return self.metadata[0 if self.layer_groups is None else self.layer_groups[layer_idx]]
@@ -86,8 +87,9 @@ _forward_context: contextvars.ContextVar[ForwardContext | None] = contextvars.Co
 
 @contextlib.contextmanager
 def forward_context(backend: AttentionBackend, metadata: list[Any], kv_caches: list[torch.Tensor],
-                    layer_groups: Sequence[int] | None = None) -> Iterator[None]:
-    token = _forward_context.set(ForwardContext(backend, metadata, kv_caches, layer_groups))
+                    layer_groups: Sequence[int] | None = None,
+                    token_type_ids: torch.Tensor | None = None) -> Iterator[None]:
+    token = _forward_context.set(ForwardContext(backend, metadata, kv_caches, layer_groups, token_type_ids))
     try:
         yield
     finally:

@@ -70,7 +70,10 @@ class Request:
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
     block_size: int = 16
     pooling_params: PoolingParams | None = None
-    pools_every_token: bool = False  # its pooling reads every prompt token's hidden state (MEAN, CLS)
+    # every prompt token is computed here, none served by the prefix cache: its pooling reads every
+    # token's hidden state (MEAN, CLS), or an encoder, which keeps no KV
+    computes_whole_prompt: bool = False
+    one_step_prompt: bool = False  # its prompt runs in one step, never chunked (an encoder attends to all of it)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -110,7 +113,7 @@ class Request:
     def uses_prefix_cache(self) -> bool:
         """Whether cached blocks may serve its prompt: not where every prompt position's hidden
         state is needed (prompt logprobs, mean or first-token pooling)."""
-        return self.sampling_params.prompt_logprobs is None and not self.pools_every_token
+        return self.sampling_params.prompt_logprobs is None and not self.computes_whole_prompt
 
     @property
     def use_structured_output(self) -> bool:

@@ -85,6 +85,10 @@ class Scheduler:
                 f"request needs {num_blocks} KV blocks but the cache has only "
                 f"{self.kv_cache_manager.num_usable_blocks}; raise kv_cache_memory or lower max_tokens"
             )
+        if request.one_step_prompt and request.num_prompt_tokens > self.config.max_num_batched_tokens:
+            raise InvalidRequest("prompt", f"input ({request.num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
+                                           f"({self.config.max_num_batched_tokens}), and an encoder's input runs in one "
+                                           "step; raise max_num_batched_tokens")
         if request.use_structured_output and self.structured_output is None:
             raise InvalidRequest("structured_outputs", "structured_outputs needs an engine with a structured-output backend")
         self.requests[request.request_id] = request
@@ -140,6 +144,8 @@ class Scheduler:
             request = self.waiting[0]
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
+            if request.one_step_prompt and num_new < request.num_tokens - num_hit:
+                break  # whole, in a later step
             lookahead = self.speculation.lookahead(request, num_hit + num_new)
             if kv.allocate_slots(request, num_new, hit_blocks, lookahead) is None:
                 break

@@ -48,7 +48,8 @@ class LLMEngine:
         self.engine_core = EngineCore(self.resolved, tokenizer, eos_token_ids, replica or 0)
         self.model_info = ModelInfo(arch.architecture, tokenizer, self.resolved.max_model_len, arch.vocab_size,
                                     eos_token_ids, config.cache_config.block_size, generation_config,
-                                    self.resolved.runner, self.resolved.pooler_config, arch.hidden_size)
+                                    self.resolved.runner, self.resolved.pooler_config, arch.hidden_size,
+                                    arch.encoder is not None)
         self.processor = Processor(self.model_info, self.engine_core.structured_output)
         self.output_processor = OutputProcessor(tokenizer)
 

@@ -25,6 +25,7 @@ class ModelInfo:
     runner: str = "generate"  # "pooling": it embeds only (no LM head)
     pooler: PoolerConfig | None = None  # how its embeddings pool; None: it does not embed
     hidden_size: int = 0  # an embedding's length (before dimensions cut it)
+    encoder: bool = False  # a BERT-style encoder: each input runs whole in one step, no prefix cache
 
     def default_sampling_params(self) -> SamplingParams:
         """Defaults from generation_config.json, as the checkpoint's authors meant them."""

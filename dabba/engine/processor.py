@@ -106,7 +106,7 @@ class Processor:
         sample = Request(request_id=request_id, prompt_token_ids=token_ids,
                          sampling_params=SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY),
                          priority=priority, block_size=info.block_size, pooling_params=params,
-                         pools_every_token=pooler.needs_all_tokens)
+                         computes_whole_prompt=pooler.needs_all_tokens or info.encoder, one_step_prompt=info.encoder)
         return EngineRequest(request_id, text, token_ids, params, priority, [sample])
 
     def _parse_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

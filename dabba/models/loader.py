@@ -178,7 +178,7 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
     gguf = model_dir / GGUF_LINK
     files = [] if gguf.exists() else find_weight_files(model_dir)
     model_cls = get_model_class(arch.architecture)
-    if pooling:
+    if pooling and arch.encoder is None:  # an encoder has no LM head to leave out
         model_cls = pooling_variant(model_cls)
     if arch.rope_scaling.rope_type == "longrope":
         logger.info(describe_longrope(arch.rope_scaling, max_position))

@@ -29,13 +29,13 @@ def missing_native_form(model: Any) -> str | None:
     forms its family declares); None when it can."""
     if not native.load_cpu_ops():
         return "the native CPU kernels are unavailable"
-    inner = model.model
-    if inner.norm.weight.device.type != "cpu":
-        return f"the weights are on {inner.norm.weight.device.type}, the loop runs on the CPU"
     try:
         forms = model.native_layers()
     except NoNativeForm as e:
         return str(e)
+    inner = model.model
+    if inner.norm.weight.device.type != "cpu":
+        return f"the weights are on {inner.norm.weight.device.type}, the loop runs on the CPU"
     norms = [n for form in forms for n in form.norms]
     if any(n.eps != inner.norm.eps for n in norms):
         return "its RMSNorms do not share one eps"

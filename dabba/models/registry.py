@@ -3,12 +3,20 @@ from __future__ import annotations
 
 from torch import nn
 
+from dabba.models.bert import BertModel
 from dabba.models.gemma import GemmaForCausalLM
 from dabba.models.llama import LlamaForCausalLM
 from dabba.models.moe import MoEForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
 from dabba.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    # BERT-style encoders (arch/encoder_config.py), bare or with a sequence classifier
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertModel,
+    "RobertaModel": BertModel,
+    "RobertaForSequenceClassification": BertModel,
+    "XLMRobertaModel": BertModel,
+    "XLMRobertaForSequenceClassification": BertModel,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # Gemma 2 and 3 differ only in ArchConfig fields
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,

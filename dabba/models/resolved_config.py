@@ -63,6 +63,10 @@ def checkpoint_quant_config(arch: ArchConfig, requested: str | None) -> QuantCon
 def resolve_runner(requested: str, arch: ArchConfig, model_dir: Path) -> str:
     """"pooling" for a checkpoint that is a pooler (a base model, sentence-transformers files),
     else "generate"; a base model has no LM head to generate with."""
+    if arch.encoder is not None:
+        if requested == "generate":
+            raise ValueError(f"runner='generate': {arch.architecture} is an encoder; it can only pool or score")
+        return "pooling"
     if requested == "generate" and arch.base_model:
         raise ValueError(f"runner='generate': {model_dir} holds a base model without an LM head; it can only "
                          "pool (runner 'pooling' or 'auto')")
@@ -116,7 +120,8 @@ def resolve_config(config: EngineConfig, model_files: list[str] = MODEL_FILES) -
         rounding = quant_config if quant_config is not None and quant_config.method in QUANTIZATION_METHODS else None
         draft = ResolvedDraft(str(draft_dir), draft_arch, own or rounding)
     runner = resolve_runner(mc.runner, arch, model_dir)
-    pooler = read_pooler_config(model_dir, read_json_object(model_dir / "config.json"), mc.pooling_type)
+    pooler = read_pooler_config(model_dir, read_json_object(model_dir / "config.json"), mc.pooling_type,
+                                "LAST" if arch.encoder is None else "CLS")
     return ResolvedConfig(config, str(model_dir), str(tokenizer_dir), arch, resolve_dtype(mc.dtype, arch.torch_dtype),
                           resolve_device(mc.device), resolve_max_model_len(mc.max_model_len, arch), quant_config, draft,
                           runner, pooler)

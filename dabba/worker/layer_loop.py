@@ -41,9 +41,10 @@ def select_layer_loop(model: torch.nn.Module, backend: AttentionBackend, kv_quan
 
 def run_layers(model: torch.nn.Module, native_loop: NativeLayerLoop | None, backend: AttentionBackend,
                input_ids: torch.Tensor, positions: torch.Tensor, metadata: list[Any], kv_caches: list[Any],
-               layer_groups: list[int] | None = None) -> torch.Tensor:
-    """The final hidden states [num_tokens, hidden] of one flat batch."""
-    with forward_context(backend, metadata, kv_caches, layer_groups):
+               layer_groups: list[int] | None = None, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The final hidden states [num_tokens, hidden] of one flat batch (``token_type_ids``: an
+    encoder's text pairs)."""
+    with forward_context(backend, metadata, kv_caches, layer_groups, token_type_ids):
         if native_loop is not None:
             return native_loop(input_ids, positions, metadata, kv_caches, layer_groups)
         return model(input_ids, positions)

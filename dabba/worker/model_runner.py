@@ -120,6 +120,8 @@ class ModelRunner:
         each layer position of a group, and layer j of every group lives in cache tensor j."""
         bs = cache_config.block_size
         arch = self.arch
+        if arch.encoder is not None:
+            return self._encoder_layout(bs, max_num_seqs)
         groups = tuple(group_layers([arch.layer_sliding_window(i) for i in range(arch.num_hidden_layers)]))
         num_tensors = group_size(groups)
         bytes_per_block = bs * kv_bytes_per_token(num_tensors, self.num_kv_heads, arch.head_dim,
@@ -152,6 +154,16 @@ class ModelRunner:
             f"; {len(groups)} groups of {num_tensors} layers, {len(sliding)} of them sliding-window (their blocks "
             "are freed once the window passes)" if sliding else "",
         )
+        return self.layout
+
+    def _encoder_layout(self, block_size: int, max_num_seqs: int) -> CacheLayout:
+        """An encoder keeps no KV (its input runs whole in one step): its blocks are the scheduler's
+        accounting of a step's tokens only, and no memory holds them."""
+        num_blocks = max_num_seqs * -(-self.max_model_len // block_size)
+        groups = (KVCacheGroup(tuple(range(self.arch.num_hidden_layers)), None),)
+        self.kv_caches = [None] * self.arch.num_hidden_layers
+        self.layout = CacheLayout(num_blocks, block_size, 0, 0, groups)
+        logger.info("No KV cache: an encoder attends within each input, in one step")
         return self.layout
 
     @torch.inference_mode()
