@@ -60,3 +60,25 @@ class PoolingRequestOutput:
     outputs: EmbeddingOutput
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # a cross-encoder's sigmoid of its logit, or the two embeddings' cosine similarity
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One text pair's score (vLLM's ScoringRequestOutput)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the pair's tokens (an embedding model's: the two texts', one after the other)
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
+class RerankResult:
+    index: int  # the document's place in the request
+    document: str
+    relevance_score: float

@@ -339,7 +339,8 @@ def encoder_checkpoint(out_dir: str | Path, arch: str = "BertModel", pooling: st
     family = arch.removesuffix("Model").removesuffix("ForSequenceClassification")
     params: dict[str, Any] = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, max_position_embeddings=130, initializer_range=0.1,
-                                  pad_token_id=2, bos_token_id=0, eos_token_id=1)
+                                  pad_token_id=2, bos_token_id=0, eos_token_id=1,
+                                  type_vocab_size=2 if family == "Bert" else 1)
     if arch.endswith("ForSequenceClassification"):
         params["num_labels"] = num_labels
     params.update(overrides)
@@ -351,10 +352,18 @@ def encoder_checkpoint(out_dir: str | Path, arch: str = "BertModel", pooling: st
     auto.from_config(config).save_pretrained(out_dir)
     tokenizer_file = out_dir / "tokenizer.json"
     from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(tokenizer_file))  # a pair as BERT writes it: <s> A </s> B </s>, types 0 then 1
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1",
-                                                       special_tokens=[("<s>", 0), ("</s>", 1)])
+    # a pair as BERT writes it, <s> A </s> B </s> with types 0 then 1 (RoBERTa's: one type, all 0)
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    second = ":1" if config.type_vocab_size > 1 else ""
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair=f"<s> $A </s> $B{second} </s>{second}", special_tokens=[("<s>", 0), ("</s>", 1)])
     tok.save(str(tokenizer_file))
+    tokenizer_config = json.loads((out_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["model_input_names"] = ["input_ids", "attention_mask"] + (["token_type_ids"] if second else [])
+    # an encoder's has no chat template (sentence-transformers would format its pairs with one)
+    tokenizer_config.pop("chat_template", None)
+    (out_dir / "chat_template.jinja").unlink(missing_ok=True)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     if pooling is not None:
         write_sentence_transformers_files(out_dir, config.hidden_size, pooling, normalize)
     return out_dir

@@ -20,13 +20,16 @@ class PoolerConfig:
     whole input there), MEAN (the average over every token) or CLS (the first token's);
     ``normalize``: L2-normalise by default; ``matryoshka``: the model was trained so that a prefix
     of its embedding is an embedding (a request may ask for ``dimensions``); ``prompt``: text put
-    before every input (sentence-transformers' default prompt); ``source``: where this came from."""
+    before every input (sentence-transformers' default prompt); ``source``: where this came from;
+    ``task``: "embed" (the pooled vector is the output) or "score" (a cross-encoder: the first
+    token's state goes through the model's classifier, a text pair's relevance logit)."""
 
     pooling_type: str
     normalize: bool
     matryoshka: bool = False
     prompt: str = ""
     source: str = "the family's convention"
+    task: str = "embed"
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -36,6 +39,9 @@ class PoolerConfig:
     def needs_all_tokens(self) -> bool:
         """Whether every input token's hidden state is pooled: a prefix-cache hit would skip some."""
         return self.pooling_type != "LAST"
+
+
+CROSS_ENCODER = PoolerConfig("CLS", False, source="a sequence classifier (its first token)", task="score")
 
 
 def is_sentence_transformer(model_dir: Path) -> bool:

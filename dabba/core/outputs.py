@@ -21,6 +21,7 @@ class NewRequestData:
     num_output_tokens: int  # where output starts in token_ids (seeded sampling is keyed on it)
     eos_token_ids: frozenset[int] = frozenset()  # banned with the stop tokens before min_tokens
     pooling_params: PoolingParams | None = None  # a pooling request: pooled when its prompt is done, never sampled
+    token_type_ids: list[int] | None = None  # a cross-encoder's text pair (per prompt token)
 
 
 @dataclass

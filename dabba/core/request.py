@@ -74,6 +74,7 @@ class Request:
     # token's hidden state (MEAN, CLS), or an encoder, which keeps no KV
     computes_whole_prompt: bool = False
     one_step_prompt: bool = False  # its prompt runs in one step, never chunked (an encoder attends to all of it)
+    token_type_ids: list[int] | None = None  # a cross-encoder's text pair: 1 in the second text
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -165,6 +165,7 @@ class Scheduler:
                     num_output_tokens=request.num_output_tokens,
                     eos_token_ids=request.eos_token_ids,
                     pooling_params=request.pooling_params,
+                    token_type_ids=request.token_type_ids,
                 )
             )
             out.num_scheduled_tokens[request.request_id] = num_new

@@ -98,15 +98,24 @@ class Processor:
         if pooler.prompt and isinstance(prompt, str):
             prompt = pooler.prompt + prompt
         text, token_ids = self._parse_prompt(prompt)
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if pooler.task == "score" and types is None:
+            raise InvalidRequest("prompt", "this model is a cross-encoder: it scores text pairs (score, rerank) and "
+                                           "does not embed")
+        if types is not None and (not isinstance(types, list) or len(types) != len(token_ids)
+                                  or any(t not in (0, 1) for t in types)):
+            raise InvalidRequest("token_type_ids", "token_type_ids must be 0 or 1 for each of prompt_token_ids")
         keep = params.truncate_prompt_tokens
         if keep is not None:
-            token_ids = token_ids[-(info.max_model_len if keep == -1 else keep):]
+            keep = info.max_model_len if keep == -1 else keep
+            token_ids, types = token_ids[-keep:], None if types is None else types[-keep:]
         if not token_ids:
             raise InvalidRequest("prompt", "the input must contain at least one token")
         sample = Request(request_id=request_id, prompt_token_ids=token_ids,
                          sampling_params=SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY),
                          priority=priority, block_size=info.block_size, pooling_params=params,
-                         computes_whole_prompt=pooler.needs_all_tokens or info.encoder, one_step_prompt=info.encoder)
+                         computes_whole_prompt=pooler.needs_all_tokens or info.encoder, one_step_prompt=info.encoder,
+                         token_type_ids=types)
         return EngineRequest(request_id, text, token_ids, params, priority, [sample])
 
     def _parse_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -116,6 +116,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, pair: str) -> tuple[list[int], list[int]]:
+        """A text pair as a cross-encoder reads it (the tokenizer's pair template): ids and token types."""
+        encoding = self._tok.encode(text, pair)
+        return encoding.ids, encoding.type_ids
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

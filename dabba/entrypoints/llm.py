@@ -12,7 +12,8 @@ from dabba.core.stats import SchedulerStats
 from dabba.engine.llm_engine import LLMEngine, PromptType
 from dabba.engine.tokenizer import Tokenizer
 from dabba.entrypoints.chat_utils import render_conversation, text_of
-from dabba.outputs import PoolingRequestOutput, RequestOutput
+from dabba.entrypoints.scoring import pair_up, plan_scoring
+from dabba.outputs import PoolingRequestOutput, RequestOutput, RerankResult, ScoringOutput, ScoringRequestOutput
 from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import RequestOutputKind, SamplingParams
 
@@ -111,6 +112,30 @@ class LLM:
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         return self._run(prompts, params, None, "Embedding", use_tqdm)
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """How well each text_2 answers text_1 (one text_1 against every text_2, or two lists pairwise),
+        as vLLM's LLM.score: a cross-encoder's sigmoid of its logit for the pair, or an embedding
+        model's cosine similarity of the two (entrypoints/scoring.py)."""
+        pairs = pair_up(text_1 if isinstance(text_1, str) else list(text_1),
+                        text_2 if isinstance(text_2, str) else list(text_2))
+        plan = plan_scoring(self.llm_engine.model_info, pairs)
+        outs = self.embed(plan.prompts, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
+        scores = plan.scores([o.outputs.embedding for o in outs])
+        per_pair = len(outs) // len(pairs)
+        return [ScoringRequestOutput(f"score-{next(self._counter)}",
+                                     [t for o in outs[i * per_pair:(i + 1) * per_pair] for t in o.prompt_token_ids],
+                                     ScoringOutput(score)) for i, score in enumerate(scores)]
+
+    def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
+               use_tqdm: bool = True) -> list[RerankResult]:
+        """The documents ordered by how well each answers ``query`` (score()), best first; the
+        first ``top_n`` of them."""
+        documents = list(documents)
+        scores = [o.outputs.score for o in self.score(query, documents, use_tqdm)]
+        order = sorted(range(len(documents)), key=lambda i: -scores[i])
+        return [RerankResult(i, documents[i], scores[i]) for i in order[:top_n]]
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams],
              priority: Sequence[int] | None, what: str, use_tqdm: bool) -> list[Any]:

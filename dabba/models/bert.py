@@ -34,7 +34,9 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=enc.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        types = current_token_type_ids(input_ids)  # [num_tokens]: 0, or 1 in a pair's second text
+        # [num_tokens]: 0, or 1 in a pair's second text; a model of one type (RoBERTa's) reads all as 0, as
+        # its tokenizers write them
+        types = current_token_type_ids(input_ids).clamp(max=self.token_type_embeddings.num_embeddings - 1)
         x = (self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
              + self.token_type_embeddings(types))
         return self.LayerNorm(x)

@@ -14,7 +14,7 @@ import torch
 
 from dabba.arch.config import ArchConfig
 from dabba.arch.files import read_json_object
-from dabba.arch.pooling_config import PoolerConfig, is_sentence_transformer, read_pooler_config
+from dabba.arch.pooling_config import CROSS_ENCODER, PoolerConfig, is_sentence_transformer, read_pooler_config
 from dabba.config import EngineConfig
 from dabba.models.hub import MODEL_FILES, TOKENIZER_FILES, resolve_model_dir
 from dabba.quantization.config import QUANTIZATION_METHODS, QuantConfig
@@ -120,8 +120,14 @@ def resolve_config(config: EngineConfig, model_files: list[str] = MODEL_FILES) -
         rounding = quant_config if quant_config is not None and quant_config.method in QUANTIZATION_METHODS else None
         draft = ResolvedDraft(str(draft_dir), draft_arch, own or rounding)
     runner = resolve_runner(mc.runner, arch, model_dir)
-    pooler = read_pooler_config(model_dir, read_json_object(model_dir / "config.json"), mc.pooling_type,
-                                "LAST" if arch.encoder is None else "CLS")
+    if arch.encoder is not None and arch.encoder.classifier is not None:
+        if arch.encoder.num_labels != 1:
+            raise ValueError(f"{model_dir}: a sequence classifier with {arch.encoder.num_labels} labels; dabba serves "
+                             "cross-encoders that score a text pair with one logit")
+        pooler = CROSS_ENCODER
+    else:
+        pooler = read_pooler_config(model_dir, read_json_object(model_dir / "config.json"), mc.pooling_type,
+                                    "LAST" if arch.encoder is None else "CLS")
     return ResolvedConfig(config, str(model_dir), str(tokenizer_dir), arch, resolve_dtype(mc.dtype, arch.torch_dtype),
                           resolve_device(mc.device), resolve_max_model_len(mc.max_model_len, arch), quant_config, draft,
                           runner, pooler)

@@ -32,6 +32,7 @@ class ModelInputs:
     sampling_req_ids: list[str]  # requests that sample this step, in logits_indices order
     num_rows: list[int]  # logits rows of each of them: 1, or 1 + its drafts
     pooling: list[PoolingChunk] = field(default_factory=list)  # pooling requests' rows (they never sample)
+    token_type_ids: torch.Tensor | None = None  # [num_tokens]: a cross-encoder's text pairs, else None
 
 
 @dataclass

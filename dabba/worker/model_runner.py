@@ -175,7 +175,7 @@ class ModelRunner:
         inputs = self.requests.prepare_inputs(sched, self.layout.block_size, self.device)
         metadata = [self.backend.build_metadata(common) for common in inputs.attn]
         hidden = run_layers(self.model, self.native_loop, self.backend, inputs.input_ids, inputs.positions, metadata,
-                            self.kv_caches, self.layer_groups)  # [num_tokens, hidden]
+                            self.kv_caches, self.layer_groups, inputs.token_type_ids)  # [num_tokens, hidden]
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden))
         if inputs.pooling:
             output.pooler_output = self._pool(inputs, hidden)
@@ -245,7 +245,10 @@ class ModelRunner:
             rows = hidden[chunk.rows]  # [num_tokens, hidden]
             self.pooler.add(state.pooling, rows, chunk.first_position)
             if chunk.finishes:
-                pooled[chunk.request_id] = self.pooler.pooled(state.pooling, rows[-1], state.pooling_params).tolist()
+                vector = self.pooler.pooled(state.pooling, rows[-1], state.pooling_params)
+                if self.pooler.config.task == "score":  # a cross-encoder: its classifier's logit
+                    vector = self.model.classify(vector[None].to(self.dtype))[0]
+                pooled[chunk.request_id] = vector.tolist()
         return pooled
 
     def _prompt_logprobs(self, sched: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor) -> dict:

@@ -35,6 +35,7 @@ class CachedRequestState:
     draft_computed: int | None = None  # tokens whose KV a draft model has written (None: not yet looked up)
     pooling_params: PoolingParams | None = None  # a pooling request: its hidden states pooled, nothing sampled
     pooling: PoolingState = field(default_factory=PoolingState)  # its pooling so far, chunk by chunk
+    token_type_ids: list[int] | None = None  # a cross-encoder's text pair
 
     @property
     def num_output_tokens(self) -> int:
@@ -69,6 +70,7 @@ class RequestStates:
                 num_prompt_tokens=len(new.token_ids) - new.num_output_tokens,
                 eos_token_ids=new.eos_token_ids,
                 pooling_params=new.pooling_params,
+                token_type_ids=new.token_type_ids,
             )
             self.block_tables.add(new.request_id, new.block_ids)
         for cached in sched.scheduled_cached_reqs:
@@ -110,6 +112,13 @@ class RequestStates:
         ends = query_start_loc[1:][np.array(samples, dtype=bool)]
         logits_indices = np.concatenate([np.arange(end - rows, end) for end, rows in zip(ends, num_rows)]
                                         ) if num_rows else np.zeros(0, dtype=np.int64)
+        token_type_ids = None
+        if any(s.token_type_ids is not None for s in states):  # a cross-encoder's pairs (an encoder: whole inputs)
+            types = np.zeros(len(positions), dtype=np.int64)
+            for i, s in enumerate(states):
+                if s.token_type_ids is not None:
+                    types[query_start_loc[i]:query_start_loc[i + 1]] = s.token_type_ids[num_computed[i]:seq_lens[i]]
+            token_type_ids = torch.from_numpy(types).to(device)
         return ModelInputs(
             input_ids=torch.from_numpy(input_ids).to(device),
             positions=torch.from_numpy(positions).to(device),
@@ -118,6 +127,7 @@ class RequestStates:
             sampling_req_ids=[r for r, s in zip(req_ids, samples) if s],
             num_rows=num_rows,
             pooling=pooling,
+            token_type_ids=token_type_ids,
         )
 
     def append_sampled(self, sampled: dict[str, list[int]]) -> None:

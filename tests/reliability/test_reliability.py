@@ -75,12 +75,12 @@ def test_disconnect_storm(target) -> None:
 
 
 def test_fuzz(target) -> None:
-    config = FuzzConfig(cases=400, seed=3)
+    config = FuzzConfig(cases=560, seed=3)  # at least 20 cases for each of 10 POST operations, in both modes
     result = run_fuzz(target, config)
     assert result.failures == []
     assert result.server_errors == 0
     posts = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/responses", "/v1/messages",
-             "/v1/messages/count_tokens", "/v1/embeddings"]
+             "/v1/messages/count_tokens", "/v1/embeddings", "/v1/score", "/v1/rerank"]
     for path in posts:  # every POST operation fuzzed in both modes
         for mode in ("positive", "negative"):
             assert result.breakdown.get(f"POST {path} {mode}", {}).get("cases", 0) >= 20, result.breakdown

@@ -38,6 +38,7 @@ from dabba.entrypoints.openai.responses_protocol import ResponsesRequest
 from dabba.entrypoints.openai.serving_responses import OpenAIServingResponses
 from dabba.entrypoints.openai.serving_chat import OpenAIServingChat
 from dabba.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from dabba.entrypoints.openai.serving_score import OpenAIServingScore, RerankRequest, ScoreRequest
 from dabba.entrypoints.web.routes import add_web_routes
 
 logger = logging.getLogger("dabba")
@@ -94,6 +95,7 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
     anthropic = AnthropicServing(serving)
     responses = OpenAIServingResponses(serving, ResponseStore(config.max_stored_responses))
     embedding = OpenAIServingEmbedding(client, served_model_name, config)
+    scoring = OpenAIServingScore(client, served_model_name, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -189,6 +191,19 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
     @v1.post("/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request):
         return await embedding.embeddings(req, raw)
+
+    # vLLM's score, and rerank in the Jina/Cohere shape under the paths vLLM and llama.cpp answer
+    # (the aliases share the handler, and stay out of the OpenAPI schema)
+    @v1.post("/score")
+    @app.post("/score", dependencies=[Depends(check_api_key)], include_in_schema=False)
+    async def score(req: ScoreRequest, raw: Request):
+        return await scoring.score(req, raw)
+
+    @v1.post("/rerank")
+    @app.post("/rerank", dependencies=[Depends(check_api_key)], include_in_schema=False)
+    @app.post("/v2/rerank", dependencies=[Depends(check_api_key)], include_in_schema=False)
+    async def rerank(req: RerankRequest, raw: Request):
+        return await scoring.rerank(req, raw)
 
     @v1.post("/responses")
     async def create_response(req: ResponsesRequest, raw: Request):

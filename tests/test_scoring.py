@@ -1,0 +1,88 @@
+"""Scoring text pairs: cross-encoders (BERT with token types, XLM-R) against sentence-transformers'
+CrossEncoder on the same tiny checkpoint, an embedding model's cosine similarity against its
+embeddings, rerank's order, and the server's /score and /rerank (vLLM's and Jina/Cohere's shapes)."""
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dabba import LLM
+from tests.entrypoints.live_server import live_server
+from tools.tiny_checkpoint import embedding_checkpoint, encoder_checkpoint
+
+QUERY = "what does json do"
+DOCS = ["Decode a JSON document from s and return a Python object.", "hello",
+        "Return a new list containing all items from the iterable in ascending order.", "json"]
+
+
+@pytest.fixture(scope="module", params=["BertForSequenceClassification", "XLMRobertaForSequenceClassification"])
+def cross_encoder(request, tmp_path_factory):
+    return encoder_checkpoint(tmp_path_factory.mktemp("ce") / "m", request.param, pooling=None)
+
+
+def crossencoder_reference(path, pairs) -> torch.Tensor:
+    from sentence_transformers import CrossEncoder
+
+    return torch.tensor(CrossEncoder(str(path), device="cpu").predict(pairs)).float()
+
+
+def test_cross_encoder_scores_equal_sentence_transformers(cross_encoder) -> None:
+    llm = LLM(str(cross_encoder), dtype="float32")
+    assert llm.llm_engine.model_info.pooler.task == "score"
+    expected = crossencoder_reference(cross_encoder, [(QUERY, d) for d in DOCS])
+    scores = torch.tensor([o.outputs.score for o in llm.score(QUERY, DOCS)])
+    torch.testing.assert_close(scores, expected, rtol=0, atol=1e-4)
+    pairwise = [o.outputs.score for o in llm.score(DOCS[:2], DOCS[2:])]  # two lists: pair by pair
+    torch.testing.assert_close(torch.tensor(pairwise), crossencoder_reference(cross_encoder, list(zip(DOCS[:2],
+                                                                                                      DOCS[2:]))),
+                               rtol=0, atol=1e-4)
+    ranked = llm.rerank(QUERY, DOCS, top_n=3)
+    order = sorted(range(len(DOCS)), key=lambda i: -expected[i])[:3]
+    assert [r.index for r in ranked] == order and [r.document for r in ranked] == [DOCS[i] for i in order]
+    with pytest.raises(ValueError, match="does not embed"):
+        llm.embed(QUERY)
+    with pytest.raises(ValueError, match="text_2"):
+        llm.score(DOCS[:2], DOCS[:3])
+
+
+def test_an_embedding_model_scores_by_cosine(tmp_path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    path = embedding_checkpoint(tmp_path / "m", "Qwen3ForCausalLM", "LAST", initializer_range=0.1)
+    llm = LLM(str(path), dtype="float32")
+    vectors = SentenceTransformer(str(path), device="cpu").encode([QUERY, *DOCS], convert_to_tensor=True).float()
+    expected = F.cosine_similarity(vectors[:1], vectors[1:], dim=-1)
+    scores = torch.tensor([o.outputs.score for o in llm.score(QUERY, DOCS)])
+    torch.testing.assert_close(scores, expected, rtol=0, atol=1e-4)
+
+
+def test_score_and_rerank_over_http(cross_encoder) -> None:
+    llm = LLM(str(cross_encoder), dtype="float32")
+    expected = [o.outputs.score for o in llm.score(QUERY, DOCS)]
+    with live_server(str(cross_encoder), "ce", None) as (url, _):
+        for path in ("/v1/score", "/score"):
+            r = httpx.post(f"{url}{path}", json={"model": "ce", "text_1": QUERY, "text_2": DOCS})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert [d["index"] for d in body["data"]] == list(range(len(DOCS))) and body["object"] == "list"
+            torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]), torch.tensor(expected))
+            assert body["usage"]["prompt_tokens"] > len(DOCS)
+        order = sorted(range(len(DOCS)), key=lambda i: -expected[i])
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            r = httpx.post(f"{url}{path}", json={"model": "ce", "query": QUERY, "top_n": 2,
+                                                 "documents": [DOCS[0], *({"text": d} for d in DOCS[1:])]})
+            assert r.status_code == 200, r.text
+            results = r.json()["results"]
+            assert [x["index"] for x in results] == order[:2]
+            assert [x["document"]["text"] for x in results] == [DOCS[i] for i in order[:2]]
+        r = httpx.post(f"{url}/v1/rerank", json={"query": QUERY, "documents": DOCS, "return_documents": False})
+        assert [x["index"] for x in r.json()["results"]] == order and "document" not in r.json()["results"][0]
+        bad = [({"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "/v1/score", "text_2"),
+               ({"text_1": [], "text_2": "x"}, "/v1/score", "text_1"),
+               ({"query": "q"}, "/v1/rerank", "documents"),
+               ({"input": "x"}, "/v1/embeddings", "input")]  # a cross-encoder does not embed
+        for body, path, param in bad:
+            r = httpx.post(f"{url}{path}", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
