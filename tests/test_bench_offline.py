@@ -1,4 +1,4 @@
-"""`dabba bench throughput|latency|serve`: the workload, the CLI and the JSON it prints (never timings)."""
+"""`dabba bench throughput|latency|embed|serve`: the workload, the CLI and the JSON it prints (never timings)."""
 from __future__ import annotations
 
 import json
@@ -65,6 +65,18 @@ def test_bench_latency_cli(checkpoints, capsys) -> None:
         assert 0 < s["p10"] <= s["p50"] <= s["p90"] <= s["p99"]
     assert result["workload"]["batch_size"] == 2
     assert result["prefix_cache_hit_tokens"] == 0  # each timed iteration prefills its prompt in full
+
+
+def test_bench_embed_cli(tmp_path, capsys) -> None:
+    from tools.tiny_checkpoint import encoder_checkpoint
+
+    path = encoder_checkpoint(tmp_path / "bert", "BertModel", "CLS")
+    assert main(["bench", "embed", str(path), "--num-prompts", "10", "--input-len", "20", "--batch-size", "4",
+                 "--dtype", "float32"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["num_prompts"], result["batch_size"], result["dimensions"]) == (10, 4, 64)
+    assert result["tokens_per_s"] == pytest.approx(result["documents_per_s"] * result["mean_input_tokens"])
+    assert result["mean_input_tokens"] > 2  # the texts' tokens and the encoder's two specials
 
 
 def test_bench_serve_cli_reports_failures_without_a_server(tmp_path, capsys) -> None:

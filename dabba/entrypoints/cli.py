@@ -13,7 +13,7 @@ from dabba.config import DEMO_MODEL, EngineConfig, ServerConfig, parse_bytes
 from dabba.entrypoints.cli_args import add_config_args, add_engine_args, config_kwargs, engine_kwargs
 from dabba.entrypoints.openai.reasoning import REASONING_PARSERS
 from dabba.entrypoints.openai.tool_call_parsers import TOOL_CALL_PARSERS
-from dabba.entrypoints.cli_tools import (cmd_bench_latency, cmd_bench_serve, cmd_bench_throughput,
+from dabba.entrypoints.cli_tools import (cmd_bench_embed, cmd_bench_latency, cmd_bench_serve, cmd_bench_throughput,
                                          cmd_eval_kl_divergence, cmd_eval_perplexity, cmd_plan, cmd_quantize)
 from dabba.logger import init_logger
 
@@ -225,7 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--batch-size", type=int, default=1, help="requests in the batch (default: 1)")
     lat.add_argument("--num-iters-warmup", type=int, default=2, help="untimed iterations first (default: 2)")
     lat.add_argument("--num-iters", type=int, default=5, help="timed iterations (default: 5)")
-    for cmd in (tp, lat):
+    emb = _model_command(bench, "embed", "embedding throughput: documents/s and tokens/s", cmd_bench_embed)
+    emb.add_argument("--num-prompts", type=int, default=512, help="inputs (default: 512)")
+    emb.add_argument("--input-len", type=int, default=256, help="tokens per input, about (default: 256)")
+    emb.add_argument("--batch-size", type=int, default=None, help="inputs per embed() call (default: all at once)")
+    emb.add_argument("--dataset-seed", type=int, default=0, help="dataset seed (default: 0)")
+    emb.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    for cmd in (tp, lat, emb):
         add_engine_args(cmd)
     from dabba.tools.bench.serve import add_serve_args
 

@@ -69,6 +69,14 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_embed(args: argparse.Namespace) -> int:
+    from dabba.tools.bench.embed import EmbedWorkload, bench_embed
+
+    workload = EmbedWorkload(args.num_prompts, args.input_len, args.batch_size, args.dataset_seed)
+    _print_result(bench_embed(args.model, workload, **engine_kwargs(args)), args.json_out)
+    return 0
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 

@@ -1,0 +1,120 @@
+"""Embedding throughput side by side: dabba (`dabba bench embed`'s measurement) against
+sentence-transformers on the same checkpoint, the same texts and the same threads, each in a
+process of its own, alternating, on random checkpoints of real embedding models' shapes.
+
+    .venv/bin/python -m benchmarks.embed_peers --make-shapes /tmp/embed-shapes
+    .venv/bin/python -m benchmarks.embed_peers --model /tmp/embed-shapes/bge-base \\
+        [--num-prompts 512 --input-len 256 --batch-size 32 --threads 2 --repeats 2 --dtype float32]
+
+Prints one JSON object: each run's documents/s and tokens/s, and the ratio of the medians.
+sentence-transformers encodes in batches of --batch-size (its own default is 32); dabba takes
+every input at once (its scheduler batches them under its token budget).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Real configs' numbers, random weights (the figures measure the engines, not the models).
+SHAPES = {
+    "bge-base": dict(arch="BertModel", pooling="CLS", config=dict(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+        max_position_embeddings=512, type_vocab_size=2, vocab_size=30522)),
+    "qwen3-embedding-0.6b": dict(arch="Qwen3ForCausalLM", pooling="LAST", config=dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, vocab_size=151669,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
+
+PEER_SCRIPT = """
+import json, sys, time, torch
+torch.set_num_threads({threads})
+from sentence_transformers import SentenceTransformer
+texts = json.load(open({texts!r}))
+model = SentenceTransformer({model!r}, device="cpu", model_kwargs={{"dtype": getattr(torch, {dtype!r})}})
+model.encode(texts[:4], batch_size={batch})
+start = time.perf_counter()
+vectors = model.encode(texts, batch_size={batch})
+elapsed = time.perf_counter() - start
+tokens = sum(len(model.tokenizer(t)["input_ids"]) for t in texts)
+print(json.dumps({{"elapsed_s": elapsed, "documents_per_s": len(texts) / elapsed, "tokens_per_s": tokens / elapsed}}))
+"""
+
+DABBA_SCRIPT = """
+import json, torch
+torch.set_num_threads({threads})
+from dabba.tools.bench.embed import EmbedWorkload, bench_embed
+print(json.dumps(bench_embed({model!r}, EmbedWorkload({num}, {length}), dtype={dtype!r})))
+"""
+
+
+def make_shapes(out: Path) -> dict[str, str]:
+    from tools.tiny_checkpoint import embedding_checkpoint, encoder_checkpoint
+
+    made = {}
+    for name, shape in SHAPES.items():
+        path = out / name
+        if not (path / "config.json").is_file():
+            if shape["arch"] == "BertModel":
+                encoder_checkpoint(path, shape["arch"], shape["pooling"], initializer_range=0.02, **shape["config"])
+            else:
+                embedding_checkpoint(path, shape["arch"], shape["pooling"], dtype="bfloat16",
+                                     tokenizer_vocab_size=4096, **shape["config"])
+        made[name] = str(path)
+    return made
+
+
+def run(code: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise SystemExit(f"a run failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--make-shapes", metavar="OUT", help="write the shapes' checkpoints under OUT and exit")
+    parser.add_argument("--model")
+    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    if args.make_shapes:
+        print(json.dumps(make_shapes(Path(args.make_shapes)), indent=2))
+        return
+    from dabba.engine.tokenizer import Tokenizer
+    from dabba.tools.bench.embed import EmbedWorkload, make_texts
+
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    texts = make_texts(EmbedWorkload(args.num_prompts, args.input_len), Tokenizer(args.model), config["vocab_size"])
+    texts_file = Path(f"/tmp/embed-peers-{int(time.time())}.json")
+    texts_file.write_text(json.dumps(texts))
+    runs: dict[str, list[dict]] = {"dabba": [], "sentence_transformers": []}
+    for r in range(args.repeats):
+        order = ["dabba", "sentence_transformers"] if r % 2 == 0 else ["sentence_transformers", "dabba"]
+        for who in order:
+            if who == "dabba":
+                code = DABBA_SCRIPT.format(threads=args.threads, model=args.model, num=args.num_prompts,
+                                           length=args.input_len, dtype=args.dtype)
+            else:
+                code = PEER_SCRIPT.format(threads=args.threads, texts=str(texts_file), model=args.model,
+                                          dtype=args.dtype, batch=args.batch_size)
+            runs[who].append(run(code))
+    medians = {who: statistics.median(r["documents_per_s"] for r in rs) for who, rs in runs.items()}
+    print(json.dumps({"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
+                      "threads": args.threads, "dtype": args.dtype, "st_batch_size": args.batch_size,
+                      "runs": runs, "median_documents_per_s": medians,
+                      "ratio_dabba_to_sentence_transformers": medians["dabba"] / medians["sentence_transformers"]},
+                     indent=2))
+
+
+if __name__ == "__main__":
+    main()
