@@ -86,3 +86,29 @@ def test_score_and_rerank_over_http(cross_encoder) -> None:
         for body, path, param in bad:
             r = httpx.post(f"{url}{path}", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+
+
+def test_a_decoder_reranker_scores_from_its_last_token(tmp_path) -> None:
+    """Qwen3-Reranker's sequence-classification form (Qwen3ForSequenceClassification: a score head
+    over the last token), against transformers on each pair; chunked through a small budget, and
+    with the query's blocks shared through the prefix cache."""
+    import transformers
+
+    from tools.tiny_checkpoint import save_byte_level_tokenizer
+
+    vocab = save_byte_level_tokenizer(tmp_path, 1024, "docstrings")
+    config = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_labels=1,
+                                      initializer_range=0.1, bos_token_id=0, eos_token_id=1)
+    config.architectures = ["Qwen3ForSequenceClassification"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = [torch.sigmoid(model(**tokenizer(QUERY, d, return_tensors="pt")).logits)[0, 0].item() for d in DOCS]
+    for budget in (256, 16):
+        llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=budget)
+        assert llm.llm_engine.model_info.runner == "pooling"
+        scores = [o.outputs.score for o in llm.score(QUERY, DOCS)]
+        torch.testing.assert_close(torch.tensor(scores), torch.tensor(expected), rtol=0, atol=1e-4)

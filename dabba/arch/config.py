@@ -22,6 +22,12 @@ GEMMA_MAX_POSITIONS = {"Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072} 
 BASE_MODEL_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
                             "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
                             "Gemma2Model": "Gemma2ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM"}
+# A family's sequence classifier (transformers' *ForSequenceClassification: the base model and a
+# ``score`` head over the last token), as decoder rerankers save it (Qwen3-Reranker's seq-cls form).
+SEQUENCE_CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM",
+                                     "MistralForSequenceClassification": "MistralForCausalLM",
+                                     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+                                     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 # Architectures dabba knows and refuses, with what to use instead.
 REFUSED_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "Gemma 3's multimodal checkpoints (4B and up: vision tower, "
@@ -100,6 +106,8 @@ class ArchConfig:
     base_model: bool = False
     # a BERT-style bidirectional encoder (arch/encoder_config.py): it pools or classifies, never generates
     encoder: EncoderConfig | None = None
+    # a decoder sequence classifier (SEQUENCE_CLASSIFIER_ARCHITECTURES): its score head's outputs
+    num_labels: int = 0
 
     @property
     def attn_scale(self) -> float:
@@ -153,9 +161,12 @@ class ArchConfig:
         encoder = next((a for a in named if a in ENCODER_ARCHITECTURES), None)
         if encoder is not None:
             return cls._encoder(encoder, cfg)
-        archs = [BASE_MODEL_ARCHITECTURES.get(a, a) if isinstance(a, str) else a for a in named]
+        bases = {**BASE_MODEL_ARCHITECTURES, **SEQUENCE_CLASSIFIER_ARCHITECTURES}
+        archs = [bases.get(a, a) if isinstance(a, str) else a for a in named]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         base_model = arch is not None and named[archs.index(arch)] != arch
+        classifier = arch is not None and named[archs.index(arch)] in SEQUENCE_CLASSIFIER_ARCHITECTURES
+        num_labels = (cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 1) if classifier else 0
         refused = next((a for a in archs if a in REFUSED_ARCHITECTURES), None)
         if arch is None and refused is not None:
             raise ValueError(f"unsupported architecture {refused!r}: {REFUSED_ARCHITECTURES[refused]}")
@@ -250,6 +261,7 @@ class ArchConfig:
             query_pre_attn_scalar=None if query_pre_attn_scalar is None else float(query_pre_attn_scalar),
             rope_local_theta=None if local_rope is None else float(local_rope["rope_theta"]),
             base_model=base_model,
+            num_labels=num_labels,
             **caps,
         )
 

@@ -42,6 +42,7 @@ class PoolerConfig:
 
 
 CROSS_ENCODER = PoolerConfig("CLS", False, source="a sequence classifier (its first token)", task="score")
+DECODER_SCORER = PoolerConfig("LAST", False, source="a decoder's sequence classifier (its last token)", task="score")
 
 
 def is_sentence_transformer(model_dir: Path) -> bool:

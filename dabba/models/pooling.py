@@ -24,9 +24,16 @@ class PoolingModelMixin:
         nn.Module.__init__(self)
         self.config = cfg
         self.model = self.model_cls(cfg, max_position, self.layer_cls, quant_config)
+        # a sequence classifier's head over the last token (Qwen3-Reranker's seq-cls form: one logit)
+        self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a model served as a pooler has no LM head: it does not generate")
+
+    def classify(self, last: torch.Tensor) -> torch.Tensor:
+        """[num_inputs, hidden] last-token states -> [num_inputs, num_labels] float32 logits."""
+        assert self.score is not None, "classify() needs a sequence-classification checkpoint"
+        return self.score(last).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      on_loaded: Callable[[str, Hashable], None] | None = None) -> None:
@@ -37,7 +44,7 @@ def _base_model_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator
     for name, tensor in weights:
         if name.startswith("lm_head."):
             continue
-        yield (name if name.startswith("model.") else f"model.{name}"), tensor
+        yield (name if name.startswith(("model.", "score.")) else f"model.{name}"), tensor
 
 
 @functools.cache

@@ -14,7 +14,8 @@ import torch
 
 from dabba.arch.config import ArchConfig
 from dabba.arch.files import read_json_object
-from dabba.arch.pooling_config import CROSS_ENCODER, PoolerConfig, is_sentence_transformer, read_pooler_config
+from dabba.arch.pooling_config import (CROSS_ENCODER, DECODER_SCORER, PoolerConfig, is_sentence_transformer,
+                                      read_pooler_config)
 from dabba.config import EngineConfig
 from dabba.models.hub import MODEL_FILES, TOKENIZER_FILES, resolve_model_dir
 from dabba.quantization.config import QUANTIZATION_METHODS, QuantConfig
@@ -125,6 +126,11 @@ def resolve_config(config: EngineConfig, model_files: list[str] = MODEL_FILES) -
             raise ValueError(f"{model_dir}: a sequence classifier with {arch.encoder.num_labels} labels; dabba serves "
                              "cross-encoders that score a text pair with one logit")
         pooler = CROSS_ENCODER
+    elif arch.num_labels:
+        if arch.num_labels != 1:
+            raise ValueError(f"{model_dir}: a sequence classifier with {arch.num_labels} labels; dabba serves "
+                             "rerankers that score a text pair with one logit")
+        pooler = DECODER_SCORER
     else:
         pooler = read_pooler_config(model_dir, read_json_object(model_dir / "config.json"), mc.pooling_type,
                                     "LAST" if arch.encoder is None else "CLS")
