@@ -99,6 +99,7 @@ def test_a_decoder_reranker_scores_from_its_last_token(tmp_path) -> None:
     vocab = save_byte_level_tokenizer(tmp_path, 1024, "docstrings")
     config = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_labels=1,
+                                      max_position_embeddings=512,
                                       initializer_range=0.1, bos_token_id=0, eos_token_id=1)
     config.architectures = ["Qwen3ForSequenceClassification"]
     torch.manual_seed(0)
