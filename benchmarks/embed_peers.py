@@ -54,7 +54,7 @@ print(json.dumps(bench_embed({model!r}, EmbedWorkload({num}, {length}), dtype={d
 
 
 def make_shapes(out: Path) -> dict[str, str]:
-    from tools.tiny_checkpoint import embedding_checkpoint, encoder_checkpoint
+    from tools.embedding_checkpoints import embedding_checkpoint, encoder_checkpoint
 
     made = {}
     for name, shape in SHAPES.items():

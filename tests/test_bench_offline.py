@@ -68,7 +68,7 @@ def test_bench_latency_cli(checkpoints, capsys) -> None:
 
 
 def test_bench_embed_cli(tmp_path, capsys) -> None:
-    from tools.tiny_checkpoint import encoder_checkpoint
+    from tools.embedding_checkpoints import encoder_checkpoint
 
     path = encoder_checkpoint(tmp_path / "bert", "BertModel", "CLS")
     assert main(["bench", "embed", str(path), "--num-prompts", "10", "--input-len", "20", "--batch-size", "4",

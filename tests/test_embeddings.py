@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from dabba import LLM, SamplingParams
 from dabba.pooling_params import PoolingParams
-from tools.tiny_checkpoint import embedding_checkpoint
+from tools.embedding_checkpoints import embedding_checkpoint
 
 TEXTS = ["hello", "Return a new list containing all items from the iterable in ascending order.",
          "json", "Decode a JSON document from s (a str beginning with a JSON document) and return a 2-tuple of the "
@@ -168,7 +168,7 @@ def test_the_checkpoint_says_how_it_pools(tmp_path, llama_mean) -> None:
 @pytest.mark.parametrize("arch, pooling", [("BertModel", "CLS"), ("XLMRobertaModel", "MEAN")])
 def test_encoder_embeddings_equal_sentence_transformers(arch, pooling, tmp_path) -> None:
     """Bidirectional attention within each input, no KV kept, every input whole in its step."""
-    from tools.tiny_checkpoint import encoder_checkpoint
+    from tools.embedding_checkpoints import encoder_checkpoint
 
     path = encoder_checkpoint(tmp_path / "m", arch, pooling)
     llm = LLM(str(path), dtype="float32", max_num_batched_tokens=128, max_num_seqs=8)
@@ -189,7 +189,7 @@ def test_bf16_embeddings_stay_close_to_float32(kind, qwen3_embedding, tmp_path) 
     """bf16 weights and activations: within a cosine of 0.999 of sentence-transformers' float32
     vectors on these tiny random checkpoints (bf16 keeps 8 bits of mantissa; a layer's rounding
     moves a unit vector by about 2**-8 relative)."""
-    from tools.tiny_checkpoint import encoder_checkpoint
+    from tools.embedding_checkpoints import encoder_checkpoint
 
     path = qwen3_embedding if kind == "decoder" else encoder_checkpoint(tmp_path / "m", "BertModel", "MEAN")
     ours = torch.tensor(vectors(LLM(str(path), dtype="bfloat16").embed(TEXTS)))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from dabba import LLM
 from tests.entrypoints.live_server import live_server
-from tools.tiny_checkpoint import embedding_checkpoint, encoder_checkpoint
+from tools.embedding_checkpoints import embedding_checkpoint, encoder_checkpoint
 
 QUERY = "what does json do"
 DOCS = ["Decode a JSON document from s and return a Python object.", "hello",

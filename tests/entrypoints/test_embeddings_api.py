@@ -14,7 +14,7 @@ from dabba import LLM
 from dabba.entrypoints.openai.serving_embedding import MAX_EMBEDDING_INPUTS
 
 from tests.entrypoints.live_server import live_server
-from tools.tiny_checkpoint import embedding_checkpoint
+from tools.embedding_checkpoints import embedding_checkpoint
 
 MODEL = "emb"
 TEXTS = ["hello world", "Return a new list containing all items from the iterable in ascending order."]

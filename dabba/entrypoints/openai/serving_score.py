@@ -3,6 +3,7 @@ llama.cpp answer: a query, documents, top_n, return_documents), on a cross-encod
 model (entrypoints/scoring.py says how each scores a pair)."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -48,8 +49,8 @@ class OpenAIServingScore(OpenAIServing):
             raise OpenAIError(400, f"{len(pairs)} pairs to score; at most {MAX_SCORED_PAIRS} per request",
                               param=field_of_texts)
         info = self.client.model_info
-        try:
-            plan: ScoringPlan = plan_scoring(info, pairs)
+        try:  # a cross-encoder tokenizes up to MAX_SCORED_PAIRS pairs: off the event loop, as prompts are
+            plan: ScoringPlan = await asyncio.to_thread(plan_scoring, info, pairs)
             params = PoolingParams(truncate_prompt_tokens=truncate)
         except InvalidRequest as e:
             raise OpenAIError(400, str(e), param=e.param if e.param in ("text_1", "text_2", "truncate_prompt_tokens")
