@@ -2,7 +2,9 @@
 temporary directory once per session, plus greedy references computed by `transformers`."""
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,10 +103,25 @@ def hf_greedy(model, prompts: list[list[int]], num_new: int) -> list[list[int]]:
     return out
 
 
+# A suite run in a subprocess (tests/test_kernel_variants.py) takes its parent's checkpoints and
+# references from this JSON file rather than making them and running transformers again.
+SHARED_CHECKPOINTS_ENV = "DABBA_TEST_CHECKPOINTS"
+
+
+def share_checkpoints(checkpoints: dict[str, Checkpoint], path: Path) -> dict[str, str]:
+    """Write the checkpoints for a subprocess; the environment entry that points it there."""
+    path.write_text(json.dumps({name: {"path": str(c.path), "prompts": c.prompts, "reference": c.reference}
+                                for name, c in checkpoints.items()}))
+    return {SHARED_CHECKPOINTS_ENV: str(path)}
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
     from transformers import AutoModelForCausalLM
 
+    if shared := os.environ.get(SHARED_CHECKPOINTS_ENV):
+        return {name: Checkpoint(name, Path(c["path"]), c["prompts"], c["reference"])
+                for name, c in json.loads(Path(shared).read_text()).items()}
     result = {}
     for name, spec in CHECKPOINTS.items():
         spec = dict(spec)

@@ -64,14 +64,16 @@ def _other_runnable_variants() -> list[str]:
 
 
 @pytest.mark.parametrize("variant", _other_runnable_variants())
-def test_kernel_suites_pass_on_every_variant_this_cpu_runs(variant):
+def test_kernel_suites_pass_on_every_variant_this_cpu_runs(variant, checkpoints, tmp_path):
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    from tests.conftest import share_checkpoints
+
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, kv.ISA_ENV: variant}
+    env = {**os.environ, kv.ISA_ENV: variant, **share_checkpoints(checkpoints, tmp_path / "checkpoints.json")}
     probe = subprocess.run([sys.executable, "-c", "from dabba.ops import native; print(native.loaded_variant())"],
                            cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert probe.stdout.strip().splitlines()[-1] == variant, probe.stderr[-3000:]

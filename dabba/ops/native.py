@@ -2,15 +2,17 @@
 
 They come in instruction-set variants (dabba/ops/kernel_variants.py), and the running CPU's is loaded:
 from the installed package where setup.py built it (a wheel needs no compiler), else compiled on
-first use by torch's C++ extension loader (g++ and ninja, about 30-40 s, once per machine, variant
-and source version; an editable install works this way). Where neither is possible (no compiler,
+first use by torch's C++ extension loader (g++ and ninja, once per machine, variant and source
+version; an editable install works this way). Where neither is possible (no compiler,
 another platform), everything falls back to plain PyTorch, which stays the reference.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ logger = logging.getLogger("dabba")
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # dabba/
 CSRC = PACKAGE_DIR / "csrc"
 PREBUILT = PACKAGE_DIR / "_kernels"  # setup.py's libraries, one per variant
+PRECOMPILED_HEADERS = ("ATen/ATen.h", "ATen/Parallel.h", "torch/library.h")  # what most sources include
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,10 +73,50 @@ def _build(variant: kernel_variants.IsaVariant) -> str:
         if stale.exists():
             logger.warning("removing %s, left by a build that was killed", stale)
             stale.unlink()
-        load(name=name, sources=[str(CSRC / s) for s in kernel_variants.SOURCES], is_python_module=False,
-             build_directory=str(build_dir), extra_cflags=[*kernel_variants.COMMON_CFLAGS, *variant.cflags],
-             extra_ldflags=list(kernel_variants.COMMON_LDFLAGS))
+        cflags = [*kernel_variants.COMMON_CFLAGS, *variant.cflags]
+        with _precompiled_header(build_dir, name, cflags) as include:
+            load(name=name, sources=[str(CSRC / s) for s in kernel_variants.SOURCES], is_python_module=False,
+                 build_directory=str(build_dir), extra_cflags=[*cflags, *include],
+                 extra_ldflags=list(kernel_variants.COMMON_LDFLAGS))
     return f"built in {build_dir}"
+
+
+@contextlib.contextmanager
+def _precompiled_header(build_dir: Path, name: str, cflags: list[str]) -> Iterator[list[str]]:
+    """Every source includes ATen, whose parsing is most of each file's compile time. Where the
+    library looks out of date, GCC parses ATen once into a precompiled header, under the flags
+    torch's loader gives the sources, and each source starts from it; the header (hundreds of MB)
+    is deleted after the build. The sources are always told to include the header's text, so
+    the compile commands, which the loader rebuilds on, never change; GCC reads the text where
+    the precompiled form is absent, stale or foreign, which costs time, never correctness."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    header = build_dir / "dabba_pch.h"
+    text = "".join(f"#include <{h}>\n" for h in PRECOMPILED_HEADERS)
+    if not header.exists() or header.read_text() != text:
+        header.write_text(text)
+    library = build_dir / f"{name}.so"
+    newest_source = max(p.stat().st_mtime for p in CSRC.iterdir())
+    compiler = cpp_extension.get_cxx_compiler()
+    precompiled = Path(f"{header}.gch")
+    if ((not library.exists() or library.stat().st_mtime < newest_source)
+            and cpp_extension.check_compiler_is_gcc(compiler)):
+        includes = [*cpp_extension.include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
+        # torch's own flags for an extension's sources (_write_ninja_file_to_build_library), then ours
+        command = [compiler, "-x", "c++-header", str(header), "-o", str(precompiled),
+                   f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                   *(f"-isystem{p}" for p in includes), "-fPIC", "-std=c++20", *cflags]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            logger.warning("precompiling ATen's headers failed; the build parses them per source: %s",
+                           done.stderr[-2000:])
+    try:
+        yield ["-include", str(header)]
+    finally:
+        precompiled.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
