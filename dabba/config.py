@@ -40,6 +40,17 @@ def parse_bytes(text: str | int) -> int:
         raise ValueError(f"cannot read {text!r} as a size in bytes (examples: 4GiB, 512MiB, 1000000)") from None
 
 
+def json_object(text: str, field_name: str = "value") -> dict[str, Any]:
+    """A flag's JSON object text -> the dict."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{field_name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{field_name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _help(text: str, default: Any = dataclasses.MISSING, parse: Any = None) -> Any:
     """A field whose help text (and optional CLI parser) travel in its metadata."""
     metadata = {"help": text, **({"parse": parse} if parse else {})}
@@ -58,6 +69,11 @@ class ModelConfig:
     tokenizer: str | None = _help("The tokenizer's directory or Hub repo id, where it is not the model's.", None)
     chat_template: str | None = _help("A chat template in place of the checkpoint's: a file's path, or the "
                                       "template's text (Jinja, as Hugging Face writes them).", None)
+    hf_overrides: dict[str, Any] | None = _help(
+        'Fields laid over the checkpoint\'s config.json, as a JSON object (vLLM\'s flag). Qwen3-Reranker as '
+        'released, served as a reranker: {"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true} (its score: the "yes" '
+        'token\'s probability against "no" at the last token of its judging prompt).', None, parse=json_object)
     gguf_file: str | None = _help(
         "The GGUF file to serve from the Hub repo given as the model (its path in the repo); the model's :TAG "
         "(llama.cpp's owner/repo:Q4_K_M) picks one by its quantization too.", None)
@@ -82,6 +98,10 @@ class ModelConfig:
         'reference (forward hooks and changes to a layer\'s forward take effect only there).', "auto")
 
     def __post_init__(self) -> None:
+        if isinstance(self.hf_overrides, str):
+            object.__setattr__(self, "hf_overrides", json_object(self.hf_overrides, "hf_overrides"))
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a JSON object, got {type(self.hf_overrides).__name__}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dabba.entrypoints.cli import build_parser, main
 
 
@@ -21,6 +23,10 @@ def test_engine_flags_come_from_the_config_dataclasses() -> None:
                                       "--max-num-batched-tokens", "128", "--no-enable-prefix-caching"])
     assert (args.kv_cache_memory, args.max_num_batched_tokens, args.enable_prefix_caching) == (int(1.5 * 2**30), 128, False)
     assert args.block_size is None  # unset flags keep the dataclass default
+    args = build_parser().parse_args(["serve", "m", "--hf-overrides", '{"classifier_from_token": ["no", "yes"]}'])
+    assert args.hf_overrides == {"classifier_from_token": ["no", "yes"]}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--hf-overrides", '["no"]'])
 
 
 def test_bad_option_exits_with_a_message(checkpoints, capsys) -> None:

@@ -82,6 +82,7 @@ def test_score_and_rerank_over_http(cross_encoder) -> None:
         bad = [({"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "/v1/score", "text_2"),
                ({"text_1": [], "text_2": "x"}, "/v1/score", "text_1"),
                ({"query": "q"}, "/v1/rerank", "documents"),
+               ({"query": "q", "documents": ["d"], "instruction": "x"}, "/v1/rerank", "instruction"),
                ({"input": "x"}, "/v1/embeddings", "input")]  # a cross-encoder does not embed
         for body, path, param in bad:
             r = httpx.post(f"{url}{path}", json=body)
@@ -113,3 +114,86 @@ def test_a_decoder_reranker_scores_from_its_last_token(tmp_path) -> None:
         assert llm.llm_engine.model_info.runner == "pooling"
         scores = [o.outputs.score for o in llm.score(QUERY, DOCS)]
         torch.testing.assert_close(torch.tensor(scores), torch.tensor(expected), rtol=0, atol=1e-4)
+
+
+def _original_qwen3_reranker(path) -> tuple[object, object]:
+    """A tiny Qwen3ForCausalLM as Qwen3-Reranker ships (an LM head, no score head), its tokenizer
+    given whole-word "yes" and "no" tokens as Qwen's vocabulary has; the model and tokenizer."""
+    import transformers
+    from tokenizers import AddedToken
+
+    from tools.tiny_checkpoint import save_byte_level_tokenizer
+
+    save_byte_level_tokenizer(path, 1024, "docstrings")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens([AddedToken(t, single_word=True, normalized=False) for t in ("yes", "no")])
+    tokenizer.save_pretrained(path)
+    config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=1024, tie_word_embeddings=True, initializer_range=0.1,
+                                      bos_token_id=0, eos_token_id=1)
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(path)
+    return model, tokenizer
+
+
+QWEN3_RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"],
+                            "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+
+
+def test_the_original_qwen3_reranker_scores_yes_against_no(tmp_path) -> None:
+    """Qwen3-Reranker as released (a causal LM; vLLM's hf_overrides make it a reranker): each pair
+    in the model's judging prompt, the score P("yes") of the two-way softmax over the "no" and
+    "yes" logits at the last token, as its model card computes with transformers; with the
+    default and a custom instruction, through a small budget (chunked) and over HTTP."""
+    # the model card's prompt, written out here as it writes it
+    prefix = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+              'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n')
+    suffix = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    model, tokenizer = _original_qwen3_reranker(tmp_path)
+    no, yes = tokenizer.convert_tokens_to_ids("no"), tokenizer.convert_tokens_to_ids("yes")
+
+    def expected(instruction: str) -> torch.Tensor:
+        out = []
+        for doc in DOCS:
+            text = f"{prefix}<Instruct>: {instruction}\n<Query>: {QUERY}\n<Document>: {doc}{suffix}"
+            with torch.no_grad():
+                logits = model(**tokenizer(text, return_tensors="pt")).logits[0, -1]
+            out.append(torch.softmax(logits[[no, yes]], dim=-1)[1].item())
+        return torch.tensor(out)
+
+    default = expected("Given a web search query, retrieve relevant passages that answer the query")
+    custom = expected("Find the docstring of a JSON function")
+    for budget in (512, 16):
+        llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=budget, hf_overrides=QWEN3_RERANKER_OVERRIDES)
+        assert llm.llm_engine.model_info.runner == "pooling"
+        torch.testing.assert_close(torch.tensor([o.outputs.score for o in llm.score(QUERY, DOCS)]), default,
+                                   rtol=0, atol=1e-4)
+        ranked = llm.rerank(QUERY, DOCS, instruction="Find the docstring of a JSON function")
+        by_index = sorted(ranked, key=lambda r: r.index)
+        torch.testing.assert_close(torch.tensor([r.relevance_score for r in by_index]), custom, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="instruction"):  # a cross-encoder's pairs have no instruction to take
+        one_token = {**QWEN3_RERANKER_OVERRIDES, "is_original_qwen3_reranker": False, "classifier_from_token": ["yes"]}
+        LLM(str(tmp_path), dtype="float32", hf_overrides=one_token).score(QUERY, DOCS, instruction="x")
+    with live_server(str(tmp_path), "rr", None, hf_overrides=QWEN3_RERANKER_OVERRIDES) as (url, _):
+        r = httpx.post(f"{url}/v1/rerank", json={"query": QUERY, "documents": DOCS,
+                                                 "instruction": "Find the docstring of a JSON function"})
+        assert r.status_code == 200, r.text
+        scores = {item["index"]: item["relevance_score"] for item in r.json()["results"]}
+        torch.testing.assert_close(torch.tensor([scores[i] for i in range(len(DOCS))]), custom, rtol=0, atol=1e-4)
+        r = httpx.post(f"{url}/v1/score", json={"text_1": QUERY, "text_2": DOCS})
+        torch.testing.assert_close(torch.tensor([d["score"] for d in r.json()["data"]]), default, rtol=0, atol=1e-4)
+
+
+def test_classifier_tokens_are_checked(tmp_path) -> None:
+    _original_qwen3_reranker(tmp_path)
+    for overrides, says in [({**QWEN3_RERANKER_OVERRIDES, "classifier_from_token": ["no", "maybe"]}, "maybe"),
+                            ({**QWEN3_RERANKER_OVERRIDES, "classifier_from_token": ["no", "yes", "no"]}, "one or two"),
+                            ({"classifier_from_token": ["no", "yes"]}, "classifier_from_token"),
+                            ({"architectures": "Qwen3ForCausalLM"}, "architectures")]:
+        with pytest.raises(ValueError, match=says):
+            LLM(str(tmp_path), dtype="float32", hf_overrides=overrides)
+    with pytest.raises(ValueError, match="hf_overrides"):
+        LLM(str(tmp_path), hf_overrides="[1]")

@@ -108,6 +108,14 @@ class ArchConfig:
     encoder: EncoderConfig | None = None
     # a decoder sequence classifier (SEQUENCE_CLASSIFIER_ARCHITECTURES): its score head's outputs
     num_labels: int = 0
+    # vLLM's classifier_from_token: a causal LM served as a classifier, its score head made from the
+    # LM head's rows for these tokens (one: that token's logit; two, [a, b]: b's logit minus a's,
+    # whose sigmoid is b's probability in the two-way softmax). The ids: the tokenizer's, filled in
+    # when the config is resolved (models/resolved_config.py)
+    classifier_from_token: tuple[str, ...] = ()
+    classifier_token_ids: tuple[int, ...] = ()
+    # Qwen3-Reranker as released: pairs are read in its judging prompt (entrypoints/scoring.py)
+    original_qwen3_reranker: bool = False
 
     @property
     def attn_scale(self) -> float:
@@ -122,11 +130,16 @@ class ArchConfig:
         return self.sliding_window
 
     @classmethod
-    def from_hf(cls, model_dir: str | Path) -> "ArchConfig":
+    def from_hf(cls, model_dir: str | Path, overrides: dict[str, Any] | None = None) -> "ArchConfig":
+        """``overrides``: fields laid over config.json's (the hf_overrides option)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"{model_dir} has no config.json: is it a Hugging Face model directory?")
-        cfg = read_json_object(path)
+        cfg = {**read_json_object(path), **(overrides or {})}
+        named = cfg.get("architectures")
+        if named is not None and not (isinstance(named, list) and all(isinstance(a, str) for a in named)):
+            raise ValueError(f"{path}{' with hf_overrides' if overrides else ''}: architectures must be a list of "
+                             f"names, got {named!r}")
         try:
             arch = cls.from_dict(cfg)
         except KeyError as e:
@@ -176,6 +189,9 @@ class ArchConfig:
                 f"unsupported architecture {named or cfg.get('model_type')!r}{remote}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        from_token = _classifier_from_token(cfg, classifier)
+        if from_token:
+            num_labels = 1
         gemma = arch in GEMMA_ARCHITECTURES
         # transformers' Gemma 2/3 read hidden_activation (their configs may carry a stale hidden_act too)
         act_field = "hidden_activation" if gemma else "hidden_act"
@@ -262,8 +278,28 @@ class ArchConfig:
             rope_local_theta=None if local_rope is None else float(local_rope["rope_theta"]),
             base_model=base_model,
             num_labels=num_labels,
+            classifier_from_token=from_token,
+            original_qwen3_reranker=bool(cfg.get("is_original_qwen3_reranker")),
             **caps,
         )
+
+
+def _classifier_from_token(cfg: dict[str, Any], classifier: bool) -> tuple[str, ...]:
+    """vLLM's spelling: ``classifier_from_token`` names the tokens; ``is_original_qwen3_reranker``
+    alone means Qwen3-Reranker's ["no", "yes"]."""
+    tokens = cfg.get("classifier_from_token")
+    if tokens is None and cfg.get("is_original_qwen3_reranker"):
+        tokens = ["no", "yes"]
+    if tokens is None:
+        return ()
+    if not (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens) and len(tokens) in (1, 2)):
+        raise ValueError(f"classifier_from_token must list one or two tokens, got {tokens!r}")
+    if not classifier:
+        raise ValueError("classifier_from_token makes a sequence classifier of a causal LM: the architectures must "
+                         f"name one ({', '.join(SEQUENCE_CLASSIFIER_ARCHITECTURES)})")
+    if cfg.get("final_logit_softcapping"):
+        raise ValueError("classifier_from_token needs the LM head's logits linear (no final_logit_softcapping)")
+    return tuple(tokens)
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -22,7 +22,9 @@ class PoolerConfig:
     of its embedding is an embedding (a request may ask for ``dimensions``); ``prompt``: text put
     before every input (sentence-transformers' default prompt); ``source``: where this came from;
     ``task``: "embed" (the pooled vector is the output) or "score" (a cross-encoder: the first
-    token's state goes through the model's classifier, a text pair's relevance logit)."""
+    token's state goes through the model's classifier, a text pair's relevance logit);
+    ``pair_template``: a scorer that reads each pair inside a prompt of its own (Qwen3-Reranker's),
+    a str.format template over {instruction}, {query} and {document}, with ``instruction``'s default."""
 
     pooling_type: str
     normalize: bool
@@ -30,6 +32,8 @@ class PoolerConfig:
     prompt: str = ""
     source: str = "the family's convention"
     task: str = "embed"
+    pair_template: str = ""
+    instruction: str = ""
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -43,6 +47,15 @@ class PoolerConfig:
 
 CROSS_ENCODER = PoolerConfig("CLS", False, source="a sequence classifier (its first token)", task="score")
 DECODER_SCORER = PoolerConfig("LAST", False, source="a decoder's sequence classifier (its last token)", task="score")
+# Qwen3-Reranker's judging prompt and default instruction, as its model card builds them
+QWEN3_RERANKER_TEMPLATE = (
+    '<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct '
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+    "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+QWEN3_RERANKER = PoolerConfig("LAST", False, source="Qwen3-Reranker as released (yes against no)", task="score",
+                              pair_template=QWEN3_RERANKER_TEMPLATE,
+                              instruction="Given a web search query, retrieve relevant passages that answer the query")
 
 
 def is_sentence_transformer(model_dir: Path) -> bool:

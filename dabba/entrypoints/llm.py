@@ -114,13 +114,14 @@ class LLM:
         return self._run(prompts, params, None, "Embedding", use_tqdm)
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = True,
-              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+              truncate_prompt_tokens: int | None = None, instruction: str | None = None) -> list[ScoringRequestOutput]:
         """How well each text_2 answers text_1 (one text_1 against every text_2, or two lists pairwise),
         as vLLM's LLM.score: a cross-encoder's sigmoid of its logit for the pair, or an embedding
-        model's cosine similarity of the two (entrypoints/scoring.py)."""
+        model's cosine similarity of the two (entrypoints/scoring.py); ``instruction``: what a
+        reranker with a judging prompt (Qwen3-Reranker) judges by."""
         pairs = pair_up(text_1 if isinstance(text_1, str) else list(text_1),
                         text_2 if isinstance(text_2, str) else list(text_2))
-        plan = plan_scoring(self.llm_engine.model_info, pairs)
+        plan = plan_scoring(self.llm_engine.model_info, pairs, instruction)
         outs = self.embed(plan.prompts, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
         scores = plan.scores([o.outputs.embedding for o in outs])
         per_pair = len(outs) // len(pairs)
@@ -129,11 +130,11 @@ class LLM:
                                      ScoringOutput(score)) for i, score in enumerate(scores)]
 
     def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
-               use_tqdm: bool = True) -> list[RerankResult]:
+               use_tqdm: bool = True, instruction: str | None = None) -> list[RerankResult]:
         """The documents ordered by how well each answers ``query`` (score()), best first; the
         first ``top_n`` of them."""
         documents = list(documents)
-        scores = [o.outputs.score for o in self.score(query, documents, use_tqdm)]
+        scores = [o.outputs.score for o in self.score(query, documents, use_tqdm, instruction=instruction)]
         order = sorted(range(len(documents)), key=lambda i: -scores[i])
         return [RerankResult(i, documents[i], scores[i]) for i in order[:top_n]]
 

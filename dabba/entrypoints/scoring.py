@@ -1,6 +1,7 @@
 """Scoring text pairs, shared by LLM.score / LLM.rerank and the server's /score and /rerank: a
-cross-encoder reads each pair whole (its tokenizer's pair template, token types) and its logit
-through a sigmoid is the score (sentence-transformers' CrossEncoder, vLLM); an embedding model
+cross-encoder reads each pair whole (its tokenizer's pair template, token types, or a prompt of
+its own: Qwen3-Reranker's, with an instruction) and its logit through a sigmoid is the score
+(sentence-transformers' CrossEncoder, vLLM); an embedding model
 embeds each text and the score is the two embeddings' cosine similarity (vLLM's score on
 embedding models)."""
 from __future__ import annotations
@@ -42,13 +43,24 @@ def pair_up(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str,
     return list(zip(firsts, seconds))
 
 
-def plan_scoring(info: ModelInfo, pairs: list[tuple[str, str]]) -> ScoringPlan:
-    if info.pooler is None:
+def plan_scoring(info: ModelInfo, pairs: list[tuple[str, str]], instruction: str | None = None) -> ScoringPlan:
+    """``instruction``: what a reranker with a prompt of its own is told to judge by (its default
+    where None)."""
+    pooler = info.pooler
+    if pooler is None:
         raise InvalidRequest(None, f"this model ({info.architecture}) neither embeds nor scores text pairs")
-    if info.pooler.task == "score":
+    if instruction is not None and not pooler.pair_template:
+        raise InvalidRequest("instruction", f"this model ({info.architecture}) reads no instruction: only a reranker "
+                                            "with a judging prompt (Qwen3-Reranker) does")
+    if pooler.task == "score":
+        told = pooler.instruction if instruction is None else instruction
         prompts: list[dict[str, Any] | str] = []
         for first, second in pairs:
-            ids, types = info.tokenizer.encode_pair(first, second)
+            if pooler.pair_template:  # the pair inside the judging prompt: one segment
+                ids = info.tokenizer.encode(pooler.pair_template.format(instruction=told, query=first, document=second))
+                types = [0] * len(ids)
+            else:
+                ids, types = info.tokenizer.encode_pair(first, second)
             prompts.append({"prompt_token_ids": ids, "token_type_ids": types})
         return ScoringPlan(prompts, True)
     return ScoringPlan([text for pair in pairs for text in pair], False)

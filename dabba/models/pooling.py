@@ -37,14 +37,33 @@ class PoolingModelMixin:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      on_loaded: Callable[[str, Hashable], None] | None = None) -> None:
-        super().load_weights(_base_model_tensors(weights), on_loaded)  # type: ignore[misc]
+        super().load_weights(_base_model_tensors(weights, self.config), on_loaded)  # type: ignore[misc]
 
 
-def _base_model_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _base_model_tensors(weights: Iterable[tuple[str, torch.Tensor]],
+                        cfg: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's tensors under their ``model.`` names, and the score head; a causal LM
+    read as a classifier (classifier_from_token) has its head made from the LM head's rows (the
+    embedding's, where they are tied)."""
+    source = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     for name, tensor in weights:
-        if name.startswith("lm_head."):
+        if name.startswith("lm_head.") and name != source:
             continue
-        yield (name if name.startswith(("model.", "score.")) else f"model.{name}"), tensor
+        name = name if name.startswith(("model.", "score.", "lm_head.")) else f"model.{name}"
+        if cfg.classifier_token_ids and name == source:
+            yield "score.weight", _score_from_tokens(tensor, cfg.classifier_token_ids, name)
+        if name != "lm_head.weight":
+            yield name, tensor
+
+
+def _score_from_tokens(lm_head: torch.Tensor, token_ids: tuple[int, ...], name: str) -> torch.Tensor:
+    """One token: its row (its logit); two, [a, b]: b's row minus a's (b's logit minus a's, whose
+    sigmoid is b's two-way softmax probability: vLLM's from_2_way_softmax)."""
+    if lm_head.dim() != 2 or max(token_ids) >= lm_head.shape[0]:
+        raise ValueError(f"classifier_from_token: token ids {list(token_ids)} are not rows of {name} "
+                         f"{tuple(lm_head.shape)}")
+    rows = lm_head[list(token_ids)].float()
+    return (rows[1] - rows[0] if len(token_ids) == 2 else rows[0]).unsqueeze(0)
 
 
 @functools.cache

@@ -6,7 +6,7 @@ evaluation and the draft model read this object; nothing resolves a setting a se
 It sits on the models rung: it locates checkpoints (hub.py) and picks each one's linear method."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +14,8 @@ import torch
 
 from dabba.arch.config import ArchConfig
 from dabba.arch.files import read_json_object
-from dabba.arch.pooling_config import (CROSS_ENCODER, DECODER_SCORER, PoolerConfig, is_sentence_transformer,
-                                      read_pooler_config)
+from dabba.arch.pooling_config import (CROSS_ENCODER, DECODER_SCORER, QWEN3_RERANKER, PoolerConfig,
+                                      is_sentence_transformer, read_pooler_config)
 from dabba.config import EngineConfig
 from dabba.models.hub import MODEL_FILES, TOKENIZER_FILES, resolve_model_dir
 from dabba.quantization.config import QUANTIZATION_METHODS, QuantConfig
@@ -76,6 +76,22 @@ def resolve_runner(requested: str, arch: ArchConfig, model_dir: Path) -> str:
     return "pooling" if arch.base_model or is_sentence_transformer(model_dir) else "generate"
 
 
+def classifier_token_ids(tokenizer_dir: Path, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """The vocabulary ids of classifier_from_token's tokens (as written in tokenizer.json's
+    vocabulary or its added tokens: "yes", not the text that encodes to it)."""
+    from tokenizers import Tokenizer
+
+    path = tokenizer_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"classifier_from_token needs the tokenizer's vocabulary: {tokenizer_dir} has no tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(path))
+    ids = tuple(tokenizer.token_to_id(t) for t in tokens)
+    missing = [t for t, i in zip(tokens, ids) if i is None]
+    if missing:
+        raise ValueError(f"classifier_from_token: {missing} not in the tokenizer's vocabulary")
+    return ids  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class ResolvedDraft:
     """A draft model's checkpoint, resolved as the target's is (speculative decoding)."""
@@ -110,7 +126,9 @@ def resolve_config(config: EngineConfig, model_files: list[str] = MODEL_FILES) -
     model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir, model_files, gguf_file=mc.gguf_file)
     tokenizer_dir = (model_dir if mc.tokenizer is None else
                      resolve_model_dir(mc.tokenizer, None, mc.download_dir, TOKENIZER_FILES, field="tokenizer"))
-    arch = ArchConfig.from_hf(model_dir)
+    arch = ArchConfig.from_hf(model_dir, mc.hf_overrides)
+    if arch.classifier_from_token:
+        arch = replace(arch, classifier_token_ids=classifier_token_ids(Path(tokenizer_dir), arch.classifier_from_token))
     quant_config = checkpoint_quant_config(arch, mc.quantization)
     spec = config.scheduler_config.speculative_config
     draft = None
@@ -130,10 +148,10 @@ def resolve_config(config: EngineConfig, model_files: list[str] = MODEL_FILES) -
         if arch.num_labels != 1:
             raise ValueError(f"{model_dir}: a sequence classifier with {arch.num_labels} labels; dabba serves "
                              "rerankers that score a text pair with one logit")
-        pooler = DECODER_SCORER
+        pooler = QWEN3_RERANKER if arch.original_qwen3_reranker else DECODER_SCORER
     else:
-        pooler = read_pooler_config(model_dir, read_json_object(model_dir / "config.json"), mc.pooling_type,
-                                    "LAST" if arch.encoder is None else "CLS")
+        hf_config = {**read_json_object(model_dir / "config.json"), **(mc.hf_overrides or {})}
+        pooler = read_pooler_config(model_dir, hf_config, mc.pooling_type, "LAST" if arch.encoder is None else "CLS")
     return ResolvedConfig(config, str(model_dir), str(tokenizer_dir), arch, resolve_dtype(mc.dtype, arch.torch_dtype),
                           resolve_device(mc.device), resolve_max_model_len(mc.max_model_len, arch), quant_config, draft,
                           runner, pooler)

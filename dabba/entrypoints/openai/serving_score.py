@@ -26,6 +26,7 @@ class ScoreRequest(OpenAIRequest):
     text_1: str | list[str]
     text_2: str | list[str]
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    instruction: str | None = None  # a reranker with a judging prompt (Qwen3-Reranker): what it judges by
 
 
 class RerankDocument(OpenAIModel):
@@ -39,21 +40,22 @@ class RerankRequest(OpenAIRequest):
     top_n: int | None = Field(default=None, ge=0)
     return_documents: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    instruction: str | None = None
 
 
 class OpenAIServingScore(OpenAIServing):
-    async def _scores(self, pairs: list[tuple[str, str]], truncate: int | None, raw: Request,
-                      field_of_texts: str) -> tuple[list[float], int]:
+    async def _scores(self, pairs: list[tuple[str, str]], truncate: int | None, instruction: str | None,
+                      raw: Request, field_of_texts: str) -> tuple[list[float], int]:
         """Each pair's score and the tokens read, or a 400 naming ``field_of_texts`` for a bad text."""
         if len(pairs) > MAX_SCORED_PAIRS:
             raise OpenAIError(400, f"{len(pairs)} pairs to score; at most {MAX_SCORED_PAIRS} per request",
                               param=field_of_texts)
         info = self.client.model_info
         try:  # a cross-encoder tokenizes up to MAX_SCORED_PAIRS pairs: off the event loop, as prompts are
-            plan: ScoringPlan = await asyncio.to_thread(plan_scoring, info, pairs)
+            plan: ScoringPlan = await asyncio.to_thread(plan_scoring, info, pairs, instruction)
             params = PoolingParams(truncate_prompt_tokens=truncate)
         except InvalidRequest as e:
-            raise OpenAIError(400, str(e), param=e.param if e.param in ("text_1", "text_2", "truncate_prompt_tokens")
+            raise OpenAIError(400, str(e), param=e.param if e.param in ("text_1", "text_2", "truncate_prompt_tokens", "instruction")
                               else ("model" if e.param is None else field_of_texts)) from None
         request_id = random_id("score")
         streams: list[RequestStream] = []
@@ -77,7 +79,7 @@ class OpenAIServingScore(OpenAIServing):
             pairs = pair_up(req.text_1, req.text_2)
         except InvalidRequest as e:
             raise OpenAIError(400, str(e), param=e.param) from None
-        scores, num_tokens = await self._scores(pairs, req.truncate_prompt_tokens, raw, "text_2")
+        scores, num_tokens = await self._scores(pairs, req.truncate_prompt_tokens, req.instruction, raw, "text_2")
         return {"id": random_id("score"), "object": "list", "created": int(time.time()),
                 "model": self.served_model_name,
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -89,8 +91,8 @@ class OpenAIServingScore(OpenAIServing):
         if not texts:
             return {"id": random_id("rerank"), "model": self.served_model_name, "usage": {"total_tokens": 0},
                     "results": []}
-        scores, num_tokens = await self._scores([(req.query, t) for t in texts], req.truncate_prompt_tokens, raw,
-                                                "documents")
+        scores, num_tokens = await self._scores([(req.query, t) for t in texts], req.truncate_prompt_tokens,
+                                                req.instruction, raw, "documents")
         order = sorted(range(len(texts)), key=lambda i: -scores[i])[:req.top_n or None]  # 0: all, as vLLM
         results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": texts[i]}}
                                                                  if req.return_documents else {})} for i in order]
