@@ -1,14 +1,19 @@
 """Embedding throughput side by side: dabba (`dabba bench embed`'s measurement) against
-sentence-transformers on the same checkpoint, the same texts and the same threads, each in a
-process of its own, alternating, on random checkpoints of real embedding models' shapes.
+sentence-transformers on the same checkpoint, and llama.cpp (llama-cpp-python's embed(), the
+loop llama-server's /embedding runs) on the checkpoint converted to GGUF by llama.cpp's own
+converter, the same texts and the same threads, each in a process of its own, in turn, on random
+checkpoints of real embedding models' shapes.
 
     .venv/bin/python -m benchmarks.embed_peers --make-shapes /tmp/embed-shapes
     .venv/bin/python -m benchmarks.embed_peers --model /tmp/embed-shapes/bge-base \\
         [--num-prompts 512 --input-len 256 --batch-size 32 --threads 2 --repeats 2 --dtype float32]
+        [--llamacpp-python .venv-llamacpp/bin/python --llama-cpp-dir .peers/llama.cpp]
 
-Prints one JSON object: each run's documents/s and tokens/s, and the ratio of the medians.
+Prints one JSON object: each run's documents/s and tokens/s, and the ratios of the medians.
 sentence-transformers encodes in batches of --batch-size (its own default is 32); dabba takes
-every input at once (its scheduler batches them under its token budget).
+every input at once (its scheduler batches them under its token budget); llama.cpp fills
+batches of --llamacpp-batch tokens (its context, batch and micro-batch), in the GGUF type of
+--dtype (bf16 or f32). llama.cpp runs where its venv is given and the shape converts.
 """
 from __future__ import annotations
 
@@ -53,6 +58,34 @@ print(json.dumps(bench_embed({model!r}, EmbedWorkload({num}, {length}), dtype={d
 """
 
 
+LLAMACPP_SCRIPT = """
+import json, time
+from llama_cpp import Llama
+texts = json.load(open({texts!r}))
+llm = Llama(model_path={gguf!r}, embedding=True, n_threads={threads}, n_threads_batch={threads}, n_ctx={batch},
+            n_batch={batch}, n_ubatch={batch}, verbose=False)
+llm.embed(texts[:4])
+start = time.perf_counter()
+vectors = llm.embed(texts)
+elapsed = time.perf_counter() - start
+tokens = sum(len(llm.tokenize(t.encode(), add_bos=True, special=False)) for t in texts)
+print(json.dumps({{"elapsed_s": elapsed, "documents_per_s": len(texts) / elapsed, "tokens_per_s": tokens / elapsed,
+                  "dimensions": len(vectors[0])}}))
+"""
+
+
+def convert_gguf(model: Path, llamacpp_python: str, llama_cpp_dir: str, gguf_type: str) -> Path:
+    """The checkpoint converted by llama.cpp's converter (benchmarks/peers/make_gguf.py), once."""
+    out_dir = model / "gguf"
+    path = out_dir / f"model-{gguf_type}.gguf"
+    if not path.is_file():
+        script = Path(__file__).resolve().parent / "peers" / "make_gguf.py"
+        subprocess.run([llamacpp_python, str(script), "--model", str(model), "--llama-cpp-dir", llama_cpp_dir,
+                        "--out-dir", str(out_dir), "--types", gguf_type, "--convert-python", sys.executable],
+                       check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
 def make_shapes(out: Path) -> dict[str, str]:
     from tools.embedding_checkpoints import embedding_checkpoint, encoder_checkpoint
 
@@ -69,8 +102,8 @@ def make_shapes(out: Path) -> dict[str, str]:
     return made
 
 
-def run(code: str) -> dict:
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+def run(python: str, code: str) -> dict:
+    result = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
     if result.returncode:
         raise SystemExit(f"a run failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -86,6 +119,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--llamacpp-python", help="llama-cpp-python's venv's Python (scripts/peer-llamacpp.sh "
+                                                  "builds .venv-llamacpp); without it llama.cpp does not run")
+    parser.add_argument("--llama-cpp-dir", default=".peers/llama.cpp", help="llama.cpp's source tree (its converter)")
+    parser.add_argument("--llamacpp-batch", type=int, default=4096)
     args = parser.parse_args()
     if args.make_shapes:
         print(json.dumps(make_shapes(Path(args.make_shapes)), indent=2))
@@ -97,22 +134,27 @@ def main() -> None:
     texts = make_texts(EmbedWorkload(args.num_prompts, args.input_len), Tokenizer(args.model), config["vocab_size"])
     texts_file = Path(f"/tmp/embed-peers-{int(time.time())}.json")
     texts_file.write_text(json.dumps(texts))
-    runs: dict[str, list[dict]] = {"dabba": [], "sentence_transformers": []}
+    scripts = {
+        "dabba": (sys.executable, DABBA_SCRIPT.format(threads=args.threads, model=args.model, num=args.num_prompts,
+                                                      length=args.input_len, dtype=args.dtype)),
+        "sentence_transformers": (sys.executable, PEER_SCRIPT.format(
+            threads=args.threads, texts=str(texts_file), model=args.model, dtype=args.dtype, batch=args.batch_size))}
+    if args.llamacpp_python:
+        gguf = convert_gguf(Path(args.model), args.llamacpp_python, args.llama_cpp_dir,
+                            "bf16" if args.dtype == "bfloat16" else "f32")
+        scripts["llama_cpp"] = (args.llamacpp_python, LLAMACPP_SCRIPT.format(
+            texts=str(texts_file), gguf=str(gguf), threads=args.threads, batch=args.llamacpp_batch))
+    runs: dict[str, list[dict]] = {who: [] for who in scripts}
     for r in range(args.repeats):
-        order = ["dabba", "sentence_transformers"] if r % 2 == 0 else ["sentence_transformers", "dabba"]
+        order = list(scripts)[r % len(scripts):] + list(scripts)[:r % len(scripts)]
         for who in order:
-            if who == "dabba":
-                code = DABBA_SCRIPT.format(threads=args.threads, model=args.model, num=args.num_prompts,
-                                           length=args.input_len, dtype=args.dtype)
-            else:
-                code = PEER_SCRIPT.format(threads=args.threads, texts=str(texts_file), model=args.model,
-                                          dtype=args.dtype, batch=args.batch_size)
-            runs[who].append(run(code))
+            runs[who].append(run(*scripts[who]))
     medians = {who: statistics.median(r["documents_per_s"] for r in rs) for who, rs in runs.items()}
     print(json.dumps({"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
                       "threads": args.threads, "dtype": args.dtype, "st_batch_size": args.batch_size,
+                      "llamacpp_batch": args.llamacpp_batch if args.llamacpp_python else None,
                       "runs": runs, "median_documents_per_s": medians,
-                      "ratio_dabba_to_sentence_transformers": medians["dabba"] / medians["sentence_transformers"]},
+                      **{f"ratio_dabba_to_{who}": medians["dabba"] / m for who, m in medians.items() if who != "dabba"}},
                      indent=2))
 
 

@@ -224,8 +224,16 @@ class SchedulerConfig:
         '{"model": DIR, "num_speculative_tokens": k}; "adaptive_drafts": false keeps k drafts a step whatever '
         'they cost. Lossless: outputs are what the model alone gives.',
         None, parse=speculative_config_json)
+    pooling_decode_slowdown: float = _help(
+        "While generation requests decode, pooling requests (embeddings, scores) take only the tokens that keep a "
+        "step within this factor of the decodes' own step time (measured on the engine's steps), so that embedding "
+        "traffic slows chat streams by that much at most; 0: no limit (they take the step budget as prompts do).",
+        1.2)
 
     def __post_init__(self) -> None:
+        if self.pooling_decode_slowdown != 0 and not self.pooling_decode_slowdown > 1:
+            raise ValueError(f"pooling_decode_slowdown must be 0 (no limit) or above 1, got "
+                             f"{self.pooling_decode_slowdown}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

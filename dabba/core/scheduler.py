@@ -28,6 +28,7 @@ from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
 from dabba.core.request import Request, RequestStatus
+from dabba.core.pooling_budget import PoolingBudget
 from dabba.core.spec_budget import RowBlocks
 from dabba.core.speculation import make_speculation
 from dabba.core.stats import SchedulerStats
@@ -61,6 +62,10 @@ class Scheduler:
         self.num_preemptions = 0
         # speculative decoding's policy: ``row_blocks``, how the worker's kernels group rows, prices drafts
         self.speculation = make_speculation(config.speculative_config, max_model_len, row_blocks)
+        # pooling requests' share of a step while generation requests decode (None: no limit)
+        slowdown = config.pooling_decode_slowdown
+        self.pooling_budget = PoolingBudget(slowdown) if slowdown > 1.0 else None
+        self._step_mix = (0, 0, 0)  # the last step's decode rows, pooling tokens, prompt tokens
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -111,11 +116,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
         preempted = False
+        decoding = any(r.pooling_params is None and r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        pooling_left = budget if self.pooling_budget is None or not decoding else self.pooling_budget.tokens()
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.pooling_params is not None:
+                num_new = min(num_new, pooling_left)
+                if num_new == 0:
+                    i += 1
+                    continue
             drafts = self.speculation.drafts(request, num_new, budget)
             num_new += len(drafts)
             lookahead = self.speculation.lookahead(request, request.num_computed_tokens + num_new)
@@ -137,19 +149,27 @@ class Scheduler:
             if drafts:
                 out.scheduled_spec_decode_tokens[request.request_id] = drafts
             budget -= num_new
+            if request.pooling_params is not None:
+                pooling_left -= num_new
             i += 1
 
-        # Admit waiting requests, unless this step already had to preempt (memory is tight).
+        # Admit waiting requests, unless this step already had to preempt (memory is tight); past
+        # pooling requests when their share of the step is spent.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            request = self.waiting[0]
+            j = 0 if pooling_left > 0 else next((k for k, r in enumerate(self.waiting) if r.pooling_params is None), -1)
+            if j < 0:
+                break
+            request = self.waiting[j]
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
+            if request.pooling_params is not None:
+                num_new = min(num_new, pooling_left)
             if request.one_step_prompt and num_new < request.num_tokens - num_hit:
                 break  # whole, in a later step
             lookahead = self.speculation.lookahead(request, num_hit + num_new)
             if kv.allocate_slots(request, num_new, hit_blocks, lookahead) is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(j)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
@@ -170,7 +190,10 @@ class Scheduler:
             )
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+            if request.pooling_params is not None:
+                pooling_left -= num_new
 
+        self._step_mix = self._mix(out)
         self._add_grammar_bitmask(out)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         self.speculation.budget_drafts(out, self.requests)
@@ -178,8 +201,23 @@ class Scheduler:
 
     def record_step_time(self, out: SchedulerOutput, runner_out: ModelRunnerOutput, seconds: float) -> None:
         """The time a step took, from schedule() to its outputs (the engine measures it), for the
-        speculation policy's cost model."""
+        speculation policy's cost model and the pooling requests' share of a step."""
         self.speculation.record_step(out, runner_out, seconds)
+        if self.pooling_budget is not None:
+            self.pooling_budget.record(*self._step_mix, seconds)
+
+    def _mix(self, out: SchedulerOutput) -> tuple[int, int, int]:
+        """A step's rows of decoding generation requests, pooling tokens, and prompt tokens."""
+        decode = pooling = prompt = 0
+        for request_id, num_new in out.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            if request.pooling_params is not None:
+                pooling += num_new
+            elif request.num_tokens - request.num_computed_tokens == 1:
+                decode += num_new
+            else:
+                prompt += num_new
+        return decode, pooling, prompt
 
     def _add_grammar_bitmask(self, out: SchedulerOutput) -> None:
         """A row for each constrained request that samples this step: one whose scheduled tokens
