@@ -12,8 +12,10 @@ checkpoints of real embedding models' shapes.
 Prints one JSON object: each run's documents/s and tokens/s, and the ratios of the medians.
 sentence-transformers encodes in batches of --batch-size (its own default is 32); dabba takes
 every input at once (its scheduler batches them under its token budget); llama.cpp fills
-batches of --llamacpp-batch tokens (its context, batch and micro-batch), in the GGUF type of
---dtype (bf16 or f32). llama.cpp runs where its venv is given and the shape converts.
+batches of --llamacpp-batch tokens (its context, batch and micro-batch; 512 is llama-server's
+micro-batch and llama.cpp's fastest here: a batch's tokens attend over the whole batch's cache,
+so 2048 and 4096 ran slower), in the GGUF type of --dtype (bf16 or f32). llama.cpp runs where
+its venv is given and the shape converts.
 """
 from __future__ import annotations
 
@@ -94,7 +96,8 @@ def make_shapes(out: Path) -> dict[str, str]:
         path = out / name
         if not (path / "config.json").is_file():
             if shape["arch"] == "BertModel":
-                encoder_checkpoint(path, shape["arch"], shape["pooling"], initializer_range=0.02, **shape["config"])
+                encoder_checkpoint(path, shape["arch"], shape["pooling"], initializer_range=0.02, tokenizer="wordpiece",
+                                   **shape["config"])
             else:
                 embedding_checkpoint(path, shape["arch"], shape["pooling"], dtype="bfloat16",
                                      tokenizer_vocab_size=4096, **shape["config"])
@@ -122,7 +125,7 @@ def main() -> None:
     parser.add_argument("--llamacpp-python", help="llama-cpp-python's venv's Python (scripts/peer-llamacpp.sh "
                                                   "builds .venv-llamacpp); without it llama.cpp does not run")
     parser.add_argument("--llama-cpp-dir", default=".peers/llama.cpp", help="llama.cpp's source tree (its converter)")
-    parser.add_argument("--llamacpp-batch", type=int, default=4096)
+    parser.add_argument("--llamacpp-batch", type=int, default=512)
     args = parser.parse_args()
     if args.make_shapes:
         print(json.dumps(make_shapes(Path(args.make_shapes)), indent=2))

@@ -165,12 +165,15 @@ def test_the_checkpoint_says_how_it_pools(tmp_path, llama_mean) -> None:
 
 # ---- BERT-style encoders ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch, pooling", [("BertModel", "CLS"), ("XLMRobertaModel", "MEAN")])
-def test_encoder_embeddings_equal_sentence_transformers(arch, pooling, tmp_path) -> None:
-    """Bidirectional attention within each input, no KV kept, every input whole in its step."""
+@pytest.mark.parametrize("arch, pooling, tokenizer", [("BertModel", "CLS", "byte-level"),
+                                                     ("BertModel", "MEAN", "wordpiece"),
+                                                     ("XLMRobertaModel", "MEAN", "byte-level")])
+def test_encoder_embeddings_equal_sentence_transformers(arch, pooling, tokenizer, tmp_path) -> None:
+    """Bidirectional attention within each input, no KV kept, every input whole in its step; BERT
+    with its own WordPiece tokenizer too."""
     from tools.embedding_checkpoints import encoder_checkpoint
 
-    path = encoder_checkpoint(tmp_path / "m", arch, pooling)
+    path = encoder_checkpoint(tmp_path / "m", arch, pooling, tokenizer=tokenizer)
     llm = LLM(str(path), dtype="float32", max_num_batched_tokens=128, max_num_seqs=8)
     assert llm.llm_engine.model_info.runner == "pooling" and llm.llm_engine.model_info.encoder
     assert_close(vectors(llm.embed(TEXTS * 3)), reference(path, TEXTS * 3))  # more tokens than one step takes

@@ -46,23 +46,53 @@ def embedding_checkpoint(out_dir: str | Path, arch: str = "Qwen3ForCausalLM", po
 ENCODER_CONFIGS = {"Bert": "BertConfig", "XLMRoberta": "XLMRobertaConfig"}
 
 
+def save_wordpiece_tokenizer(out_dir: Path, vocab_size: int) -> int:
+    """BERT's own kind of tokenizer (bge, e5, MiniLM): WordPiece over lower-cased text, [CLS] A [SEP]
+    B [SEP] with token types 0 then 1, trained on the docstrings corpus; its vocabulary size."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    from tools.tiny_checkpoint import training_corpus
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok.train_from_iterator(training_corpus(), trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                                         show_progress=False))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                         sep_token="[SEP]", mask_token="[MASK]").save_pretrained(out_dir)
+    return tok.get_vocab_size()
+
+
 def encoder_checkpoint(out_dir: str | Path, arch: str = "BertModel", pooling: str | None = "CLS",
-                       normalize: bool = True, num_labels: int = 1, seed: int = 0, **overrides: Any) -> Path:
+                       normalize: bool = True, num_labels: int = 1, seed: int = 0, tokenizer: str = "byte-level",
+                       **overrides: Any) -> Path:
     """A tiny BERT-style encoder (``arch``: BertModel, XLMRobertaModel, or their
     ForSequenceClassification, a cross-encoder with ``num_labels`` outputs) with the byte-level
-    tokenizer (its BOS as the first token, as BERT's [CLS] is; a pair's texts joined by <s>), and
-    sentence-transformers' files for ``pooling`` (None: none)."""
+    tokenizer (its BOS as the first token, as BERT's [CLS] is; a pair's texts joined by <s>) or,
+    ``tokenizer="wordpiece"``, BERT's own (save_wordpiece_tokenizer), and sentence-transformers'
+    files for ``pooling`` (None: none)."""
     import torch
     import transformers
     from tokenizers import processors
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    vocab_size = save_byte_level_tokenizer(out_dir, 1024, "docstrings")
     family = arch.removesuffix("Model").removesuffix("ForSequenceClassification")
-    params: dict[str, Any] = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, max_position_embeddings=130, initializer_range=0.1,
-                                  pad_token_id=2, bos_token_id=0, eos_token_id=1,
+    if tokenizer == "wordpiece":
+        if family != "Bert":
+            raise ValueError(f"a WordPiece tokenizer is BERT's, not {arch}'s")
+        specials = dict(vocab_size=save_wordpiece_tokenizer(out_dir, 1024), pad_token_id=0)
+    else:
+        specials = dict(vocab_size=save_byte_level_tokenizer(out_dir, 1024, "docstrings"), pad_token_id=2,
+                        bos_token_id=0, eos_token_id=1)
+    params: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  max_position_embeddings=130, initializer_range=0.1, **specials,
                                   type_vocab_size=2 if family == "Bert" else 1)
     if arch.endswith("ForSequenceClassification"):
         params["num_labels"] = num_labels
@@ -73,14 +103,15 @@ def encoder_checkpoint(out_dir: str | Path, arch: str = "BertModel", pooling: st
     auto = (transformers.AutoModelForSequenceClassification if arch.endswith("ForSequenceClassification")
             else transformers.AutoModel)
     auto.from_config(config).save_pretrained(out_dir)
-    tokenizer_file = out_dir / "tokenizer.json"
-    from tokenizers import Tokenizer
-    # a pair as BERT writes it, <s> A </s> B </s> with types 0 then 1 (RoBERTa's: one type, all 0)
-    tok = Tokenizer.from_file(str(tokenizer_file))
     second = ":1" if config.type_vocab_size > 1 else ""
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", pair=f"<s> $A </s> $B{second} </s>{second}", special_tokens=[("<s>", 0), ("</s>", 1)])
-    tok.save(str(tokenizer_file))
+    if tokenizer != "wordpiece":
+        tokenizer_file = out_dir / "tokenizer.json"
+        from tokenizers import Tokenizer
+        # a pair as BERT writes it, <s> A </s> B </s> with types 0 then 1 (RoBERTa's: one type, all 0)
+        tok = Tokenizer.from_file(str(tokenizer_file))
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", pair=f"<s> $A </s> $B{second} </s>{second}", special_tokens=[("<s>", 0), ("</s>", 1)])
+        tok.save(str(tokenizer_file))
     tokenizer_config = json.loads((out_dir / "tokenizer_config.json").read_text())
     tokenizer_config["model_input_names"] = ["input_ids", "attention_mask"] + (["token_type_ids"] if second else [])
     # an encoder's has no chat template (sentence-transformers would format its pairs with one)

@@ -27,8 +27,8 @@ from dabba.config import SchedulerConfig
 from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
-from dabba.core.request import Request, RequestStatus
 from dabba.core.pooling_budget import PoolingBudget
+from dabba.core.request import Request, RequestStatus
 from dabba.core.spec_budget import RowBlocks
 from dabba.core.speculation import make_speculation
 from dabba.core.stats import SchedulerStats
