@@ -167,7 +167,8 @@ def test_the_checkpoint_says_how_it_pools(tmp_path, llama_mean) -> None:
 
 @pytest.mark.parametrize("arch, pooling, tokenizer", [("BertModel", "CLS", "byte-level"),
                                                      ("BertModel", "MEAN", "wordpiece"),
-                                                     ("XLMRobertaModel", "MEAN", "byte-level")])
+                                                     ("XLMRobertaModel", "MEAN", "byte-level"),
+                                                     ("ModernBertModel", "MEAN", "byte-level")])
 def test_encoder_embeddings_equal_sentence_transformers(arch, pooling, tokenizer, tmp_path) -> None:
     """Bidirectional attention within each input, no KV kept, every input whole in its step; BERT
     with its own WordPiece tokenizer too."""

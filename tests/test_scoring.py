@@ -47,6 +47,16 @@ def test_cross_encoder_scores_equal_sentence_transformers(cross_encoder) -> None
         llm.score(DOCS[:2], DOCS[:3])
 
 
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_a_modernbert_cross_encoder_pools_as_its_config_says(pooling, tmp_path) -> None:
+    """ModernBERT's classifier reads the first token's state or the mean (classifier_pooling)."""
+    path = encoder_checkpoint(tmp_path / "m", "ModernBertForSequenceClassification", pooling=None,
+                              classifier_pooling=pooling)
+    llm = LLM(str(path), dtype="float32")
+    scores = torch.tensor([o.outputs.score for o in llm.score(QUERY, DOCS)])
+    torch.testing.assert_close(scores, crossencoder_reference(path, [(QUERY, d) for d in DOCS]), rtol=0, atol=1e-4)
+
+
 def test_an_embedding_model_scores_by_cosine(tmp_path) -> None:
     from sentence_transformers import SentenceTransformer
 

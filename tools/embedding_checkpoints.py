@@ -43,7 +43,7 @@ def embedding_checkpoint(out_dir: str | Path, arch: str = "Qwen3ForCausalLM", po
                                              default_prompt)
 
 
-ENCODER_CONFIGS = {"Bert": "BertConfig", "XLMRoberta": "XLMRobertaConfig"}
+ENCODER_CONFIGS = {"Bert": "BertConfig", "XLMRoberta": "XLMRobertaConfig", "ModernBert": "ModernBertConfig"}
 
 
 def save_wordpiece_tokenizer(out_dir: Path, vocab_size: int) -> int:
@@ -92,8 +92,11 @@ def encoder_checkpoint(out_dir: str | Path, arch: str = "BertModel", pooling: st
         specials = dict(vocab_size=save_byte_level_tokenizer(out_dir, 1024, "docstrings"), pad_token_id=2,
                         bos_token_id=0, eos_token_id=1)
     params: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                  max_position_embeddings=130, initializer_range=0.1, **specials,
-                                  type_vocab_size=2 if family == "Bert" else 1)
+                                  max_position_embeddings=130, initializer_range=0.1, **specials)
+    if family == "ModernBert":  # three layers: one global, two local, with a window shorter than the tests' texts
+        params.update(num_hidden_layers=3, local_attention=16)
+    else:
+        params["type_vocab_size"] = 2 if family == "Bert" else 1
     if arch.endswith("ForSequenceClassification"):
         params["num_labels"] = num_labels
     params.update(overrides)
@@ -103,7 +106,7 @@ def encoder_checkpoint(out_dir: str | Path, arch: str = "BertModel", pooling: st
     auto = (transformers.AutoModelForSequenceClassification if arch.endswith("ForSequenceClassification")
             else transformers.AutoModel)
     auto.from_config(config).save_pretrained(out_dir)
-    second = ":1" if config.type_vocab_size > 1 else ""
+    second = ":1" if getattr(config, "type_vocab_size", 1) > 1 else ""
     if tokenizer != "wordpiece":
         tokenizer_file = out_dir / "tokenizer.json"
         from tokenizers import Tokenizer

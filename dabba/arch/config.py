@@ -158,13 +158,15 @@ class ArchConfig:
         its positions those its position table holds past RoBERTa's offset."""
         encoder = encoder_config(arch, cfg)
         num_heads = cfg["num_attention_heads"]
+        bias = bool(cfg.get("attention_bias", False)) if encoder.family == "modernbert" else True
         return cls(
             architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=num_heads, num_key_value_heads=num_heads, head_dim=cfg["hidden_size"] // num_heads,
             rms_norm_eps=encoder.layer_norm_eps, rope_theta=0.0, rope_scaling=RopeScaling(),
-            max_position_embeddings=cfg.get("max_position_embeddings", 512) - encoder.position_offset,
-            tie_word_embeddings=False, qkv_bias=True, o_bias=True, qk_norm=False, sliding_window=None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192 if encoder.family == "modernbert" else 512)
+            - encoder.position_offset,
+            tie_word_embeddings=False, qkv_bias=bias, o_bias=bias, qk_norm=False, sliding_window=None,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"), bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=(), base_model=encoder.classifier is None, encoder=encoder)
 

@@ -10,15 +10,20 @@ from dabba.attention.backend import get_forward_context
 
 
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """q, k, v: [num_tokens, num_heads, head_dim] of whole requests -> [num_tokens, num_heads * head_dim]."""
+                            scale: float, window: int | None = None) -> torch.Tensor:
+    """q, k, v: [num_tokens, num_heads, head_dim] of whole requests -> [num_tokens, num_heads * head_dim].
+    ``window``: a token sees only those at most this far from it, either way (ModernBERT's local layers)."""
     num_tokens, num_heads, head_dim = q.shape
     starts = (positions == 0).nonzero().flatten().tolist() + [num_tokens]
     out = torch.empty(num_heads, num_tokens, head_dim, dtype=q.dtype, device=q.device)
     qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))  # [num_heads, num_tokens, head_dim]
     for start, end in zip(starts, starts[1:]):
+        mask = None
+        if window is not None and end - start > window + 1:
+            index = torch.arange(end - start, device=q.device)
+            mask = (index[:, None] - index[None, :]).abs() <= window
         out[:, start:end] = F.scaled_dot_product_attention(qh[:, start:end], kh[:, start:end], vh[:, start:end],
-                                                           scale=scale)
+                                                           attn_mask=mask, scale=scale)
     return out.transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
 
 

@@ -6,6 +6,7 @@ from torch import nn
 from dabba.models.bert import BertModel
 from dabba.models.gemma import GemmaForCausalLM
 from dabba.models.llama import LlamaForCausalLM
+from dabba.models.modernbert import ModernBertModel
 from dabba.models.moe import MoEForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
 from dabba.models.qwen3 import Qwen3ForCausalLM
 
@@ -17,6 +18,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "RobertaForSequenceClassification": BertModel,
     "XLMRobertaModel": BertModel,
     "XLMRobertaForSequenceClassification": BertModel,
+    "ModernBertModel": ModernBertModel,
+    "ModernBertForSequenceClassification": ModernBertModel,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # Gemma 2 and 3 differ only in ArchConfig fields
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -143,7 +143,8 @@ def resolve_config(config: EngineConfig, model_files: list[str] = MODEL_FILES) -
         if arch.encoder.num_labels != 1:
             raise ValueError(f"{model_dir}: a sequence classifier with {arch.encoder.num_labels} labels; dabba serves "
                              "cross-encoders that score a text pair with one logit")
-        pooler = CROSS_ENCODER
+        pooler = CROSS_ENCODER if arch.encoder.classifier_pooling == "cls" else replace(
+            CROSS_ENCODER, pooling_type="MEAN", source="a sequence classifier (the mean of its tokens)")
     elif arch.num_labels:
         if arch.num_labels != 1:
             raise ValueError(f"{model_dir}: a sequence classifier with {arch.num_labels} labels; dabba serves "
