@@ -56,7 +56,7 @@ DABBA_SCRIPT = """
 import json, torch
 torch.set_num_threads({threads})
 from dabba.tools.bench.embed import EmbedWorkload, bench_embed
-print(json.dumps(bench_embed({model!r}, EmbedWorkload({num}, {length}), dtype={dtype!r})))
+print(json.dumps(bench_embed({model!r}, EmbedWorkload({num}, {length}), dtype={dtype!r}, **{options!r})))
 """
 
 
@@ -126,6 +126,8 @@ def main() -> None:
                                                   "builds .venv-llamacpp); without it llama.cpp does not run")
     parser.add_argument("--llama-cpp-dir", default=".peers/llama.cpp", help="llama.cpp's source tree (its converter)")
     parser.add_argument("--llamacpp-batch", type=int, default=512)
+    parser.add_argument("--quantization", choices=["int8", "w8a8"],
+                        help="dabba's linears quantized at load (the peers stay in --dtype)")
     args = parser.parse_args()
     if args.make_shapes:
         print(json.dumps(make_shapes(Path(args.make_shapes)), indent=2))
@@ -139,7 +141,9 @@ def main() -> None:
     texts_file.write_text(json.dumps(texts))
     scripts = {
         "dabba": (sys.executable, DABBA_SCRIPT.format(threads=args.threads, model=args.model, num=args.num_prompts,
-                                                      length=args.input_len, dtype=args.dtype)),
+                                                      length=args.input_len, dtype=args.dtype,
+                                                      options={"quantization": args.quantization} if args.quantization
+                                                      else {})),
         "sentence_transformers": (sys.executable, PEER_SCRIPT.format(
             threads=args.threads, texts=str(texts_file), model=args.model, dtype=args.dtype, batch=args.batch_size))}
     if args.llamacpp_python:
@@ -154,7 +158,8 @@ def main() -> None:
             runs[who].append(run(*scripts[who]))
     medians = {who: statistics.median(r["documents_per_s"] for r in rs) for who, rs in runs.items()}
     print(json.dumps({"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
-                      "threads": args.threads, "dtype": args.dtype, "st_batch_size": args.batch_size,
+                      "threads": args.threads, "dtype": args.dtype, "dabba_quantization": args.quantization,
+                      "st_batch_size": args.batch_size,
                       "llamacpp_batch": args.llamacpp_batch if args.llamacpp_python else None,
                       "runs": runs, "median_documents_per_s": medians,
                       **{f"ratio_dabba_to_{who}": medians["dabba"] / m for who, m in medians.items() if who != "dabba"}},

@@ -188,14 +188,15 @@ def test_encoder_embeddings_equal_sentence_transformers(arch, pooling, tokenizer
         LLM(str(path), runner="generate")
 
 
-@pytest.mark.parametrize("kind", ["decoder", "encoder"])
-def test_bf16_embeddings_stay_close_to_float32(kind, qwen3_embedding, tmp_path) -> None:
+@pytest.mark.parametrize("kind, quantization", [("decoder", None), ("encoder", None), ("encoder", "w8a8")])
+def test_bf16_embeddings_stay_close_to_float32(kind, quantization, qwen3_embedding, tmp_path) -> None:
     """bf16 weights and activations: within a cosine of 0.999 of sentence-transformers' float32
     vectors on these tiny random checkpoints (bf16 keeps 8 bits of mantissa; a layer's rounding
-    moves a unit vector by about 2**-8 relative)."""
+    moves a unit vector by about 2**-8 relative); an encoder's linears in W8A8 too (int8 weights
+    per channel, activations rounded to int8 per token: about 2**-7 relative)."""
     from tools.embedding_checkpoints import encoder_checkpoint
 
     path = qwen3_embedding if kind == "decoder" else encoder_checkpoint(tmp_path / "m", "BertModel", "MEAN")
-    ours = torch.tensor(vectors(LLM(str(path), dtype="bfloat16").embed(TEXTS)))
+    ours = torch.tensor(vectors(LLM(str(path), dtype="bfloat16", quantization=quantization).embed(TEXTS)))
     cosine = F.cosine_similarity(ours, reference(path, TEXTS), dim=-1)
     assert cosine.min().item() >= 0.999, cosine
