@@ -41,7 +41,7 @@ def parse_bytes(text: str | int) -> int:
 
 
 def json_object(text: str, field_name: str = "value") -> dict[str, Any]:
-    """A flag's JSON object text -> the dict."""
+    """An option's JSON object text -> the dict; ValueError naming ``field_name`` otherwise."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -193,10 +193,7 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+            value = json_object(value, "speculative_config")
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         value = dict(value)

@@ -8,7 +8,7 @@ input runs in one step, whole. Weights arrive under the Hugging Face names (with
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable
+from typing import Hashable
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ from torch import nn
 from dabba.arch.config import ArchConfig
 from dabba.layers.encoder_attention import bidirectional_attention, current_token_type_ids
 from dabba.layers.linear import Linear
-from dabba.layers.native_form import NoNativeForm
+from dabba.models.encoder import EncoderModel
 from dabba.quantization.config import QuantConfig
 
 QKV = {"attention.self.query": "q", "attention.self.key": "k", "attention.self.value": "v"}
@@ -96,9 +96,10 @@ class SequenceClassifier(nn.Module):
         return self.out(torch.tanh(self.dense(first)))
 
 
-class BertModel(nn.Module):
-    """An encoder family, served as a pooler (its hidden states pooled as the checkpoint says) or,
-    with a classification head, as a scorer (``classify`` the first token's state)."""
+class BertModel(EncoderModel):
+    """BERT, RoBERTa, XLM-RoBERTa: bare, or with their classification heads."""
+
+    WHY_NO_NATIVE_FORM = "a BERT-style encoder's layers run in Python (post-norm LayerNorms, bidirectional attention)"
 
     def __init__(self, cfg: ArchConfig, max_position: int, quant_config: QuantConfig | None = None) -> None:
         super().__init__()
@@ -106,55 +107,11 @@ class BertModel(nn.Module):
         self.model = BertEncoder(cfg, quant_config)
         self.classifier = SequenceClassifier(cfg) if cfg.encoder.classifier else None
 
-    def native_layers(self) -> list:
-        raise NoNativeForm("a BERT-style encoder's layers run in Python (post-norm LayerNorms, bidirectional "
-                           "attention)")
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("an encoder has no LM head: it does not generate")
-
-    def classify(self, first: torch.Tensor) -> torch.Tensor:
-        """[num_inputs, hidden] first-token states -> [num_inputs, num_labels] float32 logits."""
-        assert self.classifier is not None, "classify() needs a sequence-classification checkpoint"
-        return self.classifier(first).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                     on_loaded: Callable[[str, Hashable], None] | None = None) -> None:
-        """Copy checkpoint tensors in, under their Hugging Face names; fail loudly on unexpected or
-        missing ones. A bare encoder's pooler (BERT's next-sentence head) is not read."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unexpected = []
-        for name, tensor in weights:
-            target, shard_id = self._target(name)
-            if target is None:
-                continue
-            param = params.get(target)
-            if param is None:
-                unexpected.append(name)
-                continue
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor, shard_id)
-            elif param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint tensor {tuple(tensor.shape)} != expected {tuple(param.shape)}")
-            else:
-                param.data.copy_(tensor)
-            loaded.add(f"{target}#{shard_id}")
-            if on_loaded is not None:
-                on_loaded(target, shard_id)
-        if unexpected:
-            raise ValueError(f"checkpoint has unexpected tensors: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
-        expected = {f"{n}#{sid}" for n in params for sid in (("q", "k", "v") if ".qkv." in n else (None,))}
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    def _shards(self, param_name: str) -> tuple[Hashable, ...]:
+        return ("q", "k", "v") if ".qkv." in param_name else (None,)
 
     def _target(self, name: str) -> tuple[str | None, Hashable]:
-        """A checkpoint name's parameter (None: not read) and shard id."""
+        """A BERT pooler read only before a classifier; q, k and v into the merged qkv, by shard."""
         for prefix in ("bert.", "roberta."):
             name = name.removeprefix(prefix)
         if name.startswith(("pooler.", "cls.", "lm_head.")) and self.classifier is None:

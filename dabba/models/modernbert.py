@@ -10,7 +10,7 @@ input runs in one step, whole, with no KV cache.
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable
+from typing import Hashable
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,7 @@ from torch import nn
 from dabba.arch.config import ArchConfig
 from dabba.layers.encoder_attention import bidirectional_attention
 from dabba.layers.linear import Linear
-from dabba.layers.native_form import NoNativeForm
+from dabba.models.encoder import EncoderModel
 from dabba.quantization.config import QuantConfig
 
 
@@ -95,7 +95,7 @@ class ModernBertHead(nn.Module):
         return self.out(self.norm(F.gelu(self.dense(pooled))))
 
 
-# checkpoint name (past "model.") -> ours, and the shard a fused tensor fills (None: all of them)
+# checkpoint name (past "model.") -> ours
 _RENAMES = (("embeddings.tok_embeddings.", "model.tok_embeddings."), ("embeddings.norm.", "model.embedding_norm."),
             ("final_norm.", "model.final_norm."), ("head.dense.", "classifier.dense."),
             ("head.norm.", "classifier.norm."), ("classifier.", "classifier.out."))
@@ -103,8 +103,10 @@ _LAYER_RENAMES = ((".attn.Wqkv.", ".qkv."), (".attn.Wo.", ".attn_out."), (".mlp.
                   (".mlp.Wo.", ".mlp_out."))
 
 
-class ModernBertModel(nn.Module):
-    """Served as a pooler, or with its head as a scorer (``classify`` the pooled state)."""
+class ModernBertModel(EncoderModel):
+    """Bare, or with its classification head."""
+
+    WHY_NO_NATIVE_FORM = "ModernBERT's layers run in Python (bidirectional attention, local windows)"
 
     def __init__(self, cfg: ArchConfig, max_position: int, quant_config: QuantConfig | None = None) -> None:
         super().__init__()
@@ -112,61 +114,16 @@ class ModernBertModel(nn.Module):
         self.model = ModernBertEncoder(cfg, quant_config)
         self.classifier = ModernBertHead(cfg) if cfg.encoder.classifier else None
 
-    def native_layers(self) -> list:
-        raise NoNativeForm("ModernBERT's layers run in Python (bidirectional attention, local windows)")
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("an encoder has no LM head: it does not generate")
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        """[num_inputs, hidden] pooled states -> [num_inputs, num_labels] float32 logits."""
-        assert self.classifier is not None, "classify() needs a sequence-classification checkpoint"
-        return self.classifier(pooled).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                     on_loaded: Callable[[str, Hashable], None] | None = None) -> None:
-        """Copy checkpoint tensors in, under their Hugging Face names; fail loudly on unexpected or
-        missing ones. The fused Wqkv and Wi fill every shard of their merged layers."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unexpected = []
-        for name, tensor in weights:
-            target = self._target(name)
-            if target is None:
-                continue
-            param = params.get(target)
-            if param is None:
-                unexpected.append(name)
-                continue
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor, None)
-            elif param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint tensor {tuple(tensor.shape)} != expected {tuple(param.shape)}")
-            else:
-                param.data.copy_(tensor)
-            loaded.add(target)
-            if on_loaded is not None:
-                on_loaded(target, None)
-        if unexpected:
-            raise ValueError(f"checkpoint has unexpected tensors: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-
-    def _target(self, name: str) -> str | None:
-        """A checkpoint name's parameter (None: not read)."""
+    def _target(self, name: str) -> tuple[str | None, Hashable]:
+        """A head read only on a classifier; the fused Wqkv and Wi whole (they fill every shard)."""
         name = name.removeprefix("model.")
         if name.startswith(("head.", "classifier.", "decoder.")) and self.classifier is None:
-            return None  # a masked-LM or classification head on a checkpoint served for embeddings
+            return None, None  # a masked-LM or classification head on a checkpoint served for embeddings
         if name.startswith("layers."):
             for theirs, ours in _LAYER_RENAMES:
                 name = name.replace(theirs, ours)
-            return f"model.{name}"
+            return f"model.{name}", None
         for theirs, ours in _RENAMES:
             if name.startswith(theirs):
-                return ours + name.removeprefix(theirs)
-        return name
+                return ours + name.removeprefix(theirs), None
+        return name, None
