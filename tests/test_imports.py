@@ -246,6 +246,7 @@ LADDER: list[tuple[str, tuple[str, ...]]] = [
               "dabba.structured_output", "dabba.structured_output.params")),  # plain data, no torch
     ("core", ("dabba.core",)),  # the scheduler's bookkeeping and the contracts with the worker
     ("arch", ("dabba.arch",)),  # a model's architecture, resolved
+    ("multimodal", ("dabba.multimodal",)),  # images opened and preprocessed: pixels, no model
     ("ops", ("dabba.ops",)),  # native kernels' bindings, activations
     ("distributed", ("dabba.distributed",)),  # a rank's place and the collectives
     ("attention", ("dabba.attention",)),

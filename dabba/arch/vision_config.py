@@ -1,0 +1,56 @@
+"""A vision tower's architecture (SigLIP's, as Gemma 3 and many LLaVA checkpoints carry it): what of
+its config its code reads, normalised once, from a vision_config mapping (a multimodal
+checkpoint's) or a SiglipVisionModel's own config.json."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+VISION_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # -> F.gelu's approximate
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A ViT over ``patch_size`` squares of an ``image_size`` square image: ``num_patches`` tokens,
+    each a learnt position's embedding plus the patch's; pre-norm layers with biases; ``activation``:
+    F.gelu's ``approximate`` ("tanh" or "none")."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    activation: str
+    num_channels: int = 3
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "vision_config") -> "VisionConfig":
+        model_type = cfg.get("model_type", "siglip_vision_model")
+        if model_type != "siglip_vision_model":
+            raise ValueError(f"{source}: vision tower {model_type!r} is not supported (siglip_vision_model)")
+        act = cfg.get("hidden_act", "gelu_pytorch_tanh")
+        if act not in VISION_ACTIVATIONS:
+            raise ValueError(f"{source}: hidden_act {act!r} is not supported ({', '.join(VISION_ACTIVATIONS)})")
+        sizes = {k: cfg.get(k, default) for k, default in (
+            ("hidden_size", 768), ("intermediate_size", 3072), ("num_hidden_layers", 12), ("num_attention_heads", 12),
+            ("image_size", 224), ("patch_size", 16), ("num_channels", 3))}
+        bad = [k for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        if bad:
+            raise ValueError(f"{source}: {', '.join(bad)} must be positive integers")
+        if sizes["hidden_size"] % sizes["num_attention_heads"]:
+            raise ValueError(f"{source}: hidden_size must be a multiple of num_attention_heads")
+        if sizes["image_size"] % sizes["patch_size"]:
+            raise ValueError(f"{source}: image_size must be a multiple of patch_size")
+        return cls(sizes["hidden_size"], sizes["intermediate_size"], sizes["num_hidden_layers"],
+                   sizes["num_attention_heads"], sizes["image_size"], sizes["patch_size"],
+                   float(cfg.get("layer_norm_eps", 1e-6)), VISION_ACTIVATIONS[act], sizes["num_channels"])

@@ -1,0 +1,112 @@
+"""SigLIP's vision tower (Gemma 3's, and LLaVA checkpoints'): pixel values -> one hidden state per
+patch. The patch embedding is a convolution whose stride is its kernel, so it runs as one linear
+over the flattened patches; learnt positions; pre-norm layers, x += attention(LN(x)),
+x += fc2 gelu(fc1 LN(x)), every linear with a bias, every patch attending to all of its image's;
+a final LN. The attention-pooling head of SiglipVisionModel is not read: multimodal models take
+the patches' states."""
+from __future__ import annotations
+
+from typing import Hashable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dabba.arch.vision_config import VisionConfig
+
+
+class SiglipLayer(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_heads, self.head_dim, self.activation = cfg.num_attention_heads, cfg.head_dim, cfg.activation
+        self.layer_norm1 = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.out_proj = nn.Linear(h, h)
+        self.layer_norm2 = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.fc1 = nn.Linear(h, cfg.intermediate_size)
+        self.fc2 = nn.Linear(cfg.intermediate_size, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_images, num_patches, hidden]."""
+        num_images, num_patches, hidden = x.shape
+        q, k, v = (t.view(num_images, num_patches, self.num_heads, self.head_dim).transpose(1, 2)
+                   for t in self.qkv(self.layer_norm1(x)).chunk(3, dim=-1))
+        attended = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)
+        x = x + self.out_proj(attended.transpose(1, 2).reshape(num_images, num_patches, hidden))
+        return x + self.fc2(F.gelu(self.fc1(self.layer_norm2(x)), approximate=self.activation))
+
+
+class SiglipVisionTower(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.patch_embedding = nn.Linear(cfg.num_channels * cfg.patch_size ** 2, cfg.hidden_size)
+        self.position_embedding = nn.Embedding(cfg.num_patches, cfg.hidden_size)
+        self.layers = nn.ModuleList(SiglipLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[num_images, channels, image_size, image_size] -> [num_images, num_patches, hidden]."""
+        cfg = self.config
+        num_images, channels, height, width = pixel_values.shape
+        if (height, width) != (cfg.image_size, cfg.image_size) or channels != cfg.num_channels:
+            raise ValueError(f"the vision tower reads {cfg.num_channels} x {cfg.image_size} x {cfg.image_size} pixels, "
+                             f"got {channels} x {height} x {width}")
+        p, side = cfg.patch_size, cfg.image_size // cfg.patch_size
+        # [num_images, channels, side, p, side, p] -> patches in row-major order, each (channel, row, col)
+        patches = (pixel_values.to(self.patch_embedding.weight.dtype).view(num_images, channels, side, p, side, p)
+                   .permute(0, 2, 4, 1, 3, 5).reshape(num_images, side * side, channels * p * p))
+        x = self.patch_embedding(patches) + self.position_embedding.weight
+        for layer in self.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], prefix: str = "") -> None:
+        """SiglipVisionModel's tensors: those under ``prefix`` (a multimodal checkpoint's vision
+        tower's, e.g. "vision_tower."), past a "vision_model." (older transformers wrote it); q, k
+        and v into the merged qkv; the pooling head not read. Fails on unexpected or missing tensors."""
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        unexpected = []
+        for name, tensor in weights:
+            if not name.startswith(prefix):
+                continue
+            target, shard = _target(name.removeprefix(prefix).removeprefix("vision_model."))
+            if target is None:
+                continue
+            if target not in params:
+                unexpected.append(name)
+                continue
+            if shard is not None:  # q, k, v wait for each other
+                pending.setdefault(target, {})[shard] = tensor
+                if len(pending[target]) < 3:
+                    continue
+                shards = pending.pop(target)
+                tensor = torch.cat([shards[s] for s in ("q", "k", "v")])
+            elif target.endswith("patch_embedding.weight"):
+                tensor = tensor.reshape(tensor.shape[0], -1)  # the convolution's kernel, flattened as patches are
+            param = params[target]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint tensor {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(target)
+        if unexpected:
+            raise ValueError(f"checkpoint has unexpected vision tensors: {unexpected[:10]}")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing vision tensors: {missing[:10]}")
+
+
+_QKV = {"self_attn.q_proj.": "q", "self_attn.k_proj.": "k", "self_attn.v_proj.": "v"}
+
+
+def _target(name: str) -> tuple[str | None, Hashable]:
+    if name.startswith("head.") or name.endswith("position_ids"):
+        return None, None
+    name = name.replace("embeddings.", "").replace("encoder.layers.", "layers.")
+    for theirs, shard in _QKV.items():
+        if theirs in name:
+            return name.replace(theirs, "qkv."), shard
+    return name.replace("self_attn.out_proj.", "out_proj.").replace("mlp.", ""), None
