@@ -54,3 +54,27 @@ class VisionConfig:
         return cls(sizes["hidden_size"], sizes["intermediate_size"], sizes["num_hidden_layers"],
                    sizes["num_attention_heads"], sizes["image_size"], sizes["patch_size"],
                    float(cfg.get("layer_norm_eps", 1e-6)), VISION_ACTIVATIONS[act], sizes["num_channels"])
+
+
+@dataclass(frozen=True)
+class Gemma3ProjectorConfig:
+    """Gemma 3's multimodal projector: the tower's patch grid average-pooled to
+    ``tokens_per_image`` tokens (a square grid whose side divides the patches'), Gemma's RMSNorm
+    (x * (1 + w)) with the tower's eps, then a linear to the language model's width."""
+
+    tokens_per_image: int
+    text_hidden_size: int
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], vision: VisionConfig, source: str = "config.json") -> "Gemma3ProjectorConfig":
+        tokens = cfg.get("mm_tokens_per_image", 256)
+        text = cfg.get("text_config") or {}
+        hidden = text.get("hidden_size")
+        side = int(round(tokens ** 0.5)) if isinstance(tokens, int) and tokens > 0 else 0
+        patches_side = vision.image_size // vision.patch_size
+        if side * side != tokens or patches_side % side:
+            raise ValueError(f"{source}: mm_tokens_per_image ({tokens!r}) must be a square whose side divides the "
+                             f"{patches_side} patches a side")
+        if not isinstance(hidden, int) or hidden < 1:
+            raise ValueError(f"{source}: text_config.hidden_size must be a positive integer, got {hidden!r}")
+        return cls(tokens, hidden)

@@ -1,0 +1,58 @@
+"""Gemma 3's image encoder: SigLIP's tower (models/siglip.py), then the multimodal projector
+(arch/vision_config.Gemma3ProjectorConfig): each image becomes ``tokens_per_image`` embeddings of
+the language model's width, which take the places of the prompt's image tokens."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dabba.arch.vision_config import Gemma3ProjectorConfig, VisionConfig
+from dabba.models.siglip import SiglipVisionTower
+
+# where checkpoints keep the encoder: transformers 5 ("model."), and the released Gemma 3 checkpoints
+TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
+PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+
+
+class Gemma3ImageEncoder(nn.Module):
+    def __init__(self, vision: VisionConfig, projector: Gemma3ProjectorConfig) -> None:
+        super().__init__()
+        self.vision, self.projector = vision, projector
+        self.vision_tower = SiglipVisionTower(vision)
+        self.mm_soft_emb_norm = nn.Parameter(torch.zeros(vision.hidden_size))
+        self.mm_input_projection_weight = nn.Parameter(torch.zeros(vision.hidden_size, projector.text_hidden_size))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[num_images, 3, image_size, image_size] -> [num_images, tokens_per_image, text hidden]."""
+        patches = self.vision_tower(pixel_values)  # [num_images, num_patches, hidden]
+        num_images, _, hidden = patches.shape
+        side = self.vision.image_size // self.vision.patch_size
+        kernel = side // int(round(self.projector.tokens_per_image ** 0.5))
+        grid = patches.transpose(1, 2).reshape(num_images, hidden, side, side)
+        pooled = F.avg_pool2d(grid, kernel).flatten(2).transpose(1, 2)  # [num_images, tokens, hidden]
+        x = pooled.float()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.vision.layer_norm_eps)
+        normed = (normed * (1.0 + self.mm_soft_emb_norm.float())).type_as(pooled)
+        return torch.matmul(normed, self.mm_input_projection_weight).type_as(patches)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The tower's and the projector's tensors of a Gemma3ForConditionalGeneration checkpoint
+        (the language model's are not read here)."""
+        tower, projector = [], {}
+        for name, tensor in weights:
+            if (prefix := next((p for p in TOWER_PREFIXES if name.startswith(p)), None)) is not None:
+                tower.append((name.removeprefix(prefix), tensor))
+            elif (prefix := next((p for p in PROJECTOR_PREFIXES if name.startswith(p)), None)) is not None:
+                projector[name.removeprefix(prefix)] = tensor
+        self.vision_tower.load_weights(tower)
+        for ours, theirs in ((self.mm_soft_emb_norm, "mm_soft_emb_norm.weight"),
+                             (self.mm_input_projection_weight, "mm_input_projection_weight")):
+            if theirs not in projector:
+                raise ValueError(f"checkpoint is missing multi_modal_projector.{theirs}")
+            if projector[theirs].shape != ours.shape:
+                raise ValueError(f"multi_modal_projector.{theirs}: {tuple(projector[theirs].shape)} != "
+                                 f"{tuple(ours.shape)}")
+            ours.data.copy_(projector[theirs])
