@@ -1,6 +1,7 @@
 """Normalise a Hugging Face config.json once, so model code never guesses defaults."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +30,15 @@ SEQUENCE_CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaFor
                                      "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                                      "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 # Architectures dabba knows and refuses, with what to use instead.
-REFUSED_ARCHITECTURES = {
-    "Gemma3ForConditionalGeneration": "Gemma 3's multimodal checkpoints (4B and up: vision tower, "
-                                      "language_model.* tensors) are not supported; the text-only Gemma3ForCausalLM "
-                                      "(model_type gemma3_text, e.g. google/gemma-3-1b-it) is",
-}
+REFUSED_ARCHITECTURES: dict[str, str] = {}
+# Vision-language checkpoints whose language model dabba serves (their text_config, their tensors
+# under language_model): text prompts; the vision tower is not read yet. With the text config's
+# class defaults that configs leave out (the released Gemma 3 4B/12B/27B text_configs name a few
+# sizes only and leave the rest to Gemma3TextConfig's defaults)
+VISION_LANGUAGE_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+VISION_LANGUAGE_TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256)}
 # The gated MLP's activation, by config value: SwiGLU (Llama's "silu") or GeGLU with gelu's tanh
 # approximation (Gemma's "gelu_pytorch_tanh"). dabba.ops.activation.act_and_mul computes them.
 MLP_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -116,6 +121,9 @@ class ArchConfig:
     classifier_token_ids: tuple[int, ...] = ()
     # Qwen3-Reranker as released: pairs are read in its judging prompt (entrypoints/scoring.py)
     original_qwen3_reranker: bool = False
+    # the language model of a vision-language checkpoint (VISION_LANGUAGE_ARCHITECTURES): its config
+    # is the text_config, its tensors sit under language_model (models/loader.py renames them)
+    vision_language: bool = False
 
     @property
     def attn_scale(self) -> float:
@@ -173,6 +181,17 @@ class ArchConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
         named = cfg.get("architectures") or []
+        vision_language = next((a for a in named if a in VISION_LANGUAGE_ARCHITECTURES), None)
+        if vision_language is not None:
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError(f"{vision_language}'s config has no text_config")
+            # what the text config leaves to the top level (dtype, token ids), then the language model's own
+            inherited = {k: cfg[k] for k in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id",
+                                             "quantization_config") if k in cfg}
+            arch = cls.from_dict({**VISION_LANGUAGE_TEXT_DEFAULTS[vision_language], **inherited, **text,
+                                  "architectures": [VISION_LANGUAGE_ARCHITECTURES[vision_language]]})
+            return dataclasses.replace(arch, vision_language=True)
         encoder = next((a for a in named if a in ENCODER_ARCHITECTURES), None)
         if encoder is not None:
             return cls._encoder(encoder, cfg)

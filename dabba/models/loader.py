@@ -11,7 +11,7 @@ import ctypes
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Generator, Hashable, Iterator
+from typing import Any, Generator, Hashable, Iterable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -169,6 +169,25 @@ def release_freed_heap() -> None:
         pass
 
 
+# a vision-language checkpoint's language model, under transformers 5's names and the older ones
+_LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                            ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+
+def language_model_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Its language model's tensors under a text model's names; the vision tower's and the
+    projector's are not read (text prompts only, for now)."""
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for theirs, ours in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(theirs):
+                name = ours + name.removeprefix(theirs)
+                break
+        yield name, tensor
+
+
 def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_position: int,
                quant_config: QuantConfig | None = None, tp: TensorParallel = SINGLE,
                pooling: bool = False) -> nn.Module:
@@ -191,6 +210,8 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
         torch.set_default_dtype(previous)
     repack = LayerwiseRepacking(model)
     weights = iterate_gguf_weights(gguf, arch) if gguf.exists() else iterate_weights(files)
+    if arch.vision_language:
+        weights = language_model_tensors(weights)
     model.load_weights(weights, on_loaded=repack.loaded)
     repack.finish()
     release_freed_heap()
