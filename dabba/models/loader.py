@@ -22,6 +22,7 @@ from dabba.arch.files import read_json_object
 from dabba.distributed.tensor_parallel import SINGLE, TensorParallel, building_for
 from dabba.layers.embedding import LMHead
 from dabba.layers.rotary import describe_longrope
+from dabba.models.gemma3_vision import PROJECTOR_PREFIXES, TOWER_PREFIXES
 from dabba.models.gguf_checkpoint import GGUF_LINK, iterate_gguf_weights
 from dabba.models.pooling import pooling_variant
 from dabba.models.registry import get_model_class
@@ -172,7 +173,7 @@ def release_freed_heap() -> None:
 # a vision-language checkpoint's language model, under transformers 5's names and the older ones
 _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                             ("language_model.lm_head.", "lm_head."))
-_VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+_VISION_PREFIXES = (*TOWER_PREFIXES, *PROJECTOR_PREFIXES)
 
 
 def language_model_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
