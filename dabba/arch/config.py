@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dabba.arch.encoder_config import ENCODER_ARCHITECTURES, EncoderConfig, encoder_config
 from dabba.arch.files import read_json_object
-from dabba.arch.rope_scaling import RopeScaling, rope_scaling
+from dabba.arch.rope_scaling import LAYER_TYPES, RopeScaling, rope_parameters, rope_scaling
 
 SUPPORTED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "OlmoeForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
@@ -236,7 +235,7 @@ class ArchConfig:
         head_dim = cfg.get("head_dim") or (256 if gemma else cfg["hidden_size"] // num_heads)
 
         layer_types = _layer_types(arch, cfg)
-        rope, local_rope = _rope_parameters(arch, cfg, layer_types)
+        rope, local_rope = rope_parameters(arch, cfg, layer_types)
         rope_theta = float(rope["rope_theta"])
         max_position_embeddings = cfg.get("max_position_embeddings", GEMMA_MAX_POSITIONS.get(arch, 2048))
         scaling, rotary_dim = rope_scaling(arch, cfg, rope, head_dim, max_position_embeddings)
@@ -323,9 +322,6 @@ def _classifier_from_token(cfg: dict[str, Any], classifier: bool) -> tuple[str, 
     return tuple(tokens)
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
 def _layer_types(arch: str, cfg: dict[str, Any]) -> list[str] | None:
     """Each layer's attention kind, as transformers' configs derive it; None where every layer
     attends alike (Mistral and Phi-3 slide in every layer when sliding_window is set)."""
@@ -344,43 +340,6 @@ def _layer_types(arch: str, cfg: dict[str, Any]) -> list[str] | None:
     if len(layer_types) != num_layers or any(t not in LAYER_TYPES for t in layer_types):
         raise ValueError(f"layer_types must list one of {LAYER_TYPES} per layer ({num_layers}), got {layer_types!r}")
     return list(layer_types)
-
-
-def _rope_parameters(arch: str, cfg: dict[str, Any], layer_types: list[str] | None) -> tuple[dict, dict | None]:
-    """(the RoPE of the global layers, of the sliding layers where it differs (Gemma 3), else None),
-    each a rope_parameters dict with its rope_theta, from either spelling: transformers >= 5's
-    rope_parameters (flat, or keyed by layer type) or the older rope_theta + rope_scaling (and
-    Gemma 3's rope_local_base_freq for its sliding layers)."""
-    params = cfg.get("rope_parameters")
-    nested = isinstance(params, dict) and any(t in params for t in LAYER_TYPES)
-    if nested and set(params) - set(LAYER_TYPES):
-        raise ValueError(f"rope_parameters mixes per-layer-type entries with others: {sorted(params)}")
-    if arch == "Gemma3ForCausalLM":
-        if params and not nested:
-            raise ValueError("Gemma 3's rope_parameters must be keyed by layer type (full_attention, "
-                             "sliding_attention); transformers ignores a flat one")
-        if nested:
-            full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
-        else:
-            full, local = dict(cfg.get("rope_scaling") or {}), {}
-        if full.get("rope_theta") is None:  # (transformers 5 writes the top-level ones as null)
-            full["rope_theta"] = cfg.get("rope_theta") or 1_000_000.0
-        if local.get("rope_theta") is None:
-            local["rope_theta"] = cfg.get("rope_local_base_freq") or 10_000.0
-        local_type = local.get("rope_type", local.get("type", "default"))
-        if local_type != "default" or set(local) - {"rope_type", "type", "rope_theta"}:
-            raise ValueError(f"unsupported rope_parameters for Gemma 3's sliding_attention layers: {local!r} "
-                             "(only the default rope with its own rope_theta)")
-        return full, local
-    if nested:
-        kinds = {t: params[t] for t in (layer_types or LAYER_TYPES) if t in params}
-        if len({json.dumps(p, sort_keys=True) for p in kinds.values()}) > 1:
-            raise ValueError(f"unsupported config: rope_parameters differ by layer type for {arch}: {params!r}")
-        params = next(iter(kinds.values()), {})
-    rope = dict(params or cfg.get("rope_scaling") or {})
-    if rope.get("rope_theta") is None:
-        rope["rope_theta"] = cfg.get("rope_theta") or 10000.0
-    return rope, None
 
 
 def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:

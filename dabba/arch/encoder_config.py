@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dabba.arch.rope_scaling import LAYER_TYPES
+
 # architecture -> (family, its classification head: None for the bare encoder)
 ENCODER_ARCHITECTURES = {
     "BertModel": ("bert", None),
@@ -17,7 +19,6 @@ ENCODER_ARCHITECTURES = {
     "ModernBertForSequenceClassification": ("modernbert", "modernbert"),
 }
 ENCODER_ACTIVATIONS = ("gelu",)  # exact (erf) GELU, as BERT, XLM-R and ModernBERT use
-MODERNBERT_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,8 @@ def _modernbert(arch: str, cfg: dict[str, Any], classifier: str | None) -> Encod
     num_layers = cfg["num_hidden_layers"]
     every = cfg.get("global_attn_every_n_layers", 3)
     types = cfg.get("layer_types") or ["sliding_attention" if i % every else "full_attention" for i in range(num_layers)]
-    if len(types) != num_layers or any(t not in MODERNBERT_LAYER_TYPES for t in types):
-        raise ValueError(f"layer_types must name {num_layers} layers, each one of {MODERNBERT_LAYER_TYPES}")
+    if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise ValueError(f"layer_types must name {num_layers} layers, each one of {LAYER_TYPES}")
     rope = cfg.get("rope_parameters") or {}
     defaults = {"full_attention": cfg.get("global_rope_theta", 160_000.0),
                 "sliding_attention": cfg.get("local_rope_theta", 10_000.0)}

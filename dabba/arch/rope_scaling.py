@@ -1,10 +1,50 @@
-"""RoPE's scaling as a config.json spells it (arch/config.py reads the rest): which kinds dabba
-computes, and each kind's parameters read as transformers reads them."""
+"""RoPE as a config.json spells it (arch/config.py reads the rest): its parameters per layer type,
+its scaling (which kinds dabba computes, and each kind's parameters read as transformers reads them)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def rope_parameters(arch: str, cfg: dict[str, Any], layer_types: list[str] | None) -> tuple[dict, dict | None]:
+    """(the RoPE of the global layers, of the sliding layers where it differs (Gemma 3), else None),
+    each a rope_parameters dict with its rope_theta, from either spelling: transformers >= 5's
+    rope_parameters (flat, or keyed by layer type) or the older rope_theta + rope_scaling (and
+    Gemma 3's rope_local_base_freq for its sliding layers)."""
+    params = cfg.get("rope_parameters")
+    nested = isinstance(params, dict) and any(t in params for t in LAYER_TYPES)
+    if nested and set(params) - set(LAYER_TYPES):
+        raise ValueError(f"rope_parameters mixes per-layer-type entries with others: {sorted(params)}")
+    if arch == "Gemma3ForCausalLM":
+        if params and not nested:
+            raise ValueError("Gemma 3's rope_parameters must be keyed by layer type (full_attention, "
+                             "sliding_attention); transformers ignores a flat one")
+        if nested:
+            full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+        else:
+            full, local = dict(cfg.get("rope_scaling") or {}), {}
+        if full.get("rope_theta") is None:  # (transformers 5 writes the top-level ones as null)
+            full["rope_theta"] = cfg.get("rope_theta") or 1_000_000.0
+        if local.get("rope_theta") is None:
+            local["rope_theta"] = cfg.get("rope_local_base_freq") or 10_000.0
+        local_type = local.get("rope_type", local.get("type", "default"))
+        if local_type != "default" or set(local) - {"rope_type", "type", "rope_theta"}:
+            raise ValueError(f"unsupported rope_parameters for Gemma 3's sliding_attention layers: {local!r} "
+                             "(only the default rope with its own rope_theta)")
+        return full, local
+    if nested:
+        kinds = {t: params[t] for t in (layer_types or LAYER_TYPES) if t in params}
+        if len({json.dumps(p, sort_keys=True) for p in kinds.values()}) > 1:
+            raise ValueError(f"unsupported config: rope_parameters differ by layer type for {arch}: {params!r}")
+        params = next(iter(kinds.values()), {})
+    rope = dict(params or cfg.get("rope_scaling") or {})
+    if rope.get("rope_theta") is None:
+        rope["rope_theta"] = cfg.get("rope_theta") or 10000.0
+    return rope, None
 
 # freq_factors: llama.cpp's rope_freqs (a GGUF file's per-frequency divisors, as its converter
 # writes Llama 3's scaling); no Hugging Face config has it
