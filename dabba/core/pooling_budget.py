@@ -7,8 +7,11 @@ rows almost for free, and this is the share of them.
 Both costs come from the engine's own steps (a recent mean of each): a decode step's time from
 the steps that ran decodes alone, a pooling token's from those that carried pooling tokens too
 (their time past the decode step's, per token). The first step with decodes runs them alone, the
-next takes FIRST_TOKENS, then the costs rule; one step in REFRESH_EVERY of a run of mixed steps runs the decodes alone, so that
-their time keeps up with growing contexts and changing batches. Steps with other prefills (a
+next takes FIRST_TOKENS (until a token's cost is known), then the costs rule; one step in
+REFRESH_EVERY of a run of mixed steps runs the decodes alone, so that their time keeps up with
+growing contexts and changing batches. Steps are timed only while pooling requests exist (the
+scheduler's hot path stays as it was without them): when the first arrives after none, the
+decodes' time is measured afresh (restart). Steps with other prefills (a
 generation request's prompt) teach nothing: their extra time is not the pooling tokens'. Pure
 bookkeeping, no torch (core/)."""
 from __future__ import annotations
@@ -34,6 +37,10 @@ class PoolingBudget:
         if self.token_seconds is None:
             return FIRST_TOKENS
         return max(1, int((self.slowdown - 1.0) * self.decode_seconds / self.token_seconds + 1e-6))
+
+    def restart(self) -> None:
+        """Pooling requests arrive after a time without: the decodes' time may have changed since."""
+        self.decode_seconds, self.mixed_run = None, 0
 
     def record(self, decode_rows: int, pooling_tokens: int, prefill_tokens: int, seconds: float) -> None:
         """A step's time and what it ran: rows of decoding generation requests, tokens of pooling

@@ -65,7 +65,8 @@ class Scheduler:
         # pooling requests' share of a step while generation requests decode (None: no limit)
         slowdown = config.pooling_decode_slowdown
         self.pooling_budget = PoolingBudget(slowdown) if slowdown > 1.0 else None
-        self._step_mix = (0, 0, 0)  # the last step's decode rows, pooling tokens, prompt tokens
+        self.num_pooling_requests = 0  # unfinished: the share is kept (and steps timed) only while there are some
+        self._step_mix: tuple[int, int, int] | None = None  # the last step's decode rows, pooling tokens, prompt tokens
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -98,6 +99,10 @@ class Scheduler:
             raise InvalidRequest("structured_outputs", "structured_outputs needs an engine with a structured-output backend")
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=Request.sort_key)
+        if request.pooling_params is not None:
+            if self.num_pooling_requests == 0 and self.pooling_budget is not None:
+                self.pooling_budget.restart()
+            self.num_pooling_requests += 1
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -116,8 +121,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
         preempted = False
-        decoding = any(r.pooling_params is None and r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        pooling_left = budget if self.pooling_budget is None or not decoding else self.pooling_budget.tokens()
+        rationed = self.pooling_budget is not None and self.num_pooling_requests > 0
+        if rationed and any(r.pooling_params is None and _decoding(r) for r in self.running):
+            pooling_left = self.pooling_budget.tokens()
+        else:
+            pooling_left = budget
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -193,7 +201,7 @@ class Scheduler:
             if request.pooling_params is not None:
                 pooling_left -= num_new
 
-        self._step_mix = self._mix(out)
+        self._step_mix = self._mix(out) if rationed else None
         self._add_grammar_bitmask(out)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         self.speculation.budget_drafts(out, self.requests)
@@ -203,7 +211,7 @@ class Scheduler:
         """The time a step took, from schedule() to its outputs (the engine measures it), for the
         speculation policy's cost model and the pooling requests' share of a step."""
         self.speculation.record_step(out, runner_out, seconds)
-        if self.pooling_budget is not None:
+        if self.pooling_budget is not None and self._step_mix is not None:
             self.pooling_budget.record(*self._step_mix, seconds)
 
     def _mix(self, out: SchedulerOutput) -> tuple[int, int, int]:
@@ -213,7 +221,7 @@ class Scheduler:
             request = self.requests[request_id]
             if request.pooling_params is not None:
                 pooling += num_new
-            elif request.num_tokens - request.num_computed_tokens == 1:
+            elif _decoding(request):
                 decode += num_new
             else:
                 prompt += num_new
@@ -339,6 +347,8 @@ class Scheduler:
             self.structured_output.free(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if request.pooling_params is not None:
+            self.num_pooling_requests -= 1
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
@@ -359,3 +369,8 @@ class Scheduler:
             spec_num_draft_tokens=self.speculation.counters.num_draft_tokens,
             spec_num_accepted_tokens=self.speculation.counters.num_accepted_tokens,
         )
+
+
+def _decoding(request: Request) -> bool:
+    """Whether a (not yet updated) request's step feeds its one last token: it decodes."""
+    return request.num_tokens - request.num_computed_tokens == 1

@@ -37,6 +37,10 @@ def test_the_budget_follows_the_measured_costs() -> None:
     assert budget.tokens() == 0  # a decode-only step keeps the decodes' time fresh
     budget.record(4, 0, 0, DECODE_S)
     assert budget.tokens() > 0
+    budget.restart()  # pooling requests again after none: the decodes' time is measured afresh
+    assert budget.tokens() == 0
+    budget.record(4, 0, 0, DECODE_S)
+    assert budget.tokens() == 2  # a token's cost is still known
 
 
 _first_id = itertools.count(100, 1000)
@@ -84,6 +88,7 @@ def test_pooling_tokens_are_rationed_while_requests_decode() -> None:
     assert [s["embed"] for s in steps] == [2] * 7  # 0.25 * DECODE_S / TOKEN_S
     assert all(s["chat0"] == s["chat1"] == s["chat2"] == 1 for s in steps)
     assert "embed" not in scheduler.requests  # 16 + 7 * 2 = 30 tokens: done
+    assert scheduler.num_pooling_requests == 0
     for rid in ("chat0", "chat1", "chat2"):
         scheduler.abort_request(rid)
     scheduler.add_request(_request("embed2", 40, True))

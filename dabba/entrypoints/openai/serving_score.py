@@ -55,7 +55,8 @@ class OpenAIServingScore(OpenAIServing):
             plan: ScoringPlan = await asyncio.to_thread(plan_scoring, info, pairs, instruction)
             params = PoolingParams(truncate_prompt_tokens=truncate)
         except InvalidRequest as e:
-            raise OpenAIError(400, str(e), param=e.param if e.param in ("text_1", "text_2", "truncate_prompt_tokens", "instruction")
+            own = ("text_1", "text_2", "truncate_prompt_tokens", "instruction")  # fields the error names itself
+            raise OpenAIError(400, str(e), param=e.param if e.param in own
                               else ("model" if e.param is None else field_of_texts)) from None
         request_id = random_id("score")
         streams: list[RequestStream] = []
