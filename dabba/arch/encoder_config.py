@@ -71,7 +71,8 @@ def _modernbert(arch: str, cfg: dict[str, Any], classifier: str | None) -> Encod
             raise ValueError(f"unsupported {key} {cfg[key]!r} for {arch} (supported: {ENCODER_ACTIVATIONS})")
     num_layers = cfg["num_hidden_layers"]
     every = cfg.get("global_attn_every_n_layers", 3)
-    types = cfg.get("layer_types") or ["sliding_attention" if i % every else "full_attention" for i in range(num_layers)]
+    types = cfg.get("layer_types") or ["sliding_attention" if i % every else "full_attention"
+                                       for i in range(num_layers)]
     if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
         raise ValueError(f"layer_types must name {num_layers} layers, each one of {LAYER_TYPES}")
     rope = cfg.get("rope_parameters") or {}
@@ -93,6 +94,6 @@ def _modernbert(arch: str, cfg: dict[str, Any], classifier: str | None) -> Encod
     return EncoderConfig("modernbert", 1, float(cfg.get("norm_eps", 1e-5)), 0, classifier, int(num_labels),
                          cfg.get("pad_token_id"),
                          layer_windows=tuple(None if t == "full_attention" else local // 2 for t in types),
-                         layer_rope_thetas=tuple(thetas[t] for t in types), norm_bias=bool(cfg.get("norm_bias", False)),
-                         mlp_bias=bool(cfg.get("mlp_bias", False)), classifier_bias=bool(cfg.get("classifier_bias", False)),
-                         classifier_pooling=pooling)
+                         layer_rope_thetas=tuple(thetas[t] for t in types),
+                         norm_bias=bool(cfg.get("norm_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
+                         classifier_bias=bool(cfg.get("classifier_bias", False)), classifier_pooling=pooling)

@@ -66,7 +66,8 @@ class Gemma3ProjectorConfig:
     text_hidden_size: int
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any], vision: VisionConfig, source: str = "config.json") -> "Gemma3ProjectorConfig":
+    def from_dict(cls, cfg: dict[str, Any], vision: VisionConfig,
+                  source: str = "config.json") -> "Gemma3ProjectorConfig":
         tokens = cfg.get("mm_tokens_per_image", 256)
         text = cfg.get("text_config") or {}
         hidden = text.get("hidden_size")

@@ -83,7 +83,8 @@ def classifier_token_ids(tokenizer_dir: Path, tokens: tuple[str, ...]) -> tuple[
 
     path = tokenizer_dir / "tokenizer.json"
     if not path.is_file():
-        raise ValueError(f"classifier_from_token needs the tokenizer's vocabulary: {tokenizer_dir} has no tokenizer.json")
+        raise ValueError(f"classifier_from_token needs the tokenizer's vocabulary: {tokenizer_dir} has no "
+                         "tokenizer.json")
     tokenizer = Tokenizer.from_file(str(path))
     ids = tuple(tokenizer.token_to_id(t) for t in tokens)
     missing = [t for t, i in zip(tokens, ids) if i is None]

@@ -47,7 +47,8 @@ class ImageProcessorConfig:
         if cfg.get("do_resize", True):
             raw = cfg.get("size")
             if isinstance(raw, int):
-                raw = {"shortest_edge": raw} if not cfg.get("default_to_square", True) else {"height": raw, "width": raw}
+                square = cfg.get("default_to_square", True)
+                raw = {"height": raw, "width": raw} if square else {"shortest_edge": raw}
             if not isinstance(raw, dict):
                 raise ValueError(f"{source}: size must be a mapping, got {raw!r}")
             if "height" in raw and "width" in raw:
