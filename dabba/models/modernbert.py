@@ -27,12 +27,19 @@ def _layer_norm(cfg: ArchConfig) -> nn.LayerNorm:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.encoder.layer_norm_eps, bias=cfg.encoder.norm_bias)
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """RoPE, rotate-half form, on [num_tokens, num_heads, head_dim] at ``positions``."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (torch.arange(0, half, dtype=torch.float32, device=x.device) / half)
+def _cos_sin(positions: torch.Tensor, theta: float, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin at ``positions`` ([num_tokens, 1, head_dim] each, float32): once per
+    step and base, shared by the layers of that base."""
+    half = head_dim // 2
+    inv_freq = 1.0 / theta ** (torch.arange(0, half, dtype=torch.float32, device=positions.device) / half)
     angles = positions.float()[:, None] * inv_freq  # [num_tokens, half]
-    cos, sin = (torch.cat([f, f], dim=-1)[:, None, :] for f in (angles.cos(), angles.sin()))
+    return tuple(torch.cat([f, f], dim=-1)[:, None, :] for f in (angles.cos(), angles.sin()))  # type: ignore[return-value]
+
+
+def _rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """RoPE, rotate-half form, on [num_tokens, num_heads, head_dim]."""
+    cos, sin = cos_sin
+    half = x.shape[-1] // 2
     xf = x.float()
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
@@ -55,11 +62,13 @@ class ModernBertLayer(nn.Module):
                              quant_config=quant_config)
         self.mlp_out = Linear(i, [h], bias=enc.mlp_bias, prefix=f"{prefix}.mlp.Wo", quant_config=quant_config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """``rope``: each RoPE base's cos and sin at ``positions`` (_cos_sin)."""
         num_tokens = x.shape[0]
         q, k, v = (t.view(num_tokens, self.num_heads, self.head_dim)
                    for t in self.qkv(self.attn_norm(x)).chunk(3, dim=-1))
-        q, k = _rotate(q, positions, self.theta), _rotate(k, positions, self.theta)
+        q, k = _rotate(q, rope[self.theta]), _rotate(k, rope[self.theta])
         x = x + self.attn_out(bidirectional_attention(q, k, v, positions, self.head_dim ** -0.5, self.window))
         a, gate = self.mlp_in(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.mlp_out(F.gelu(a) * gate)
@@ -75,8 +84,10 @@ class ModernBertEncoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embedding_norm(self.tok_embeddings(input_ids))
+        head_dim = self.layers[0].head_dim
+        rope = {theta: _cos_sin(positions, theta, head_dim) for theta in {layer.theta for layer in self.layers}}
         for layer in self.layers:
-            x = layer(x, positions)
+            x = layer(x, positions, rope)
         return self.final_norm(x)
 
 
