@@ -96,6 +96,9 @@ class ModelConfig:
         'what the Python layers do (CPU attention backend, a family and linear layers with a native form), '
         'else the Python layers; "on": the loop, or an error saying why not; "off": the Python layers, the '
         'reference (forward hooks and changes to a layer\'s forward take effect only there).', "auto")
+    limit_mm_per_prompt: dict[str, int] | None = _help(
+        'Most images one prompt may carry, as JSON (vLLM\'s form): {"image": N}; default {"image": 8}.', None,
+        parse=json_object)
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_overrides, str):
@@ -116,6 +119,13 @@ class ModelConfig:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.pooling_type is not None and self.pooling_type.upper() not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
+        if isinstance(self.limit_mm_per_prompt, str):
+            object.__setattr__(self, "limit_mm_per_prompt", json_object(self.limit_mm_per_prompt,
+                                                                        "limit_mm_per_prompt"))
+        limits = self.limit_mm_per_prompt
+        if limits is not None and (not isinstance(limits, dict) or set(limits) - {"image"} or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values())):
+            raise ValueError(f'limit_mm_per_prompt must be {{"image": N}} with N >= 0, got {limits!r}')
         if self.native_layer_loop not in NATIVE_LAYER_LOOP:
             raise ValueError(f"native_layer_loop must be one of {NATIVE_LAYER_LOOP}, got {self.native_layer_loop!r}")
 
@@ -130,7 +140,15 @@ class CacheConfig:
     kv_cache_dtype: str = _help('KV-cache element type: "auto" (the model\'s dtype), "int8" or "fp8" (float8_e4m3fn), '
                                 'both with a scale per token and KV head.', "auto")
 
+    encoder_cache_memory: int = _help(
+        "Bytes for the image embeddings kept by content hash (the encoder cache): an image shown again, in a "
+        "later turn or another request, is not encoded again while its embeddings are here. Accepts sizes such "
+        "as 256MiB.", 256 * 2**20, parse=parse_bytes)
+
     def __post_init__(self) -> None:
+        if self.encoder_cache_memory <= 0:
+            raise ValueError(f"encoder_cache_memory must be a positive number of bytes, got "
+                             f"{self.encoder_cache_memory}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise ValueError(f'kv_cache_dtype must be "auto", "int8" or "fp8", got {self.kv_cache_dtype!r}')
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -226,8 +244,17 @@ class SchedulerConfig:
         "step within this factor of the decodes' own step time (measured on the engine's steps), so that embedding "
         "traffic slows chat streams by that much at most; 0: no limit (they take the step budget as prompts do).",
         1.2)
+    encoder_budget: int | None = _help(
+        "Image tokens (embedding rows) vision encoders may compute in one step, so that a burst of images is "
+        "spread over steps while other requests decode; default: max_num_batched_tokens.", None)
+
+    @property
+    def image_token_budget(self) -> int:
+        return self.encoder_budget if self.encoder_budget is not None else self.max_num_batched_tokens
 
     def __post_init__(self) -> None:
+        if self.encoder_budget is not None and self.encoder_budget < 1:
+            raise ValueError(f"encoder_budget must be >= 1, got {self.encoder_budget}")
         if self.pooling_decode_slowdown != 0 and not self.pooling_decode_slowdown > 1:
             raise ValueError(f"pooling_decode_slowdown must be 0 (no limit) or above 1, got "
                              f"{self.pooling_decode_slowdown}")

@@ -9,6 +9,7 @@ from typing import Any
 from dabba.arch.encoder_config import ENCODER_ARCHITECTURES, EncoderConfig, encoder_config
 from dabba.arch.files import read_json_object
 from dabba.arch.rope_scaling import LAYER_TYPES, RopeScaling, rope_parameters, rope_scaling
+from dabba.arch.vision_config import ImageInputConfig
 
 SUPPORTED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "OlmoeForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
@@ -30,8 +31,8 @@ SEQUENCE_CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaFor
                                      "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 # Architectures dabba knows and refuses, with what to use instead.
 REFUSED_ARCHITECTURES: dict[str, str] = {}
-# Vision-language checkpoints whose language model dabba serves (their text_config, their tensors
-# under language_model): text prompts; the vision tower is not read yet. With the text config's
+# Vision-language checkpoints (their language model's config the text_config, its tensors under
+# language_model; arch/vision_config.ImageInputConfig the rest), with the text config's
 # class defaults that configs leave out (the released Gemma 3 4B/12B/27B text_configs name a few
 # sizes only and leave the rest to Gemma3TextConfig's defaults)
 VISION_LANGUAGE_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -120,9 +121,14 @@ class ArchConfig:
     classifier_token_ids: tuple[int, ...] = ()
     # Qwen3-Reranker as released: pairs are read in its judging prompt (entrypoints/scoring.py)
     original_qwen3_reranker: bool = False
-    # the language model of a vision-language checkpoint (VISION_LANGUAGE_ARCHITECTURES): its config
-    # is the text_config, its tensors sit under language_model (models/loader.py renames them)
-    vision_language: bool = False
+    # a vision-language checkpoint (VISION_LANGUAGE_ARCHITECTURES): how images enter its prompt. The
+    # rest of this config is its language model's (the text_config), whose tensors sit under
+    # language_model (models/loader.py renames them)
+    images: ImageInputConfig | None = None
+
+    @property
+    def vision_language(self) -> bool:
+        return self.images is not None
 
     @property
     def attn_scale(self) -> float:
@@ -190,7 +196,7 @@ class ArchConfig:
                                              "quantization_config") if k in cfg}
             arch = cls.from_dict({**VISION_LANGUAGE_TEXT_DEFAULTS[vision_language], **inherited, **text,
                                   "architectures": [VISION_LANGUAGE_ARCHITECTURES[vision_language]]})
-            return dataclasses.replace(arch, vision_language=True)
+            return dataclasses.replace(arch, images=ImageInputConfig.gemma3(cfg, arch.vocab_size))
         encoder = next((a for a in named if a in ENCODER_ARCHITECTURES), None)
         if encoder is not None:
             return cls._encoder(encoder, cfg)

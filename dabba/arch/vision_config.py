@@ -79,3 +79,39 @@ class Gemma3ProjectorConfig:
         if not isinstance(hidden, int) or hidden < 1:
             raise ValueError(f"{source}: text_config.hidden_size must be a positive integer, got {hidden!r}")
         return cls(tokens, hidden)
+
+
+@dataclass(frozen=True)
+class ImageInputConfig:
+    """How a vision-language model takes an image into its prompt: the prompt's
+    ``image_start_token_id`` marks where (Gemma 3's <start_of_image>); it grows into the image's
+    ``tokens_per_image`` placeholders (``image_token_id``) between the start and end tokens, whose
+    embeddings the encoder's replace. ``bidirectional``: an image's tokens attend to each other
+    both ways (Gemma 3), not only causally."""
+
+    architecture: str  # config.json's (models/registry.py): the model class with the encoder
+    vision: VisionConfig
+    projector: Gemma3ProjectorConfig
+    image_token_id: int
+    image_start_token_id: int
+    image_end_token_id: int
+    bidirectional: bool
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.projector.tokens_per_image
+
+    @classmethod
+    def gemma3(cls, cfg: dict[str, Any], vocab_size: int) -> "ImageInputConfig":
+        """From a Gemma3ForConditionalGeneration config.json."""
+        vision = VisionConfig.from_dict(cfg.get("vision_config") or {})
+        projector = Gemma3ProjectorConfig.from_dict(cfg, vision)
+        ids = {}
+        for key, default in (("image_token_index", 262_144), ("boi_token_index", 255_999), ("eoi_token_index", 256_000)):
+            value = cfg.get(key, default)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab_size:
+                raise ValueError(f"config.json: {key} must be a token id below the vocabulary's {vocab_size}, "
+                                 f"got {value!r}")
+            ids[key] = value
+        return cls("Gemma3ForConditionalGeneration", vision, projector, ids["image_token_index"], ids["boi_token_index"], ids["eoi_token_index"],
+                   bidirectional=True)

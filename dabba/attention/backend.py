@@ -23,6 +23,10 @@ class CommonAttentionMetadata:
         tokens of request i in the batch:  query_start_loc[i] .. query_start_loc[i+1]
         its positions:                      seq_lens[i] - query_len[i] .. seq_lens[i]
         slot of flat token t in the cache:  slot_mapping[t] = block_id * block_size + offset
+
+    Attention is causal (a query sees the keys up to its own position) unless ``key_ends`` says
+    where each query's keys end (exclusive; at or past its position + 1, within its sequence):
+    the image tokens of Gemma 3 see their whole image.
     """
 
     query_start_loc: np.ndarray  # [num_reqs + 1] int64, host
@@ -31,6 +35,7 @@ class CommonAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, device
     block_size: int
     device: torch.device
+    key_ends: np.ndarray | None = None  # [num_tokens] int64, host; None: causal
 
     @property
     def num_reqs(self) -> int:

@@ -33,6 +33,7 @@ class CpuMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int64
     seq_lens: torch.Tensor  # [num_reqs] int64: context + this step's tokens
     decode_only: bool  # every request has one query token
+    key_ends: torch.Tensor | None = None  # [num_tokens] int64: CommonAttentionMetadata's; None: causal
 
 
 def split_blocks(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +57,9 @@ class CpuBackend(AttentionBackend):
         return CpuMetadata(common.slot_mapping, torch.from_numpy(np.ascontiguousarray(common.block_table, np.int64)),
                            torch.from_numpy(np.ascontiguousarray(common.query_start_loc, np.int64)),
                            torch.from_numpy(np.ascontiguousarray(common.seq_lens, np.int64)),
-                           bool((common.query_lens == 1).all()))
+                           bool((common.query_lens == 1).all()),
+                           None if common.key_ends is None else torch.from_numpy(np.ascontiguousarray(common.key_ends,
+                                                                                                      np.int64)))
 
     def split_cache(self, kv_cache):
         """A layer's cache -> (key cache, value cache). 8-bit: each a pair (codes, scales), the codes
@@ -95,12 +98,13 @@ class CpuBackend(AttentionBackend):
         if self.kv_quant is not None:
             (key_cache, key_scales), (value_cache, value_scales) = key_cache, value_cache
         out = torch.empty_like(q)
-        if metadata.decode_only:
+        if metadata.decode_only:  # (a query alone sees no key past itself: key_ends say nothing)
             torch.ops.dabba_cpu.paged_decode_attention(out, q.contiguous(), key_cache, value_cache,
                                                        metadata.block_table, metadata.seq_lens, scale,
                                                        sliding_window or 0, softcap or 0.0, key_scales, value_scales)
         else:
             torch.ops.dabba_cpu.paged_attention(out, q.contiguous(), key_cache, value_cache, metadata.block_table,
                                                 metadata.query_start_loc, metadata.seq_lens, scale,
-                                                sliding_window or 0, softcap or 0.0, key_scales, value_scales)
+                                                sliding_window or 0, softcap or 0.0, key_scales, value_scales,
+                                                key_ends=metadata.key_ends)
         return out

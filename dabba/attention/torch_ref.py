@@ -1,8 +1,9 @@
 """Reference attention in plain PyTorch over the paged cache: gather blocks, then SDPA.
 
 The oracle other backends must match. Runs on CPU and CUDA alike. Each prefill chunk gets its
-own SDPA (causal over its fresh keys when it has no earlier context, masked otherwise; with a
-layer's sliding window W, masked to the keys p - W + 1 .. p of each query position p). A layer
+own SDPA (causal over its fresh keys when it has no earlier context, masked otherwise: to each
+query's own position, or to its key_end where the metadata has one; with a layer's sliding window
+W, from the key p - W + 1 of each query position p on). A layer
 with a soft cap (Gemma 2: scores -> cap * tanh(scores / cap), which SDPA cannot apply) gets the
 same attention written out: softcapped_attention. Decodes
 (one query token each) are batched: their blocks are gathered into one padded, masked batch and
@@ -37,6 +38,7 @@ class PrefillChunk:
     context_len: int  # tokens of this request already in the cache before this step
     block_ids: torch.Tensor | None  # [num_blocks] when context_len > 0
     mask: torch.Tensor | None  # [query_len, seq_len] bool, True = may attend
+    key_ends: torch.Tensor | None = None  # [query_len]: where each query's keys end, where not causal
 
 
 @dataclass
@@ -49,12 +51,15 @@ class TorchRefMetadata:
     prefills: list[PrefillChunk]
 
 
-def window_mask(context_len: int, seq_len: int, sliding_window: int, device) -> torch.Tensor:
+def window_mask(context_len: int, seq_len: int, sliding_window: int | None, device,
+                key_ends: torch.Tensor | None = None) -> torch.Tensor:
     """[seq_len - context_len, seq_len] bool, True = may attend: the queries at positions
-    context_len .. seq_len - 1, each seeing keys p - W + 1 .. p (causal within the window)."""
+    context_len .. seq_len - 1, each seeing keys up to itself (or to ``key_ends`` - 1), from
+    p - W + 1 on with a window W (transformers' sliding window AND (causal OR image block))."""
     positions = torch.arange(context_len, seq_len, device=device)[:, None]
     keys = torch.arange(seq_len, device=device)[None, :]
-    return (keys <= positions) & (keys > positions - sliding_window)
+    mask = keys <= positions if key_ends is None else keys < key_ends[:, None]
+    return mask if sliding_window is None else mask & (keys > positions - sliding_window)
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -104,12 +109,15 @@ class TorchRefBackend(AttentionBackend):
         for i in np.nonzero(~is_decode)[0]:
             start, q_len, seq_len = int(starts[i]), int(query_lens[i]), int(common.seq_lens[i])
             context_len = seq_len - q_len
-            block_ids = mask = None
+            block_ids = mask = key_ends = None
+            if common.key_ends is not None and (common.key_ends[start:start + q_len]
+                                                != np.arange(context_len + 1, seq_len + 1)).any():
+                key_ends = torch.from_numpy(common.key_ends[start:start + q_len].copy()).to(device)
             if context_len > 0:
                 block_ids = torch.from_numpy(common.block_table[i, : -(-seq_len // bs)].copy()).to(device)
-                positions = torch.arange(context_len, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
-            prefills.append(PrefillChunk(start, start + q_len, context_len, block_ids, mask))
+            if context_len > 0 or key_ends is not None:
+                mask = window_mask(context_len, seq_len, None, device, key_ends)
+            prefills.append(PrefillChunk(start, start + q_len, context_len, block_ids, mask, key_ends))
         return TorchRefMetadata(common.slot_mapping, decode_token_idx, decode_block_table, decode_mask, decode_seq_lens,
                                 prefills)
 
@@ -205,6 +213,6 @@ class TorchRefBackend(AttentionBackend):
                 vp = vp.reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
             mask, seq_len = p.mask, p.context_len + p.end - p.start
             if sliding_window is not None and sliding_window < seq_len:
-                mask = window_mask(p.context_len, seq_len, sliding_window, q.device)
+                mask = window_mask(p.context_len, seq_len, sliding_window, q.device, p.key_ends)
             out[p.start:p.end] = self.prefill(qp, kp, vp, mask, scale, softcap).transpose(0, 1)
         return out

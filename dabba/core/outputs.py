@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dabba.core.multimodal import MultiModalFeature
 from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import SamplingParams
 
@@ -22,6 +23,7 @@ class NewRequestData:
     eos_token_ids: frozenset[int] = frozenset()  # banned with the stop tokens before min_tokens
     pooling_params: PoolingParams | None = None  # a pooling request: pooled when its prompt is done, never sampled
     token_type_ids: list[int] | None = None  # a cross-encoder's text pair (per prompt token)
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # its images (with their encoder inputs)
 
 
 @dataclass
@@ -50,6 +52,10 @@ class SchedulerOutput:
     # The most draft tokens each scheduled request may propose for its next step (adaptive drafts,
     # core/spec_budget.py); a request missing here may propose num_speculative_tokens.
     spec_token_budget: dict[str, int] = field(default_factory=dict)
+    # Images to encode this step (request -> indices into its mm_features), before the forward
+    # reads them; and the identifiers of encoder-cache entries to drop first (core/encoder_cache.py)
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -17,6 +17,9 @@ bookkeeping, no torch (core/)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
+
+from dabba.core.request import Request
 
 MEAN = 0.2  # weight of a step in its recent mean
 FIRST_TOKENS = 16  # pooling tokens a step takes before the costs are known
@@ -59,3 +62,23 @@ class PoolingBudget:
 
 def _mean(old: float | None, new: float) -> float:
     return new if old is None else MEAN * new + (1.0 - MEAN) * old
+
+
+def decoding(request: Request) -> bool:
+    """Whether a (not yet updated) request's step feeds its one last token: it decodes."""
+    return request.num_tokens - request.num_computed_tokens == 1
+
+
+def step_mix(num_scheduled_tokens: Mapping[str, int], requests: Mapping[str, Request]) -> tuple[int, int, int]:
+    """A step's rows of decoding generation requests, pooling tokens, and prompt tokens
+    (PoolingBudget.record's)."""
+    decode = pooling = prompt = 0
+    for request_id, num_new in num_scheduled_tokens.items():
+        request = requests[request_id]
+        if request.pooling_params is not None:
+            pooling += num_new
+        elif decoding(request):
+            decode += num_new
+        else:
+            prompt += num_new
+    return decode, pooling, prompt

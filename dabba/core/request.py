@@ -8,6 +8,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
+from dabba.core.multimodal import MultiModalFeature
 from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import SamplingParams
 
@@ -39,10 +40,14 @@ BlockHash = bytes
 _arrival_counter = itertools.count()
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
-    """Chained hash of one full block: equal hashes mean equal whole prefixes, not just equal blocks."""
+def hash_block(parent: BlockHash | None, token_ids: list[int], extra_keys: tuple[str, ...] = ()) -> BlockHash:
+    """Chained hash of one full block: equal hashes mean equal whole prefixes, not just equal blocks.
+    ``extra_keys``: the identifiers of the images whose tokens the block holds (their placeholder
+    ids are equal whatever the image)."""
     h = hashlib.sha256(parent or b"")
     h.update(array("q", token_ids).tobytes())
+    for key in extra_keys:
+        h.update(b"\0" + key.encode())
     return h.digest()[:16]
 
 
@@ -75,6 +80,7 @@ class Request:
     computes_whole_prompt: bool = False
     one_step_prompt: bool = False  # its prompt runs in one step, never chunked (an encoder attends to all of it)
     token_type_ids: list[int] | None = None  # a cross-encoder's text pair: 1 in the second text
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # its images, in prompt order
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -137,7 +143,8 @@ class Request:
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if i else None
-            self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs]))
+            keys = tuple(f.identifier for f in self.mm_features if f.position.overlaps(i * bs, (i + 1) * bs))
+            self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs], keys))
 
     def sort_key(self) -> tuple[int, int]:
         """Lower is served first: priority value, then arrival order (FCFS)."""

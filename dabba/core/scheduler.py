@@ -24,10 +24,11 @@ import logging
 from typing import Any, Iterable, Protocol
 
 from dabba.config import SchedulerConfig
+from dabba.core.encoder_scheduling import EncoderScheduler
 from dabba.core.kv_cache_manager import KVCacheManager
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
-from dabba.core.pooling_budget import PoolingBudget
+from dabba.core.pooling_budget import PoolingBudget, decoding, step_mix
 from dabba.core.request import Request, RequestStatus
 from dabba.core.spec_budget import RowBlocks
 from dabba.core.speculation import make_speculation
@@ -50,8 +51,10 @@ class StructuredOutputs(Protocol):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 structured_output: StructuredOutputs | None = None, row_blocks: RowBlocks = RowBlocks()) -> None:
+                 structured_output: StructuredOutputs | None = None, row_blocks: RowBlocks = RowBlocks(),
+                 encoder: EncoderScheduler | None = None) -> None:
         self.config = config
+        self.encoder = encoder  # a model that reads images: which of them each step encodes
         self.structured_output = structured_output
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
@@ -95,6 +98,10 @@ class Scheduler:
             raise InvalidRequest("prompt", f"input ({request.num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
                                            f"({self.config.max_num_batched_tokens}), and an encoder's input runs in one "
                                            "step; raise max_num_batched_tokens")
+        if request.mm_features:
+            if self.encoder is None:
+                raise InvalidRequest("multi_modal_data", "this model takes no images")
+            self.encoder.check(request)
         if request.use_structured_output and self.structured_output is None:
             raise InvalidRequest("structured_outputs", "structured_outputs needs an engine with a structured-output backend")
         self.requests[request.request_id] = request
@@ -122,10 +129,13 @@ class Scheduler:
         kv = self.kv_cache_manager
         preempted = False
         rationed = self.pooling_budget is not None and self.num_pooling_requests > 0
-        if rationed and any(r.pooling_params is None and _decoding(r) for r in self.running):
+        if rationed and any(r.pooling_params is None and decoding(r) for r in self.running):
             pooling_left = self.pooling_budget.tokens()
         else:
             pooling_left = budget
+        if self.encoder is not None:
+            self.encoder.begin_step()
+            out.free_encoder_hashes = self.encoder.cache.take_evicted()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -134,6 +144,12 @@ class Scheduler:
             if request.pooling_params is not None:
                 num_new = min(num_new, pooling_left)
                 if num_new == 0:
+                    i += 1
+                    continue
+            encode = None
+            if request.mm_features:
+                num_new, encode = self.encoder.fit(request, request.num_computed_tokens, num_new)
+                if num_new == 0:  # its next image waits for the encoder's budget or room
                     i += 1
                     continue
             drafts = self.speculation.drafts(request, num_new, budget)
@@ -150,6 +166,8 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             if new_blocks is None:
                 break
+            if encode is not None:
+                self.encoder.schedule(out, request, encode, request.num_computed_tokens, num_new)
             out.scheduled_cached_reqs.append(CachedRequestData(
                 request.request_id, tuple([b.block_id for b in blocks] for blocks in new_blocks),
                 request.num_computed_tokens))
@@ -174,10 +192,17 @@ class Scheduler:
                 num_new = min(num_new, pooling_left)
             if request.one_step_prompt and num_new < request.num_tokens - num_hit:
                 break  # whole, in a later step
+            encode = None
+            if request.mm_features:
+                num_new, encode = self.encoder.fit(request, num_hit, num_new)
+                if num_new == 0:
+                    break  # its next image waits for the encoder's budget or room
             lookahead = self.speculation.lookahead(request, num_hit + num_new)
             if kv.allocate_slots(request, num_new, hit_blocks, lookahead) is None:
                 break
             self.waiting.pop(j)
+            if encode is not None:
+                self.encoder.schedule(out, request, encode, num_hit, num_new)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
@@ -194,6 +219,7 @@ class Scheduler:
                     eos_token_ids=request.eos_token_ids,
                     pooling_params=request.pooling_params,
                     token_type_ids=request.token_type_ids,
+                    mm_features=request.mm_features,
                 )
             )
             out.num_scheduled_tokens[request.request_id] = num_new
@@ -201,7 +227,7 @@ class Scheduler:
             if request.pooling_params is not None:
                 pooling_left -= num_new
 
-        self._step_mix = self._mix(out) if rationed else None
+        self._step_mix = step_mix(out.num_scheduled_tokens, self.requests) if rationed else None
         self._add_grammar_bitmask(out)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         self.speculation.budget_drafts(out, self.requests)
@@ -213,19 +239,6 @@ class Scheduler:
         self.speculation.record_step(out, runner_out, seconds)
         if self.pooling_budget is not None and self._step_mix is not None:
             self.pooling_budget.record(*self._step_mix, seconds)
-
-    def _mix(self, out: SchedulerOutput) -> tuple[int, int, int]:
-        """A step's rows of decoding generation requests, pooling tokens, and prompt tokens."""
-        decode = pooling = prompt = 0
-        for request_id, num_new in out.num_scheduled_tokens.items():
-            request = self.requests[request_id]
-            if request.pooling_params is not None:
-                pooling += num_new
-            elif _decoding(request):
-                decode += num_new
-            else:
-                prompt += num_new
-        return decode, pooling, prompt
 
     def _add_grammar_bitmask(self, out: SchedulerOutput) -> None:
         """A row for each constrained request that samples this step: one whose scheduled tokens
@@ -241,6 +254,8 @@ class Scheduler:
         """Preempt by recompute: drop its KV; it waits again with its output kept."""
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        if request.mm_features:
+            self.encoder.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -263,6 +278,8 @@ class Scheduler:
             # slots are written over next step.
             num_rejected = len(drafts) - (len(token_ids) - 1) if drafts and token_ids else 0
             request.num_computed_tokens += num_tokens - num_rejected
+            if request.mm_features:
+                self.encoder.advance(request)
             if drafts:
                 self.speculation.verified(request, len(drafts), num_rejected)
             pooled = runner_out.pooler_output.get(request_id)
@@ -343,6 +360,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
+        if request.mm_features and self.encoder is not None:
+            self.encoder.free(request)
         if request.use_structured_output:
             self.structured_output.free(request.request_id)
         self.finished_req_ids.add(request.request_id)
@@ -368,9 +387,6 @@ class Scheduler:
             spec_num_drafts=self.speculation.counters.num_drafts,
             spec_num_draft_tokens=self.speculation.counters.num_draft_tokens,
             spec_num_accepted_tokens=self.speculation.counters.num_accepted_tokens,
+            num_images_encoded=self.encoder.num_encoded if self.encoder is not None else 0,
         )
 
-
-def _decoding(request: Request) -> bool:
-    """Whether a (not yet updated) request's step feeds its one last token: it decodes."""
-    return request.num_tokens - request.num_computed_tokens == 1

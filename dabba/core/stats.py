@@ -24,6 +24,7 @@ class SchedulerStats:
     spec_num_drafts: int = 0  # speculative steps: a request's drafts verified once
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    num_images_encoded: int = 0  # images the vision encoder ran on (one served from its cache is not counted)
 
     @classmethod
     def combine(cls, parts: list["SchedulerStats"]) -> "SchedulerStats":

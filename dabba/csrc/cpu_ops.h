@@ -65,7 +65,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
                      const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      double scale, int64_t sliding_window, double softcap,
                      const c10::optional<at::Tensor>& key_scales = c10::nullopt,
-                     const c10::optional<at::Tensor>& value_scales = c10::nullopt, bool amx = true);
+                     const c10::optional<at::Tensor>& value_scales = c10::nullopt, bool amx = true,
+                     const c10::optional<at::Tensor>& key_ends = c10::nullopt);
 
 // The bf16 linear kernels' common checks: out [M, N] bf16 with contiguous rows, and an optional
 // bias [bias_size] bf16. Returns the bias's bits, or null (gemm_cpu.cpp).

@@ -148,13 +148,14 @@ class NativeDecoder : public torch::CustomClassHolder {
   // block_size] are kv_scales' (empty for a full-precision cache). Per KV-cache group
   // (dabba/core/kv_cache_groups.py) its block table and slot mapping; layer_groups: each layer's
   // group (empty: one group). query_start_loc: each request's tokens, as the CPU backend's
-  // paged_attention takes them; none when every request decodes one token. Returns the final
-  // norm's output.
+  // paged_attention takes them; none when every request decodes one token; key_ends: where a
+  // query token's keys end when not at itself (paged_attention's). Returns the final norm's output.
   at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                      std::vector<at::Tensor> kv_caches,
                      std::vector<at::Tensor> kv_scales, std::vector<at::Tensor> block_tables,
                      std::vector<at::Tensor> slot_mappings, std::vector<int64_t> layer_groups, const at::Tensor& seq_lens,
-                     const c10::optional<at::Tensor>& query_start_loc) const {
+                     const c10::optional<at::Tensor>& query_start_loc,
+                     const c10::optional<at::Tensor>& key_ends) const {
     TORCH_CHECK(!mlp_pending_, "the last layer has no MLP: add_moe gives it");
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     TORCH_CHECK(kv_scales.empty() == (kv_q_max_ == 0.0) && (kv_scales.empty() || kv_scales.size() == layers_.size()),
@@ -205,7 +206,7 @@ class NativeDecoder : public torch::CustomClassHolder {
       const at::Tensor attn = at::empty({n, num_heads_, head_dim_}, x.options());
       if (query_start_loc.has_value())
         paged_attention(attn, q.contiguous(), key_cache, value_cache, block_table, *query_start_loc, seq_lens, scale_,
-                        layer.sliding_window, softcap_, key_scales, value_scales);
+                        layer.sliding_window, softcap_, key_scales, value_scales, true, key_ends);
       else
         paged_decode_attention(attn, q.contiguous(), key_cache, value_cache, block_table, seq_lens, scale_,
                                layer.sliding_window, softcap_, key_scales, value_scales);

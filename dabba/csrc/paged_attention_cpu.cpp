@@ -531,8 +531,9 @@ inline int64_t first_visible_block(int64_t pos, int64_t window, int64_t block_si
 
 // Query tokens tok0 .. tok0 + nt - 1 of one sequence (positions pos0 .. pos0 + nt - 1, its block
 // table `blocks`) against kv head kvh. Each token's G query heads are a row each; all nt * G rows
-// share every key and value load. Row (t, g) attends positions [0, pos0 + t]: causal; with a
-// sliding window (window > 0) only [pos0 + t - window + 1, pos0 + t]; softcap > 0 caps the scores;
+// share every key and value load. Row (t, g) attends positions [0, pos0 + t]: causal, or with
+// key_ends [0, key_ends[tok0 + t]) (an image token of Gemma 3 sees its whole image); with a
+// sliding window (window > 0) only from pos0 + t - window + 1 on; softcap > 0 caps the scores;
 // amx: on AMX tiles (attention_on_amx said so for the tile's request). Then the blocks before the
 // tile's first visible key are skipped whole: the passes run over positions skip .. pos0 + nt - 1
 // (skip a multiple of block_size), and each row masks the keys before its own window.
@@ -541,15 +542,18 @@ inline int64_t first_visible_block(int64_t pos, int64_t window, int64_t block_si
 //   0               skip        pos0 - window + 1   pos0 + nt
 template <typename scalar_t, typename cache_t>
 void attend_tile(const Shape& sh, const scalar_t* q_ptr, scalar_t* out_ptr, const PagedKV<cache_t>& kv,
-                 const int64_t* blocks, int64_t tok0, int64_t nt, int64_t pos0, int64_t kvh, float fscale,
-                 int64_t window, float softcap, bool amx, TileBuffers<scalar_t>& b) {
+                 const int64_t* blocks, int64_t tok0, int64_t nt, int64_t pos0, const int64_t* key_ends, int64_t kvh,
+                 float fscale, int64_t window, float softcap, bool amx, TileBuffers<scalar_t>& b) {
   Shape tile = sh;
   tile.group = nt * sh.group;
   const int64_t rows = tile.group, d_head = sh.head_dim;
   const int64_t first_block = first_visible_block(pos0, window, sh.block_size);
   const int64_t skip = first_block * sh.block_size;
   blocks += first_block;
-  const int64_t seq_len = pos0 + nt - skip;
+  int64_t tile_end = pos0 + nt;  // past the last key any row sees
+  if (key_ends)
+    for (int64_t t = 0; t < nt; ++t) tile_end = std::max(tile_end, key_ends[tok0 + t]);
+  const int64_t seq_len = tile_end - skip;
   // The scores' row stride: whole blocks, and with 16-key blocks an odd number of 64-byte lines:
   // rows a power of two of lines apart (2048 keys: 8 KiB) share the same few L1 sets, and the
   // passes that read a column of rows at a time (tile stores and loads) evicted each other's rows.
@@ -567,7 +571,7 @@ void attend_tile(const Shape& sh, const scalar_t* q_ptr, scalar_t* out_ptr, cons
       const scalar_t* src = q_ptr + ((tok0 + t) * sh.num_heads + kvh * sh.group + g) * d_head;
       std::memcpy(b.q.data() + r * d_head, src, d_head * sizeof(scalar_t));
       for (int64_t d = 0; d < d_head; ++d) b.qf[r * d_head + d] = static_cast<float>(src[d]) * fscale;
-      b.row_lens[r] = pos0 + t + 1 - skip;
+      b.row_lens[r] = (key_ends ? key_ends[tok0 + t] : pos0 + t + 1) - skip;
       b.row_starts[r] = window > 0 ? std::max<int64_t>(0, pos0 + t - window + 1) - skip : 0;
     }
   const int64_t* row_starts = window > 0 ? b.row_starts.data() : nullptr;
@@ -628,7 +632,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const Shape& sh
         prefetch_first_blocks(sh, kv.k, bt_ptr + next * sh.max_blocks + first, len_ptr[next] - first * sh.block_size,
                               (item + 1) % sh.num_kv_heads);
       }
-      attend_tile(sh, q_ptr, out_ptr, kv, bt_ptr + s * sh.max_blocks, s, 1, len_ptr[s] - 1, kvh,
+      attend_tile(sh, q_ptr, out_ptr, kv, bt_ptr + s * sh.max_blocks, s, 1, len_ptr[s] - 1, nullptr, kvh,
                   static_cast<float>(scale), window, static_cast<float>(softcap),
                   attention_on_amx<scalar_t, cache_t>(true, sh, 1, len_ptr[s]), buffers);
     }
@@ -645,7 +649,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const Shape& sh
 template <typename scalar_t, typename cache_t>
 void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const Shape& sh, const PagedKV<cache_t>& kv,
                             const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap, bool amx) {
+                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap, bool amx,
+                            const int64_t* key_ends) {
   const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
@@ -657,6 +662,9 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const Shape& s
   for (int64_t r = 0; r + 1 < query_start_loc.size(0); ++r) {
     const int64_t query_len = qsl[r + 1] - qsl[r], context_len = len_ptr[r] - query_len;
     TORCH_CHECK(query_len >= 0 && context_len >= 0, "request ", r, ": query longer than its sequence");
+    for (int64_t i = 0; key_ends && i < query_len; ++i)
+      TORCH_CHECK(key_ends[qsl[r] + i] > context_len + i && key_ends[qsl[r] + i] <= len_ptr[r], "request ", r,
+                  ": key_ends must lie past each query's position and within its sequence");
     const bool on_amx = attention_on_amx<scalar_t, cache_t>(amx, sh, query_len, len_ptr[r]);
     const int64_t tile_tokens = std::max<int64_t>(1, (on_amx ? kAmxTileRows : kMaxTileRows) / sh.group);
     for (int64_t i = 0; i < query_len; i += tile_tokens)
@@ -670,7 +678,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const Shape& s
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / sh.num_kv_heads, kvh = item % sh.num_kv_heads;
       const Tile& tile = tiles[i % 2 ? num_tiles - 1 - i / 2 : i / 2];  // 0, n-1, 1, n-2, ...
-      attend_tile(sh, q_ptr, out_ptr, kv, bt_ptr + tile.req * sh.max_blocks, tile.tok0, tile.nt, tile.pos0, kvh,
+      attend_tile(sh, q_ptr, out_ptr, kv, bt_ptr + tile.req * sh.max_blocks, tile.tok0, tile.nt, tile.pos0, key_ends, kvh,
                   static_cast<float>(scale), window, static_cast<float>(softcap), tile.amx, buffers);
     }
   });
@@ -736,7 +744,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      double scale, int64_t sliding_window, double softcap, const c10::optional<at::Tensor>& key_scales,
-                     const c10::optional<at::Tensor>& value_scales, bool amx) {
+                     const c10::optional<at::Tensor>& value_scales, bool amx, const c10::optional<at::Tensor>& key_ends) {
   check_attention_operands(out, q, key_cache, value_cache, block_table, key_scales, value_scales);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
@@ -745,11 +753,16 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
               "per sequence");
   TORCH_CHECK(query_start_loc.data_ptr<int64_t>()[seq_lens.numel()] == q.size(0),
               "query_start_loc must end at q's number of tokens");
+  TORCH_CHECK(!key_ends.has_value() || (key_ends->scalar_type() == at::kLong && key_ends->is_contiguous() &&
+                                        key_ends->numel() == q.size(0)),
+              "key_ends must be contiguous int64 [num_tokens]");
+  const int64_t* ends = key_ends.has_value() ? key_ends->data_ptr<int64_t>() : nullptr;
   const Shape sh = make_shape(q, value_cache, block_table);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     with_paged_kv<scalar_t>(key_cache, value_cache, key_scales, value_scales, [&](const auto& kv) {
       prefill_attention_impl<scalar_t>(out, q, sh, kv, block_table, query_start_loc, seq_lens, scale,
-                                       std::max<int64_t>(sliding_window, 0), std::max(softcap, 0.0), amx);
+                                       std::max<int64_t>(sliding_window, 0), std::max(softcap, 0.0), amx,
+                                       ends);
     });
   });
 }
@@ -765,6 +778,6 @@ TORCH_LIBRARY_FRAGMENT(dabba_cpu, m) {
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(dabba::paged_decode_attention));
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, int sliding_window=0, float softcap=0., "
-        "Tensor? key_scales=None, Tensor? value_scales=None, bool amx=True) -> ()");
+        "Tensor? key_scales=None, Tensor? value_scales=None, bool amx=True, Tensor? key_ends=None) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(dabba::paged_attention));
 }

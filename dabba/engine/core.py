@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
+from dabba.core.encoder_cache import EncoderCache
+from dabba.core.encoder_scheduling import EncoderScheduler
 from dabba.core.kv_cache_manager import KVCacheManager, PrefixCacheView
 from dabba.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from dabba.core.request import RequestStatus
@@ -20,6 +22,17 @@ from dabba.executor.uniproc import UniProcExecutor
 from dabba.models.resolved_config import ResolvedConfig
 from dabba.structured_output.manager import StructuredOutputManager
 from dabba.worker.model_runner import ModelRunner
+
+
+def _encoder_scheduler(resolved: ResolvedConfig) -> EncoderScheduler | None:
+    """A vision-language model's encoder budget and cache, its bound in embedding rows."""
+    images, config = resolved.arch.images, resolved.config
+    if images is None:
+        return None
+    row_bytes = resolved.arch.hidden_size * resolved.dtype.itemsize
+    sc = config.scheduler_config
+    return EncoderScheduler(sc.image_token_budget, EncoderCache(config.cache_config.encoder_cache_memory // row_bytes),
+                            images.bidirectional, sc.max_num_batched_tokens)
 
 
 @dataclass(frozen=True)
@@ -45,7 +58,7 @@ class EngineCore:
                                                self.cache_layout.groups, sc.max_num_batched_tokens)
         self.structured_output = StructuredOutputManager(tokenizer, resolved.arch.vocab_size, eos_token_ids)
         self.scheduler = Scheduler(sc, self.kv_cache_manager, resolved.max_model_len, self.structured_output,
-                                   self.executor.row_blocks())
+                                   self.executor.row_blocks(), _encoder_scheduler(resolved))
         self.last_step_num_tokens = 0  # tokens the last step ran (the dashboard's tokens per step)
         self._step: tuple[SchedulerOutput, ModelRunnerOutput, float] | None = None  # the step not yet closed
 

@@ -21,6 +21,7 @@ from dabba.engine.core import EngineCore
 from dabba.engine.model_info import ModelInfo
 from dabba.engine.output_processor import IterationStats, OutputProcessor
 from dabba.engine.processor import EngineRequest, Processor, PromptType
+from dabba.engine.prompt_images import image_prompt
 from dabba.engine.tokenizer import Tokenizer
 from dabba.errors import InvalidRequest
 from dabba.models.resolved_config import load_generation_config, resolve_config
@@ -49,7 +50,8 @@ class LLMEngine:
         self.model_info = ModelInfo(arch.architecture, tokenizer, self.resolved.max_model_len, arch.vocab_size,
                                     eos_token_ids, config.cache_config.block_size, generation_config,
                                     self.resolved.runner, self.resolved.pooler_config, arch.hidden_size,
-                                    arch.encoder is not None)
+                                    arch.encoder is not None, image_prompt(arch, model_dir, tokenizer),
+                                    (config.model_config.limit_mm_per_prompt or {}).get("image", 8))
         self.processor = Processor(self.model_info, self.engine_core.structured_output)
         self.output_processor = OutputProcessor(tokenizer)
 

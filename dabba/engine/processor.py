@@ -7,8 +7,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from dabba.core.multimodal import MultiModalFeature
 from dabba.core.request import Request
 from dabba.engine.model_info import ModelInfo
+from dabba.engine.prompt_images import prompt_images
 from dabba.errors import InvalidRequest
 from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import RequestOutputKind, SamplingParams
@@ -61,7 +63,7 @@ class Processor:
             raise InvalidRequest(None, "this model is served as a pooler (runner 'pooling'): it embeds and does "
                                        "not generate")
         params.check_vocab(info.vocab_size)
-        text, token_ids = self._parse_prompt(prompt)
+        text, token_ids, features = self._parse_image_prompt(prompt)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max(info.max_model_len - len(token_ids), 1))
         samples: list[Request] = []
@@ -74,6 +76,7 @@ class Processor:
                 eos_token_ids=info.eos_token_ids,
                 priority=priority,
                 block_size=info.block_size,
+                mm_features=features,
                 block_hashes=list(samples[0].block_hashes) if samples else [],  # the prompt's, hashed once
             ))
         compilation = None
@@ -117,6 +120,32 @@ class Processor:
                          computes_whole_prompt=pooler.needs_all_tokens or info.encoder, one_step_prompt=info.encoder,
                          token_type_ids=types)
         return EngineRequest(request_id, text, token_ids, params, priority, [sample])
+
+    def _parse_image_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """_parse_prompt's text and ids, and the prompt's images (multi_modal_data), each image's
+        mark grown into the model's image sequence."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            return *self._parse_prompt(prompt), []
+        info = self.model_info
+        images = prompt_images(data)
+        if images and info.image_prompt is None:
+            raise InvalidRequest("multi_modal_data", f"this model ({info.architecture}) takes no images")
+        if len(images) > info.max_images_per_prompt:
+            raise InvalidRequest("multi_modal_data", f"{len(images)} images in one prompt; at most "
+                                                     f"{info.max_images_per_prompt} (limit_mm_per_prompt)")
+        if not images:
+            return *self._parse_prompt(prompt), []
+        if "prompt_token_ids" in prompt:
+            text, token_ids = self._parse_prompt(prompt)
+            token_ids = info.image_prompt.expand_ids(token_ids, len(images))
+        else:
+            text = prompt.get("prompt")
+            if not isinstance(text, str):
+                raise InvalidRequest("prompt", "a prompt with images must be {'prompt': str} or "
+                                               "{'prompt_token_ids': [int, ...]}, with its multi_modal_data")
+            token_ids = info.tokenizer.encode(info.image_prompt.expand_text(text, len(images)))
+        return text, token_ids, info.image_prompt.features(token_ids, images)
 
     def _parse_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         tokenizer, vocab_size = self.model_info.tokenizer, self.model_info.vocab_size

@@ -8,6 +8,7 @@ the logits, and the group gathers them in rank order.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,6 +19,19 @@ from dabba.distributed.tensor_parallel import TensorParallel, current_tensor_par
 from dabba.ops import native
 from dabba.quantization.base import LinearMethod
 from dabba.quantization.gguf import GGUFBlocks, GGUFLinearMethod, dequantize_rows
+
+
+@dataclass(frozen=True)
+class EmbeddingRows:
+    """Rows that take the place of the token embeddings at ``indices`` of a step's flat batch: an
+    image's embeddings over its placeholder tokens (after the embedding's scale, which they skip)."""
+
+    indices: torch.Tensor  # [n] int64
+    rows: torch.Tensor  # [n, hidden]
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        x[self.indices] = self.rows.to(x.dtype)
+        return x
 
 
 class VocabShard:

@@ -16,7 +16,7 @@ from dabba.arch.checkpoint_names import checkpoint_target
 from dabba.arch.config import ArchConfig
 from dabba.distributed.tensor_parallel import KVHeadShard, current_tensor_parallel
 from dabba.layers.attention import Attention
-from dabba.layers.embedding import LMHead, VocabEmbedding
+from dabba.layers.embedding import EmbeddingRows, LMHead, VocabEmbedding
 from dabba.layers.layernorm import RMSNorm
 from dabba.layers.linear import Linear
 from dabba.layers.native_form import NativeLayer, NativeMLP, NativeQKNorm
@@ -133,15 +133,18 @@ class LlamaModel(nn.Module):
     def make_rotary(self, cfg: ArchConfig, max_position: int) -> nn.Module:
         return RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
 
-    def embed(self, input_ids: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """The layers' inputs: embedded tokens [num_tokens, hidden] and RoPE's (cos, sin) (the
-        native layer loop starts from here too)."""
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, image_embeds: EmbeddingRows | None = None
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The layers' inputs: embedded tokens [num_tokens, hidden] (images' rows in place of
+        their placeholders') and RoPE's (cos, sin) (the native layer loop starts from here too)."""
         x = self.embed_tokens(input_ids)
+        if image_embeds is not None:
+            x = image_embeds.scatter(x)
         return x, self.rotary.cos_sin(positions, x.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, rope = self.embed(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                image_embeds: EmbeddingRows | None = None) -> torch.Tensor:
+        x, rope = self.embed(input_ids, positions, image_embeds)
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual)
@@ -181,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         ``on_loaded(parameter name, shard id)`` follows every copy (shard id None: the whole
         parameter), so the loader can repack a layer as soon as it is complete. Parameters are
         looked up per tensor, never held: a layer's repacking frees its full-precision weight."""
-        names = [name for name, _ in self.named_parameters(remove_duplicate=False)]
+        names = self.checkpoint_parameters()
         known = set(names)
         loaded: set[str] = set()
         unexpected = []
@@ -208,6 +211,11 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+
+    def checkpoint_parameters(self) -> list[str]:
+        """The parameters the checkpoint's language-model tensors fill (every one, where the model
+        is a language model alone)."""
+        return [name for name, _ in self.named_parameters(remove_duplicate=False)]
 
     def checkpoint_target(self, name: str) -> tuple[str, Hashable]:
         """A checkpoint tensor's parameter name and shard id (families with other names override)."""

@@ -11,7 +11,7 @@ import ctypes
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Generator, Hashable, Iterable, Iterator
+from typing import Any, Generator, Hashable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -22,7 +22,6 @@ from dabba.arch.files import read_json_object
 from dabba.distributed.tensor_parallel import SINGLE, TensorParallel, building_for
 from dabba.layers.embedding import LMHead
 from dabba.layers.rotary import describe_longrope
-from dabba.models.gemma3_vision import PROJECTOR_PREFIXES, TOWER_PREFIXES
 from dabba.models.gguf_checkpoint import GGUF_LINK, iterate_gguf_weights
 from dabba.models.pooling import pooling_variant
 from dabba.models.registry import get_model_class
@@ -170,25 +169,6 @@ def release_freed_heap() -> None:
         pass
 
 
-# a vision-language checkpoint's language model, under transformers 5's names and the older ones
-_LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                            ("language_model.lm_head.", "lm_head."))
-_VISION_PREFIXES = (*TOWER_PREFIXES, *PROJECTOR_PREFIXES)
-
-
-def language_model_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Its language model's tensors under a text model's names; the vision tower's and the
-    projector's are not read (text prompts only, for now)."""
-    for name, tensor in weights:
-        if name.startswith(_VISION_PREFIXES):
-            continue
-        for theirs, ours in _LANGUAGE_MODEL_PREFIXES:
-            if name.startswith(theirs):
-                name = ours + name.removeprefix(theirs)
-                break
-        yield name, tensor
-
-
 def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_position: int,
                quant_config: QuantConfig | None = None, tp: TensorParallel = SINGLE,
                pooling: bool = False) -> nn.Module:
@@ -197,7 +177,7 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
     model_dir = Path(model_dir)
     gguf = model_dir / GGUF_LINK
     files = [] if gguf.exists() else find_weight_files(model_dir)
-    model_cls = get_model_class(arch.architecture)
+    model_cls = get_model_class(arch.images.architecture if arch.images is not None else arch.architecture)
     if pooling and arch.encoder is None:  # an encoder has no LM head to leave out
         model_cls = pooling_variant(model_cls)
     if arch.rope_scaling.rope_type == "longrope":
@@ -211,8 +191,6 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
         torch.set_default_dtype(previous)
     repack = LayerwiseRepacking(model)
     weights = iterate_gguf_weights(gguf, arch) if gguf.exists() else iterate_weights(files)
-    if arch.vision_language:
-        weights = language_model_tensors(weights)
     model.load_weights(weights, on_loaded=repack.loaded)
     repack.finish()
     release_freed_heap()

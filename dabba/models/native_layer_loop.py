@@ -20,6 +20,7 @@ import torch
 from dabba.attention.cpu import CpuMetadata
 from dabba.attention.kv_quant import KVQuant
 from dabba.distributed.tensor_parallel import SINGLE, TensorParallel
+from dabba.layers.embedding import EmbeddingRows
 from dabba.layers.native_form import ROPE_TABLES, NoNativeForm
 from dabba.ops import native
 
@@ -87,17 +88,19 @@ class NativeLayerLoop:
                                      moe.cfg.renormalize, moe.cfg.weights_in_model_dtype)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list[CpuMetadata],
-                 kv_caches: list[Any], layer_groups: list[int] | None = None) -> torch.Tensor:
+                 kv_caches: list[Any], layer_groups: list[int] | None = None,
+                 image_embeds: EmbeddingRows | None = None) -> torch.Tensor:
         """The final norm's output [num_tokens, hidden], as LlamaModel.forward returns it.
         ``metadata``: one per KV-cache group; ``layer_groups``: each layer's (None: one group)."""
-        x, rope = self.model.embed(input_ids, positions)
+        x, rope = self.model.embed(input_ids, positions, image_embeds)
         tables = [rope[kind] for kind in ROPE_TABLES] if isinstance(rope, dict) else [rope]  # Gemma's per kind
         first = metadata[0]
         caches, scales = self._cache_operands(kv_caches)
         return self.decoder.forward(x, [cos for cos, _ in tables], [sin for _, sin in tables], caches, scales,
                                     [m.block_table for m in metadata], [m.slot_mapping for m in metadata],
                                     layer_groups or [], first.seq_lens,
-                                    None if first.decode_only else first.query_start_loc)
+                                    None if first.decode_only else first.query_start_loc,
+                                    None if first.decode_only else first.key_ends)
 
     def _cache_operands(self, kv_caches: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer the cache tensor, and per layer the scales (none for full precision): 8-bit

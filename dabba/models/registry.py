@@ -5,6 +5,7 @@ from torch import nn
 
 from dabba.models.bert import BertModel
 from dabba.models.gemma import GemmaForCausalLM
+from dabba.models.gemma3_mm import Gemma3ForConditionalGeneration
 from dabba.models.llama import LlamaForCausalLM
 from dabba.models.modernbert import ModernBertModel
 from dabba.models.moe import MoEForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
@@ -22,6 +23,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "ModernBertForSequenceClassification": ModernBertModel,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # Gemma 2 and 3 differ only in ArchConfig fields
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # its language model and image encoder
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,

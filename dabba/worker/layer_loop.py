@@ -12,6 +12,7 @@ from dabba.attention.cpu import CpuBackend
 from dabba.attention.kv_quant import KVQuant
 from dabba.distributed.shm_communicator import ShmCommunicator
 from dabba.distributed.tensor_parallel import SINGLE, TensorParallel
+from dabba.layers.embedding import EmbeddingRows
 from dabba.models.native_layer_loop import NativeLayerLoop, missing_native_form
 
 
@@ -41,10 +42,13 @@ def select_layer_loop(model: torch.nn.Module, backend: AttentionBackend, kv_quan
 
 def run_layers(model: torch.nn.Module, native_loop: NativeLayerLoop | None, backend: AttentionBackend,
                input_ids: torch.Tensor, positions: torch.Tensor, metadata: list[Any], kv_caches: list[Any],
-               layer_groups: list[int] | None = None, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+               layer_groups: list[int] | None = None, token_type_ids: torch.Tensor | None = None,
+               image_embeds: EmbeddingRows | None = None) -> torch.Tensor:
     """The final hidden states [num_tokens, hidden] of one flat batch (``token_type_ids``: an
-    encoder's text pairs)."""
+    encoder's text pairs; ``image_embeds``: a vision-language model's image rows)."""
     with forward_context(backend, metadata, kv_caches, layer_groups, token_type_ids):
         if native_loop is not None:
-            return native_loop(input_ids, positions, metadata, kv_caches, layer_groups)
+            return native_loop(input_ids, positions, metadata, kv_caches, layer_groups, image_embeds)
+        if image_embeds is not None:
+            return model(input_ids, positions, image_embeds)
         return model(input_ids, positions)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from dabba.attention.backend import CommonAttentionMetadata
+from dabba.layers.embedding import EmbeddingRows
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ModelInputs:
     num_rows: list[int]  # logits rows of each of them: 1, or 1 + its drafts
     pooling: list[PoolingChunk] = field(default_factory=list)  # pooling requests' rows (they never sample)
     token_type_ids: torch.Tensor | None = None  # [num_tokens]: a cross-encoder's text pairs, else None
+    image_embeds: EmbeddingRows | None = None  # the step's image tokens' embeddings, else None
 
 
 @dataclass
@@ -57,10 +59,12 @@ class FlatBatch:
         positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req_of_token] + num_computed[req_of_token]
         return cls(query_start_loc, num_computed + num_new, req_of_token, positions)
 
-    def metadata(self, block_table: np.ndarray, block_size: int, device: torch.device) -> CommonAttentionMetadata:
-        """The batch's attention metadata over one KV-cache group's tables ([num_reqs, blocks])."""
+    def metadata(self, block_table: np.ndarray, block_size: int, device: torch.device,
+                 key_ends: np.ndarray | None = None) -> CommonAttentionMetadata:
+        """The batch's attention metadata over one KV-cache group's tables ([num_reqs, blocks]);
+        ``key_ends``: where each token's keys end, where not causal (CommonAttentionMetadata)."""
         positions = self.positions
         slot_mapping = block_table[self.req_of_token, positions // block_size] * block_size + positions % block_size
         return CommonAttentionMetadata(query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
                                        block_table=block_table, slot_mapping=torch.from_numpy(slot_mapping).to(device),
-                                       block_size=block_size, device=device)
+                                       block_size=block_size, device=device, key_ends=key_ends)

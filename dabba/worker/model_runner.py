@@ -32,6 +32,7 @@ from dabba.models.loader import load_model
 from dabba.models.resolved_config import ResolvedConfig
 from dabba.models.sizes import weights_bytes
 from dabba.ops import native
+from dabba.worker.image_inputs import ImageEmbeddings
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.memory import check_fits, default_kv_cache_memory, keep_freed_host_memory, kv_cache_tensors
 from dabba.worker.model_inputs import ModelInputs
@@ -103,6 +104,8 @@ class ModelRunner:
         self.sampler = Sampler(device, mc.seed)
         self.proposer = make_proposer(resolved, self.backend, self.kv_quant, self.sampler.generator)
         self.requests = RequestStates()
+        images = arch.images
+        self.images = ImageEmbeddings(self.model.encode_images, images.bidirectional) if images is not None else None
         self.kv_caches: list = []  # per layer: a tensor, or (codes, scales) for an 8-bit cache
         self.layer_groups: list[int] | None = None  # per layer: its KV-cache group; None: one group
         self.layout: CacheLayout | None = None
@@ -169,13 +172,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.requests.update(sched)
+        if self.images is not None:
+            self.images.update(sched, self.requests.states)
         if sched.is_empty:
             return ModelRunnerOutput()
         assert self.layout is not None, "initialize_kv_cache() first"
-        inputs = self.requests.prepare_inputs(sched, self.layout.block_size, self.device)
+        inputs = self.requests.prepare_inputs(sched, self.layout.block_size, self.device, self.images)
         metadata = [self.backend.build_metadata(common) for common in inputs.attn]
         hidden = run_layers(self.model, self.native_loop, self.backend, inputs.input_ids, inputs.positions, metadata,
-                            self.kv_caches, self.layer_groups, inputs.token_type_ids)  # [num_tokens, hidden]
+                            self.kv_caches, self.layer_groups, inputs.token_type_ids,
+                            inputs.image_embeds)  # [num_tokens, hidden]
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden))
         if inputs.pooling:
             output.pooler_output = self._pool(inputs, hidden)

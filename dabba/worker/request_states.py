@@ -8,11 +8,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from dabba.core.multimodal import MultiModalFeature
 from dabba.core.outputs import SchedulerOutput
 from dabba.layers.pooler import PoolingState
 from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import SamplingParams
 from dabba.worker.block_table import BlockTables
+from dabba.worker.image_inputs import ImageEmbeddings
 from dabba.worker.model_inputs import FlatBatch, ModelInputs, PoolingChunk
 from dabba.worker.spec_decode.ngram import PackedTokens
 
@@ -36,6 +38,7 @@ class CachedRequestState:
     pooling_params: PoolingParams | None = None  # a pooling request: its hidden states pooled, nothing sampled
     pooling: PoolingState = field(default_factory=PoolingState)  # its pooling so far, chunk by chunk
     token_type_ids: list[int] | None = None  # a cross-encoder's text pair
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # its images
 
     @property
     def num_output_tokens(self) -> int:
@@ -71,13 +74,15 @@ class RequestStates:
                 eos_token_ids=new.eos_token_ids,
                 pooling_params=new.pooling_params,
                 token_type_ids=new.token_type_ids,
+                mm_features=new.mm_features,
             )
             self.block_tables.add(new.request_id, new.block_ids)
         for cached in sched.scheduled_cached_reqs:
             self.states[cached.request_id].num_computed_tokens = cached.num_computed_tokens
             self.block_tables.append(cached.request_id, cached.new_block_ids)
 
-    def prepare_inputs(self, sched: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    def prepare_inputs(self, sched: SchedulerOutput, block_size: int, device: torch.device,
+                       images: ImageEmbeddings | None = None) -> ModelInputs:
         """Flatten all scheduled tokens of all requests into one batch::
 
             request i contributes token_ids[num_computed : num_computed + num_scheduled]
@@ -85,6 +90,7 @@ class RequestStates:
 
         where a request with draft tokens (speculative decoding) has its last known token then
         its drafts; each of those positions gives a logits row, to verify the draft after it.
+        ``images``: a vision-language model's image embeddings (their rows replace their tokens').
         """
         req_ids = list(sched.num_scheduled_tokens)
         num_sched = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
@@ -98,7 +104,10 @@ class RequestStates:
         for i, s in enumerate(states):
             known = s.token_ids[num_computed[i]:seq_lens[i]]
             input_ids[query_start_loc[i]:query_start_loc[i + 1]] = known + drafts[i] if drafts[i] else known
-        attn = [batch.metadata(self.block_tables.gather(req_ids, g), block_size, device)
+        image_embeds = key_ends = None
+        if images is not None:
+            image_embeds, key_ends = images.step_rows(states, query_start_loc, seq_lens, device)
+        attn = [batch.metadata(self.block_tables.gather(req_ids, g), block_size, device, key_ends)
                 for g in range(len(self.block_tables.tables))]
 
         # A request samples when this step reaches the end of its known tokens (and drafts); a
@@ -128,6 +137,7 @@ class RequestStates:
             num_rows=num_rows,
             pooling=pooling,
             token_type_ids=token_type_ids,
+            image_embeds=image_embeds,
         )
 
     def append_sampled(self, sampled: dict[str, list[int]]) -> None:

@@ -38,13 +38,15 @@ def make_step(query_lens, context_lens, block_size, num_blocks, seed=0):
 
 
 def run_both_backends(dtype, num_heads, num_kv_heads, head_dim, block_size, query_lens, context_lens,
-                      sliding_window=None, softcap=None, scale=None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                      sliding_window=None, softcap=None, scale=None,
+                      key_ends=None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One step on the reference and the CPU backend, each cache filled with the same earlier
     tokens (the same logical context in both layouts): per backend (output, keys, values), the
-    caches' contents read back in table order."""
+    caches' contents read back in table order. ``key_ends``: the metadata's (image blocks)."""
     torch.manual_seed(0)
     num_blocks = 80
     common = make_step(query_lens, context_lens, block_size, num_blocks)
+    common.key_ends = key_ends
     T = sum(query_lens)
     q, k, v = (torch.randn(T, h, head_dim, dtype=dtype) for h in (num_heads, num_kv_heads, num_kv_heads))
     ctx_k = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)

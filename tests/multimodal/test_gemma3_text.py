@@ -12,8 +12,8 @@ from tests.conftest import token_prompts
 
 def test_a_multimodal_gemma3_checkpoint_serves_text_as_transformers_does(tmp_path) -> None:
     """Gemma3ForConditionalGeneration (4B and up): its language model from text_config and the
-    language_model tensors, the vision tower's and the projector's left unread; greedy tokens of
-    text prompts equal transformers' on the whole model. As transformers saves it (language_model.model.*,
+    language_model tensors (the vision tower's and the projector's into its image encoder); greedy
+    tokens of text prompts equal transformers' on the whole model. As transformers saves it (language_model.model.*,
     vision_tower.*) and under the names of its modules (model.language_model.*, model.vision_tower.*)."""
     import transformers
     from safetensors.torch import save_file
@@ -33,6 +33,7 @@ def test_a_multimodal_gemma3_checkpoint_serves_text_as_transformers_does(tmp_pat
     torch.manual_seed(0)
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
     model.save_pretrained(tmp_path / "v5")
+    transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(tmp_path / "v5")
     prompts = [[0, 5, 17, 300, 42, 9, 81, 600, 3, 77, 12, 5], [0, 900, 14]]
     expected = []
     with torch.no_grad():
