@@ -325,8 +325,8 @@ class ServerConfig:
     max_stop_sequences: int = _help("Most stop strings in one request.", 16)
     max_stop_length: int = _help("Longest stop string, in characters.", 256)
     max_request_body_bytes: int = _help(
-        "Largest request body; a larger one is refused (413) before it is read in full. Accepts sizes such as 4MiB.",
-        4 * 2**20, parse=parse_bytes)
+        "Largest request body (base64 images included); a larger one is refused (413) before it is read in full. "
+        "Accepts sizes such as 4MiB.", 32 * 2**20, parse=parse_bytes)
     shutdown_timeout: float = _help(
         "Seconds that SIGTERM or SIGINT gives the requests in flight to finish; streams still running then end "
         "with an error event and [DONE], and the exit status is 3.", 30.0)
@@ -351,15 +351,27 @@ class ServerConfig:
     timeout_request_head: float = _help(
         "Seconds a client has to send a request's line and headers, counted from its connection or from the "
         "first byte after its previous response; a slower one is answered 408 and closed.", 10.0)
+    allowed_media_domains: str | None = _help(
+        "Hosts (comma-separated, exact names) whose http(s) image URLs requests may name; each is fetched within "
+        "media_fetch_timeout, never following a redirect to another host. Default: none (images come as base64 "
+        "data: URLs only).", None)
+    media_fetch_timeout: float = _help("Seconds to fetch one image URL, in all.", 10.0)
+    max_image_bytes: int = _help("Largest image, encoded. Accepts sizes such as 20MiB.", 20 * 2**20, parse=parse_bytes)
+    max_image_pixels: int = _help("Most pixels (width x height) of one image; a larger one is refused from its "
+                                  "header, before it is decoded.", 6000 * 6000)
+
+    @property
+    def media_domains(self) -> tuple[str, ...]:
+        return tuple(d.strip().lower() for d in (self.allowed_media_domains or "").split(",") if d.strip())
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_stop_sequences", "max_stop_length", "max_request_body_bytes",
                      "max_constraint_bytes", "max_constraint_enum_values", "max_constraint_regex_length",
-                     "max_constraint_grammar_rules", "max_connections"):
+                     "max_constraint_grammar_rules", "max_connections", "max_image_bytes", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"shutdown_timeout must be a number of seconds >= 0, got {self.shutdown_timeout}")
-        for name in ("structured_outputs_compile_timeout", "timeout_request_head"):
+        for name in ("structured_outputs_compile_timeout", "timeout_request_head", "media_fetch_timeout"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a number of seconds > 0, got {getattr(self, name)}")

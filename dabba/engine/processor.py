@@ -48,9 +48,10 @@ class Processor:
     def needs_work(prompt: PromptType, params: SamplingParams | PoolingParams) -> bool:
         """Whether processing tokenizes or claims a compile, which may start a compiler process (an
         async caller then processes off its event loop): a prompt given as token ids without a
-        constraint is checked in no time."""
+        constraint (or images, which take their preprocessing) is checked in no time."""
         constrained = isinstance(params, SamplingParams) and params.structured_outputs is not None
-        return constrained or not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
+        plain_ids = isinstance(prompt, dict) and "prompt_token_ids" in prompt and "multi_modal_data" not in prompt
+        return constrained or not plain_ids
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
                 priority: int = 0) -> EngineRequest:

@@ -51,6 +51,11 @@ class ImagePrompt:
         return text.replace(self.start_text, self.sequence_text)
 
     def expand_ids(self, token_ids: list[int], num_images: int) -> list[int]:
+        """Each start token grown into the image sequence's ids; ids that hold the images'
+        placeholders already (as the chat APIs send them) as they are."""
+        runs = _runs(token_ids, self.config.image_token_id)
+        if runs and len(runs) == num_images and all(r.length == self.config.tokens_per_image for r in runs):
+            return token_ids
         found = token_ids.count(self.config.image_start_token_id)
         if found != num_images:
             raise InvalidRequest("multi_modal_data", f"the prompt marks {found} images (token "

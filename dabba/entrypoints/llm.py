@@ -11,7 +11,8 @@ from dabba.config import EngineConfig
 from dabba.core.stats import SchedulerStats
 from dabba.engine.llm_engine import LLMEngine, PromptType
 from dabba.engine.tokenizer import Tokenizer
-from dabba.entrypoints.chat_utils import render_conversation, text_of
+from dabba.entrypoints.chat_utils import render_conversation, template_content
+from dabba.multimodal.media import ImageSource
 from dabba.entrypoints.scoring import pair_up, plan_scoring
 from dabba.outputs import PoolingRequestOutput, RequestOutput, RerankResult, ScoringOutput, ScoringRequestOutput
 from dabba.pooling_params import PoolingParams
@@ -57,17 +58,22 @@ class LLM:
         """Reply to one conversation (a list of {"role", "content"} messages) or to each of a
         list of them, as vLLM's LLM.chat: the chat template (``chat_template``'s text in place of
         the model's) renders each, with ``chat_template_kwargs`` (Qwen3's enable_thinking, ...)
-        and ``tools``; then generate()."""
+        and ``tools``; then generate(). A vision-language model takes image parts too:
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} or {"type":
+        "image_pil", "image_pil": image}."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer, prompts = self.get_tokenizer(), []
+        image_prompt = self.llm_engine.model_info.image_prompt
+        source = ImageSource() if image_prompt is not None else None  # data: URLs and PIL images, no fetching
         for c, conversation in enumerate(conversations):
-            rendered = []
+            rendered, images = [], []
             for i, message in enumerate(conversation):
                 if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                     raise ValueError(f"messages[{c}][{i}]: a message is a dict with a 'role'")
-                rendered.append({**message, "content": text_of(message.get("content"), f"messages[{c}][{i}].content")})
+                content = template_content(message.get("content"), f"messages[{c}][{i}].content", images, source)
+                rendered.append({**message, "content": content})
             prompts.append(render_conversation(tokenizer, rendered, add_generation_prompt, tools, chat_template,
-                                               chat_template_kwargs))
+                                               chat_template_kwargs, images, image_prompt))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate(

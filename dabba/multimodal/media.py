@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from PIL import Image, UnidentifiedImageError
 
 from dabba.errors import InvalidRequest
+from dabba.multimodal.fetch import UrlPolicy
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<base64>;base64)?,",
@@ -81,3 +82,19 @@ def to_rgb(image: Image.Image) -> Image.Image:
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     return image.convert("RGB")
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """Where a request's images may come from and what they may be: base64 data: URLs always,
+    http(s) URLs as ``urls`` allows (multimodal/fetch.py)."""
+
+    limits: ImageLimits = ImageLimits()
+    urls: UrlPolicy = UrlPolicy()
+
+    def open(self, url: str, field: str) -> Image.Image:
+        if not isinstance(url, str):
+            raise InvalidRequest(field, f"{field}: an image URL must be a string")
+        if url.startswith("data:"):
+            return open_image(data_url_bytes(url, field), field, self.limits)
+        return open_image(self.urls.fetch(url, field, self.limits.max_bytes), field, self.limits)

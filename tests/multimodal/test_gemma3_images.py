@@ -20,6 +20,13 @@ PROMPTS = {  # number of images -> prompt
     2: "Compare <start_of_image> with this one: <start_of_image> what changed?",
 }
 LOGPROB_ATOL = 2e-4  # float32, the same weights: the order of summation only
+# Gemma 3's chat template, but for its system-prompt handling: image parts write <start_of_image>
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages -%}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' "
+    "else message['role']) + '\n' }}{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
 
 
 def tiny_gemma3(out: Path) -> Path:
@@ -27,7 +34,7 @@ def tiny_gemma3(out: Path) -> Path:
     with Gemma 3's three image tokens, a SigLIP tower on 32 x 32 images, 4 tokens per image."""
     import transformers
 
-    from tools.tiny_checkpoint import CHAT_TEMPLATE, train_tokenizer
+    from tools.tiny_checkpoint import train_tokenizer
 
     tok = train_tokenizer(1024, "docstrings")
     tok.add_special_tokens(["<start_of_image>", "<image_soft_token>", "<end_of_image>"])
@@ -35,7 +42,7 @@ def tiny_gemma3(out: Path) -> Path:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
         extra_special_tokens={"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
                               "eoi_token": "<end_of_image>"})
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = GEMMA3_TEMPLATE
     boi, image, eoi = (tok.token_to_id(t) for t in ("<start_of_image>", "<image_soft_token>", "<end_of_image>"))
     text = transformers.Gemma3TextConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -185,3 +192,44 @@ def test_bad_image_requests_are_refused_by_name(checkpoint, tmp_path) -> None:
         text_only.generate({"prompt": "hello", "multi_modal_data": {"image": images(1)}}, params)
     # the engine goes on
     assert len(llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def data_url(image: Image.Image) -> str:
+    import base64
+    import io
+
+    out = io.BytesIO()
+    image.save(out, format="PNG")  # lossless: the same pixels
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+CHAT_TEXTS = ("Look:", "and", "what differs?")
+
+
+def test_llm_chat_with_image_parts_equals_transformers_processor(checkpoint) -> None:
+    """LLM.chat with image parts (a data: URL and a PIL image) renders, expands and tokenizes as
+    transformers' processor.apply_chat_template does, and generates its greedy tokens."""
+    import transformers
+
+    first, second = images(2)
+    processor = transformers.AutoProcessor.from_pretrained(checkpoint)
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(checkpoint).eval()
+    theirs = [{"role": "user", "content": [{"type": "text", "text": CHAT_TEXTS[0]}, {"type": "image", "image": first},
+                                           {"type": "text", "text": CHAT_TEXTS[1]}, {"type": "image", "image": second},
+                                           {"type": "text", "text": CHAT_TEXTS[2]}]}]
+    inputs = processor.apply_chat_template(theirs, tokenize=True, return_dict=True, add_generation_prompt=True,
+                                           return_tensors="pt")
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    ours = [{"role": "user", "content": [
+        {"type": "text", "text": CHAT_TEXTS[0]}, {"type": "image_url", "image_url": {"url": data_url(first)}},
+        {"type": "text", "text": CHAT_TEXTS[1]}, {"type": "image_pil", "image_pil": second},
+        {"type": "text", "text": CHAT_TEXTS[2]}]}]
+    llm = LLM(str(checkpoint), dtype="float32")
+    (out,) = llm.chat(ours, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert list(out.outputs[0].token_ids) == expected.tolist()
+    with pytest.raises(InvalidRequest, match="corrupt|not an image") as e:
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                                                           "iVBORw0KGgo="}}]}])
+    assert e.value.param == "messages[0][0].content.0.image_url"

@@ -27,6 +27,7 @@ logger = logging.getLogger("dabba")
 
 # Anthropic's floor on an enabled thinking budget; below it (or at max_tokens or past it) is a 400.
 MIN_THINKING_BUDGET = 1024
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # what an image block's base64 may hold
 
 
 def message_id() -> str:
@@ -216,12 +217,15 @@ def _chat_messages(role: str, content: Any, where: str) -> list[dict[str, Any]]:
     reasoning_content."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
-    texts, calls, thinking, results = [], [], [], []
+    texts, calls, thinking, results, parts = [], [], [], [], []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}.{j}"
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), f"{at}.source")}})
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
                     or not isinstance(block.get("input"), dict):
@@ -245,13 +249,28 @@ def _chat_messages(role: str, content: Any, where: str) -> list[dict[str, Any]]:
                                    "tool_use and thinking from the assistant, text and tool_result from the user)",
                               param="messages")
     if role == "user":
-        return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+        has_images = any(p["type"] == "image_url" for p in parts)
+        text = parts if has_images else "".join(texts)
+        return results + ([{"role": "user", "content": text}] if parts or not results else [])
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if calls:
         message["tool_calls"] = calls
     if thinking:
         message["reasoning_content"] = "".join(thinking)
     return [message]
+
+
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source as the chat path's image URL: base64 data (a data: URL of its
+    media_type) or a url."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str) and source.get("media_type") in IMAGE_MEDIA_TYPES:
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise OpenAIError(400, f"{where}: an image source is {{\"type\": \"base64\", \"media_type\": one of "
+                           f"{', '.join(IMAGE_MEDIA_TYPES)}, \"data\": ...}} or {{\"type\": \"url\", \"url\": ...}}",
+                      param="messages")
 
 
 def _tool_use(call_id: str, name: str, arguments: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ def param_of(error: ValueError, prompt_param: str = "prompt",
     prompt came from (``prompt_param``), its constraint errors the one the constraint came from
     (``constraint_param``); an engine field that is no request field names nothing."""
     param = error.param if isinstance(error, InvalidRequest) else None
-    if param in ("prompt", "prompt_token_ids"):
+    if param in ("prompt", "prompt_token_ids", "multi_modal_data"):  # (a prompt's images)
         return prompt_param
     if param == "structured_outputs":
         return constraint_param

@@ -13,6 +13,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dabba.config import ServerConfig
+from dabba.multimodal.fetch import UrlPolicy
+from dabba.multimodal.media import ImageLimits, ImageSource
 from dabba.engine.protocol import EngineClient, EngineDeadError, Overloaded, RequestStream
 from dabba.entrypoints.openai.errors import OpenAIError, param_of
 from dabba.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -50,6 +52,10 @@ class OpenAIServing:
         self.config = config or ServerConfig()
         self.tokenizer = client.model_info.tokenizer
         self.max_model_len = client.model_info.max_model_len
+        # where a request's images may come from (None: the model takes none)
+        self.image_source = ImageSource(ImageLimits(self.config.max_image_bytes, self.config.max_image_pixels),
+                                        UrlPolicy(self.config.media_domains, self.config.media_fetch_timeout)
+                                        ) if client.model_info.image_prompt is not None else None
 
     # ---- shared ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:

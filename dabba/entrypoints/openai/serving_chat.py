@@ -22,7 +22,7 @@ from dabba.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, 
 from dabba.entrypoints.openai.errors import OpenAIError
 from dabba.entrypoints.openai.request_bounds import check_bounds, constraint_field, structured_outputs_of
 from dabba.entrypoints.openai.serving import ChoiceProgress, OpenAIServing, final_usage, usage_info
-from dabba.entrypoints.chat_utils import render_conversation, text_of
+from dabba.entrypoints.chat_utils import render_conversation, template_content, text_of
 from dabba.entrypoints.openai.reasoning import END, REASONING_PARSERS, START
 from dabba.entrypoints.openai.reply import CallOpened, ReplyFormat, Text, Thinking
 from dabba.entrypoints.openai.tool_call_parsers import TOOL_CALL_PARSERS
@@ -89,12 +89,12 @@ class OpenAIServingChat(OpenAIServing):
                 raise OpenAIError(400, str(e), param="messages") from None
             text = head["prompt"] + tail
             return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
-        conversation = []
+        conversation, images = [], []
         for i, m in enumerate(messages):
             try:
-                content = text_of(m.content, f"messages.{i}.content")
-            except ValueError as e:
-                raise OpenAIError(400, str(e), param="messages") from None
+                content = template_content(m.content, f"messages.{i}.content", images, self.image_source)
+            except ValueError as e:  # an image's InvalidRequest names its part
+                raise OpenAIError(400, str(e), param=getattr(e, "param", None) or "messages") from None
             message: dict[str, Any] = {"role": m.role, "content": content}
             if m.tool_calls:
                 message["tool_calls"] = [_template_call(call) for call in m.tool_calls]
@@ -109,7 +109,8 @@ class OpenAIServingChat(OpenAIServing):
         try:
             return render_conversation(self.tokenizer, conversation, add_generation_prompt,
                                        [t.model_dump(exclude_none=True) for t in tools or []],
-                                       chat_template_kwargs=chat_template_kwargs)
+                                       chat_template_kwargs=chat_template_kwargs, images=images,
+                                       image_prompt=self.client.model_info.image_prompt)
         except ValueError as e:
             param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
             raise OpenAIError(400, str(e), param=param) from None

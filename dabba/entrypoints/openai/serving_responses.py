@@ -96,7 +96,12 @@ class OpenAIServingResponses:
     async def create(self, req: ResponsesRequest, raw: Request):
         chat_req, conversation = self.chat_request(req)
         response_id = item_id("resp")
-        run = await self.chat.start_chat(chat_req, raw, response_id)
+        try:
+            run = await self.chat.start_chat(chat_req, raw, response_id)
+        except OpenAIError as e:  # the chat path's messages are this request's input
+            if e.param is not None and e.param.startswith("messages"):
+                e.param = "input"
+            raise
         state = _ResponseState(self, req, run, conversation)
         cancelled = self._cancel[response_id] = asyncio.Event()
         if req.store:
@@ -268,7 +273,7 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise OpenAIError(400, f"{at}.role: one of user, system, developer, assistant, got {role!r}",
                                   param="input")
             message = {"role": "system" if role == "developer" else role,
-                       "content": _parts_text(item.get("content"), f"{at}.content")}
+                       "content": _message_content(item.get("content"), f"{at}.content")}
             if role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
@@ -298,6 +303,24 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise OpenAIError(400, f"{at}: items of type {kind!r} are not supported here (message, function_call, "
                                    "function_call_output, reasoning)", param="input")
     return messages
+
+
+def _message_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content for the chat path: text, or with input_image parts (an image_url: a
+    data: URL, or an http(s) URL the server allows) chat content parts, text and image_url."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _parts_text(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise OpenAIError(400, f"{where}.{j}: an input_image needs its image_url (a data: URL or an http(s) "
+                                       "URL; file_id is not supported here)", param="input")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            parts.append({"type": "text", "text": _parts_text([part], f"{where}.{j}")})
+    return parts
 
 
 def _parts_text(content: Any, where: str) -> str:
