@@ -176,3 +176,26 @@ def test_the_dashboard_shows_each_data_parallel_replica(browser) -> None:
         assert page.inner_text("#kv-total") == str(blocks)  # both replicas' grids, one after the other
         assert [e for e in errors if KEY_REFUSED not in e] == []
         page.context.close()  # its stats stream would hold the server's shutdown up to its 30 s bound
+
+
+def test_the_playground_attaches_images_for_a_vision_language_model(browser, tmp_path) -> None:
+    """The Image button's file goes out as an image_url part (a data: URL): the thumbnail shows
+    in the user's message, the model's encoder reads it once, and a reply streams."""
+    from tests.multimodal.test_gemma3_images import images, tiny_gemma3
+
+    path = tiny_gemma3(tmp_path / "gemma3")
+    images(1)[0].save(tmp_path / "picture.png")
+    with live_server(str(path), "gemma3-tiny", None) as (url, engine):
+        page, errors = open_page(browser, url + "/")
+        page.wait_for_function("document.getElementById('model').textContent === 'gemma3-tiny'")
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", "4")
+        page.set_input_files("#attach-file", str(tmp_path / "picture.png"))
+        page.wait_for_selector("#attachments .thumb img")
+        page.fill("#input", "What is in the picture?")
+        page.click("#send")
+        reply = page.wait_for_selector(".msg.assistant[data-done]")
+        assert reply.query_selector_all(".tok") and not reply.query_selector(".error")
+        assert page.query_selector(".msg.user .images img") is not None and not page.is_visible("#attachments")
+        assert engine.get_stats().num_images_encoded == 1
+        assert errors == []

@@ -3,6 +3,7 @@
 
 const $ = (id) => document.getElementById(id);
 const conversation = [];  // {role, content} of the chat so far, the system prompt apart
+const attachments = [];  // data: URLs of the images the next message carries
 let modelName = null;
 let controller = null;  // the reply in flight, if any
 
@@ -17,11 +18,16 @@ async function loadModel() {
   $("model").textContent = modelName;
 }
 
-function addMessage(role, text) {
+function addMessage(role, text, images = []) {
   const div = document.createElement("div");
   div.className = `msg ${role}`;
-  div.innerHTML = '<div class="role"></div><div class="content"></div><div class="stats"></div>';
+  div.innerHTML = '<div class="role"></div><div class="images"></div><div class="content"></div><div class="stats"></div>';
   div.querySelector(".role").textContent = role;
+  for (const url of images) {
+    const img = document.createElement("img");
+    img.src = url;
+    div.querySelector(".images").appendChild(img);
+  }
   div.querySelector(".content").textContent = text;
   $("messages").appendChild(div);
   div.scrollIntoView({ block: "end" });
@@ -112,22 +118,56 @@ function renderStats(div, reply) {
   }
 }
 
+// The attached images, as thumbnails above the composer (each can be taken off again).
+function renderAttachments() {
+  const strip = $("attachments");
+  strip.innerHTML = "";
+  strip.hidden = attachments.length === 0;
+  attachments.forEach((url, i) => {
+    const thumb = document.createElement("div");
+    thumb.className = "thumb";
+    thumb.innerHTML = '<img alt="attached image"><button class="secondary" title="Remove">×</button>';
+    thumb.querySelector("img").src = url;
+    thumb.querySelector("button").onclick = () => { attachments.splice(i, 1); renderAttachments(); };
+    strip.appendChild(thumb);
+  });
+}
+
+function readAsDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+// A user message's content: its text, or with images OpenAI's parts (the images first, then the text).
+function userContent(text, images) {
+  if (!images.length) return text;
+  return [...images.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text }];
+}
+
 async function send() {
   const text = $("input").value.trim();
   if (!text || controller) return;
   const system = $("system").value.trim();
-  const messages = [...(system ? [{ role: "system", content: system }] : []), ...conversation, { role: "user", content: text }];
+  const images = attachments.splice(0);
+  const content = userContent(text, images);
+  const messages = [...(system ? [{ role: "system", content: system }] : []), ...conversation, { role: "user", content }];
   let body;
   try {
     body = requestBody(messages);
   } catch {
+    attachments.push(...images);
     return;
   }
   $("input").value = "";
-  conversation.push({ role: "user", content: text });
-  addMessage("user", text);
+  renderAttachments();
+  conversation.push({ role: "user", content });
+  addMessage("user", text, images);
   const div = addMessage("assistant", "");
-  const content = div.querySelector(".content");
+  const output = div.querySelector(".content");
   const reply = { sentAt: performance.now(), firstAt: null, lastAt: null, tokens: 0, text: "", usage: null, finish: null };
   controller = new AbortController();
   $("send").hidden = true;
@@ -138,8 +178,8 @@ async function send() {
       body: JSON.stringify(body), signal: controller.signal,
     });
     if (!response.ok) {
-      content.textContent = await errorText(response);
-      content.classList.add("error");
+      output.textContent = await errorText(response);
+      output.classList.add("error");
       return;
     }
     await readEvents(response, (data) => {
@@ -158,9 +198,9 @@ async function send() {
         reply.text += delta;
         reply.tokens += entries.length;
         if ($("token-view").checked && entries.length) {
-          for (const entry of entries) content.appendChild(tokenSpan(entry));
+          for (const entry of entries) output.appendChild(tokenSpan(entry));
         } else if (delta) {
-          content.appendChild(document.createTextNode(delta));
+          output.appendChild(document.createTextNode(delta));
         }
         if (choice.finish_reason) reply.finish = choice.finish_reason;
       }
@@ -187,6 +227,12 @@ async function send() {
 }
 
 $("send").onclick = send;
+$("attach").onclick = () => $("attach-file").click();
+$("attach-file").addEventListener("change", async (event) => {
+  for (const file of event.target.files) attachments.push(await readAsDataURL(file));
+  event.target.value = "";
+  renderAttachments();
+});
 $("stop").onclick = () => controller && controller.abort();
 $("input").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey) {
@@ -197,6 +243,8 @@ $("input").addEventListener("keydown", (event) => {
 $("clear").onclick = () => {
   if (controller) controller.abort();
   conversation.length = 0;
+  attachments.length = 0;
+  renderAttachments();
   $("messages").innerHTML = "";
 };
 $("messages").addEventListener("mousemove", showTooltip);
