@@ -79,6 +79,16 @@ def train_tokenizer(vocab_size: int = 1024, corpus: str = "docstrings"):
     return tok
 
 
+def tokenizer_with_specials(special_tokens: tuple[str, ...], vocab_size: int = 1024, corpus: str = "docstrings"):
+    """A copy of train_tokenizer's (which is cached and shared: never change it) with
+    ``special_tokens`` added after its vocabulary."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(train_tokenizer(vocab_size, corpus).to_str())
+    tok.add_special_tokens(list(special_tokens))
+    return tok
+
+
 # SentencePiece models as Llama 2's is laid out: <unk> <s> </s>, then a control and a user-defined piece
 SPM_CONTROL, SPM_USER_DEFINED = ("<pad>",), ("<sep>",)
 # style -> whether the model prepends a space to the text (Llama 2, Mistral, Phi-3) or not (Gemma)

@@ -99,6 +99,8 @@ class Processor:
         if params.dimensions is not None and params.dimensions > info.hidden_size:
             raise InvalidRequest("dimensions", f"dimensions must be at most the model's {info.hidden_size}, got "
                                                f"{params.dimensions}")
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            raise InvalidRequest("multi_modal_data", "embedding requests take text only here, no images")
         if pooler.prompt and isinstance(prompt, str):
             prompt = pooler.prompt + prompt
         text, token_ids = self._parse_prompt(prompt)

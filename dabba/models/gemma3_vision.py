@@ -11,10 +11,7 @@ from torch import nn
 
 from dabba.arch.vision_config import Gemma3ProjectorConfig, VisionConfig
 from dabba.models.siglip import SiglipVisionTower
-
-# where checkpoints keep the encoder: transformers 5 ("model."), and the released Gemma 3 checkpoints
-TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
-PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+from dabba.models.vision_language import load_projector, split_vision_tensors
 
 
 class Gemma3ImageEncoder(nn.Module):
@@ -41,18 +38,7 @@ class Gemma3ImageEncoder(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The tower's and the projector's tensors of a Gemma3ForConditionalGeneration checkpoint
         (the language model's are not read here)."""
-        tower, projector = [], {}
-        for name, tensor in weights:
-            if (prefix := next((p for p in TOWER_PREFIXES if name.startswith(p)), None)) is not None:
-                tower.append((name.removeprefix(prefix), tensor))
-            elif (prefix := next((p for p in PROJECTOR_PREFIXES if name.startswith(p)), None)) is not None:
-                projector[name.removeprefix(prefix)] = tensor
+        tower, projector = split_vision_tensors(weights)
         self.vision_tower.load_weights(tower)
-        for ours, theirs in ((self.mm_soft_emb_norm, "mm_soft_emb_norm.weight"),
-                             (self.mm_input_projection_weight, "mm_input_projection_weight")):
-            if theirs not in projector:
-                raise ValueError(f"checkpoint is missing multi_modal_projector.{theirs}")
-            if projector[theirs].shape != ours.shape:
-                raise ValueError(f"multi_modal_projector.{theirs}: {tuple(projector[theirs].shape)} != "
-                                 f"{tuple(ours.shape)}")
-            ours.data.copy_(projector[theirs])
+        load_projector({"mm_soft_emb_norm.weight": self.mm_soft_emb_norm,
+                        "mm_input_projection_weight": self.mm_input_projection_weight}, projector)

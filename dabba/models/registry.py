@@ -1,11 +1,14 @@
 """Architecture name (config.json "architectures") -> model class."""
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import nn
 
 from dabba.models.bert import BertModel
 from dabba.models.gemma import GemmaForCausalLM
 from dabba.models.gemma3_mm import Gemma3ForConditionalGeneration
+from dabba.models.llava import llava_for
 from dabba.models.llama import LlamaForCausalLM
 from dabba.models.modernbert import ModernBertModel
 from dabba.models.moe import MoEForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
@@ -23,7 +26,6 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "ModernBertForSequenceClassification": ModernBertModel,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # Gemma 2 and 3 differ only in ArchConfig fields
     "Gemma3ForCausalLM": GemmaForCausalLM,
-    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # its language model and image encoder
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,
@@ -40,3 +42,14 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         return MODEL_REGISTRY[architecture]
     except KeyError:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(MODEL_REGISTRY)}") from None
+
+
+# Vision-language architectures: config.json's name -> the model class over its language model's
+VISION_LANGUAGE_MODELS: dict[str, Callable[[type[nn.Module]], type[nn.Module]]] = {
+    "Gemma3ForConditionalGeneration": lambda language: Gemma3ForConditionalGeneration,
+    "LlavaForConditionalGeneration": llava_for,
+}
+
+
+def get_vision_language_class(architecture: str, language_cls: type[nn.Module]) -> type[nn.Module]:
+    return VISION_LANGUAGE_MODELS[architecture](language_cls)

@@ -1,9 +1,10 @@
-"""SigLIP's vision tower (Gemma 3's, and LLaVA checkpoints'): pixel values -> one hidden state per
+"""SigLIP's vision tower (Gemma 3's) and CLIP's (LLaVA's): pixel values -> one hidden state per
 patch. The patch embedding is a convolution whose stride is its kernel, so it runs as one linear
 over the flattened patches; learnt positions; pre-norm layers, x += attention(LN(x)),
-x += fc2 gelu(fc1 LN(x)), every linear with a bias, every patch attending to all of its image's;
-a final LN. The attention-pooling head of SiglipVisionModel is not read: multimodal models take
-the patches' states."""
+x += fc2 act(fc1 LN(x)), every linear with a bias, every token attending to all of its image's;
+a final LN. CLIP puts a class token before the patches and a LayerNorm before the layers, and
+LLaVA reads an earlier layer's states (``num_layers``). The attention-pooling head of
+SiglipVisionModel is not read: multimodal models take the patches' states."""
 from __future__ import annotations
 
 from typing import Hashable, Iterable
@@ -19,7 +20,8 @@ class SiglipLayer(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.num_heads, self.head_dim, self.activation = cfg.num_attention_heads, cfg.head_dim, cfg.activation
+        self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.activation = ACTIVATIONS[cfg.activation]
         self.layer_norm1 = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.qkv = nn.Linear(h, 3 * h)
         self.out_proj = nn.Linear(h, h)
@@ -34,20 +36,26 @@ class SiglipLayer(nn.Module):
                    for t in self.qkv(self.layer_norm1(x)).chunk(3, dim=-1))
         attended = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)
         x = x + self.out_proj(attended.transpose(1, 2).reshape(num_images, num_patches, hidden))
-        return x + self.fc2(F.gelu(self.fc1(self.layer_norm2(x)), approximate=self.activation))
+        return x + self.fc2(self.activation(self.fc1(self.layer_norm2(x))))
 
 
 class SiglipVisionTower(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.patch_embedding = nn.Linear(cfg.num_channels * cfg.patch_size ** 2, cfg.hidden_size)
-        self.position_embedding = nn.Embedding(cfg.num_patches, cfg.hidden_size)
+        self.patch_embedding = nn.Linear(cfg.num_channels * cfg.patch_size ** 2, cfg.hidden_size, bias=not cfg.clip)
+        self.position_embedding = nn.Embedding(cfg.num_positions, cfg.hidden_size)
+        if cfg.clip:
+            self.class_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
+            self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)  # (CLIP's spelling)
         self.layers = nn.ModuleList(SiglipLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[num_images, channels, image_size, image_size] -> [num_images, num_patches, hidden]."""
+    def forward(self, pixel_values: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+        """[num_images, channels, image_size, image_size] -> [num_images, num_positions, hidden]:
+        the last layer's states (after the final LN in SigLIP; CLIP's applies to its pooled class
+        token only), or with ``num_layers`` the states after that many layers (transformers'
+        hidden_states[num_layers]), with no final LN."""
         cfg = self.config
         num_images, channels, height, width = pixel_values.shape
         if (height, width) != (cfg.image_size, cfg.image_size) or channels != cfg.num_channels:
@@ -57,10 +65,15 @@ class SiglipVisionTower(nn.Module):
         # [num_images, channels, side, p, side, p] -> patches in row-major order, each (channel, row, col)
         patches = (pixel_values.to(self.patch_embedding.weight.dtype).view(num_images, channels, side, p, side, p)
                    .permute(0, 2, 4, 1, 3, 5).reshape(num_images, side * side, channels * p * p))
-        x = self.patch_embedding(patches) + self.position_embedding.weight
-        for layer in self.layers:
+        x = self.patch_embedding(patches)
+        if cfg.clip:
+            x = torch.cat([self.class_embedding.expand(num_images, 1, -1), x], dim=1)
+        x = x + self.position_embedding.weight
+        if cfg.clip:
+            x = self.pre_layrnorm(x)
+        for layer in self.layers[:num_layers]:
             x = layer(x)
-        return self.post_layernorm(x)
+        return self.post_layernorm(x) if num_layers is None and not cfg.clip else x
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], prefix: str = "") -> None:
         """SiglipVisionModel's tensors: those under ``prefix`` (a multimodal checkpoint's vision
@@ -99,6 +112,8 @@ class SiglipVisionTower(nn.Module):
             raise ValueError(f"checkpoint is missing vision tensors: {missing[:10]}")
 
 
+ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
+               "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}  # arch/vision_config.VISION_ACTIVATIONS
 _QKV = {"self_attn.q_proj.": "q", "self_attn.k_proj.": "k", "self_attn.v_proj.": "v"}
 
 

@@ -34,10 +34,9 @@ def tiny_gemma3(out: Path) -> Path:
     with Gemma 3's three image tokens, a SigLIP tower on 32 x 32 images, 4 tokens per image."""
     import transformers
 
-    from tools.tiny_checkpoint import train_tokenizer
+    from tools.tiny_checkpoint import tokenizer_with_specials
 
-    tok = train_tokenizer(1024, "docstrings")
-    tok.add_special_tokens(["<start_of_image>", "<image_soft_token>", "<end_of_image>"])
+    tok = tokenizer_with_specials(("<start_of_image>", "<image_soft_token>", "<end_of_image>"))
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
         extra_special_tokens={"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
@@ -187,6 +186,8 @@ def test_bad_image_requests_are_refused_by_name(checkpoint, tmp_path) -> None:
     small_steps = LLM(str(checkpoint), dtype="float32", max_num_batched_tokens=3, encoder_budget=16)
     with pytest.raises(InvalidRequest, match="exceeds max_num_batched_tokens"):
         small_steps.generate({"prompt": PROMPTS[1], "multi_modal_data": {"image": images(1)}}, params)
+    with pytest.raises(InvalidRequest, match="text only"):
+        llm.embed([{"prompt": PROMPTS[1], "multi_modal_data": {"image": images(1)}}], use_tqdm=False)
     text_only = LLM(str(make_checkpoint(tmp_path / "llama")), dtype="float32")
     with pytest.raises(InvalidRequest, match="takes no images"):
         text_only.generate({"prompt": "hello", "multi_modal_data": {"image": images(1)}}, params)
@@ -233,3 +234,20 @@ def test_llm_chat_with_image_parts_equals_transformers_processor(checkpoint) -> 
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
                                                                                            "iVBORw0KGgo="}}]}])
     assert e.value.param == "messages[0][0].content.0.image_url"
+
+
+def test_a_preempted_request_recomputes_its_images(checkpoint) -> None:
+    """A KV cache too small for three image prompts and their replies at once: requests are
+    preempted and recomputed (their images encoded again where the encoder cache dropped them),
+    and every request's tokens equal what it gets alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    requests = [{"prompt": PROMPTS[n], "multi_modal_data": {"image": images(n, seed=n)}} for n in (1, 2, 1)]
+    requests[2]["multi_modal_data"] = {"image": images(1, seed=7)}
+    alone = LLM(str(checkpoint), dtype="float32")
+    expected = [alone.generate(r, params, use_tqdm=False)[0].outputs[0].token_ids for r in requests]
+    # a block: 16 tokens of one layer of each KV-cache group (3 groups of one layer), k and v, 2 kv heads of 16, float32
+    block_bytes = 16 * 2 * 2 * 16 * 4
+    tight = LLM(str(checkpoint), dtype="float32", kv_cache_memory=20 * block_bytes, enable_prefix_caching=False)
+    outputs = tight.generate(requests, params, use_tqdm=False)
+    assert tight.get_stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected

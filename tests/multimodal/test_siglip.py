@@ -37,9 +37,29 @@ def test_patch_states_equal_transformers(hidden_act, tmp_path) -> None:
 
 
 def test_vision_configs_are_checked() -> None:
-    with pytest.raises(ValueError, match="clip_vision_model"):
-        VisionConfig.from_dict({"model_type": "clip_vision_model"})
+    with pytest.raises(ValueError, match="dinov2"):
+        VisionConfig.from_dict({"model_type": "dinov2"})
     with pytest.raises(ValueError, match="multiple of patch_size"):
         VisionConfig.from_dict({"image_size": 30, "patch_size": 8})
     with pytest.raises(ValueError, match="hidden_act"):
         VisionConfig.from_dict({"hidden_act": "relu"})
+
+
+@pytest.mark.parametrize("num_layers", [None, 2, 1])
+def test_clip_tower_equals_transformers(num_layers) -> None:
+    """CLIP's tower (LLaVA's): the class token, the LayerNorm before the layers, quick_gelu; an
+    earlier layer's states as transformers' hidden_states[num_layers] (no final LN)."""
+    import transformers
+
+    config = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    reference = transformers.CLIPVisionModel(config).eval()
+    tower = SiglipVisionTower(VisionConfig.from_dict(config.to_dict()))
+    assert tower.config.clip and tower.config.num_positions == 17
+    tower.load_weights(reference.state_dict().items())
+    pixels = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        out = reference(pixel_values=pixels, output_hidden_states=True)
+        expected = out.last_hidden_state if num_layers is None else out.hidden_states[num_layers]
+        torch.testing.assert_close(tower(pixels, num_layers), expected, rtol=1e-5, atol=1e-5)
