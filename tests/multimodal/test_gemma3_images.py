@@ -251,3 +251,16 @@ def test_a_preempted_request_recomputes_its_images(checkpoint) -> None:
     outputs = tight.generate(requests, params, use_tqdm=False)
     assert tight.get_stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_quantization_takes_the_language_model_only(checkpoint, expected) -> None:
+    """--quantization int8: the language model's linears are quantized, the vision tower and the
+    projector keep the model's dtype; the image still reaches the tokens (close to float32's)."""
+    llm = LLM(str(checkpoint), dtype="float32", quantization="int8")
+    model = llm.llm_engine.engine_core.model_runner.model
+    assert type(model.model.layers[0].self_attn.qkv_proj.quant_method).__name__ != "UnquantizedLinearMethod"
+    assert {p.dtype for p in model.vision.parameters()} == {torch.float32}
+    out = llm.generate({"prompt": PROMPTS[1], "multi_modal_data": {"image": images(1)}},
+                       SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert out.prompt_token_ids == expected[1][0]
+    assert (prompt_logprobs(out) - expected[1][2]).abs().max() < 0.25  # int8 weights: near (0.08 here), not equal
