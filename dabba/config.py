@@ -15,6 +15,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 NATIVE_LAYER_LOOP = ("auto", "on", "off")
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")  # how embeddings pool (arch/pooling_config.py)
+DEFAULT_IMAGES_PER_PROMPT = 8  # limit_mm_per_prompt's default
 
 # The small model dabba trains itself (tools/train_demo_model.py), shipped in the package: the
 # default MODEL of `dabba serve`, `generate` and `chat`.
@@ -97,8 +98,12 @@ class ModelConfig:
         'else the Python layers; "on": the loop, or an error saying why not; "off": the Python layers, the '
         'reference (forward hooks and changes to a layer\'s forward take effect only there).', "auto")
     limit_mm_per_prompt: dict[str, int] | None = _help(
-        'Most images one prompt may carry, as JSON (vLLM\'s form): {"image": N}; default {"image": 8}.', None,
-        parse=json_object)
+        f'Most images one prompt may carry, as JSON (vLLM\'s form): {{"image": N}}; default '
+        f'{{"image": {DEFAULT_IMAGES_PER_PROMPT}}}.', None, parse=json_object)
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        return (self.limit_mm_per_prompt or {}).get("image", DEFAULT_IMAGES_PER_PROMPT)
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_overrides, str):

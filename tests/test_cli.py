@@ -27,6 +27,14 @@ def test_engine_flags_come_from_the_config_dataclasses() -> None:
     assert args.hf_overrides == {"classifier_from_token": ["no", "yes"]}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--hf-overrides", '["no"]'])
+    args = build_parser().parse_args(["serve", "m", "--limit-mm-per-prompt", '{"image": 2}', "--encoder-cache-memory",
+                                      "64MiB", "--encoder-budget", "512", "--allowed-media-domains",
+                                      "upload.wikimedia.org, example.com", "--max-image-pixels", "1000000"])
+    assert (args.limit_mm_per_prompt, args.encoder_cache_memory, args.encoder_budget, args.max_image_pixels) == (
+        {"image": 2}, 64 * 2**20, 512, 1_000_000)
+    from dabba.config import ServerConfig
+    assert ServerConfig(allowed_media_domains=args.allowed_media_domains).media_domains == (
+        "upload.wikimedia.org", "example.com")
 
 
 def test_bad_option_exits_with_a_message(checkpoints, capsys) -> None:

@@ -51,7 +51,7 @@ class LLMEngine:
                                     eos_token_ids, config.cache_config.block_size, generation_config,
                                     self.resolved.runner, self.resolved.pooler_config, arch.hidden_size,
                                     arch.encoder is not None, image_prompt(arch, model_dir, tokenizer),
-                                    (config.model_config.limit_mm_per_prompt or {}).get("image", 8))
+                                    config.model_config.max_images_per_prompt)
         self.processor = Processor(self.model_info, self.engine_core.structured_output)
         self.output_processor = OutputProcessor(tokenizer)
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dabba.arch.pooling_config import PoolerConfig
+from dabba.config import DEFAULT_IMAGES_PER_PROMPT
 from dabba.engine.prompt_images import ImagePrompt
 from dabba.engine.tokenizer import Tokenizer
 from dabba.sampling_params import SamplingParams
@@ -28,7 +29,7 @@ class ModelInfo:
     hidden_size: int = 0  # an embedding's length (before dimensions cut it)
     encoder: bool = False  # a BERT-style encoder: each input runs whole in one step, no prefix cache
     image_prompt: ImagePrompt | None = None  # how images enter its prompts; None: it takes none
-    max_images_per_prompt: int = 8  # limit_mm_per_prompt's
+    max_images_per_prompt: int = DEFAULT_IMAGES_PER_PROMPT  # limit_mm_per_prompt's
 
     def default_sampling_params(self) -> SamplingParams:
         """Defaults from generation_config.json, as the checkpoint's authors meant them."""

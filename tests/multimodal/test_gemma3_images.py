@@ -75,15 +75,16 @@ def checkpoint(tmp_path_factory) -> Path:
     return tiny_gemma3(tmp_path_factory.mktemp("gemma3_images"))
 
 
-@pytest.fixture(scope="module")
-def expected(checkpoint) -> dict[int, tuple[list[int], list[int], torch.Tensor]]:
-    """transformers' prompt ids, greedy tokens and prompt logprobs, per number of images."""
+def transformers_reference(model_class: str, checkpoint: Path, prompts: dict[int, str]
+                           ) -> dict[int, tuple[list[int], list[int], torch.Tensor]]:
+    """transformers' prompt ids, greedy tokens (10) and prompt logprobs, per number of images
+    (images(n)), through the checkpoint's own processor."""
     import transformers
 
     processor = transformers.AutoProcessor.from_pretrained(checkpoint)
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(checkpoint).eval()
+    model = getattr(transformers, model_class).from_pretrained(checkpoint).eval()
     result = {}
-    for n, prompt in PROMPTS.items():
+    for n, prompt in prompts.items():
         inputs = processor(text=prompt, images=images(n) or None, return_tensors="pt")
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=10, do_sample=False)
@@ -92,6 +93,11 @@ def expected(checkpoint) -> dict[int, tuple[list[int], list[int], torch.Tensor]]
         logprobs = logits[:-1].log_softmax(-1).gather(1, ids[1:, None])[:, 0]
         result[n] = (ids.tolist(), out[0, len(ids):].tolist(), logprobs)
     return result
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint) -> dict[int, tuple[list[int], list[int], torch.Tensor]]:
+    return transformers_reference("Gemma3ForConditionalGeneration", checkpoint, PROMPTS)
 
 
 def prompt_logprobs(output) -> torch.Tensor:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dabba import LLM, SamplingParams
-from tests.multimodal.test_gemma3_images import LOGPROB_ATOL, data_url, images, prompt_logprobs
+from tests.multimodal.test_gemma3_images import (LOGPROB_ATOL, data_url, images, prompt_logprobs,
+                                                  transformers_reference)
 
 PROMPTS = {
     0: "USER: Nothing to see here, only words about parsers. ASSISTANT:",
@@ -63,20 +64,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def expected(checkpoint):
-    import transformers
-
-    processor = transformers.AutoProcessor.from_pretrained(checkpoint)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(checkpoint).eval()
-    result = {}
-    for n, prompt in PROMPTS.items():
-        inputs = processor(text=prompt, images=images(n) or None, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=10, do_sample=False)
-            logits = model(**inputs).logits[0].float()
-        ids = inputs["input_ids"][0]
-        result[n] = (ids.tolist(), out[0, len(ids):].tolist(),
-                     logits[:-1].log_softmax(-1).gather(1, ids[1:, None])[:, 0])
-    return result
+    return transformers_reference("LlavaForConditionalGeneration", checkpoint, PROMPTS)
 
 
 @pytest.mark.parametrize("backend, max_num_batched_tokens", [("torch_ref", 4096), ("auto", 4096), ("auto", 10)],
