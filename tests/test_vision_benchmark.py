@@ -21,3 +21,16 @@ def test_vision_ttft_runs_both_engines_on_the_same_prompt(tmp_path) -> None:
     assert dabba["prompt_tokens"] == theirs["prompt_tokens"] > 64 + 4  # the text and the image's tokens
     assert len(dabba["ttft_s"]) == len(theirs["ttft_s"]) == 1
     assert result["ttft_ratio"] == round(dabba["median_s"] / theirs["median_s"], 3)
+
+
+def test_vision_mixed_measures_the_streams_alone_and_with_images(tmp_path) -> None:
+    from benchmarks.vision_ttft import make_model
+
+    make_model(tmp_path / "model", "tiny")
+    out = subprocess.run([sys.executable, "-m", "benchmarks.vision_mixed", "--model", str(tmp_path / "model"),
+                          "--streams", "2", "--input-len", "8", "--output-len", "12", "--image-every", "0.05"],
+                         cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    result = json.loads(out.splitlines()[-1])
+    alone, mixed = result["runs"]
+    assert not alone["mixed"] and alone["images_arrived"] == 0 and mixed["mixed"] and mixed["images_arrived"] >= 1
+    assert result["tpot_ratio"] == round(result["tpot_mixed_ms"] / result["tpot_alone_ms"], 3)

@@ -360,7 +360,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
-        if request.mm_features and self.encoder is not None:
+        if request.mm_features:  # (add_request refused images where no encoder reads them)
             self.encoder.free(request)
         if request.use_structured_output:
             self.structured_output.free(request.request_id)
