@@ -46,7 +46,7 @@ class ImageEmbeddings:
                 self.embeddings[identifier] = rows
 
     def step_rows(self, states: list[HasImages], query_start_loc: np.ndarray, seq_lens: np.ndarray,
-                  device: torch.device) -> tuple[EmbeddingRows | None, np.ndarray | None]:
+                  positions: np.ndarray, device: torch.device) -> tuple[EmbeddingRows | None, np.ndarray | None]:
         """The step's image rows, and (bidirectional) where each token's keys end, or None for
         each where the step holds no image token."""
         indices, rows, spans = [], [], []
@@ -67,8 +67,7 @@ class ImageEmbeddings:
         image_rows = EmbeddingRows(torch.cat(indices).to(device), torch.cat(rows).to(device))
         if not self.bidirectional:
             return image_rows, None
-        positions = np.concatenate([np.arange(s, e) for s, e in zip(seq_lens - np.diff(query_start_loc), seq_lens)])
-        key_ends = positions + 1
+        key_ends = positions + 1  # (the flat batch's positions: causal, but for the image tokens)
         for first_row, last_row, image_end in spans:
             key_ends[first_row:last_row] = image_end
         return image_rows, key_ends

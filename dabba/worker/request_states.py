@@ -106,7 +106,7 @@ class RequestStates:
             input_ids[query_start_loc[i]:query_start_loc[i + 1]] = known + drafts[i] if drafts[i] else known
         image_embeds = key_ends = None
         if images is not None:
-            image_embeds, key_ends = images.step_rows(states, query_start_loc, seq_lens, device)
+            image_embeds, key_ends = images.step_rows(states, query_start_loc, seq_lens, positions, device)
         attn = [batch.metadata(self.block_tables.gather(req_ids, g), block_size, device, key_ends)
                 for g in range(len(self.block_tables.tables))]
 
