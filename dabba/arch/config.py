@@ -9,7 +9,7 @@ from typing import Any
 from dabba.arch.encoder_config import ENCODER_ARCHITECTURES, EncoderConfig, encoder_config
 from dabba.arch.files import read_json_object
 from dabba.arch.rope_scaling import LAYER_TYPES, RopeScaling, rope_parameters, rope_scaling
-from dabba.arch.vision_config import ImageInputConfig
+from dabba.arch.vision_config import VISION_LANGUAGE_ARCHITECTURES, ImageInputConfig, language_config
 
 SUPPORTED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "OlmoeForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
@@ -31,22 +31,6 @@ SEQUENCE_CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaFor
                                      "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 # Architectures dabba knows and refuses, with what to use instead.
 REFUSED_ARCHITECTURES: dict[str, str] = {}
-# Vision-language checkpoints (their language model's config the text_config, its tensors under
-# language_model; arch/vision_config.ImageInputConfig the rest), with the text config's
-# class defaults that configs leave out (the released Gemma 3 4B/12B/27B text_configs name a few
-# sizes only and leave the rest to Gemma3TextConfig's defaults; LLaVA's language model is any
-# family, named by its text_config's model_type, and a Llama of LlamaConfig's defaults by default)
-VISION_LANGUAGE_ARCHITECTURES = {"Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
-                                 "LlavaForConditionalGeneration": {"llama": "LlamaForCausalLM",
-                                                                   "mistral": "MistralForCausalLM",
-                                                                   "qwen2": "Qwen2ForCausalLM"}}
-VISION_LANGUAGE_TEXT_DEFAULTS = {
-    "Gemma3ForConditionalGeneration": dict(model_type="gemma3_text", vocab_size=262_208, hidden_size=2304,
-                                           intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-                                           num_key_value_heads=4, head_dim=256),
-    "LlavaForConditionalGeneration": dict(model_type="llama", vocab_size=32_000, hidden_size=4096,
-                                          intermediate_size=11_008, num_hidden_layers=32, num_attention_heads=32,
-                                          max_position_embeddings=2048, rms_norm_eps=1e-6)}
 # The gated MLP's activation, by config value: SwiGLU (Llama's "silu") or GeGLU with gelu's tanh
 # approximation (Gemma's "gelu_pytorch_tanh"). dabba.ops.activation.act_and_mul computes them.
 MLP_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -196,20 +180,8 @@ class ArchConfig:
         named = cfg.get("architectures") or []
         vision_language = next((a for a in named if a in VISION_LANGUAGE_ARCHITECTURES), None)
         if vision_language is not None:
-            text = cfg.get("text_config")
-            if not isinstance(text, dict):
-                raise ValueError(f"{vision_language}'s config has no text_config")
-            # what the text config leaves to the top level (dtype, token ids), then the language model's own
-            inherited = {k: cfg[k] for k in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id",
-                                             "quantization_config") if k in cfg}
-            text = {**VISION_LANGUAGE_TEXT_DEFAULTS[vision_language], **inherited, **text}
-            families = VISION_LANGUAGE_ARCHITECTURES[vision_language]
-            if text["model_type"] not in families:
-                raise ValueError(f"{vision_language}: a {text['model_type']!r} language model is not supported "
-                                 f"({', '.join(families)})")
-            arch = cls.from_dict({**text, "architectures": [families[text["model_type"]]]})
-            images = (ImageInputConfig.gemma3(cfg, arch.vocab_size) if vision_language.startswith("Gemma3") else
-                      ImageInputConfig.llava(cfg, arch.vocab_size, arch.hidden_size))
+            arch = cls.from_dict(language_config(vision_language, cfg))
+            images = ImageInputConfig.of(vision_language, cfg, arch.vocab_size, arch.hidden_size)
             return dataclasses.replace(arch, images=images)
         encoder = next((a for a in named if a in ENCODER_ARCHITECTURES), None)
         if encoder is not None:

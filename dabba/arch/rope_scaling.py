@@ -2,6 +2,7 @@
 its scaling (which kinds dabba computes, and each kind's parameters read as transformers reads them)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -73,6 +74,10 @@ class RopeScaling:
     beta_slow: float = 1.0
     truncate: bool = True
     freq_factors: tuple[float, ...] = ()  # freq_factors: each frequency's divisor (rotary_dim / 2 of them)
+    # multimodal RoPE (Qwen2.5-VL's M-RoPE): the rotary frequencies split into runs of these sizes
+    # (summing to rotary_dim / 2), turned by a token's temporal, height and width position in turn;
+    # empty: one position turns them all
+    mrope_section: tuple[int, ...] = ()
 
 
 def rope_scaling(arch: str, cfg: dict[str, Any], rope: dict[str, Any], head_dim: int,
@@ -80,6 +85,8 @@ def rope_scaling(arch: str, cfg: dict[str, Any], rope: dict[str, Any], head_dim:
     """The scaling of ``rope`` (the global layers' rope_parameters) and the rotated dims (None: the
     whole head); a ValueError naming what dabba does not compute."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "mrope":  # (older Qwen2-VL configs: default frequencies, turned as mrope_section says)
+        rope_type = "default"
     supported = ROPE_TYPES
     if arch == "Phi3ForCausalLM":
         rope_type, supported = PHI3_ROPE_ALIASES.get(rope_type, rope_type), PHI3_ROPE_TYPES
@@ -105,6 +112,14 @@ def rope_scaling(arch: str, cfg: dict[str, Any], rope: dict[str, Any], head_dim:
         if rope_type == "freq_factors" and len(scaling.freq_factors) != (rotary_dim or head_dim) // 2:
             raise ValueError(f"rope freq_factors has {len(scaling.freq_factors)} values, not "
                              f"{(rotary_dim or head_dim) // 2} (one per rotary frequency)")
+    section = rope.get("mrope_section")
+    if section is not None:
+        half = (rotary_dim or head_dim) // 2
+        if not (isinstance(section, list) and len(section) == 3 and all(isinstance(n, int) and n > 0 for n in section)
+                and sum(section) == half):
+            raise ValueError(f"mrope_section must be three positive sizes summing to {half} (half the rotated "
+                             f"dims), got {section!r}")
+        scaling = dataclasses.replace(scaling, mrope_section=tuple(section))
     return scaling, rotary_dim
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dabba.arch.qwen_vision_config import QwenVisionConfig
+
 VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "quick_gelu")  # models/siglip.py applies them
 VISION_TOWERS = {"siglip_vision_model": "gelu_pytorch_tanh", "clip_vision_model": "quick_gelu"}  # default activations
 
@@ -124,21 +126,32 @@ class LlavaProjectorConfig:
 @dataclass(frozen=True)
 class ImageInputConfig:
     """How a vision-language model takes an image into its prompt: each image becomes
-    ``tokens_per_image`` placeholders (``image_token_id``), whose embeddings the encoder's replace.
-    Gemma 3: the prompt marks an image with ``image_start_token_id`` (<start_of_image>), which grows
-    into ``around`` + start + placeholders + end + ``around``; LLaVA: the prompt's image token
-    itself grows into the placeholders. ``bidirectional``: an image's tokens attend to each other
-    both ways (Gemma 3), not only causally (LLaVA)."""
+    ``tokens_per_image`` placeholders (``image_token_id``), whose embeddings the encoder's replace
+    (0: as many as the image's size makes, Qwen2.5-VL's). Gemma 3: the prompt marks an image with
+    ``image_start_token_id`` (<start_of_image>), which grows into ``around`` + start + placeholders
+    + end + ``around``; LLaVA and Qwen2.5-VL: the prompt's image token itself grows into the
+    placeholders. ``bidirectional``: an image's tokens attend to each other both ways (Gemma 3),
+    not only causally. ``mrope``: the language model turns its rotary by each token's temporal,
+    height and width position (Qwen2.5-VL's M-RoPE; layers/rotary.MRotaryEmbedding)."""
 
     architecture: str  # config.json's (models/registry.py): the model class with the encoder
-    vision: VisionConfig
-    projector: Gemma3ProjectorConfig | LlavaProjectorConfig
+    vision: VisionConfig | QwenVisionConfig
+    projector: Gemma3ProjectorConfig | LlavaProjectorConfig | None  # (Qwen2.5-VL's merger is in its tower)
     image_token_id: int
     tokens_per_image: int
     bidirectional: bool
     image_start_token_id: int | None = None
     image_end_token_id: int | None = None
     around: str = ""
+    mrope: bool = False
+
+    @classmethod
+    def of(cls, architecture: str, cfg: dict[str, Any], vocab_size: int, text_hidden_size: int) -> "ImageInputConfig":
+        if architecture == "Gemma3ForConditionalGeneration":
+            return cls.gemma3(cfg, vocab_size)
+        if architecture == "LlavaForConditionalGeneration":
+            return cls.llava(cfg, vocab_size, text_hidden_size)
+        return cls.qwen2_5_vl(cfg, vocab_size, text_hidden_size)
 
     @classmethod
     def gemma3(cls, cfg: dict[str, Any], vocab_size: int) -> "ImageInputConfig":
@@ -158,6 +171,16 @@ class ImageInputConfig:
         return cls("LlavaForConditionalGeneration", vision, projector, ids["image_token_index"],
                    vision.num_positions - projector.drop_class_token, False)
 
+    @classmethod
+    def qwen2_5_vl(cls, cfg: dict[str, Any], vocab_size: int, text_hidden_size: int) -> "ImageInputConfig":
+        """From a Qwen2_5_VLForConditionalGeneration config.json."""
+        vision = QwenVisionConfig.from_dict(cfg.get("vision_config") or {})
+        if vision.out_hidden_size != text_hidden_size:
+            raise ValueError(f"config.json: vision_config.out_hidden_size ({vision.out_hidden_size}) must be the "
+                             f"language model's hidden_size ({text_hidden_size})")
+        ids = _token_ids(cfg, vocab_size, image_token_id=151_655)
+        return cls("Qwen2_5_VLForConditionalGeneration", vision, None, ids["image_token_id"], 0, False, mrope=True)
+
 
 def _token_ids(cfg: dict[str, Any], vocab_size: int, **defaults: int) -> dict[str, int]:
     ids = {}
@@ -168,3 +191,56 @@ def _token_ids(cfg: dict[str, Any], vocab_size: int, **defaults: int) -> dict[st
                              f"{value!r}")
         ids[key] = value
     return ids
+
+
+# Vision-language checkpoints (their language model's config the text_config, its tensors under
+# language_model; ImageInputConfig the rest), with the text config's class defaults that configs
+# leave out (the released Gemma 3 4B/12B/27B text_configs name a few sizes only and leave the rest
+# to Gemma3TextConfig's defaults; LLaVA's language model is any family, named by its text_config's
+# model_type, and a Llama of LlamaConfig's defaults by default; Qwen2.5-VL's is a Qwen2 with M-RoPE,
+# its fields at the top level of the released configs)
+VISION_LANGUAGE_ARCHITECTURES = {"Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
+                                 "LlavaForConditionalGeneration": {"llama": "LlamaForCausalLM",
+                                                                   "mistral": "MistralForCausalLM",
+                                                                   "qwen2": "Qwen2ForCausalLM"},
+                                 "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"}}
+VISION_LANGUAGE_TEXT_DEFAULTS = {
+    "Gemma3ForConditionalGeneration": dict(model_type="gemma3_text", vocab_size=262_208, hidden_size=2304,
+                                           intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                                           num_key_value_heads=4, head_dim=256),
+    "LlavaForConditionalGeneration": dict(model_type="llama", vocab_size=32_000, hidden_size=4096,
+                                          intermediate_size=11_008, num_hidden_layers=32, num_attention_heads=32,
+                                          max_position_embeddings=2048, rms_norm_eps=1e-6),
+    "Qwen2_5_VLForConditionalGeneration": dict(model_type="qwen2_5_vl_text", vocab_size=152_064, hidden_size=8192,
+                                               intermediate_size=29_568, num_hidden_layers=80, num_attention_heads=64,
+                                               num_key_value_heads=8, max_position_embeddings=32_768,
+                                               rope_theta=1_000_000.0, rms_norm_eps=1e-5)}
+# Qwen2.5-VL's rotary frequencies by temporal, height and width position, where its config says not
+QWEN2_5_VL_MROPE_SECTION = [16, 24, 24]
+
+
+def language_config(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config.json's language model, as a text model's config.json would say it
+    (its ``architectures`` the family's causal LM)."""
+    text = cfg.get("text_config")
+    qwen = architecture == "Qwen2_5_VLForConditionalGeneration"
+    if text is None and qwen:  # the released checkpoints: the language model's fields at the top level
+        text = {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures", "model_type")}
+    if not isinstance(text, dict):
+        raise ValueError(f"{architecture}'s config has no text_config")
+    # what the text config leaves to the top level (dtype, token ids), then the language model's own
+    inherited = {k: cfg[k] for k in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "quantization_config",
+                                     *(("tie_word_embeddings",) if qwen else ())) if k in cfg}
+    text = {**VISION_LANGUAGE_TEXT_DEFAULTS[architecture], **inherited, **text}
+    families = VISION_LANGUAGE_ARCHITECTURES[architecture]
+    if text["model_type"] not in families:
+        raise ValueError(f"{architecture}: a {text['model_type']!r} language model is not supported "
+                         f"({', '.join(families)})")
+    if qwen:
+        for key in ("rope_parameters", "rope_scaling"):
+            if isinstance(text.get(key), dict):
+                text[key] = {"mrope_section": QWEN2_5_VL_MROPE_SECTION, **text[key]}
+                break
+        else:
+            text["rope_parameters"] = {"rope_type": "default", "mrope_section": QWEN2_5_VL_MROPE_SECTION}
+    return {**text, "architectures": [families[text["model_type"]]]}

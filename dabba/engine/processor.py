@@ -141,13 +141,13 @@ class Processor:
             return *self._parse_prompt(prompt), []
         if "prompt_token_ids" in prompt:
             text, token_ids = self._parse_prompt(prompt)
-            token_ids = info.image_prompt.expand_ids(token_ids, len(images))
+            token_ids = info.image_prompt.expand_ids(token_ids, images)
         else:
             text = prompt.get("prompt")
             if not isinstance(text, str):
                 raise InvalidRequest("prompt", "a prompt with images must be {'prompt': str} or "
                                                "{'prompt_token_ids': [int, ...]}, with its multi_modal_data")
-            token_ids = info.tokenizer.encode(info.image_prompt.expand_text(text, len(images)))
+            token_ids = info.tokenizer.encode(info.image_prompt.expand_text(text, images))
         return text, token_ids, info.image_prompt.features(token_ids, images)
 
     def _parse_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -5,7 +5,9 @@ Gemma 3's, as transformers' Gemma3Processor writes it: a prompt marks an image w
 <start_of_image> (its chat template writes one per image part), which becomes
 "\\n\\n<start_of_image>" + tokens_per_image x <image_soft_token> + "<end_of_image>\\n\\n"; the text
 is tokenized after that, so the newlines merge with their neighbours as they do in transformers.
-LLaVA's (LlavaProcessor's): the mark is the image token itself, repeated tokens_per_image times.
+LLaVA's (LlavaProcessor's): the mark is the image token itself, repeated tokens_per_image times;
+Qwen2.5-VL's (its processor's) the same, as many times as the image's size makes (its chat
+template writes <|vision_start|><|image_pad|><|vision_end|> per image part).
 A prompt given as token ids has each mark replaced by the sequence's ids.
 """
 from __future__ import annotations
@@ -22,93 +24,120 @@ from dabba.arch.vision_config import ImageInputConfig
 from dabba.core.multimodal import MultiModalFeature, PlaceholderRange
 from dabba.engine.tokenizer import Tokenizer
 from dabba.errors import InvalidRequest
-from dabba.multimodal.image_processor import ImageProcessorConfig, preprocess
+from dabba.multimodal.image_processor import ImageProcessorConfig
+from dabba.multimodal.qwen_image_processor import QwenImageProcessorConfig
 from dabba.multimodal.media import to_rgb
+
+
+ImageProcessor = ImageProcessorConfig | QwenImageProcessorConfig  # each has prepare(image) -> the encoder's input
 
 
 @dataclass(frozen=True)
 class ImagePrompt:
     config: ImageInputConfig
-    processor: ImageProcessorConfig
+    processor: ImageProcessor
     start_text: str  # what marks an image in a prompt's text
     start_token_id: int  # the same, in token ids
-    sequence_text: str  # what each mark becomes
-    sequence_ids: tuple[int, ...]  # the same, for prompts given as token ids
+    placeholder_text: str  # one placeholder's text
+    before: tuple[str, tuple[int, ...]]  # what precedes an image's placeholders in its sequence: text, ids
+    after: tuple[str, tuple[int, ...]]  # what follows them
 
     @classmethod
-    def build(cls, config: ImageInputConfig, processor: ImageProcessorConfig, tokenizer: Tokenizer) -> "ImagePrompt":
+    def build(cls, config: ImageInputConfig, processor: ImageProcessor, tokenizer: Tokenizer) -> "ImagePrompt":
         def text(token_id: int) -> str:
             return tokenizer.decode([token_id], skip_special_tokens=False)
 
-        n, image = config.tokens_per_image, config.image_token_id
-        if config.image_start_token_id is None:  # LLaVA
-            return cls(config, processor, text(image), image, text(image) * n, (image,) * n)
+        image = config.image_token_id
+        if config.image_start_token_id is None:  # LLaVA, Qwen2.5-VL: the mark is the placeholder itself
+            return cls(config, processor, text(image), image, text(image), ("", ()), ("", ()))
         start, end, around = config.image_start_token_id, config.image_end_token_id, config.around
-        sequence = f"{around}{text(start)}{text(image) * n}{text(end)}{around}"
         around_ids = tuple(tokenizer.encode(around, add_special_tokens=False)) if around else ()
-        return cls(config, processor, text(start), start, sequence,
-                   (*around_ids, start, *[image] * n, end, *around_ids))
+        return cls(config, processor, text(start), start, text(image), (f"{around}{text(start)}", (*around_ids, start)),
+                   (f"{text(end)}{around}", (end, *around_ids)))
 
-    def expand_text(self, text: str, num_images: int) -> str:
-        found = text.count(self.start_text)
-        if found != num_images:
-            raise InvalidRequest("multi_modal_data", f"the prompt marks {found} images ({self.start_text!r} each) but "
-                                                     f"{num_images} were given")
-        return text.replace(self.start_text, self.sequence_text)
+    def num_tokens(self, image: Image.Image) -> int:
+        """The placeholders ``image`` takes: the model's fixed number, or as its size makes them."""
+        try:
+            return self.config.tokens_per_image or self.processor.num_tokens(image)
+        except ValueError as e:  # a size the processor refuses (Qwen2.5-VL: a strip too long)
+            raise InvalidRequest("multi_modal_data", str(e)) from None
 
-    def expand_ids(self, token_ids: list[int], num_images: int) -> list[int]:
+    def sequence_text(self, image: Image.Image) -> str:
+        return self.before[0] + self.placeholder_text * self.num_tokens(image) + self.after[0]
+
+    def expand_text(self, text: str, images: list[Image.Image]) -> str:
+        pieces = text.split(self.start_text)
+        if len(pieces) - 1 != len(images):
+            raise InvalidRequest("multi_modal_data", f"the prompt marks {len(pieces) - 1} images ({self.start_text!r} "
+                                                     f"each) but {len(images)} were given")
+        return pieces[0] + "".join(self.sequence_text(image) + piece for image, piece in zip(images, pieces[1:]))
+
+    def expand_ids(self, token_ids: list[int], images: list[Image.Image]) -> list[int]:
         """Each start token grown into the image sequence's ids; ids that hold the images'
         placeholders already (as the chat APIs send them) as they are."""
-        runs = _runs(token_ids, self.config.image_token_id, self.config.tokens_per_image)
-        if runs and len(runs) == num_images and all(r.length == self.config.tokens_per_image for r in runs):
+        counts = [self.num_tokens(image) for image in images]
+        if _placeholders(token_ids, self.config.image_token_id, counts) is not None:
             return token_ids
         found = token_ids.count(self.start_token_id)
-        if found != num_images:
+        if found != len(images):
             raise InvalidRequest("multi_modal_data", f"the prompt marks {found} images (token {self.start_token_id} "
-                                                     f"each) but {num_images} were given")
+                                                     f"each) but {len(images)} were given")
         expanded: list[int] = []
+        numbers = iter(counts)
         for token_id in token_ids:
-            expanded.extend(self.sequence_ids if token_id == self.start_token_id else (token_id,))
+            if token_id == self.start_token_id:
+                expanded += [*self.before[1], *[self.config.image_token_id] * next(numbers), *self.after[1]]
+            else:
+                expanded.append(token_id)
         return expanded
 
     def features(self, token_ids: list[int], images: list[Image.Image]) -> list[MultiModalFeature]:
-        """Each image's placeholders in the expanded prompt, its pixel values and content hash."""
-        n = self.config.tokens_per_image
-        ranges = _runs(token_ids, self.config.image_token_id, n)
-        if len(ranges) != len(images) or any(r.length != n for r in ranges):
-            raise InvalidRequest("prompt", f"the prompt's own image tokens ({self.sequence_text.strip()[:40]}...) "
-                                           "do not match its images: mark each image once, and write no image "
-                                           "tokens of your own")
+        """Each image's placeholders in the expanded prompt, its encoder input and content hash."""
+        ranges = _placeholders(token_ids, self.config.image_token_id, [self.num_tokens(image) for image in images])
+        if ranges is None:
+            raise InvalidRequest("prompt", f"the prompt's own image tokens ({self.placeholder_text!r}) do not match "
+                                           "its images: mark each image once, and write no image tokens of your own")
         features = []
         for image, position in zip(images, ranges):
             rgb = to_rgb(image)
             digest = hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode())
             digest.update(rgb.tobytes())
-            features.append(MultiModalFeature(digest.hexdigest(), position, preprocess(rgb, self.processor)))
+            features.append(MultiModalFeature(digest.hexdigest(), position, self.processor.prepare(rgb)))
         return features
 
 
 def image_prompt(arch: ArchConfig, model_dir: Path, tokenizer: Tokenizer) -> ImagePrompt | None:
     """A vision-language model's ImagePrompt (its image processor's config read), else None."""
-    if arch.images is None:
+    images = arch.images
+    if images is None:
         return None
-    return ImagePrompt.build(arch.images, ImageProcessorConfig.from_checkpoint(model_dir), tokenizer)
+    if images.tokens_per_image:
+        return ImagePrompt.build(images, ImageProcessorConfig.from_checkpoint(model_dir), tokenizer)
+    processor = QwenImageProcessorConfig.from_checkpoint(model_dir)
+    vision = images.vision
+    processor.check(vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+    return ImagePrompt.build(images, processor, tokenizer)
 
 
-def _runs(token_ids: list[int], token_id: int, n: int) -> list[PlaceholderRange]:
-    """The runs of ``token_id`` in ``token_ids``, a run of a multiple of ``n`` split into runs of
-    ``n`` (LLaVA's images side by side: nothing between their placeholders)."""
-    runs: list[PlaceholderRange] = []
+def _placeholders(token_ids: list[int], token_id: int, counts: list[int]) -> list[PlaceholderRange] | None:
+    """Each image's placeholders: the runs of ``token_id`` in ``token_ids`` cut into the images'
+    ``counts`` in order (images side by side: one run, nothing between their placeholders);
+    None where they do not add up."""
+    ranges: list[PlaceholderRange] = []
+    numbers = iter(counts)
     start = None
     for i, t in enumerate([*token_ids, None]):
         if t == token_id and start is None:
             start = i
         elif t != token_id and start is not None:
-            length = i - start
-            pieces = length // n if length % n == 0 else 1
-            runs += [PlaceholderRange(start + k * (length // pieces), length // pieces) for k in range(pieces)]
+            while start < i:
+                n = next(numbers, None)
+                if n is None or start + n > i:
+                    return None
+                ranges.append(PlaceholderRange(start, n))
+                start += n
             start = None
-    return runs
+    return ranges if len(ranges) == len(counts) else None
 
 
 def prompt_images(data: Any) -> list[Image.Image]:

@@ -40,7 +40,7 @@ def render_conversation(tokenizer: Tokenizer, conversation: list[dict[str, Any]]
     if not images:
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
     assert image_prompt is not None, "template_content takes images only for a model that reads them"
-    expanded = image_prompt.expand_text(text, len(images))
+    expanded = image_prompt.expand_text(text, images)
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(expanded, add_special_tokens=False),
             "multi_modal_data": {"image": images}}
 

@@ -109,6 +109,27 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2.5-VL's multimodal RoPE: the rotary frequencies in three runs (scaling.mrope_section),
+    the first turned by a token's temporal position, the second by its height, the third by its
+    width. A text token's three positions are equal (plain RoPE at that position); an image
+    token's are its frame and place in the image (worker/mrope_positions.py)."""
+
+    def __init__(self, rotary_dim: int, max_position: int, theta: float, scaling: RopeScaling) -> None:
+        super().__init__(rotary_dim, max_position, theta, scaling)
+        runs = [c for c, n in enumerate(scaling.mrope_section) for _ in range(n)]  # [rotary_dim / 2]
+        self.register_buffer("component", torch.tensor(runs * 2, device=self.cos_cache.device), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions``: [3, num_tokens] (temporal, height, width), or [num_tokens] where all three
+        are equal."""
+        if positions.ndim == 1:
+            return super().cos_sin(positions, dtype)
+        rows = positions[self.component].T.contiguous()  # [num_tokens, rotary_dim]: the table row of each column
+        columns = torch.arange(rows.shape[1], device=rows.device)
+        return self.cos_cache[rows, columns].to(dtype), self.sin_cache[rows, columns].to(dtype)
+
+
 class LayerTypeRotary(nn.Module):
     """RoPE tables per attention kind, for families whose sliding layers rotate with a base of their
     own (Gemma 3: rope_local_base_freq, default rope; its global layers take rope_theta and the

@@ -20,7 +20,7 @@ from dabba.layers.embedding import EmbeddingRows, LMHead, VocabEmbedding
 from dabba.layers.layernorm import RMSNorm
 from dabba.layers.linear import Linear
 from dabba.layers.native_form import NativeLayer, NativeMLP, NativeQKNorm
-from dabba.layers.rotary import RotaryEmbedding, apply_rotary
+from dabba.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary
 from dabba.quantization.config import QuantConfig
 
 class LlamaMLP(nn.Module):
@@ -131,6 +131,8 @@ class LlamaModel(nn.Module):
         return VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
 
     def make_rotary(self, cfg: ArchConfig, max_position: int) -> nn.Module:
+        if cfg.rope_scaling.mrope_section:
+            return MRotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         return RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, image_embeds: EmbeddingRows | None = None

@@ -12,6 +12,7 @@ from dabba.models.llava import llava_for
 from dabba.models.llama import LlamaForCausalLM
 from dabba.models.modernbert import ModernBertModel
 from dabba.models.moe import MoEForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
+from dabba.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from dabba.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -48,6 +49,7 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 VISION_LANGUAGE_MODELS: dict[str, Callable[[type[nn.Module]], type[nn.Module]]] = {
     "Gemma3ForConditionalGeneration": lambda language: Gemma3ForConditionalGeneration,
     "LlavaForConditionalGeneration": llava_for,
+    "Qwen2_5_VLForConditionalGeneration": lambda language: Qwen2_5_VLForConditionalGeneration,
 }
 
 

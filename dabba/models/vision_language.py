@@ -12,7 +12,7 @@ import torch
 from dabba.layers.embedding import EmbeddingRows
 
 # where checkpoints keep the encoder: transformers 5 ("model."), and older transformers
-TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
+TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.visual.", "visual.")  # (visual: Qwen2.5-VL's)
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 VISION_PREFIXES = (*TOWER_PREFIXES, *PROJECTOR_PREFIXES)
 # the language model's tensors, under transformers 5's names and the older ones

@@ -78,19 +78,27 @@ class ImageProcessorConfig:
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path) -> "ImageProcessorConfig":
-        """preprocessor_config.json, or the image_processor of processor_config.json (transformers 5
-        saves a whole processor there)."""
-        path = Path(model_dir) / "preprocessor_config.json"
-        if path.is_file():
-            return cls.from_dict(read_json_object(path), str(path))
-        path = Path(model_dir) / "processor_config.json"
-        if path.is_file():
-            image_processor = read_json_object(path).get("image_processor")
-            if not isinstance(image_processor, dict):
-                raise ValueError(f"{path} has no image_processor mapping")
-            return cls.from_dict(image_processor, f"{path}: image_processor")
-        raise ValueError(f"{model_dir} has neither preprocessor_config.json nor processor_config.json, which say how "
-                         "its images are prepared")
+        return cls.from_dict(*checkpoint_processor_config(model_dir))
+
+    def prepare(self, image: Image.Image) -> np.ndarray:
+        """What the encoder reads of ``image``: [3, height, width] float32 pixel values."""
+        return preprocess(image, self)
+
+
+def checkpoint_processor_config(model_dir: str | Path) -> tuple[dict[str, Any], str]:
+    """The image processor's settings and where they were: preprocessor_config.json, or the
+    image_processor of processor_config.json (transformers 5 saves a whole processor there)."""
+    path = Path(model_dir) / "preprocessor_config.json"
+    if path.is_file():
+        return read_json_object(path), str(path)
+    path = Path(model_dir) / "processor_config.json"
+    if path.is_file():
+        image_processor = read_json_object(path).get("image_processor")
+        if not isinstance(image_processor, dict):
+            raise ValueError(f"{path} has no image_processor mapping")
+        return image_processor, f"{path}: image_processor"
+    raise ValueError(f"{model_dir} has neither preprocessor_config.json nor processor_config.json, which say how "
+                     "its images are prepared")
 
 
 def _positive(value: Any, name: str, source: str) -> int:

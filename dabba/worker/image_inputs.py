@@ -25,11 +25,15 @@ class HasImages(Protocol):
 
 class ImageEmbeddings:
     """``encode``: the model's encoder (a list of images' inputs -> their embeddings, each
-    [tokens, hidden]); ``bidirectional``: an image's tokens see the whole image (Gemma 3)."""
+    [tokens, hidden]); ``bidirectional``: an image's tokens see the whole image (Gemma 3);
+    ``mrope_merge``: an M-RoPE model's spatial merge size (its image tokens' positions are their
+    places in the image, worker/mrope_positions.py), else 0."""
 
-    def __init__(self, encode: Callable[[list[Any]], list[torch.Tensor]], bidirectional: bool) -> None:
+    def __init__(self, encode: Callable[[list[Any]], list[torch.Tensor]], bidirectional: bool,
+                 mrope_merge: int = 0) -> None:
         self.encode = encode
         self.bidirectional = bidirectional
+        self.mrope_merge = mrope_merge
         self.embeddings: dict[str, torch.Tensor] = {}
 
     def update(self, sched: SchedulerOutput, states: dict[str, HasImages]) -> None:

@@ -26,7 +26,8 @@ class PoolingChunk:
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens] (RoPE's; the attention metadata's are the flat batch's), or
+    # [3, num_tokens] where an M-RoPE model's step holds images (worker/mrope_positions.py)
     attn: list[CommonAttentionMetadata]  # one per KV-cache group: the same requests, that group's tables
     logits_indices: torch.Tensor  # [rows]: the last scheduled token of each request that samples,
     # preceded by its last known token and all but the last of its drafts where it has drafts

@@ -105,7 +105,8 @@ class ModelRunner:
         self.proposer = make_proposer(resolved, self.backend, self.kv_quant, self.sampler.generator)
         self.requests = RequestStates()
         images = arch.images
-        self.images = ImageEmbeddings(self.model.encode_images, images.bidirectional) if images is not None else None
+        self.images = None if images is None else ImageEmbeddings(
+            self.model.encode_images, images.bidirectional, images.vision.spatial_merge_size if images.mrope else 0)
         self.kv_caches: list = []  # per layer: a tensor, or (codes, scales) for an 8-bit cache
         self.layer_groups: list[int] | None = None  # per layer: its KV-cache group; None: one group
         self.layout: CacheLayout | None = None

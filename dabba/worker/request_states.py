@@ -16,6 +16,7 @@ from dabba.sampling_params import SamplingParams
 from dabba.worker.block_table import BlockTables
 from dabba.worker.image_inputs import ImageEmbeddings
 from dabba.worker.model_inputs import FlatBatch, ModelInputs, PoolingChunk
+from dabba.worker.mrope_positions import step_positions
 from dabba.worker.spec_decode.ngram import PackedTokens
 
 SPEC_MISSES_BEFORE_PAUSE = 3
@@ -39,6 +40,7 @@ class CachedRequestState:
     pooling: PoolingState = field(default_factory=PoolingState)  # its pooling so far, chunk by chunk
     token_type_ids: list[int] | None = None  # a cross-encoder's text pair
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # its images
+    mrope: Any = None  # M-RoPE models: its prompt's positions and the delta after (worker/mrope_positions.py)
 
     @property
     def num_output_tokens(self) -> int:
@@ -105,8 +107,11 @@ class RequestStates:
             known = s.token_ids[num_computed[i]:seq_lens[i]]
             input_ids[query_start_loc[i]:query_start_loc[i + 1]] = known + drafts[i] if drafts[i] else known
         image_embeds = key_ends = None
+        rope_positions = positions
         if images is not None:
             image_embeds, key_ends = images.step_rows(states, query_start_loc, seq_lens, positions, device)
+            if images.mrope_merge and any(s.mm_features for s in states):
+                rope_positions = step_positions(states, batch, images.mrope_merge)
         attn = [batch.metadata(self.block_tables.gather(req_ids, g), block_size, device, key_ends)
                 for g in range(len(self.block_tables.tables))]
 
@@ -130,7 +135,7 @@ class RequestStates:
             token_type_ids = torch.from_numpy(types).to(device)
         return ModelInputs(
             input_ids=torch.from_numpy(input_ids).to(device),
-            positions=torch.from_numpy(positions).to(device),
+            positions=torch.from_numpy(rope_positions).to(device),
             attn=attn,
             logits_indices=torch.from_numpy(logits_indices).to(device),
             sampling_req_ids=[r for r, s in zip(req_ids, samples) if s],

@@ -1,0 +1,181 @@
+"""Qwen2.5-VL's vision tower: an image's flat patches (multimodal/qwen_image_processor.py) -> one
+embedding per merge group of patches, at the language model's width.
+
+The patch embedding is a 3-D convolution whose stride is its kernel: one linear over the flattened
+patches. Rotary positions in two halves (a patch's row, its column); pre-norm layers with RMSNorm,
+x += proj(attention(norm1 x)), x += down(silu(gate) * up)(norm2 x), every linear with a bias. The
+tokens run in window order: the merge groups of each window_size square together, so that the
+windowed layers attend within contiguous runs (windows of one size batched in one attention
+call), the fullatt_block_indexes layers over the whole image. The merger (RMSNorm, then each merge
+group's patches concatenated through linear, GELU, linear) ends it, and the window order is undone."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dabba.arch.qwen_vision_config import QwenVisionConfig
+from dabba.layers.layernorm import RMSNorm
+from dabba.layers.rotary import _rotate_half
+from dabba.models.vision_language import split_vision_tensors
+from dabba.multimodal.qwen_image_processor import VisionPatches
+
+NORM_EPS = 1e-6  # transformers' Qwen2.5-VL vision norms
+
+
+def window_order(grid: tuple[int, int, int], merge: int, window: int) -> tuple[np.ndarray, list[int]]:
+    """(the merge groups in window order, each window's length in merge groups): windows of
+    ``window`` x ``window`` groups row by row over each frame, cut short at the grid's edges."""
+    t, h, w = grid[0], grid[1] // merge, grid[2] // merge
+    index = np.arange(t * h * w).reshape(t, h, w)
+    order, lengths = [], []
+    for frame in range(t):
+        for top in range(0, h, window):
+            for left in range(0, w, window):
+                block = index[frame, top:top + window, left:left + window].reshape(-1)
+                order.append(block)
+                lengths.append(len(block))
+    return np.concatenate(order), lengths
+
+
+def patch_positions(grid: tuple[int, int, int], merge: int) -> np.ndarray:
+    """[t * h * w, 2]: each patch's (row, column), patches in merge-group order."""
+    t, h, w = grid
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    shape = (h // merge, merge, w // merge, merge)
+    rows, cols = (a.reshape(shape).transpose(0, 2, 1, 3).reshape(-1) for a in (rows, cols))
+    return np.tile(np.stack([rows, cols], axis=-1), (t, 1))
+
+
+class QwenVisionAttention(nn.Module):
+    def __init__(self, cfg: QwenVisionConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                runs: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """x: [num_patches, hidden]; ``runs``: (length, first rows [n]) per length of the runs the
+        tokens attend within."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        cos, sin = rope  # [num_patches, 1, head_dim] float32: rotated in float32, as transformers does
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        out = torch.empty_like(q)
+        for length, starts in runs:
+            rows = starts[:, None] + torch.arange(length, device=x.device)  # [runs, length]
+            attended = F.scaled_dot_product_attention(*(t[rows].transpose(1, 2) for t in (q, k, v)),
+                                                      scale=self.head_dim ** -0.5)  # [runs, heads, length, head_dim]
+            out[rows] = attended.transpose(1, 2)
+        return self.proj(out.view(n, -1))
+
+
+class QwenVisionMLP(nn.Module):
+    def __init__(self, cfg: QwenVisionConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class QwenVisionBlock(nn.Module):
+    def __init__(self, cfg: QwenVisionConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size, NORM_EPS)
+        self.norm2 = RMSNorm(cfg.hidden_size, NORM_EPS)
+        self.attn = QwenVisionAttention(cfg)
+        self.mlp = QwenVisionMLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                runs: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, runs)
+        return x + self.mlp(self.norm2(x))
+
+
+class QwenPatchMerger(nn.Module):
+    def __init__(self, cfg: QwenVisionConfig) -> None:
+        super().__init__()
+        self.group = cfg.hidden_size * cfg.spatial_merge_size ** 2
+        self.ln_q = RMSNorm(cfg.hidden_size, NORM_EPS)
+        self.mlp = nn.Sequential(nn.Linear(self.group, self.group), nn.GELU(), nn.Linear(self.group, cfg.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.group))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: QwenVisionConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(cfg.patch_values, cfg.hidden_size, bias=False)  # the convolution, flattened
+
+
+class Qwen2_5VisionTower(nn.Module):
+    def __init__(self, cfg: QwenVisionConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.ModuleList(QwenVisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = QwenPatchMerger(cfg)
+        quarter = cfg.head_dim // 2
+        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float)
+                                                                  / quarter), persistent=False)
+
+    def forward(self, image: VisionPatches) -> torch.Tensor:
+        """-> [merge groups, out_hidden_size]: the image's tokens in the language model, in order."""
+        cfg = self.config
+        grid, unit = image.grid, cfg.spatial_merge_size ** 2
+        if image.patches.shape != (int(np.prod(grid)), cfg.patch_values):
+            raise ValueError(f"patches {image.patches.shape} do not match a grid of {grid} patches of "
+                             f"{cfg.patch_values} values")
+        device = self.inv_freq.device
+        order, lengths = window_order(grid, cfg.spatial_merge_size, cfg.window_merges)
+        patch_order = torch.from_numpy((order[:, None] * unit + np.arange(unit)).reshape(-1)).to(device)
+        weight = self.patch_embed.proj.weight
+        x = self.patch_embed.proj(torch.from_numpy(image.patches).to(device, weight.dtype))[patch_order]
+        positions = torch.from_numpy(patch_positions(grid, cfg.spatial_merge_size)).to(device)[patch_order]
+        freqs = (positions[..., None].float() * self.inv_freq).flatten(1)  # [patches, head_dim / 2]: rows', columns'
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None]
+        rope = (angles.cos(), angles.sin())
+        frame = grid[1] * grid[2]
+        full = _runs([frame] * grid[0], device)
+        windows = _runs([n * unit for n in lengths], device)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, full if i in cfg.fullatt_block_indexes else windows)
+        merged = self.merger(x)
+        return merged[torch.from_numpy(np.argsort(order)).to(device)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The checkpoint's vision tensors (visual.*, its merger included)."""
+        tower, projector = split_vision_tensors(weights)
+        params = dict(self.named_parameters())
+        loaded, unexpected = set(), sorted(projector)
+        for name, tensor in tower:
+            if name not in params:
+                unexpected.append(name)
+                continue
+            if name == "patch_embed.proj.weight":
+                tensor = tensor.reshape(tensor.shape[0], -1)  # [hidden, channels, frames, p, p], flattened as patches are
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"visual.{name}: checkpoint tensor {tuple(tensor.shape)} != expected "
+                                 f"{tuple(params[name].shape)}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        if unexpected:
+            raise ValueError(f"checkpoint has unexpected vision tensors: {unexpected[:10]}")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing vision tensors: {missing[:10]}")
+
+
+def _runs(lengths: list[int], device: torch.device) -> list[tuple[int, torch.Tensor]]:
+    """Contiguous runs of these lengths -> (length, the runs' first rows) per distinct length."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return [(n, torch.from_numpy(starts[np.array(lengths) == n]).to(device)) for n in sorted(set(lengths))]
