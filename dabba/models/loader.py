@@ -24,7 +24,7 @@ from dabba.layers.embedding import LMHead
 from dabba.layers.rotary import describe_longrope
 from dabba.models.gguf_checkpoint import GGUF_LINK, iterate_gguf_weights
 from dabba.models.pooling import pooling_variant
-from dabba.models.registry import get_model_class, get_vision_language_class
+from dabba.models.registry import model_class_for
 from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.config import QuantConfig
 
@@ -177,9 +177,7 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
     model_dir = Path(model_dir)
     gguf = model_dir / GGUF_LINK
     files = [] if gguf.exists() else find_weight_files(model_dir)
-    model_cls = get_model_class(arch.architecture)
-    if arch.images is not None:
-        model_cls = get_vision_language_class(arch.images.architecture, model_cls)
+    model_cls = model_class_for(arch)
     if pooling and arch.encoder is None:  # an encoder has no LM head to leave out
         model_cls = pooling_variant(model_cls)
     if arch.rope_scaling.rope_type == "longrope":

@@ -5,6 +5,8 @@ from typing import Callable
 
 from torch import nn
 
+from dabba.arch.config import ArchConfig
+
 from dabba.models.bert import BertModel
 from dabba.models.gemma import GemmaForCausalLM
 from dabba.models.gemma3_mm import Gemma3ForConditionalGeneration
@@ -55,3 +57,11 @@ VISION_LANGUAGE_MODELS: dict[str, Callable[[type[nn.Module]], type[nn.Module]]] 
 
 def get_vision_language_class(architecture: str, language_cls: type[nn.Module]) -> type[nn.Module]:
     return VISION_LANGUAGE_MODELS[architecture](language_cls)
+
+
+def model_class_for(arch: ArchConfig) -> type[nn.Module]:
+    """The class a config's model is built from: its family's, with the vision encoder where it reads images."""
+    model_cls = get_model_class(arch.architecture)
+    if arch.images is not None:
+        model_cls = get_vision_language_class(arch.images.architecture, model_cls)
+    return model_cls

@@ -9,7 +9,7 @@ from dabba.distributed.tensor_parallel import TensorParallel, building_for
 from dabba.layers.embedding import LMHead, VocabEmbedding
 from dabba.layers.fused_moe import Expert
 from dabba.layers.linear import Linear
-from dabba.models.registry import get_model_class
+from dabba.models.registry import model_class_for
 from dabba.quantization.config import QuantConfig
 
 
@@ -21,7 +21,7 @@ def meta_model(arch: ArchConfig, dtype: torch.dtype, quant_config: QuantConfig |
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"), building_for(TensorParallel(0, tp_size)):
-            return get_model_class(arch.architecture)(arch, 16, quant_config)
+            return model_class_for(arch)(arch, 16, quant_config)
     finally:
         torch.set_default_dtype(previous)
 

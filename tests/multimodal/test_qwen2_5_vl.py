@@ -237,6 +237,17 @@ def test_llm_chat_with_image_parts(checkpoint) -> None:
     assert list(out.outputs[0].token_ids) == expected[1]
 
 
+def test_quantization_takes_the_language_model_only(checkpoint, expected) -> None:
+    llm = LLM(str(checkpoint), dtype="float32", quantization="int8")
+    model = llm.llm_engine.engine_core.model_runner.model
+    assert type(model.model.layers[0].self_attn.qkv_proj.quant_method).__name__ != "UnquantizedLinearMethod"
+    assert {p.dtype for p in model.vision.parameters()} == {torch.float32}
+    out = llm.generate({"prompt": PROMPTS[2], "multi_modal_data": {"image": images(2)}},
+                       SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert out.prompt_token_ids == expected[2][0]
+    assert (prompt_logprobs(out) - expected[2][2]).abs().max() < 0.25  # int8 weights: near, not equal
+
+
 # Qwen2.5-VL-3B-Instruct's config.json as released: the language model's fields at the top level
 QWEN2_5_VL_3B = {
     "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
