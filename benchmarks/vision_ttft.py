@@ -175,7 +175,7 @@ def run_engine(engine: str, model: str, runs: int, text_tokens: int, threads: in
 
         llm = LLM(model, max_num_batched_tokens=2048)
         images = llm.llm_engine.engine_core.model_runner.images
-        images.encode = timed(images.encode)
+        images.update = timed(images.update)
         params = SamplingParams(max_tokens=1, temperature=0.0)
         for run in range(runs + 1):
             prompt, image = workload(model, run, text_tokens)

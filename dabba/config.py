@@ -250,8 +250,13 @@ class SchedulerConfig:
         "traffic slows chat streams by that much at most; 0: no limit (they take the step budget as prompts do).",
         1.2)
     encoder_budget: int | None = _help(
-        "Image tokens (embedding rows) vision encoders may compute in one step, so that a burst of images is "
-        "spread over steps while other requests decode; default: max_num_batched_tokens.", None)
+        "Image tokens (embedding rows) whose encodings may start in one step; default: max_num_batched_tokens.",
+        None)
+    image_decode_slowdown: float = _help(
+        "While generation requests decode, image requests take only the units of image encoding and the prompt "
+        "tokens that keep a step within this factor of the decodes' own step time (measured on the engine's "
+        "steps), so that an arriving image slows chat streams by that much at most and waits longer itself; 0: no "
+        "limit (each image is encoded whole in the step that reaches it).", 1.5)
 
     @property
     def image_token_budget(self) -> int:
@@ -260,6 +265,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.encoder_budget is not None and self.encoder_budget < 1:
             raise ValueError(f"encoder_budget must be >= 1, got {self.encoder_budget}")
+        if self.image_decode_slowdown != 0 and not self.image_decode_slowdown > 1:
+            raise ValueError(f"image_decode_slowdown must be 0 (no limit) or above 1, got {self.image_decode_slowdown}")
         if self.pooling_decode_slowdown != 0 and not self.pooling_decode_slowdown > 1:
             raise ValueError(f"pooling_decode_slowdown must be 0 (no limit) or above 1, got "
                              f"{self.pooling_decode_slowdown}")

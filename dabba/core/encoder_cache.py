@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 class _Entry:
     num_tokens: int
     request_ids: set[str] = field(default_factory=set)
+    ready: bool = True  # its embeddings are computed (False: its encoding is under way)
 
 
 class EncoderCache:
@@ -35,16 +36,32 @@ class EncoderCache:
         """Rows available for new entries, evicting unreferenced ones as needed."""
         return self.capacity - self.num_used + sum(self.unreferenced.values())
 
-    def allocate(self, identifier: str, num_tokens: int, request_id: str) -> None:
-        """Room for a new entry, referenced by ``request_id`` (the caller checked num_free)."""
+    def allocate(self, identifier: str, num_tokens: int, request_id: str, ready: bool = True) -> None:
+        """Room for a new entry, referenced by ``request_id`` (the caller checked num_free);
+        ``ready``: its embeddings are there by the time its tokens run this step."""
         assert identifier not in self.entries and num_tokens <= self.num_free, "checked by the caller"
         while self.capacity - self.num_used < num_tokens:
             evicted, rows = self.unreferenced.popitem(last=False)
             del self.entries[evicted]
             self.num_used -= rows
             self._evicted.append(evicted)
-        self.entries[identifier] = _Entry(num_tokens, {request_id})
+        self.entries[identifier] = _Entry(num_tokens, {request_id}, ready)
         self.num_used += num_tokens
+
+    def is_ready(self, identifier: str) -> bool:
+        return self.entries[identifier].ready
+
+    def mark_ready(self, identifiers: list[str] | None = None) -> None:
+        """These entries' encodings ended (None: every entry's will have by the time the step's
+        tokens run)."""
+        for identifier in self.entries if identifiers is None else identifiers:
+            if identifier in self.entries:
+                self.entries[identifier].ready = True
+
+    @property
+    def num_under_way(self) -> int:
+        """Entries whose encodings have not ended."""
+        return sum(not entry.ready for entry in self.entries.values())
 
     def add_ref(self, identifier: str, request_id: str) -> None:
         entry = self.entries[identifier]

@@ -2,9 +2,11 @@
 
 A chunk that reaches an image's tokens needs the image's embeddings: they are in the encoder
 cache already (an earlier chunk, request or turn encoded the same image), or the step encodes
-the image whole. Encoding is rationed per step (``budget``, in embedding rows), so that a burst
-of large images is spread over steps while decodes keep running, and bounded by the cache's room.
-A chunk whose next image cannot be encoded this step stops before that image's tokens.
+the image. The images an encoding starts per step are bounded (``budget``, in embedding rows) and
+by the cache's room. A step runs every encoding to its end before its forward, unless the step
+is given ``units`` of encoding (while other requests decode, core/image_budget.py): then an
+encoding runs over several steps, and its image's tokens wait until the worker says it ended.
+A chunk whose next image is not encoded by the time it runs stops before that image's tokens.
 
 ``whole_items``: the model's image tokens attend to each other both ways (Gemma 3), so a chunk
 may not stop inside an image; every image token of a chunk sees the image's last token, whose key
@@ -17,19 +19,25 @@ cached part was computed with the whole image, which its blocks' hashes name.
 from __future__ import annotations
 
 from dabba.core.encoder_cache import EncoderCache
-from dabba.core.outputs import SchedulerOutput
+from dabba.core.image_budget import ImageBudget, image_prefill, image_step_mix, image_work_waits
+from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput
 from dabba.core.request import Request
 from dabba.errors import InvalidRequest
 
 
 class EncoderScheduler:
-    def __init__(self, budget: int, cache: EncoderCache, whole_items: bool, max_num_batched_tokens: int) -> None:
-        self.budget = budget  # embedding rows the encoder may compute in one step
+    def __init__(self, budget: int, cache: EncoderCache, whole_items: bool, max_num_batched_tokens: int,
+                 decode_slowdown: float = 0.0) -> None:
+        self.budget = budget  # embedding rows whose encodings may start in one step
         self.cache = cache
         self.whole_items = whole_items
         self.max_num_batched_tokens = max_num_batched_tokens
         self.budget_left = budget
+        self.units: int | None = None  # this step's units of encoding; None: every encoding ends this step
         self.num_encoded = 0  # images encoded since the start (LLM.get_stats, /metrics)
+        # image requests' share of a step while others decode (None: no limit)
+        self.ration = ImageBudget(decode_slowdown) if decode_slowdown > 1.0 else None
+        self._mix: tuple[int, int, int] | None = None  # the last rationed step's (image_budget.image_step_mix)
 
     def check(self, request: Request) -> None:
         """InvalidRequest if one of its images could never be encoded or computed."""
@@ -46,8 +54,50 @@ class EncoderScheduler:
                                                          f"({self.max_num_batched_tokens}), and this model's image "
                                                          "tokens run in one step; raise max_num_batched_tokens")
 
-    def begin_step(self) -> None:
+    def begin_step(self, out: SchedulerOutput, running: list[Request], waiting: list[Request]) -> int | None:
+        """The step's units of encoding (``units``, SchedulerOutput.encoder_units), and the
+        prompt tokens image requests may take (None: no limit): rationed while requests decode.
+        A rationed step starts the encodings the image requests wait for, in their order."""
         self.budget_left = self.budget
+        self.units, tokens = None, None
+        if self.ration is not None:
+            decodes, prefills = image_work_waits(running, waiting)
+            self.ration.begin(decodes and prefills)
+            if self.ration.active:
+                for request in (*running, *waiting):
+                    if image_prefill(request):
+                        self._start_next(out, request)
+                self.units, tokens = self.ration.allowance(self.under_way)
+        if self.units is None:
+            self.cache.mark_ready()  # the worker ends every encoding under way before the forward
+        return tokens
+
+    def end_step(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Request]) -> None:
+        self._mix = image_step_mix(num_scheduled_tokens, requests) if self.units is not None else None
+
+    def encoded(self, identifiers: list[str]) -> None:
+        """The worker ended these encodings (ModelRunnerOutput.encoded_images): their tokens may run."""
+        self.cache.mark_ready(identifiers)
+
+    def record(self, runner_out: ModelRunnerOutput, seconds: float) -> None:
+        """A step's time (from schedule() to its outputs processed), for the costs the ration learns."""
+        if self.ration is not None and self._mix is not None:
+            self.ration.record(*self._mix, runner_out.encoder_units, runner_out.encoder_seconds,
+                               seconds)
+
+    def _start_next(self, out: SchedulerOutput, request: Request) -> None:
+        """The encoding of the request's next image not computed nor cached, where there is room."""
+        feature = next((f for f in request.mm_features
+                        if f.position.end > request.num_computed_tokens and f.identifier not in self.cache), None)
+        if feature is not None and feature.position.length <= min(self.budget_left, self.cache.num_free):
+            self.cache.allocate(feature.identifier, feature.position.length, request.request_id, ready=False)
+            self.budget_left -= feature.position.length
+            self.num_encoded += 1
+            out.scheduled_encoder_inputs.setdefault(request.request_id, []).append(feature)
+
+    @property
+    def under_way(self) -> bool:
+        return self.cache.num_under_way > 0
 
     def fit(self, request: Request, start: int, num_new: int) -> tuple[int, list[int]]:
         """How many of the ``num_new`` tokens from ``start`` can run this step, and the indices
@@ -70,18 +120,22 @@ class EncoderScheduler:
             seen.add(identifier)
             if identifier in self.cache:
                 room -= self.cache.unreferenced.get(identifier, 0)  # pinned by this chunk: no longer room
+                if not self.cache.is_ready(identifier):
+                    end = max(pos.offset, start)  # not until its encoding ends
+                    break
                 continue
-            if rows + pos.length > min(self.budget_left, room):
-                end = max(pos.offset, start)
+            if self.units is not None or rows + pos.length > min(self.budget_left, room):
+                end = max(pos.offset, start)  # (rationed: begin_step starts encodings, which end in later steps)
                 break
             encode.append(i)
             rows += pos.length
         return end - start, encode
 
     def schedule(self, out: SchedulerOutput, request: Request, encode: list[int], start: int, num_new: int) -> None:
-        """Commit ``fit``'s answer once the chunk is scheduled: the step encodes ``encode`` in
-        room made for them, and a reference on every image the chunk reads until the request computes past it (the
-        cached ones first: making room must not evict them)."""
+        """Commit ``fit``'s answer once the chunk is scheduled (or, with no tokens, where the
+        request waits for the encodings it starts): the step encodes ``encode`` in room made for
+        them, and a reference on every image the chunk reads until the request computes past it
+        (the cached ones first: making room must not evict them)."""
         for feature in request.mm_features:
             if feature.identifier in self.cache and feature.position.overlaps(start, start + num_new):
                 self.cache.add_ref(feature.identifier, request.request_id)
@@ -91,7 +145,7 @@ class EncoderScheduler:
             self.budget_left -= feature.position.length
             self.num_encoded += 1
         if encode:
-            out.scheduled_encoder_inputs[request.request_id] = encode
+            out.scheduled_encoder_inputs[request.request_id] = [request.mm_features[i] for i in encode]
 
     def advance(self, request: Request) -> None:
         """Release the images the request has computed past."""

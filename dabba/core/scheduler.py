@@ -33,6 +33,7 @@ from dabba.core.request import Request, RequestStatus
 from dabba.core.spec_budget import RowBlocks
 from dabba.core.speculation import make_speculation
 from dabba.core.stats import SchedulerStats
+from dabba.core.step_shares import StepShares
 from dabba.errors import InvalidRequest
 
 logger = logging.getLogger("dabba")
@@ -129,27 +130,26 @@ class Scheduler:
         kv = self.kv_cache_manager
         preempted = False
         rationed = self.pooling_budget is not None and self.num_pooling_requests > 0
+        shares = StepShares()  # what rationed work may take this step
         if rationed and any(r.pooling_params is None and decoding(r) for r in self.running):
-            pooling_left = self.pooling_budget.tokens()
-        else:
-            pooling_left = budget
+            shares.pooling = self.pooling_budget.tokens()
         if self.encoder is not None:
-            self.encoder.begin_step()
+            shares.image = self.encoder.begin_step(out, self.running, self.waiting)
+            out.encoder_units = self.encoder.units
             out.free_encoder_hashes = self.encoder.cache.take_evicted()
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if request.pooling_params is not None:
-                num_new = min(num_new, pooling_left)
-                if num_new == 0:
-                    i += 1
-                    continue
+            num_new = shares.limit(request, num_new)
+            if num_new == 0:
+                i += 1
+                continue
             encode = None
             if request.mm_features:
                 num_new, encode = self.encoder.fit(request, request.num_computed_tokens, num_new)
-                if num_new == 0:  # its next image waits for the encoder's budget or room
+                if num_new == 0:  # its next image waits for its encoding, or the encoder's budget or room
                     i += 1
                     continue
             drafts = self.speculation.drafts(request, num_new, budget)
@@ -175,28 +175,25 @@ class Scheduler:
             if drafts:
                 out.scheduled_spec_decode_tokens[request.request_id] = drafts
             budget -= num_new
-            if request.pooling_params is not None:
-                pooling_left -= num_new
+            shares.take(request, num_new)
             i += 1
 
         # Admit waiting requests, unless this step already had to preempt (memory is tight); past
         # pooling requests when their share of the step is spent.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            j = 0 if pooling_left > 0 else next((k for k, r in enumerate(self.waiting) if r.pooling_params is None), -1)
+            j = next((k for k, r in enumerate(self.waiting) if shares.limit(r, 1)), -1)
             if j < 0:
                 break
             request = self.waiting[j]
             hit_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
-            if request.pooling_params is not None:
-                num_new = min(num_new, pooling_left)
+            num_new = shares.limit(request, min(request.num_tokens - num_hit, budget))
             if request.one_step_prompt and num_new < request.num_tokens - num_hit:
                 break  # whole, in a later step
             encode = None
             if request.mm_features:
                 num_new, encode = self.encoder.fit(request, num_hit, num_new)
                 if num_new == 0:
-                    break  # its next image waits for the encoder's budget or room
+                    break  # its next image waits for its encoding, or the encoder's budget or room
             lookahead = self.speculation.lookahead(request, num_hit + num_new)
             if kv.allocate_slots(request, num_new, hit_blocks, lookahead) is None:
                 break
@@ -224,9 +221,10 @@ class Scheduler:
             )
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
-            if request.pooling_params is not None:
-                pooling_left -= num_new
+            shares.take(request, num_new)
 
+        if self.encoder is not None:
+            self.encoder.end_step(out.num_scheduled_tokens, self.requests)
         self._step_mix = step_mix(out.num_scheduled_tokens, self.requests) if rationed else None
         self._add_grammar_bitmask(out)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
@@ -239,6 +237,8 @@ class Scheduler:
         self.speculation.record_step(out, runner_out, seconds)
         if self.pooling_budget is not None and self._step_mix is not None:
             self.pooling_budget.record(*self._step_mix, seconds)
+        if self.encoder is not None:
+            self.encoder.record(runner_out, seconds)
 
     def _add_grammar_bitmask(self, out: SchedulerOutput) -> None:
         """A row for each constrained request that samples this step: one whose scheduled tokens
@@ -267,6 +267,8 @@ class Scheduler:
         """Advance progress, append sampled tokens, finish requests. Returns what is new for each
         request this step (the engine's only view of the requests)."""
         outputs = EngineCoreOutputs()
+        if self.encoder is not None:
+            self.encoder.encoded(runner_out.encoded_images)
         for request_id, num_tokens in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None:  # aborted while the step ran

@@ -32,7 +32,7 @@ def _encoder_scheduler(resolved: ResolvedConfig) -> EncoderScheduler | None:
     row_bytes = resolved.arch.hidden_size * resolved.dtype.itemsize
     sc = config.scheduler_config
     return EncoderScheduler(sc.image_token_budget, EncoderCache(config.cache_config.encoder_cache_memory // row_bytes),
-                            images.bidirectional, sc.max_num_batched_tokens)
+                            images.bidirectional, sc.max_num_batched_tokens, sc.image_decode_slowdown)
 
 
 @dataclass(frozen=True)

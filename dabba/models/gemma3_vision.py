@@ -3,13 +3,14 @@
 the language model's width, which take the places of the prompt's image tokens."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Generator, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dabba.arch.vision_config import Gemma3ProjectorConfig, VisionConfig
+from dabba.models.encoder_steps import run_steps
 from dabba.models.siglip import SiglipVisionTower
 from dabba.models.vision_language import load_projector, split_vision_tensors
 
@@ -24,7 +25,11 @@ class Gemma3ImageEncoder(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[num_images, 3, image_size, image_size] -> [num_images, tokens_per_image, text hidden]."""
-        patches = self.vision_tower(pixel_values)  # [num_images, num_patches, hidden]
+        return run_steps(self.steps(pixel_values))
+
+    def steps(self, pixel_values: torch.Tensor, chunk_rows: int | None = None) -> Generator[None, None, torch.Tensor]:
+        """forward() in units (models/encoder_steps.py)."""
+        patches = yield from self.vision_tower.steps(pixel_values, chunk_rows=chunk_rows)  # [num_images, patches, hidden]
         num_images, _, hidden = patches.shape
         side = self.vision.image_size // self.vision.patch_size
         kernel = side // int(round(self.projector.tokens_per_image ** 0.5))

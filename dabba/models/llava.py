@@ -5,13 +5,14 @@ others do, so prefill chunks may cut through an image."""
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+from typing import Generator, Iterable
 
 import torch
 from torch import nn
 
 from dabba.arch.config import ArchConfig
 from dabba.arch.vision_config import LlavaProjectorConfig, VisionConfig
+from dabba.models.encoder_steps import run_steps
 from dabba.models.siglip import ACTIVATIONS, SiglipVisionTower
 from dabba.models.vision_language import VisionLanguageModel, load_projector, split_vision_tensors
 from dabba.quantization.config import QuantConfig
@@ -29,7 +30,11 @@ class LlavaImageEncoder(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[num_images, 3, size, size] -> [num_images, tokens_per_image, text hidden]."""
-        states = self.vision_tower(pixel_values, self.projector.num_layers)
+        return run_steps(self.steps(pixel_values))
+
+    def steps(self, pixel_values: torch.Tensor, chunk_rows: int | None = None) -> Generator[None, None, torch.Tensor]:
+        """forward() in units (models/encoder_steps.py)."""
+        states = yield from self.vision_tower.steps(pixel_values, self.projector.num_layers, chunk_rows)
         if self.projector.drop_class_token:
             states = states[:, 1:]
         return self.linear_2(self.activation(self.linear_1(states)))

@@ -10,7 +10,7 @@ call), the fullatt_block_indexes layers over the whole image. The merger (RMSNor
 group's patches concatenated through linear, GELU, linear) ends it, and the window order is undone."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Generator, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from torch import nn
 from dabba.arch.qwen_vision_config import QwenVisionConfig
 from dabba.layers.layernorm import RMSNorm
 from dabba.layers.rotary import _rotate_half
+from dabba.models.encoder_steps import row_chunks, run_steps
 from dabba.models.vision_language import split_vision_tensors
 from dabba.multimodal.qwen_image_processor import VisionPatches
 
@@ -57,22 +58,27 @@ class QwenVisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                runs: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-        """x: [num_patches, hidden]; ``runs``: (length, first rows [n]) per length of the runs the
-        tokens attend within."""
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        cos, sin = rope  # [num_patches, 1, head_dim] float32: rotated in float32, as transformers does
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rows' [3, rows, heads, head_dim] q, k (rotated in float32, as transformers does) and v."""
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        out = torch.empty_like(q)
-        for length, starts in runs:
-            rows = starts[:, None] + torch.arange(length, device=x.device)  # [runs, length]
-            attended = F.scaled_dot_product_attention(*(t[rows].transpose(1, 2) for t in (q, k, v)),
-                                                      scale=self.head_dim ** -0.5)  # [runs, heads, length, head_dim]
-            out[rows] = attended.transpose(1, 2)
-        return self.proj(out.view(n, -1))
+        return torch.stack([q, k, v])
+
+    def attend(self, qkv: torch.Tensor, unit: list[tuple[int, int, int, int]]) -> torch.Tensor:
+        """A unit's queries (one contiguous run of rows) over their keys: [rows, hidden], projected.
+        ``unit``: (query start, queries, key start, keys) per run, runs of one shape batched."""
+        first = unit[0][0]
+        out = qkv.new_empty(sum(n for _, n, _, _ in unit), self.num_heads, self.head_dim)
+        device = qkv.device
+        for shape in sorted({(n, m) for _, n, _, m in unit}):
+            runs = [(qs, ks) for qs, n, ks, m in unit if (n, m) == shape]
+            queries = torch.tensor([qs for qs, _ in runs], device=device)[:, None] + torch.arange(shape[0], device=device)
+            keys = torch.tensor([ks for _, ks in runs], device=device)[:, None] + torch.arange(shape[1], device=device)
+            attended = F.scaled_dot_product_attention(qkv[0, queries].transpose(1, 2), qkv[1, keys].transpose(1, 2),
+                                                      qkv[2, keys].transpose(1, 2), scale=self.head_dim ** -0.5)
+            out[queries - first] = attended.transpose(1, 2)  # [runs, queries, heads, head_dim]
+        return self.proj(out.flatten(1))
 
 
 class QwenVisionMLP(nn.Module):
@@ -94,10 +100,41 @@ class QwenVisionBlock(nn.Module):
         self.attn = QwenVisionAttention(cfg)
         self.mlp = QwenVisionMLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                runs: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, runs)
-        return x + self.mlp(self.norm2(x))
+    def steps(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[tuple[int, int]],
+              chunk_rows: int | None) -> Iterator[None]:
+        """The block on x [patches, hidden], in place, tokens attending within ``segments``
+        ((start, length) runs): q, k, v a chunk of rows at a time, then attention and MLP a unit of
+        whole segments (or of one long segment's queries) at a time; a unit per chunk and phase."""
+        qkv = x.new_empty(3, x.shape[0], self.attn.num_heads, self.attn.head_dim)
+        cos, sin = rope
+        for rows in row_chunks(x.shape[0], chunk_rows):
+            qkv[:, rows] = self.attn.project(self.norm1(x[rows]), cos[rows], sin[rows])
+            yield
+        for unit in attention_units(segments, chunk_rows):
+            rows = slice(unit[0][0], unit[-1][0] + unit[-1][1])
+            y = x[rows] + self.attn.attend(qkv, unit)
+            x[rows] = y + self.mlp(self.norm2(y))
+            yield
+
+
+def attention_units(segments: list[tuple[int, int]], chunk_rows: int | None) -> list[list[tuple[int, int, int, int]]]:
+    """Consecutive segments grouped into units of at most ``chunk_rows`` queries (None: one unit),
+    a longer segment's queries split over units of their own, each over all its keys:
+    (query start, queries, key start, keys) per run."""
+    units: list[list[tuple[int, int, int, int]]] = []
+    current: list[tuple[int, int, int, int]] = []
+    for start, length in segments:
+        if chunk_rows is not None and length > chunk_rows:
+            units += [current] if current else []
+            current = []
+            units += [[(q, min(chunk_rows, start + length - q), start, length)]
+                      for q in range(start, start + length, chunk_rows)]
+            continue
+        if current and chunk_rows is not None and sum(n for _, n, _, _ in current) + length > chunk_rows:
+            units.append(current)
+            current = []
+        current.append((start, length, start, length))
+    return units + ([current] if current else [])
 
 
 class QwenPatchMerger(nn.Module):
@@ -130,6 +167,10 @@ class Qwen2_5VisionTower(nn.Module):
 
     def forward(self, image: VisionPatches) -> torch.Tensor:
         """-> [merge groups, out_hidden_size]: the image's tokens in the language model, in order."""
+        return run_steps(self.steps(image))
+
+    def steps(self, image: VisionPatches, chunk_rows: int | None = None) -> Generator[None, None, torch.Tensor]:
+        """forward() in units (models/encoder_steps.py)."""
         cfg = self.config
         grid, unit = image.grid, cfg.spatial_merge_size ** 2
         if image.patches.shape != (int(np.prod(grid)), cfg.patch_values):
@@ -145,10 +186,10 @@ class Qwen2_5VisionTower(nn.Module):
         angles = torch.cat([freqs, freqs], dim=-1)[:, None]
         rope = (angles.cos(), angles.sin())
         frame = grid[1] * grid[2]
-        full = _runs([frame] * grid[0], device)
-        windows = _runs([n * unit for n in lengths], device)
+        full = [(start, frame) for start in range(0, grid[0] * frame, frame)]
+        windows = list(zip(np.cumsum([0, *lengths[:-1]]) * unit, np.array(lengths) * unit))
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, full if i in cfg.fullatt_block_indexes else windows)
+            yield from block.steps(x, rope, full if i in cfg.fullatt_block_indexes else windows, chunk_rows)
         merged = self.merger(x)
         return merged[torch.from_numpy(np.argsort(order)).to(device)]
 
@@ -173,9 +214,3 @@ class Qwen2_5VisionTower(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing vision tensors: {missing[:10]}")
-
-
-def _runs(lengths: list[int], device: torch.device) -> list[tuple[int, torch.Tensor]]:
-    """Contiguous runs of these lengths -> (length, the runs' first rows) per distinct length."""
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    return [(n, torch.from_numpy(starts[np.array(lengths) == n]).to(device)) for n in sorted(set(lengths))]

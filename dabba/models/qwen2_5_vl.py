@@ -4,7 +4,7 @@ tower (models/qwen2_5_vision.py), each image encoded at its own size. Image toke
 as the language model's others do, so prefill chunks may cut through an image."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Generator
 
 import torch
 
@@ -21,7 +21,6 @@ class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
         assert cfg.images is not None and cfg.images.mrope, "a Qwen2.5-VL config"
         self.vision = Qwen2_5VisionTower(cfg.images.vision)
 
-    def encode_images(self, images: list[Any]) -> list[torch.Tensor]:
-        """Each image's VisionPatches (multimodal/qwen_image_processor.py) -> its embeddings, one
-        image at a time (their sizes differ)."""
-        return [self.vision(image) for image in images]
+    def encode_steps(self, image: Any, chunk_rows: int | None) -> Generator[None, None, torch.Tensor]:
+        """An image's VisionPatches (multimodal/qwen_image_processor.py) -> its embeddings, in units."""
+        return (yield from self.vision.steps(image, chunk_rows))

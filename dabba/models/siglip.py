@@ -7,13 +7,14 @@ LLaVA reads an earlier layer's states (``num_layers``). The attention-pooling he
 SiglipVisionModel is not read: multimodal models take the patches' states."""
 from __future__ import annotations
 
-from typing import Hashable, Iterable
+from typing import Generator, Hashable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dabba.arch.vision_config import VisionConfig
+from dabba.models.encoder_steps import row_chunks, run_steps
 
 
 class SiglipLayer(nn.Module):
@@ -29,14 +30,23 @@ class SiglipLayer(nn.Module):
         self.fc1 = nn.Linear(h, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, h)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [num_images, num_patches, hidden]."""
+    def steps(self, x: torch.Tensor, chunk_rows: int | None) -> Iterator[None]:
+        """The layer on x [num_images, num_patches, hidden], in place, in units of ``chunk_rows``
+        patches (None: all at once): each chunk's q, k and v, then each chunk's attention over all
+        the keys and its MLP; a unit per chunk and phase."""
         num_images, num_patches, hidden = x.shape
+        qkv = x.new_empty(num_images, num_patches, 3 * hidden)
+        chunks = row_chunks(num_patches, chunk_rows)
+        for rows in chunks:
+            qkv[:, rows] = self.qkv(self.layer_norm1(x[:, rows]))
+            yield
         q, k, v = (t.view(num_images, num_patches, self.num_heads, self.head_dim).transpose(1, 2)
-                   for t in self.qkv(self.layer_norm1(x)).chunk(3, dim=-1))
-        attended = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)
-        x = x + self.out_proj(attended.transpose(1, 2).reshape(num_images, num_patches, hidden))
-        return x + self.fc2(self.activation(self.fc1(self.layer_norm2(x))))
+                   for t in qkv.chunk(3, dim=-1))
+        for rows in chunks:
+            attended = F.scaled_dot_product_attention(q[:, :, rows], k, v, scale=self.head_dim ** -0.5)
+            y = x[:, rows] + self.out_proj(attended.transpose(1, 2).reshape(num_images, -1, hidden))
+            x[:, rows] = y + self.fc2(self.activation(self.fc1(self.layer_norm2(y))))
+            yield
 
 
 class SiglipVisionTower(nn.Module):
@@ -56,6 +66,12 @@ class SiglipVisionTower(nn.Module):
         the last layer's states (after the final LN in SigLIP; CLIP's applies to its pooled class
         token only), or with ``num_layers`` the states after that many layers (transformers'
         hidden_states[num_layers]), with no final LN."""
+        return run_steps(self.steps(pixel_values, num_layers))
+
+    def steps(self, pixel_values: torch.Tensor, num_layers: int | None = None,
+              chunk_rows: int | None = None) -> Generator[None, None, torch.Tensor]:
+        """forward() in units (models/vision_language.py: encoder steps), each layer's in chunks
+        of ``chunk_rows`` patches."""
         cfg = self.config
         num_images, channels, height, width = pixel_values.shape
         if (height, width) != (cfg.image_size, cfg.image_size) or channels != cfg.num_channels:
@@ -72,7 +88,7 @@ class SiglipVisionTower(nn.Module):
         if cfg.clip:
             x = self.pre_layrnorm(x)
         for layer in self.layers[:num_layers]:
-            x = layer(x)
+            yield from layer.steps(x, chunk_rows)
         return self.post_layernorm(x) if num_layers is None and not cfg.clip else x
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], prefix: str = "") -> None:

@@ -4,9 +4,8 @@ the same checkpoint, and a forward that takes the step's image rows (the worker 
 which replace their placeholders' embeddings. The language model's layers run as for text."""
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Iterable, Iterator
+from typing import Any, Callable, Generator, Hashable, Iterable, Iterator
 
-import numpy as np
 import torch
 
 from dabba.layers.embedding import EmbeddingRows
@@ -56,9 +55,9 @@ def language_model_name(name: str) -> str:
 
 class VisionLanguageModel:
     """Mixed in before a language model class (LlamaForCausalLM's contract); the subclass's
-    __init__ sets ``self.vision``, a module whose forward maps [num_images, ...] pixel values to
-    [num_images, tokens_per_image, hidden] and whose load_weights takes the checkpoint's vision
-    tensors under their full names. The encoder stays in the model's dtype: quantization applies
+    __init__ sets ``self.vision``, a module whose steps(pixel values [num_images, ...], chunk_rows)
+    runs in units to [num_images, tokens_per_image, hidden] and whose load_weights takes the
+    checkpoint's vision tensors under their full names. The encoder stays in the model's dtype: quantization applies
     to the language model's linears only."""
 
     vision: torch.nn.Module
@@ -67,11 +66,12 @@ class VisionLanguageModel:
                 image_embeds: EmbeddingRows | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, image_embeds)
 
-    def encode_images(self, images: list[Any]) -> list[torch.Tensor]:
-        """Each image's pixel values (arrays of one shape, multimodal/image_processor.py) -> its
-        embeddings [tokens_per_image, hidden]."""
+    def encode_steps(self, image: Any, chunk_rows: int | None) -> Generator[None, None, torch.Tensor]:
+        """One image's pixel values (multimodal/image_processor.py) -> its embeddings
+        [tokens_per_image, hidden], in units (models/encoder_steps.py)."""
         dtype = next(self.vision.parameters()).dtype
-        return list(self.vision(torch.from_numpy(np.stack(images)).to(dtype)))
+        embeddings = yield from self.vision.steps(torch.from_numpy(image)[None].to(dtype), chunk_rows)
+        return embeddings[0]
 
     def checkpoint_parameters(self) -> list[str]:
         return [name for name in super().checkpoint_parameters() if not name.startswith("vision.")]

@@ -1,5 +1,6 @@
 """The worker's half of the encoder cache (core/encoder_cache.py keeps the books): each image's
-embeddings by content hash, encoded in the step the scheduler says, dropped when it says; and
+embeddings by content hash, encoded in the steps the scheduler says (whole in one step, or a few
+units a step while other requests decode), dropped when it says; and
 where a step's image tokens sit in its flat batch, with the keys each of them sees.
 
     request i in the flat batch:  query_start_loc[i] ..  (positions num_computed[i] .. seq_lens[i] - 1)
@@ -8,7 +9,9 @@ where a step's image tokens sit in its flat batch, with the keys each of them se
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Protocol
 
 import numpy as np
 import torch
@@ -16,6 +19,7 @@ import torch
 from dabba.core.multimodal import MultiModalFeature
 from dabba.core.outputs import SchedulerOutput
 from dabba.layers.embedding import EmbeddingRows
+from dabba.models.encoder_steps import CHUNK_ROWS, run_steps
 
 
 class HasImages(Protocol):
@@ -23,31 +27,65 @@ class HasImages(Protocol):
     num_computed_tokens: int
 
 
-class ImageEmbeddings:
-    """``encode``: the model's encoder (a list of images' inputs -> their embeddings, each
-    [tokens, hidden]); ``bidirectional``: an image's tokens see the whole image (Gemma 3);
-    ``mrope_merge``: an M-RoPE model's spatial merge size (its image tokens' positions are their
-    places in the image, worker/mrope_positions.py), else 0."""
+@dataclass
+class EncoderWork:
+    """What a step's encoding did (ModelRunnerOutput's encoded_images, encoder_units, encoder_seconds)."""
 
-    def __init__(self, encode: Callable[[list[Any]], list[torch.Tensor]], bidirectional: bool,
-                 mrope_merge: int = 0) -> None:
-        self.encode = encode
+    encoded: list[str] = field(default_factory=list)
+    units: int = 0
+    seconds: float = 0.0
+
+
+class ImageEmbeddings:
+    """``encode_steps``: the model's encoder in units (one image's input and a chunk size ->
+    a generator of its units returning its embeddings [tokens, hidden], models/encoder_steps.py);
+    ``bidirectional``: an image's tokens see the whole image (Gemma 3); ``mrope_merge``: an M-RoPE
+    model's spatial merge size (its image tokens' positions are their places in the image,
+    worker/mrope_positions.py), else 0."""
+
+    def __init__(self, encode_steps: Callable[[Any, int | None], Generator[None, None, torch.Tensor]],
+                 bidirectional: bool, mrope_merge: int = 0) -> None:
+        self.encode_steps = encode_steps
         self.bidirectional = bidirectional
         self.mrope_merge = mrope_merge
         self.embeddings: dict[str, torch.Tensor] = {}
+        self.encodings: dict[str, Generator[None, None, torch.Tensor]] = {}  # under way, oldest first
 
-    def update(self, sched: SchedulerOutput, states: dict[str, HasImages]) -> None:
-        """Drop what the scheduler evicted, then encode the step's images (each content once)."""
+    def update(self, sched: SchedulerOutput) -> EncoderWork:
+        """Drop what the scheduler evicted, start the step's new encodings (each content once),
+        then run the units the step allows: all of every encoding under way, or ``encoder_units``
+        of them (in chunks of CHUNK_ROWS patches)."""
         for identifier in sched.free_encoder_hashes:
             self.embeddings.pop(identifier, None)
-        todo: dict[str, Any] = {}
-        for request_id, indices in sched.scheduled_encoder_inputs.items():
-            for i in indices:
-                feature = states[request_id].mm_features[i]
-                todo.setdefault(feature.identifier, feature.data)
-        if todo:
-            for identifier, rows in zip(todo, self.encode(list(todo.values()))):
-                self.embeddings[identifier] = rows
+            self.encodings.pop(identifier, None)
+        chunk_rows = None if sched.encoder_units is None else CHUNK_ROWS
+        for features in sched.scheduled_encoder_inputs.values():
+            for feature in features:
+                if feature.identifier not in self.embeddings and feature.identifier not in self.encodings:
+                    self.encodings[feature.identifier] = self.encode_steps(feature.data, chunk_rows)
+        work = EncoderWork()
+        start = time.perf_counter()
+        while self.encodings and (sched.encoder_units is None or work.units < sched.encoder_units):
+            identifier, steps = next(iter(self.encodings.items()))
+            work.units += 1
+            try:
+                next(steps)
+            except StopIteration as done:
+                self._done(identifier, done.value, work)
+        work.seconds = time.perf_counter() - start
+        return work
+
+    def _done(self, identifier: str, embeddings: torch.Tensor, work: EncoderWork) -> None:
+        self.embeddings[identifier] = embeddings
+        del self.encodings[identifier]
+        work.encoded.append(identifier)
+
+    def embeddings_of(self, identifier: str) -> torch.Tensor:
+        """An image's embeddings; an encoding still under way (the scheduler learns of an end a
+        step late, or ran out of steps to give it) runs to its end first."""
+        if identifier in self.encodings:
+            self._done(identifier, run_steps(self.encodings[identifier]), EncoderWork())
+        return self.embeddings[identifier]
 
     def step_rows(self, states: list[HasImages], query_start_loc: np.ndarray, seq_lens: np.ndarray,
                   positions: np.ndarray, device: torch.device) -> tuple[EmbeddingRows | None, np.ndarray | None]:
@@ -64,7 +102,7 @@ class ImageEmbeddings:
                 assert not self.bidirectional or pos.end <= end, "the scheduler runs a bidirectional image whole"
                 first_row = int(query_start_loc[i]) + lo - start
                 indices.append(torch.arange(first_row, first_row + hi - lo))
-                rows.append(self.embeddings[feature.identifier][lo - pos.offset:hi - pos.offset])
+                rows.append(self.embeddings_of(feature.identifier)[lo - pos.offset:hi - pos.offset])
                 spans.append((first_row, first_row + hi - lo, pos.end))
         if not indices:
             return None, None

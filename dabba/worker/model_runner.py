@@ -32,7 +32,7 @@ from dabba.models.loader import load_model
 from dabba.models.resolved_config import ResolvedConfig
 from dabba.models.sizes import weights_bytes
 from dabba.ops import native
-from dabba.worker.image_inputs import ImageEmbeddings
+from dabba.worker.image_inputs import EncoderWork, ImageEmbeddings
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.memory import check_fits, default_kv_cache_memory, keep_freed_host_memory, kv_cache_tensors
 from dabba.worker.model_inputs import ModelInputs
@@ -106,7 +106,7 @@ class ModelRunner:
         self.requests = RequestStates()
         images = arch.images
         self.images = None if images is None else ImageEmbeddings(
-            self.model.encode_images, images.bidirectional, images.vision.spatial_merge_size if images.mrope else 0)
+            self.model.encode_steps, images.bidirectional, images.vision.spatial_merge_size if images.mrope else 0)
         self.kv_caches: list = []  # per layer: a tensor, or (codes, scales) for an 8-bit cache
         self.layer_groups: list[int] | None = None  # per layer: its KV-cache group; None: one group
         self.layout: CacheLayout | None = None
@@ -173,17 +173,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.requests.update(sched)
-        if self.images is not None:
-            self.images.update(sched, self.requests.states)
+        encoding = self.images.update(sched) if self.images is not None else None
         if sched.is_empty:
-            return ModelRunnerOutput()
+            return self._encoder_output(ModelRunnerOutput(), encoding)
         assert self.layout is not None, "initialize_kv_cache() first"
         inputs = self.requests.prepare_inputs(sched, self.layout.block_size, self.device, self.images)
         metadata = [self.backend.build_metadata(common) for common in inputs.attn]
         hidden = run_layers(self.model, self.native_loop, self.backend, inputs.input_ids, inputs.positions, metadata,
                             self.kv_caches, self.layer_groups, inputs.token_type_ids,
                             inputs.image_embeds)  # [num_tokens, hidden]
-        output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden))
+        output = self._encoder_output(ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden)),
+                                      encoding)
         if inputs.pooling:
             output.pooler_output = self._pool(inputs, hidden)
         if not inputs.sampling_req_ids:
@@ -219,6 +219,12 @@ class ModelRunner:
             start = time.perf_counter()
             output.spec_token_ids, output.draft_passes = self._propose(sched, inputs.sampling_req_ids)
             output.draft_seconds = time.perf_counter() - start
+        return output
+
+    @staticmethod
+    def _encoder_output(output: ModelRunnerOutput, work: EncoderWork | None) -> ModelRunnerOutput:
+        if work is not None:
+            output.encoded_images, output.encoder_units, output.encoder_seconds = work.encoded, work.units, work.seconds
         return output
 
     def _propose(self, sched: SchedulerOutput, request_ids: list[str]) -> tuple[dict[str, list[int]], int]:

@@ -43,6 +43,11 @@ def image_request(request_id: str, layout: list[int | str], max_tokens: int = 2)
     return request
 
 
+def started(out) -> dict[str, list[str]]:
+    """The images whose encodings a step starts, by request."""
+    return {rid: [f.identifier for f in features] for rid, features in out.scheduled_encoder_inputs.items()}
+
+
 def test_chunks_stop_before_an_image_they_cannot_take_whole() -> None:
     """10-token steps over | 6 text | image a (8) | 3 text |: the first chunk stops at the image
     (6 tokens, not 10), the second takes the image whole and encodes it, the third the rest."""
@@ -51,8 +56,8 @@ def test_chunks_stop_before_an_image_they_cannot_take_whole() -> None:
     steps = []
     for _ in range(3):
         out, _ = run_step(scheduler, worker)
-        steps.append((out.num_scheduled_tokens["r"], out.scheduled_encoder_inputs))
-    assert steps == [(6, {}), (10, {"r": [0]}), (1, {})]
+        steps.append((out.num_scheduled_tokens["r"], started(out)))
+    assert steps == [(6, {}), (10, {"r": ["a"]}), (1, {})]
     assert scheduler.encoder.num_encoded == 1
 
 
@@ -62,10 +67,10 @@ def test_causal_images_may_be_cut_and_stay_cached_until_passed() -> None:
     scheduler, worker = image_scheduler(max_num_batched_tokens=10, whole_items=False), FakeWorker()
     scheduler.add_request(image_request("r", [1, 2, 3, 4, 5, 6, "a:8", 7]))
     out, _ = run_step(scheduler, worker)
-    assert (out.num_scheduled_tokens["r"], out.scheduled_encoder_inputs) == (10, {"r": [0]})
+    assert (out.num_scheduled_tokens["r"], started(out)) == (10, {"r": ["a"]})
     assert scheduler.encoder.cache.entries["a"].request_ids == {"r"}
     out, _ = run_step(scheduler, worker)
-    assert (out.num_scheduled_tokens["r"], out.scheduled_encoder_inputs) == (5, {})
+    assert (out.num_scheduled_tokens["r"], started(out)) == (5, {})
     assert scheduler.encoder.cache.unreferenced == {"a": 8}  # passed: kept, evictable
 
 
@@ -76,9 +81,9 @@ def test_the_encoder_budget_spreads_images_over_steps_while_decodes_run() -> Non
     scheduler.add_request(image_request("a", [1, "x:8", 2]))
     scheduler.add_request(image_request("b", [3, "y:8", 4]))
     out, _ = run_step(scheduler, worker)
-    assert out.num_scheduled_tokens == {"a": 10, "b": 1} and out.scheduled_encoder_inputs == {"a": [0]}
+    assert out.num_scheduled_tokens == {"a": 10, "b": 1} and started(out) == {"a": ["x"]}
     out, _ = run_step(scheduler, worker)
-    assert out.num_scheduled_tokens == {"a": 1, "b": 9} and out.scheduled_encoder_inputs == {"b": [0]}
+    assert out.num_scheduled_tokens == {"a": 1, "b": 9} and started(out) == {"b": ["y"]}
 
 
 def test_the_same_image_is_encoded_once_and_evicted_least_recently_used() -> None:
@@ -89,13 +94,13 @@ def test_the_same_image_is_encoded_once_and_evicted_least_recently_used() -> Non
     scheduler.add_request(image_request("r1", [1, "a:4", 2]))
     scheduler.add_request(image_request("r2", [5, 6, "a:4", 7]))
     out, _ = run_step(scheduler, worker)
-    assert out.scheduled_encoder_inputs == {"r1": [0]}
+    assert started(out) == {"r1": ["a"]}
     while scheduler.has_unfinished_requests():
         run_step(scheduler, worker)
     for rid, name in (("r3", "b"), ("r4", "c")):
         scheduler.add_request(image_request(rid, [8, f"{name}:4", 9]))
         out, _ = run_step(scheduler, worker)
-        assert out.scheduled_encoder_inputs == {rid: [0]}
+        assert started(out) == {rid: [name]}
     assert list(scheduler.encoder.cache.entries) == ["b", "c"]
     out, _ = run_step(scheduler, worker)
     assert out.free_encoder_hashes == ["a"]
@@ -110,9 +115,9 @@ def test_an_image_the_cache_has_no_room_for_waits() -> None:
     scheduler.add_request(image_request("r2", [4, "b:4", 5], max_tokens=1))
     out, _ = run_step(scheduler, worker)
     assert out.num_scheduled_tokens == {"r1": 7, "r2": 1}  # r2 stops before its image
-    assert out.scheduled_encoder_inputs == {"r1": [0]}
+    assert started(out) == {"r1": ["a"]}
     out, _ = run_step(scheduler, worker)
-    assert out.scheduled_encoder_inputs == {"r2": [0]} and out.free_encoder_hashes == []
+    assert started(out) == {"r2": ["b"]} and out.free_encoder_hashes == []
     out, _ = run_step(scheduler, worker)
     assert out.free_encoder_hashes == ["a"]
 
@@ -130,10 +135,10 @@ def test_image_hashes_key_prefix_blocks() -> None:
     scheduler.encoder.cache.entries.clear()  # forget the embeddings: only the prefix cache can serve
     scheduler.encoder.cache.unreferenced.clear()
     scheduler.encoder.cache.num_used = 0
-    for rid, image, hit, encoded in (("same", "a", 12, {}), ("other", "b", 4, {"other": [0]})):
+    for rid, image, hit, encoded in (("same", "a", 12, {}), ("other", "b", 4, {"other": ["b"]})):
         scheduler.add_request(image_request(rid, [*text, f"{image}:4", 5, 6, 7, 8, 9]))
         out, _ = run_step(scheduler, worker)
-        assert scheduler.requests[rid].num_cached_tokens == hit and out.scheduled_encoder_inputs == encoded
+        assert scheduler.requests[rid].num_cached_tokens == hit and started(out) == encoded
 
 
 def test_images_that_could_never_run_are_refused() -> None:
@@ -160,8 +165,75 @@ def test_a_cached_image_a_chunk_reads_is_not_evicted_to_make_room() -> None:
     assert scheduler.encoder.cache.unreferenced == {"a": 4}
     scheduler.add_request(image_request("r", [3, "a:4", 4, "b:4", 5, "c:4", 6], max_tokens=1))
     out, _ = run_step(scheduler, worker)
-    assert out.num_scheduled_tokens == {"r": 11} and out.scheduled_encoder_inputs == {"r": [1]}
+    assert out.num_scheduled_tokens == {"r": 11} and started(out) == {"r": ["b"]}
     out, _ = run_step(scheduler, worker)
-    assert out.scheduled_encoder_inputs == {"r": [2]} and out.free_encoder_hashes == []
+    assert started(out) == {"r": ["c"]} and out.free_encoder_hashes == []
     out, _ = run_step(scheduler, worker)
     assert out.free_encoder_hashes == ["a"]
+
+
+DECODE_S, UNIT_S, TOKEN_S = 0.1, 0.01, 0.0125  # a decode-only step, a unit of encoding, an image prompt token
+
+
+class UnitEncoder(FakeWorker):
+    """A FakeWorker whose images take ``units`` units of encoding each, run as the step allows."""
+
+    def __init__(self, units: int) -> None:
+        super().__init__()
+        self.units = units
+        self.left: dict[str, int] = {}  # encodings under way, oldest first
+
+    def execute(self, out):
+        runner_out = super().execute(out)
+        for features in out.scheduled_encoder_inputs.values():
+            for feature in features:
+                self.left.setdefault(feature.identifier, self.units)
+        allowed = sum(self.left.values()) if out.encoder_units is None else out.encoder_units
+        for identifier in list(self.left):
+            run = min(self.left[identifier], allowed - runner_out.encoder_units)
+            runner_out.encoder_units += run
+            self.left[identifier] -= run
+            if self.left[identifier] == 0:
+                del self.left[identifier]
+                runner_out.encoded_images.append(identifier)
+        runner_out.encoder_seconds = UNIT_S * runner_out.encoder_units
+        return runner_out
+
+
+def test_image_work_is_rationed_while_requests_decode() -> None:
+    """A chat request decodes while an image request (an image of 12 units of encoding) arrives,
+    with image_decode_slowdown 1.5: the first step runs the decodes alone (their time), the next
+    one unit (its time), then 0.5 x DECODE_S / UNIT_S = 5 units a step until the encoding ends;
+    then the image request's prompt FIRST_TOKENS tokens, then 0.5 x DECODE_S / TOKEN_S = 4 a
+    step. The chat request decodes every step; with nothing decoding, the image runs whole."""
+    from dabba.core.image_budget import image_step_mix
+    from dabba.core.pooling_budget import FIRST_TOKENS
+
+    kv = KVCacheManager(64, BLOCK_SIZE, True, None, 64)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    encoder = EncoderScheduler(16, EncoderCache(64), False, 64, decode_slowdown=1.5)
+    scheduler, worker = Scheduler(config, kv, 256, encoder=encoder), UnitEncoder(12)
+    scheduler.add_request(make_request("chat", list(range(100, 108)), 100))
+    steps = []
+
+    def step() -> None:
+        out = scheduler.schedule()
+        mix = image_step_mix(out.num_scheduled_tokens, scheduler.requests)
+        runner_out = worker.execute(out)
+        scheduler.update_from_output(out, runner_out)
+        scheduler.record_step_time(out, runner_out, DECODE_S + runner_out.encoder_seconds + TOKEN_S * mix[1])
+        steps.append((out.num_scheduled_tokens.get("chat"), out.encoder_units, runner_out.encoder_units,
+                      sum(n for rid, n in out.num_scheduled_tokens.items() if rid != "chat")))
+
+    step()  # the chat prompt
+    scheduler.add_request(image_request("image", [1, 2, "a:8", *range(3, 13)], max_tokens=4))
+    for _ in range(7):
+        step()
+    assert steps[1:] == [(1, 0, 0, 0), (1, 1, 1, 0), (1, 5, 5, 0), (1, 5, 5, 0), (1, 5, 1, 0),
+                         (1, 0, 0, FIRST_TOKENS), (1, 0, 0, 4)]
+    assert scheduler.requests["image"].num_computed_tokens == 20  # its prompt, done: it decodes
+    scheduler.abort_request("chat")
+    scheduler.abort_request("image")
+    scheduler.add_request(image_request("alone", [1, 2, "b:8", 3], max_tokens=1))
+    step()
+    assert steps[-1] == (None, None, 12, 11)  # nothing decodes: encoded whole, its tokens in the same step

@@ -253,7 +253,8 @@ def test_a_preempted_request_recomputes_its_images(checkpoint) -> None:
     expected = [alone.generate(r, params, use_tqdm=False)[0].outputs[0].token_ids for r in requests]
     # a block: 16 tokens of one layer of each KV-cache group (3 groups of one layer), k and v, 2 kv heads of 16, float32
     block_bytes = 16 * 2 * 2 * 16 * 4
-    tight = LLM(str(checkpoint), dtype="float32", kv_cache_memory=20 * block_bytes, enable_prefix_caching=False)
+    tight = LLM(str(checkpoint), dtype="float32", kv_cache_memory=20 * block_bytes, enable_prefix_caching=False,
+                image_decode_slowdown=0)  # (rationed, the later prompts would wait for the first to end)
     outputs = tight.generate(requests, params, use_tqdm=False)
     assert tight.get_stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dabba.arch.vision_config import Gemma3ProjectorConfig, VisionConfig
+from dabba.models.encoder_steps import run_steps
 from dabba.models.gemma3_vision import Gemma3ImageEncoder
 from dabba.multimodal.image_processor import ImageProcessorConfig, preprocess
 
@@ -39,6 +40,13 @@ def test_image_embeddings_equal_transformers(tmp_path) -> None:
         out = encoder(ours_pixels)
     assert out.shape == (2, 4, 64)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # in units of 3 patches (the tower's 16 in chunks): 2 phases x 6 chunks x 2 layers, then the end
+    steps = encoder.steps(ours_pixels, chunk_rows=3)
+    with torch.no_grad():
+        units = sum(1 for _ in iter(lambda: next(steps, "end"), "end"))
+        in_units = run_steps(encoder.steps(ours_pixels, chunk_rows=3))
+    assert units == 2 * 6 * vision_cfg.num_hidden_layers
+    torch.testing.assert_close(in_units, out, rtol=1e-5, atol=1e-5)
 
 
 def test_projector_shapes_are_checked() -> None:

@@ -15,6 +15,7 @@ import torch
 from dabba import LLM, SamplingParams
 from dabba.arch.config import ArchConfig
 from dabba.core.multimodal import MultiModalFeature, PlaceholderRange
+from dabba.models.encoder_steps import run_steps
 from dabba.multimodal.qwen_image_processor import QwenImageProcessorConfig, VisionPatches
 from dabba.worker.mrope_positions import prompt_positions
 from tests.multimodal.test_gemma3_images import LOGPROB_ATOL, data_url, images, prompt_logprobs
@@ -170,6 +171,12 @@ def test_tower_embeddings_equal_transformers(checkpoint) -> None:
         ours = [tower(QwenImageProcessorConfig.from_checkpoint(checkpoint).prepare(p)) for p in pictures]
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # in units of 5 patches: windows of 16 and images of 24 to 140 patches split across units
+    with torch.no_grad():
+        in_units = [run_steps(tower.steps(QwenImageProcessorConfig.from_checkpoint(checkpoint).prepare(p), 5))
+                    for p in pictures]
+    for a, b in zip(in_units, ours, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_positions_equal_get_rope_index(checkpoint) -> None:
@@ -202,7 +209,8 @@ def test_preempted_requests_and_a_follow_up_turn(checkpoint) -> None:
     alone = LLM(str(checkpoint), dtype="float32")
     expected = [alone.generate(r, params, use_tqdm=False)[0].outputs[0].token_ids for r in requests]
     block_bytes = 16 * 2 * 2 * 16 * 4 * 2  # 16 tokens, k and v, 2 kv heads of 16, float32, 2 layers
-    tight = LLM(str(checkpoint), dtype="float32", kv_cache_memory=9 * block_bytes, enable_prefix_caching=False)
+    tight = LLM(str(checkpoint), dtype="float32", kv_cache_memory=9 * block_bytes, enable_prefix_caching=False,
+                image_decode_slowdown=0)
     outputs = tight.generate(requests, params, use_tqdm=False)
     assert tight.get_stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -284,3 +292,32 @@ def test_the_released_3b_config_resolves_as_transformers_reads_it() -> None:
     with pytest.raises(ValueError, match="out_hidden_size"):
         ArchConfig.from_dict({**QWEN2_5_VL_3B, "vision_config": {**QWEN2_5_VL_3B["vision_config"],
                                                                  "out_hidden_size": 1024}})
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_an_image_encoded_over_many_steps_beside_a_decoding_stream(family, checkpoint, tmp_path) -> None:
+    """image_decode_slowdown just above 1: while a chat stream decodes, the image arriving is
+    encoded a unit a step and its prompt a few tokens a step; its tokens, and the stream's, are
+    what each gets alone."""
+    from tests.multimodal.test_gemma3_images import PROMPTS as GEMMA_PROMPTS
+    from tests.multimodal.test_gemma3_images import tiny_gemma3
+
+    path, prompt = (checkpoint, PROMPTS[2]) if family == "qwen2_5_vl" else (tiny_gemma3(tmp_path), GEMMA_PROMPTS[2])
+    chat = {"prompt": "Parsers and tokens, again and again."}
+    image = {"prompt": prompt, "multi_modal_data": {"image": images(2)}}
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    alone = LLM(str(path), dtype="float32")
+    expected = [alone.generate(r, params, use_tqdm=False)[0].outputs[0].token_ids for r in (chat, image)]
+    engine = LLM(str(path), dtype="float32", image_decode_slowdown=1.0001).llm_engine
+    engine.add_request("chat", chat, params)
+    engine.step()  # its prompt: it decodes from here
+    engine.add_request("image", image, params)
+    tokens: dict[str, list[int]] = {}
+    steps_before_first = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+        steps_before_first += "image" not in tokens or not tokens["image"]
+    assert [tokens["chat"], tokens["image"]] == [list(t) for t in expected]
+    assert steps_before_first > 10  # the encodings and the prompt spread over steps
+    assert engine.engine_core.scheduler.encoder.ration.unit_seconds is not None

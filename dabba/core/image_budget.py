@@ -1,0 +1,100 @@
+"""How much of a step image requests take while other requests decode: units of image encoding
+(models/encoder_steps.py) and then tokens of their prompts, as many as keep the step within
+``slowdown`` times the decodes' own step, so that an arriving image slows chat streams by that
+much at most instead of stalling them for its whole encoding and prefill (tens of seconds for a
+large tower on a CPU). The image waits longer for its first token instead.
+
+The costs are recent means: a decode step's time from the steps that ran decodes alone; a unit
+of encoding's from the worker's own timing of the units it ran (ModelRunnerOutput.encoder_seconds);
+an image request's prompt token's from the steps that carried such tokens beside decodes (their
+time past the decode step's and the encoding's, per token). While image work waits, the first step
+with decodes runs them alone, the next takes one unit (or FIRST_TOKENS tokens), then the costs
+rule; one step in REFRESH_EVERY runs the decodes alone, so their time keeps up with growing
+contexts. While other prompts keep every step from being a decode-only one, image work waits
+REFRESH_EVERY steps, then runs the first share unpriced. Pure bookkeeping, no torch (core/)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from dabba.core.pooling_budget import FIRST_TOKENS, REFRESH_EVERY, _mean
+from dabba.core.request import Request
+
+
+@dataclass
+class ImageBudget:
+    slowdown: float  # a step with image work takes at most this times a decode-only step
+    decode_seconds: float | None = None
+    unit_seconds: float | None = None
+    token_seconds: float | None = None
+    mixed_run: int = 0  # steps with image work since the last decode-only one
+    unpriced: int = 0  # steps waited for a decode-only step to time
+    active: bool = False  # image work waited beside decodes in the last step
+
+    def allowance(self, encoding: bool) -> tuple[int, int]:
+        """(units of encoding, image prompt tokens) the next step may take beside decodes;
+        ``encoding``: encodings wait (they take the step's share before prompt tokens do)."""
+        if self.decode_seconds is None and self.unpriced < REFRESH_EVERY or self.mixed_run >= REFRESH_EVERY:
+            self.unpriced += self.decode_seconds is None
+            return 0, 0  # the decodes alone (while other prompts keep them from being timed, not for long)
+        spare = (self.slowdown - 1.0) * (self.decode_seconds or 0.0)
+        if encoding:
+            return (1 if not self.unit_seconds else max(1, int(spare / self.unit_seconds + 1e-6))), 0
+        return 0, FIRST_TOKENS if not self.token_seconds else max(1, int(spare / self.token_seconds + 1e-6))
+
+    def begin(self, active: bool) -> None:
+        """Image work waits beside decodes this step (``active``); after a time without, the
+        decodes' time is measured afresh."""
+        if active and not self.active:
+            self.decode_seconds, self.mixed_run, self.unpriced = None, 0, 0
+        self.active = active
+
+    def record(self, decode_rows: int, image_tokens: int, other_tokens: int, units: int, encoder_seconds: float,
+               seconds: float) -> None:
+        """A step's time and what it ran: rows of decoding requests, prompt tokens of image
+        requests and of others, and units of encoding (with their time)."""
+        if units:
+            self.unit_seconds = max(_mean(self.unit_seconds, encoder_seconds / units), 1e-9)
+        if not self.active or decode_rows == 0:
+            return
+        if not units and not image_tokens:
+            self.mixed_run = 0
+            if not other_tokens:  # the decodes alone: their time
+                self.decode_seconds = _mean(self.decode_seconds, seconds)
+            return
+        self.mixed_run += 1
+        if image_tokens and not other_tokens and self.decode_seconds is not None:
+            per_token = max(seconds - self.decode_seconds - encoder_seconds, 0.0) / image_tokens
+            self.token_seconds = max(_mean(self.token_seconds, per_token), 1e-9)
+
+
+def image_prefill(request: Request) -> bool:
+    """A generation request with images whose prompt is not computed yet."""
+    return bool(request.mm_features) and request.pooling_params is None and \
+        request.num_computed_tokens < request.num_prompt_tokens
+
+
+def generating(request: Request) -> bool:
+    """A generation request past its prompt: it decodes."""
+    return request.pooling_params is None and request.num_computed_tokens >= request.num_prompt_tokens
+
+
+def image_work_waits(running: Iterable[Request], waiting: Iterable[Request]) -> tuple[bool, bool]:
+    """(a generation request decodes, an image request's prompt waits)."""
+    running = list(running)
+    decodes = any(generating(r) for r in running)
+    return decodes, any(image_prefill(r) for r in running) or any(image_prefill(r) for r in waiting)
+
+
+def image_step_mix(num_scheduled_tokens: Mapping[str, int], requests: Mapping[str, Request]) -> tuple[int, int, int]:
+    """A step's rows of decoding requests, prompt tokens of image requests and of others."""
+    decode = image = other = 0
+    for request_id, num_new in num_scheduled_tokens.items():
+        request = requests[request_id]
+        if image_prefill(request):
+            image += num_new
+        elif generating(request):
+            decode += num_new
+        else:
+            other += num_new
+    return decode, image, other
