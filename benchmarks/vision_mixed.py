@@ -5,7 +5,7 @@ writes a Gemma-3-4B-shaped one). The streams' time per output token (TPOT) and t
 between two tokens, against their own figures with no images, measured alternately.
 
     .venv/bin/python -m benchmarks.vision_mixed --model /tmp/vl/gemma3-4b \\
-        [--streams 8 --input-len 128 --output-len 32 --image-every 10 --repeats 1]
+        [--streams 8 --input-len 128 --output-len 32 --image-every 10 --repeats 1 --image-decode-slowdown 1.5]
 
 Prints one JSON object: each run's figures and the ratio of the median TPOTs (mixed / alone).
 """
@@ -76,13 +76,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--image-every", type=float, default=10.0, help="seconds between image requests")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--image-decode-slowdown", type=float, default=None,
+                        help="the engine's (default: its own default; 0: images encoded whole, unrationed)")
     args = parser.parse_args(argv)
 
     import torch
 
     from dabba import LLM
 
-    engine = LLM(args.model, max_num_batched_tokens=2048).llm_engine
+    ration = {} if args.image_decode_slowdown is None else {"image_decode_slowdown": args.image_decode_slowdown}
+    engine = LLM(args.model, max_num_batched_tokens=2048, **ration).llm_engine
     run_once(engine, args.model, argparse.Namespace(**{**vars(args), "output_len": 2}), True, -1)  # warm up
     runs = [run_once(engine, args.model, args, mixed, 2 * r + mixed) for r in range(args.repeats)
             for mixed in (False, True)]

@@ -4,7 +4,7 @@ A chunk that reaches an image's tokens needs the image's embeddings: they are in
 cache already (an earlier chunk, request or turn encoded the same image), or the step encodes
 the image. The images an encoding starts per step are bounded (``budget``, in embedding rows) and
 by the cache's room. A step runs every encoding to its end before its forward, unless the step
-is given ``units`` of encoding (while other requests decode, core/image_budget.py): then an
+is given a share of encoding (``work``, while other requests decode, core/image_budget.py): then an
 encoding runs over several steps, and its image's tokens wait until the worker says it ended.
 A chunk whose next image is not encoded by the time it runs stops before that image's tokens.
 
@@ -33,7 +33,7 @@ class EncoderScheduler:
         self.whole_items = whole_items
         self.max_num_batched_tokens = max_num_batched_tokens
         self.budget_left = budget
-        self.units: int | None = None  # this step's units of encoding; None: every encoding ends this step
+        self.work: float | None = None  # this step's multiply-adds of encoding; None: every encoding ends this step
         self.num_encoded = 0  # images encoded since the start (LLM.get_stats, /metrics)
         # image requests' share of a step while others decode (None: no limit)
         self.ration = ImageBudget(decode_slowdown) if decode_slowdown > 1.0 else None
@@ -55,11 +55,11 @@ class EncoderScheduler:
                                                          "tokens run in one step; raise max_num_batched_tokens")
 
     def begin_step(self, out: SchedulerOutput, running: list[Request], waiting: list[Request]) -> int | None:
-        """The step's units of encoding (``units``, SchedulerOutput.encoder_units), and the
+        """The step's share of encoding (``work``, SchedulerOutput.encoder_work), and the
         prompt tokens image requests may take (None: no limit): rationed while requests decode.
         A rationed step starts the encodings the image requests wait for, in their order."""
         self.budget_left = self.budget
-        self.units, tokens = None, None
+        self.work, tokens = None, None
         if self.ration is not None:
             decodes, prefills = image_work_waits(running, waiting)
             self.ration.begin(decodes and prefills)
@@ -67,13 +67,13 @@ class EncoderScheduler:
                 for request in (*running, *waiting):
                     if image_prefill(request):
                         self._start_next(out, request)
-                self.units, tokens = self.ration.allowance(self.under_way)
-        if self.units is None:
+                self.work, tokens = self.ration.allowance(self.under_way)
+        if self.work is None:
             self.cache.mark_ready()  # the worker ends every encoding under way before the forward
         return tokens
 
     def end_step(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Request]) -> None:
-        self._mix = image_step_mix(num_scheduled_tokens, requests) if self.units is not None else None
+        self._mix = image_step_mix(num_scheduled_tokens, requests) if self.work is not None else None
 
     def encoded(self, identifiers: list[str]) -> None:
         """The worker ended these encodings (ModelRunnerOutput.encoded_images): their tokens may run."""
@@ -82,8 +82,8 @@ class EncoderScheduler:
     def record(self, runner_out: ModelRunnerOutput, seconds: float) -> None:
         """A step's time (from schedule() to its outputs processed), for the costs the ration learns."""
         if self.ration is not None and self._mix is not None:
-            self.ration.record(*self._mix, runner_out.encoder_units, runner_out.encoder_seconds,
-                               seconds)
+            self.ration.record(*self._mix, runner_out.encoder_units, runner_out.encoder_work,
+                               runner_out.encoder_seconds, seconds)
 
     def _start_next(self, out: SchedulerOutput, request: Request) -> None:
         """The encoding of the request's next image not computed nor cached, where there is room."""
@@ -124,7 +124,7 @@ class EncoderScheduler:
                     end = max(pos.offset, start)  # not until its encoding ends
                     break
                 continue
-            if self.units is not None or rows + pos.length > min(self.budget_left, room):
+            if self.work is not None or rows + pos.length > min(self.budget_left, room):
                 end = max(pos.offset, start)  # (rationed: begin_step starts encodings, which end in later steps)
                 break
             encode.append(i)
@@ -132,10 +132,9 @@ class EncoderScheduler:
         return end - start, encode
 
     def schedule(self, out: SchedulerOutput, request: Request, encode: list[int], start: int, num_new: int) -> None:
-        """Commit ``fit``'s answer once the chunk is scheduled (or, with no tokens, where the
-        request waits for the encodings it starts): the step encodes ``encode`` in room made for
-        them, and a reference on every image the chunk reads until the request computes past it
-        (the cached ones first: making room must not evict them)."""
+        """Commit ``fit``'s answer once the chunk is scheduled: the step encodes ``encode`` in
+        room made for them, and a reference on every image the chunk reads until the request
+        computes past it (the cached ones first: making room must not evict them)."""
         for feature in request.mm_features:
             if feature.identifier in self.cache and feature.position.overlaps(start, start + num_new):
                 self.cache.add_ref(feature.identifier, request.request_id)

@@ -54,12 +54,13 @@ class SchedulerOutput:
     spec_token_budget: dict[str, int] = field(default_factory=dict)
     # Images whose encodings start this step (by the request that starts them), and the
     # identifiers of encoder-cache entries (or encodings under way) to drop first
-    # (core/encoder_cache.py). ``encoder_units``: units of encoding (models/encoder_steps.py) the
-    # worker may run this step on the encodings under way, oldest first, before the forward; None:
-    # every encoding to its end (the images' tokens may then run in this step)
+    # (core/encoder_cache.py). ``encoder_work``: the multiply-adds of the units of encoding
+    # (models/encoder_steps.py) the worker may run this step on the encodings under way, oldest
+    # first, before the forward (one unit at least; 0: none); None: every encoding to its end (the
+    # images' tokens may then run in this step)
     scheduled_encoder_inputs: dict[str, list[MultiModalFeature]] = field(default_factory=dict)
     free_encoder_hashes: list[str] = field(default_factory=list)
-    encoder_units: int | None = None
+    encoder_work: float | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -93,10 +94,11 @@ class ModelRunnerOutput:
     draft_seconds: float = 0.0
     # Pooling requests whose whole input went through this step: their embeddings
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
-    # Images whose encoding ended this step (their tokens may run from the next), and the units of
-    # encoding the step ran and their time (core/image_budget.py prices a unit by it)
+    # Images whose encodings ended this step (their tokens may run from the next), and the units of
+    # encoding the step ran, their multiply-adds and time (core/image_budget.py prices them by it)
     encoded_images: list[str] = field(default_factory=list)
     encoder_units: int = 0
+    encoder_work: float = 0.0
     encoder_seconds: float = 0.0
 
 

@@ -135,7 +135,7 @@ class Scheduler:
             shares.pooling = self.pooling_budget.tokens()
         if self.encoder is not None:
             shares.image = self.encoder.begin_step(out, self.running, self.waiting)
-            out.encoder_units = self.encoder.units
+            out.encoder_work = self.encoder.work
             out.free_encoder_hashes = self.encoder.cache.take_evicted()
 
         i = 0

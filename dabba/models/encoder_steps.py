@@ -1,18 +1,19 @@
 """Image encoding in units, so that a step may run part of an image's encoding and the rest wait
-for later steps (core/encoder_scheduling.py rations them while other requests decode): an encoder
-written as a generator that yields after each unit of work (a chunk of patches through one phase
-of a layer) and returns the image's embeddings. Run to the end in one go, it is the encoder's
-forward: the same code either way."""
+for later steps (core/image_budget.py rations them while other requests decode): an encoder
+written as a generator that yields before each unit of work (a chunk of patches through one phase
+of a layer) the unit's multiply-adds, and returns the image's embeddings. The worker prices a
+step's share in multiply-adds, so units of unequal size fill it evenly; run to the end in one go,
+the generator is the encoder's forward: the same code either way."""
 from __future__ import annotations
 
-from typing import Generator, TypeVar
+from typing import Any, Generator, TypeVar
 
 T = TypeVar("T")
 
-CHUNK_ROWS = 512  # patches a unit takes through a layer's phase: a few tens of milliseconds of a tower's layer
+CHUNK_ROWS = 512  # patches a unit takes through a layer's phase: small enough that a step beside decodes takes a few
 
 
-def run_steps(steps: Generator[None, None, T]) -> T:
+def run_steps(steps: Generator[Any, None, T]) -> T:
     """Every unit of ``steps``; its result."""
     while True:
         try:

@@ -27,7 +27,7 @@ class Gemma3ImageEncoder(nn.Module):
         """[num_images, 3, image_size, image_size] -> [num_images, tokens_per_image, text hidden]."""
         return run_steps(self.steps(pixel_values))
 
-    def steps(self, pixel_values: torch.Tensor, chunk_rows: int | None = None) -> Generator[None, None, torch.Tensor]:
+    def steps(self, pixel_values: torch.Tensor, chunk_rows: int | None = None) -> Generator[float, None, torch.Tensor]:
         """forward() in units (models/encoder_steps.py)."""
         patches = yield from self.vision_tower.steps(pixel_values, chunk_rows=chunk_rows)  # [num_images, patches, hidden]
         num_images, _, hidden = patches.shape

@@ -32,7 +32,7 @@ class LlavaImageEncoder(nn.Module):
         """[num_images, 3, size, size] -> [num_images, tokens_per_image, text hidden]."""
         return run_steps(self.steps(pixel_values))
 
-    def steps(self, pixel_values: torch.Tensor, chunk_rows: int | None = None) -> Generator[None, None, torch.Tensor]:
+    def steps(self, pixel_values: torch.Tensor, chunk_rows: int | None = None) -> Generator[float, None, torch.Tensor]:
         """forward() in units (models/encoder_steps.py)."""
         states = yield from self.vision_tower.steps(pixel_values, self.projector.num_layers, chunk_rows)
         if self.projector.drop_class_token:

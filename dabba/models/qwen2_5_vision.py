@@ -101,20 +101,23 @@ class QwenVisionBlock(nn.Module):
         self.mlp = QwenVisionMLP(cfg)
 
     def steps(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[tuple[int, int]],
-              chunk_rows: int | None) -> Iterator[None]:
+              chunk_rows: int | None) -> Iterator[float]:
         """The block on x [patches, hidden], in place, tokens attending within ``segments``
         ((start, length) runs): q, k, v a chunk of rows at a time, then attention and MLP a unit of
-        whole segments (or of one long segment's queries) at a time; a unit per chunk and phase."""
+        whole segments (or of one long segment's queries) at a time; each unit's multiply-adds
+        yielded before it runs."""
+        hidden = x.shape[1]
         qkv = x.new_empty(3, x.shape[0], self.attn.num_heads, self.attn.head_dim)
         cos, sin = rope
         for rows in row_chunks(x.shape[0], chunk_rows):
+            yield (rows.stop - rows.start) * 6.0 * hidden ** 2
             qkv[:, rows] = self.attn.project(self.norm1(x[rows]), cos[rows], sin[rows])
-            yield
         for unit in attention_units(segments, chunk_rows):
             rows = slice(unit[0][0], unit[-1][0] + unit[-1][1])
+            yield sum(n * (4.0 * m * hidden + 2.0 * hidden ** 2 + 6.0 * hidden * self.mlp.up_proj.out_features)
+                      for _, n, _, m in unit)
             y = x[rows] + self.attn.attend(qkv, unit)
             x[rows] = y + self.mlp(self.norm2(y))
-            yield
 
 
 def attention_units(segments: list[tuple[int, int]], chunk_rows: int | None) -> list[list[tuple[int, int, int, int]]]:
@@ -169,7 +172,7 @@ class Qwen2_5VisionTower(nn.Module):
         """-> [merge groups, out_hidden_size]: the image's tokens in the language model, in order."""
         return run_steps(self.steps(image))
 
-    def steps(self, image: VisionPatches, chunk_rows: int | None = None) -> Generator[None, None, torch.Tensor]:
+    def steps(self, image: VisionPatches, chunk_rows: int | None = None) -> Generator[float, None, torch.Tensor]:
         """forward() in units (models/encoder_steps.py)."""
         cfg = self.config
         grid, unit = image.grid, cfg.spatial_merge_size ** 2

@@ -21,6 +21,6 @@ class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
         assert cfg.images is not None and cfg.images.mrope, "a Qwen2.5-VL config"
         self.vision = Qwen2_5VisionTower(cfg.images.vision)
 
-    def encode_steps(self, image: Any, chunk_rows: int | None) -> Generator[None, None, torch.Tensor]:
+    def encode_steps(self, image: Any, chunk_rows: int | None) -> Generator[float, None, torch.Tensor]:
         """An image's VisionPatches (multimodal/qwen_image_processor.py) -> its embeddings, in units."""
         return (yield from self.vision.steps(image, chunk_rows))

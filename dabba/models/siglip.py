@@ -30,23 +30,24 @@ class SiglipLayer(nn.Module):
         self.fc1 = nn.Linear(h, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, h)
 
-    def steps(self, x: torch.Tensor, chunk_rows: int | None) -> Iterator[None]:
+    def steps(self, x: torch.Tensor, chunk_rows: int | None) -> Iterator[float]:
         """The layer on x [num_images, num_patches, hidden], in place, in units of ``chunk_rows``
         patches (None: all at once): each chunk's q, k and v, then each chunk's attention over all
-        the keys and its MLP; a unit per chunk and phase."""
+        the keys and its MLP; each unit's multiply-adds yielded before it runs."""
         num_images, num_patches, hidden = x.shape
         qkv = x.new_empty(num_images, num_patches, 3 * hidden)
         chunks = row_chunks(num_patches, chunk_rows)
         for rows in chunks:
+            yield num_images * (rows.stop - rows.start) * 6.0 * hidden ** 2
             qkv[:, rows] = self.qkv(self.layer_norm1(x[:, rows]))
-            yield
         q, k, v = (t.view(num_images, num_patches, self.num_heads, self.head_dim).transpose(1, 2)
                    for t in qkv.chunk(3, dim=-1))
         for rows in chunks:
+            yield num_images * (rows.stop - rows.start) * (4.0 * num_patches * hidden + 2.0 * hidden ** 2
+                                                           + 4.0 * hidden * self.fc1.out_features)
             attended = F.scaled_dot_product_attention(q[:, :, rows], k, v, scale=self.head_dim ** -0.5)
             y = x[:, rows] + self.out_proj(attended.transpose(1, 2).reshape(num_images, -1, hidden))
             x[:, rows] = y + self.fc2(self.activation(self.fc1(self.layer_norm2(y))))
-            yield
 
 
 class SiglipVisionTower(nn.Module):
@@ -69,7 +70,7 @@ class SiglipVisionTower(nn.Module):
         return run_steps(self.steps(pixel_values, num_layers))
 
     def steps(self, pixel_values: torch.Tensor, num_layers: int | None = None,
-              chunk_rows: int | None = None) -> Generator[None, None, torch.Tensor]:
+              chunk_rows: int | None = None) -> Generator[float, None, torch.Tensor]:
         """forward() in units (models/vision_language.py: encoder steps), each layer's in chunks
         of ``chunk_rows`` patches."""
         cfg = self.config

@@ -66,7 +66,7 @@ class VisionLanguageModel:
                 image_embeds: EmbeddingRows | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, image_embeds)
 
-    def encode_steps(self, image: Any, chunk_rows: int | None) -> Generator[None, None, torch.Tensor]:
+    def encode_steps(self, image: Any, chunk_rows: int | None) -> Generator[float, None, torch.Tensor]:
         """One image's pixel values (multimodal/image_processor.py) -> its embeddings
         [tokens_per_image, hidden], in units (models/encoder_steps.py)."""
         dtype = next(self.vision.parameters()).dtype

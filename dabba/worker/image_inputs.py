@@ -29,62 +29,71 @@ class HasImages(Protocol):
 
 @dataclass
 class EncoderWork:
-    """What a step's encoding did (ModelRunnerOutput's encoded_images, encoder_units, encoder_seconds)."""
+    """What a step's encoding did (ModelRunnerOutput's encoded_images, encoder_units, encoder_work,
+    encoder_seconds)."""
 
     encoded: list[str] = field(default_factory=list)
     units: int = 0
+    multiply_adds: float = 0.0
     seconds: float = 0.0
 
 
 class ImageEmbeddings:
-    """``encode_steps``: the model's encoder in units (one image's input and a chunk size ->
-    a generator of its units returning its embeddings [tokens, hidden], models/encoder_steps.py);
-    ``bidirectional``: an image's tokens see the whole image (Gemma 3); ``mrope_merge``: an M-RoPE
-    model's spatial merge size (its image tokens' positions are their places in the image,
-    worker/mrope_positions.py), else 0."""
+    """``encode_steps``: the model's encoder in units (one image's input and a chunk size -> a
+    generator yielding each unit's multiply-adds before it runs and returning the image's
+    embeddings [tokens, hidden], models/encoder_steps.py); ``bidirectional``: an image's tokens
+    see the whole image (Gemma 3); ``mrope_merge``: an M-RoPE model's spatial merge size (its image
+    tokens' positions are their places in the image, worker/mrope_positions.py), else 0."""
 
-    def __init__(self, encode_steps: Callable[[Any, int | None], Generator[None, None, torch.Tensor]],
+    def __init__(self, encode_steps: Callable[[Any, int | None], Generator[float, None, torch.Tensor]],
                  bidirectional: bool, mrope_merge: int = 0) -> None:
         self.encode_steps = encode_steps
         self.bidirectional = bidirectional
         self.mrope_merge = mrope_merge
         self.embeddings: dict[str, torch.Tensor] = {}
-        self.encodings: dict[str, Generator[None, None, torch.Tensor]] = {}  # under way, oldest first
+        # encodings under way, oldest first: the generator, and its next unit's multiply-adds
+        self.encodings: dict[str, tuple[Generator[float, None, torch.Tensor], float]] = {}
 
     def update(self, sched: SchedulerOutput) -> EncoderWork:
         """Drop what the scheduler evicted, start the step's new encodings (each content once),
-        then run the units the step allows: all of every encoding under way, or ``encoder_units``
-        of them (in chunks of CHUNK_ROWS patches)."""
+        then run the units the step allows: all of every encoding under way (encoder_work None),
+        or units while their multiply-adds fit ``encoder_work`` (one at least; 0: none), in chunks
+        of CHUNK_ROWS patches."""
         for identifier in sched.free_encoder_hashes:
             self.embeddings.pop(identifier, None)
             self.encodings.pop(identifier, None)
-        chunk_rows = None if sched.encoder_units is None else CHUNK_ROWS
+        work = EncoderWork()
+        start = time.perf_counter()
+        budget = sched.encoder_work
+        chunk_rows = None if budget is None else CHUNK_ROWS
         for features in sched.scheduled_encoder_inputs.values():
             for feature in features:
                 if feature.identifier not in self.embeddings and feature.identifier not in self.encodings:
-                    self.encodings[feature.identifier] = self.encode_steps(feature.data, chunk_rows)
-        work = EncoderWork()
-        start = time.perf_counter()
-        while self.encodings and (sched.encoder_units is None or work.units < sched.encoder_units):
-            identifier, steps = next(iter(self.encodings.items()))
+                    self._advance(feature.identifier, self.encode_steps(feature.data, chunk_rows), work)
+        while self.encodings and budget != 0:
+            identifier, (steps, cost) = next(iter(self.encodings.items()))
+            if budget is not None and work.units and work.multiply_adds + cost > budget:
+                break
             work.units += 1
-            try:
-                next(steps)
-            except StopIteration as done:
-                self._done(identifier, done.value, work)
+            work.multiply_adds += cost
+            self._advance(identifier, steps, work)
         work.seconds = time.perf_counter() - start
         return work
 
-    def _done(self, identifier: str, embeddings: torch.Tensor, work: EncoderWork) -> None:
-        self.embeddings[identifier] = embeddings
-        del self.encodings[identifier]
-        work.encoded.append(identifier)
+    def _advance(self, identifier: str, steps: Generator[float, None, torch.Tensor], work: EncoderWork) -> None:
+        """Run ``steps`` to its next unit's start (its unit, or a new encoding's first setup)."""
+        try:
+            self.encodings[identifier] = (steps, next(steps))
+        except StopIteration as done:
+            self.embeddings[identifier] = done.value
+            self.encodings.pop(identifier, None)
+            work.encoded.append(identifier)
 
     def embeddings_of(self, identifier: str) -> torch.Tensor:
         """An image's embeddings; an encoding still under way (the scheduler learns of an end a
         step late, or ran out of steps to give it) runs to its end first."""
         if identifier in self.encodings:
-            self._done(identifier, run_steps(self.encodings[identifier]), EncoderWork())
+            self.embeddings[identifier] = run_steps(self.encodings.pop(identifier)[0])
         return self.embeddings[identifier]
 
     def step_rows(self, states: list[HasImages], query_start_loc: np.ndarray, seq_lens: np.ndarray,

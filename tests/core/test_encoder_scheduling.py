@@ -3,6 +3,8 @@ step encodes each image, what the cache keeps and evicts, and how images key pre
 Block size 4; every step runs through tests/core/test_scheduler.py's FakeWorker and checks."""
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 
 from dabba.config import SchedulerConfig
@@ -172,11 +174,13 @@ def test_a_cached_image_a_chunk_reads_is_not_evicted_to_make_room() -> None:
     assert out.free_encoder_hashes == ["a"]
 
 
-DECODE_S, UNIT_S, TOKEN_S = 0.1, 0.01, 0.0125  # a decode-only step, a unit of encoding, an image prompt token
+DECODE_S, UNIT_S, TOKEN_S = 0.1, 0.0098, 0.0125  # a decode-only step, a unit of encoding, an image prompt token
+UNIT_WORK = 1e9  # a unit's multiply-adds
 
 
 class UnitEncoder(FakeWorker):
-    """A FakeWorker whose images take ``units`` units of encoding each, run as the step allows."""
+    """A FakeWorker whose images take ``units`` units of encoding each, run as the step allows:
+    while their multiply-adds fit encoder_work (one at least), all (None), or none (0)."""
 
     def __init__(self, units: int) -> None:
         super().__init__()
@@ -188,33 +192,34 @@ class UnitEncoder(FakeWorker):
         for features in out.scheduled_encoder_inputs.values():
             for feature in features:
                 self.left.setdefault(feature.identifier, self.units)
-        allowed = sum(self.left.values()) if out.encoder_units is None else out.encoder_units
-        for identifier in list(self.left):
-            run = min(self.left[identifier], allowed - runner_out.encoder_units)
-            runner_out.encoder_units += run
-            self.left[identifier] -= run
+        budget = out.encoder_work
+        while self.left and budget != 0:
+            if budget is not None and runner_out.encoder_units and (runner_out.encoder_units + 1) * UNIT_WORK > budget:
+                break
+            identifier = next(iter(self.left))
+            runner_out.encoder_units += 1
+            self.left[identifier] -= 1
             if self.left[identifier] == 0:
                 del self.left[identifier]
                 runner_out.encoded_images.append(identifier)
+        runner_out.encoder_work = UNIT_WORK * runner_out.encoder_units
         runner_out.encoder_seconds = UNIT_S * runner_out.encoder_units
         return runner_out
 
 
-def test_image_work_is_rationed_while_requests_decode() -> None:
-    """A chat request decodes while an image request (an image of 12 units of encoding) arrives,
-    with image_decode_slowdown 1.5: the first step runs the decodes alone (their time), the next
-    one unit (its time), then 0.5 x DECODE_S / UNIT_S = 5 units a step until the encoding ends;
-    then the image request's prompt FIRST_TOKENS tokens, then 0.5 x DECODE_S / TOKEN_S = 4 a
-    step. The chat request decodes every step; with nothing decoding, the image runs whole."""
+def rationed_scheduler(whole_items: bool) -> tuple[Scheduler, Callable[[], None], list[tuple]]:
+    """A scheduler with image_decode_slowdown 1.5, a worker whose images take 12 units of
+    encoding, a chat request decoding; a step function whose time is DECODE_S, UNIT_S a unit and
+    TOKEN_S an image prompt token, and the steps' (chat tokens, whole units granted, units run,
+    other requests' tokens)."""
     from dabba.core.image_budget import image_step_mix
-    from dabba.core.pooling_budget import FIRST_TOKENS
 
     kv = KVCacheManager(64, BLOCK_SIZE, True, None, 64)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
-    encoder = EncoderScheduler(16, EncoderCache(64), False, 64, decode_slowdown=1.5)
+    encoder = EncoderScheduler(32, EncoderCache(64), whole_items, 64, decode_slowdown=1.5)
     scheduler, worker = Scheduler(config, kv, 256, encoder=encoder), UnitEncoder(12)
     scheduler.add_request(make_request("chat", list(range(100, 108)), 100))
-    steps = []
+    steps: list[tuple] = []
 
     def step() -> None:
         out = scheduler.schedule()
@@ -222,14 +227,28 @@ def test_image_work_is_rationed_while_requests_decode() -> None:
         runner_out = worker.execute(out)
         scheduler.update_from_output(out, runner_out)
         scheduler.record_step_time(out, runner_out, DECODE_S + runner_out.encoder_seconds + TOKEN_S * mix[1])
-        steps.append((out.num_scheduled_tokens.get("chat"), out.encoder_units, runner_out.encoder_units,
+        granted = None if out.encoder_work is None else int(out.encoder_work // UNIT_WORK)  # in whole units
+        steps.append((out.num_scheduled_tokens.get("chat"), granted, runner_out.encoder_units,
                       sum(n for rid, n in out.num_scheduled_tokens.items() if rid != "chat")))
 
-    step()  # the chat prompt
+    step()  # the chat prompt: it decodes from here
+    return scheduler, step, steps
+
+
+def test_image_work_is_rationed_while_requests_decode() -> None:
+    """A chat request decodes while an image request (an image of 12 units of encoding) arrives,
+    with image_decode_slowdown 1.5: the first step runs the decodes alone (their time), the next
+    one unit (its price), then 0.5 x DECODE_S / UNIT_S = 5.1 units' multiply-adds a step (5 run)
+    until the encoding ends;
+    then the image request's prompt FIRST_TOKENS tokens, then 0.5 x DECODE_S / TOKEN_S = 4 a
+    step. The chat request decodes every step; with nothing decoding, the image runs whole."""
+    from dabba.core.pooling_budget import FIRST_TOKENS
+
+    scheduler, step, steps = rationed_scheduler(whole_items=False)
     scheduler.add_request(image_request("image", [1, 2, "a:8", *range(3, 13)], max_tokens=4))
     for _ in range(7):
         step()
-    assert steps[1:] == [(1, 0, 0, 0), (1, 1, 1, 0), (1, 5, 5, 0), (1, 5, 5, 0), (1, 5, 1, 0),
+    assert steps[1:] == [(1, 0, 0, 0), (1, 0, 1, 0), (1, 5, 5, 0), (1, 5, 5, 0), (1, 5, 1, 0),
                          (1, 0, 0, FIRST_TOKENS), (1, 0, 0, 4)]
     assert scheduler.requests["image"].num_computed_tokens == 20  # its prompt, done: it decodes
     scheduler.abort_request("chat")
@@ -237,3 +256,14 @@ def test_image_work_is_rationed_while_requests_decode() -> None:
     scheduler.add_request(image_request("alone", [1, 2, "b:8", 3], max_tokens=1))
     step()
     assert steps[-1] == (None, None, 12, 11)  # nothing decodes: encoded whole, its tokens in the same step
+
+
+def test_an_image_that_runs_whole_waits_for_enough_tokens_granted() -> None:
+    """Gemma 3's images run in one chunk: a 24-token image waits while the 4 tokens a step
+    granted add up (16 at first, 2 of them taken by the text before it), then runs whole."""
+    scheduler, step, steps = rationed_scheduler(whole_items=True)
+    scheduler.add_request(image_request("image", [1, 2, "a:24", 3, 4], max_tokens=4))
+    for _ in range(10):
+        step()
+    assert [s[3] for s in steps[6:]] == [2, 0, 0, 26, 1]  # credit 16 -> 14 + 4 + 4 + 4 = 26; then it decodes
+    assert all(s[0] == 1 for s in steps[1:])
