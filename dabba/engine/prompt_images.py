@@ -25,8 +25,8 @@ from dabba.core.multimodal import MultiModalFeature, PlaceholderRange
 from dabba.engine.tokenizer import Tokenizer
 from dabba.errors import InvalidRequest
 from dabba.multimodal.image_processor import ImageProcessorConfig
-from dabba.multimodal.qwen_image_processor import QwenImageProcessorConfig
 from dabba.multimodal.media import to_rgb
+from dabba.multimodal.qwen_image_processor import QwenImageProcessorConfig
 
 
 ImageProcessor = ImageProcessorConfig | QwenImageProcessorConfig  # each has prepare(image) -> the encoder's input

@@ -21,7 +21,7 @@ from dabba.arch.qwen_vision_config import QwenVisionConfig
 from dabba.layers.layernorm import RMSNorm
 from dabba.layers.rotary import _rotate_half
 from dabba.models.encoder_steps import row_chunks, run_steps
-from dabba.models.vision_language import split_vision_tensors
+from dabba.models.vision_language import check_complete, copy_checked, split_vision_tensors
 from dabba.multimodal.qwen_image_processor import VisionPatches
 
 NORM_EPS = 1e-6  # transformers' Qwen2.5-VL vision norms
@@ -207,13 +207,6 @@ class Qwen2_5VisionTower(nn.Module):
                 continue
             if name == "patch_embed.proj.weight":
                 tensor = tensor.reshape(tensor.shape[0], -1)  # [hidden, channels, frames, p, p], flattened as patches are
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"visual.{name}: checkpoint tensor {tuple(tensor.shape)} != expected "
-                                 f"{tuple(params[name].shape)}")
-            params[name].data.copy_(tensor)
+            copy_checked(params[name], tensor, f"visual.{name}")
             loaded.add(name)
-        if unexpected:
-            raise ValueError(f"checkpoint has unexpected vision tensors: {unexpected[:10]}")
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing vision tensors: {missing[:10]}")
+        check_complete(params, loaded, unexpected)

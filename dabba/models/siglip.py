@@ -15,6 +15,7 @@ from torch import nn
 
 from dabba.arch.vision_config import VisionConfig
 from dabba.models.encoder_steps import row_chunks, run_steps
+from dabba.models.vision_language import check_complete, copy_checked
 
 
 class SiglipLayer(nn.Module):
@@ -117,16 +118,9 @@ class SiglipVisionTower(nn.Module):
                 tensor = torch.cat([shards[s] for s in ("q", "k", "v")])
             elif target.endswith("patch_embedding.weight"):
                 tensor = tensor.reshape(tensor.shape[0], -1)  # the convolution's kernel, flattened as patches are
-            param = params[target]
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint tensor {tuple(tensor.shape)} != expected {tuple(param.shape)}")
-            param.data.copy_(tensor)
+            copy_checked(params[target], tensor, name)
             loaded.add(target)
-        if unexpected:
-            raise ValueError(f"checkpoint has unexpected vision tensors: {unexpected[:10]}")
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing vision tensors: {missing[:10]}")
+        check_complete(params, loaded, unexpected)
 
 
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,

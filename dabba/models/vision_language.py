@@ -45,6 +45,22 @@ def load_projector(params: dict[str, torch.nn.Parameter], tensors: dict[str, tor
         ours.data.copy_(tensors[theirs])
 
 
+def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """A checkpoint tensor into a vision parameter of its shape."""
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint tensor {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+def check_complete(params: Iterable[str], loaded: set[str], unexpected: list[str]) -> None:
+    """Every vision parameter loaded, no tensor left over."""
+    if unexpected:
+        raise ValueError(f"checkpoint has unexpected vision tensors: {unexpected[:10]}")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing vision tensors: {missing[:10]}")
+
+
 def language_model_name(name: str) -> str:
     """A checkpoint tensor's name as a text model's checkpoint would have it."""
     for theirs, ours in LANGUAGE_MODEL_PREFIXES:

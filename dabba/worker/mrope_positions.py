@@ -35,7 +35,7 @@ def prompt_positions(num_tokens: int, images: list[MultiModalFeature], merge: in
         current += max(rows, columns)
         text_start = offset + length
     positions[:, text_start:] = current + np.arange(num_tokens - text_start)
-    return positions, current + num_tokens - text_start - num_tokens
+    return positions, current - text_start  # the last text token's position + 1, less the prompt's length
 
 
 def step_positions(states: list[HasImagePositions], batch: FlatBatch, merge: int) -> np.ndarray:

@@ -5,6 +5,7 @@ with prefill chunks that stop before an image; the encoder cache and the prefix 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -75,23 +76,26 @@ def checkpoint(tmp_path_factory) -> Path:
     return tiny_gemma3(tmp_path_factory.mktemp("gemma3_images"))
 
 
-def transformers_reference(model_class: str, checkpoint: Path, prompts: dict[int, str]
-                           ) -> dict[int, tuple[list[int], list[int], torch.Tensor]]:
-    """transformers' prompt ids, greedy tokens (10) and prompt logprobs, per number of images
-    (images(n)), through the checkpoint's own processor."""
+def transformers_reference(model_class: str, checkpoint: Path, prompts: dict[Any, str],
+                           inputs_of: Callable[[Any, str], dict] | None = None
+                           ) -> dict[Any, tuple[list[int], list[int], torch.Tensor]]:
+    """transformers' prompt ids, greedy tokens (10) and prompt logprobs, per prompt: its inputs
+    as ``inputs_of(key, prompt)`` makes them, else through the checkpoint's own processor with
+    images(key) (the key: a number of images)."""
     import transformers
 
-    processor = transformers.AutoProcessor.from_pretrained(checkpoint)
+    processor = transformers.AutoProcessor.from_pretrained(checkpoint) if inputs_of is None else None
     model = getattr(transformers, model_class).from_pretrained(checkpoint).eval()
     result = {}
-    for n, prompt in prompts.items():
-        inputs = processor(text=prompt, images=images(n) or None, return_tensors="pt")
+    for key, prompt in prompts.items():
+        inputs = (inputs_of(key, prompt) if inputs_of is not None else
+                  processor(text=prompt, images=images(key) or None, return_tensors="pt"))
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=10, do_sample=False)
             logits = model(**inputs).logits[0].float()
         ids = inputs["input_ids"][0]
         logprobs = logits[:-1].log_softmax(-1).gather(1, ids[1:, None])[:, 0]
-        result[n] = (ids.tolist(), out[0, len(ids):].tolist(), logprobs)
+        result[key] = (ids.tolist(), out[0, len(ids):].tolist(), logprobs)
     return result
 
 

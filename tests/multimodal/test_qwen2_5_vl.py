@@ -19,6 +19,7 @@ from dabba.models.encoder_steps import run_steps
 from dabba.multimodal.qwen_image_processor import QwenImageProcessorConfig, VisionPatches
 from dabba.worker.mrope_positions import prompt_positions
 from tests.multimodal.test_gemma3_images import LOGPROB_ATOL, data_url, images, prompt_logprobs
+from tests.multimodal.test_gemma3_images import transformers_reference as gemma3_reference
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPTS = {
@@ -92,19 +93,9 @@ def reference_inputs(checkpoint: Path, prompt: str, pictures: list, special_toke
 
 
 def transformers_reference(checkpoint: Path, prompts: dict, special_tokens: bool = True) -> dict:
-    import transformers
-
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint).eval()
-    result = {}
-    for key, (prompt, pictures) in prompts.items():
-        inputs = reference_inputs(checkpoint, prompt, pictures, special_tokens)
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=10, do_sample=False)
-            logits = model(**inputs).logits[0].float()
-        ids = inputs["input_ids"][0]
-        logprobs = logits[:-1].log_softmax(-1).gather(1, ids[1:, None])[:, 0]
-        result[key] = (ids.tolist(), out[0, len(ids):].tolist(), logprobs)
-    return result
+    """gemma3's transformers_reference over (prompt, images) per key."""
+    return gemma3_reference("Qwen2_5_VLForConditionalGeneration", checkpoint, {k: p for k, (p, _) in prompts.items()},
+                            lambda key, prompt: reference_inputs(checkpoint, prompt, prompts[key][1], special_tokens))
 
 
 CASES = {**{n: (p, images(n)) for n, p in PROMPTS.items()}, "side by side": (SIDE_BY_SIDE, images(2))}
