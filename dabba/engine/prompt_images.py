@@ -55,12 +55,17 @@ class ImagePrompt:
         return cls(config, processor, text(start), start, text(image), (f"{around}{text(start)}", (*around_ids, start)),
                    (f"{text(end)}{around}", (end, *around_ids)))
 
-    def num_tokens(self, image: Image.Image) -> int:
-        """The placeholders ``image`` takes: the model's fixed number, or as its size makes them."""
+    def num_tokens(self, image: Image.Image, field: str = "multi_modal_data") -> int:
+        """The placeholders ``image`` takes: the model's fixed number, or as its size makes them;
+        InvalidRequest(field) for a size the processor refuses (Qwen2.5-VL: a strip too long)."""
         try:
             return self.config.tokens_per_image or self.processor.num_tokens(image)
-        except ValueError as e:  # a size the processor refuses (Qwen2.5-VL: a strip too long)
-            raise InvalidRequest("multi_modal_data", str(e)) from None
+        except ValueError as e:
+            raise InvalidRequest(field, f"{field}: {e}") from None
+
+    def check(self, image: Image.Image, field: str) -> None:
+        """What the chat APIs ask of each image part (multimodal/media.ImageSource.check)."""
+        self.num_tokens(image, field)
 
     def sequence_text(self, image: Image.Image) -> str:
         return self.before[0] + self.placeholder_text * self.num_tokens(image) + self.after[0]

@@ -89,7 +89,7 @@ def template_content(content: Any, where: str, images: list[Image.Image], source
             image = part.get("image_pil")
             if not isinstance(image, Image.Image):
                 raise ValueError(f"{where}.{j}.image_pil must be a PIL image")
-            images.append(image)
+            images.append(source.accept(image, f"{where}.{j}.image_pil"))
         else:
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url

@@ -64,7 +64,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer, prompts = self.get_tokenizer(), []
         image_prompt = self.llm_engine.model_info.image_prompt
-        source = ImageSource() if image_prompt is not None else None  # data: URLs and PIL images, no fetching
+        source = ImageSource(check=image_prompt.check) if image_prompt is not None else None  # no fetching
         for c, conversation in enumerate(conversations):
             rendered, images = [], []
             for i, message in enumerate(conversation):

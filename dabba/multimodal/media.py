@@ -11,6 +11,7 @@ import io
 import re
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 from PIL import Image, UnidentifiedImageError
 
@@ -91,10 +92,18 @@ class ImageSource:
 
     limits: ImageLimits = ImageLimits()
     urls: UrlPolicy = UrlPolicy()
+    # the model's own check of an image (its processor's refusals), InvalidRequest(field) if any
+    check: Callable[[Image.Image, str], None] | None = None
 
     def open(self, url: str, field: str) -> Image.Image:
         if not isinstance(url, str):
             raise InvalidRequest(field, f"{field}: an image URL must be a string")
         if url.startswith("data:"):
-            return open_image(data_url_bytes(url, field), field, self.limits)
-        return open_image(self.urls.fetch(url, field, self.limits.max_bytes), field, self.limits)
+            return self.accept(open_image(data_url_bytes(url, field), field, self.limits), field)
+        return self.accept(open_image(self.urls.fetch(url, field, self.limits.max_bytes), field, self.limits), field)
+
+    def accept(self, image: Image.Image, field: str) -> Image.Image:
+        """``image`` where the model takes it."""
+        if self.check is not None:
+            self.check(image, field)
+        return image

@@ -162,3 +162,28 @@ def test_limits_on_pixels_and_images_per_prompt(served) -> None:
                                                                   "data": "AAAA"}}]}]})
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert chat(served, "still there?").status_code == 200
+
+
+def test_qwen2_5_vl_over_http(tmp_path) -> None:
+    """Qwen2.5-VL's images (each its own number of tokens) in chat completions give LLM.chat's
+    tokens; an image its processor refuses (a 201:1 strip) is a 400 naming the part."""
+    from tests.multimodal.test_qwen2_5_vl import tiny_qwen2_5_vl
+
+    path = tiny_qwen2_5_vl(tmp_path / "qwen")
+    first, second = images(2)
+    parts = [{"type": "image_pil", "image_pil": first}, {"type": "image_pil", "image_pil": second},
+             {"type": "text", "text": "Which is brighter?"}]
+    (expected,) = LLM(str(path), dtype="float32").chat([{"role": "user", "content": parts}],
+                                                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                                       use_tqdm=False)
+    with live_server(str(path), MODEL, None, config=CONFIG) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
+        served = SimpleNamespace(client=client)
+        r = chat(served, [{"type": "image_url", "image_url": {"url": data_url(first)}},
+                          {"type": "image_url", "image_url": {"url": data_url(second)}},
+                          {"type": "text", "text": "Which is brighter?"}])
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == expected.outputs[0].text
+        assert r.json()["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+        r = chat(served, [{"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (2010, 10)))}}])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.0.image_url", r.text
+        assert "aspect ratio" in r.json()["error"]["message"]

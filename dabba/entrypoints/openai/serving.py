@@ -53,9 +53,10 @@ class OpenAIServing:
         self.tokenizer = client.model_info.tokenizer
         self.max_model_len = client.model_info.max_model_len
         # where a request's images may come from (None: the model takes none)
+        image_prompt = client.model_info.image_prompt
         self.image_source = ImageSource(ImageLimits(self.config.max_image_bytes, self.config.max_image_pixels),
-                                        UrlPolicy(self.config.media_domains, self.config.media_fetch_timeout)
-                                        ) if client.model_info.image_prompt is not None else None
+                                        UrlPolicy(self.config.media_domains, self.config.media_fetch_timeout),
+                                        image_prompt.check) if image_prompt is not None else None
 
     # ---- shared ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
