@@ -153,8 +153,10 @@ def _is_qwen(model: str) -> bool:
     return json.loads((Path(model) / "config.json").read_text())["model_type"] == "qwen2_5_vl"
 
 
-def run_engine(engine: str, model: str, runs: int, text_tokens: int, threads: int) -> dict[str, Any]:
-    """In this process: ``runs`` + 1 requests on ``engine``, the first not counted."""
+def run_engine(engine: str, model: str, runs: int, text_tokens: int, threads: int,
+               dabba_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """In this process: ``runs`` + 1 requests on ``engine``, the first not counted (``dabba_kwargs``:
+    the LLM's, for dabba)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -173,7 +175,7 @@ def run_engine(engine: str, model: str, runs: int, text_tokens: int, threads: in
     if engine == "dabba":
         from dabba import LLM, SamplingParams
 
-        llm = LLM(model, max_num_batched_tokens=2048)
+        llm = LLM(model, max_num_batched_tokens=2048, **(dabba_kwargs or {}))
         images = llm.llm_engine.engine_core.model_runner.images
         images.update = timed(images.update)
         params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -225,20 +227,24 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--engines", default="dabba,transformers")
+    parser.add_argument("--dabba-kwargs", default="{}",
+                        help='dabba\'s LLM arguments as JSON, e.g. {"quantization": "w8a8", "vision_quantization": "w8a8"}')
     parser.add_argument("--one-engine", help=argparse.SUPPRESS)  # the child process's
     args = parser.parse_args()
     if args.make_model:
         make_model(Path(args.make_model), args.shape)
         return
     if args.one_engine:
-        print(json.dumps(run_engine(args.one_engine, args.model, args.runs, args.text_tokens, args.threads)))
+        print(json.dumps(run_engine(args.one_engine, args.model, args.runs, args.text_tokens, args.threads,
+                                    json.loads(args.dabba_kwargs))))
         return
     result: dict[str, Any] = {"model": args.model, "runs": args.runs, "text_tokens": args.text_tokens,
-                              "threads": args.threads, "cpu": _cpu_name()}
+                              "threads": args.threads, "cpu": _cpu_name(), "dabba_kwargs": json.loads(args.dabba_kwargs)}
     for engine in args.engines.split(","):  # one process each: both never hold the weights at once
         child = subprocess.run([sys.executable, "-m", "benchmarks.vision_ttft", "--one-engine", engine,
                                 "--model", args.model, "--runs", str(args.runs), "--text-tokens",
-                                str(args.text_tokens), "--threads", str(args.threads)],
+                                str(args.text_tokens), "--threads", str(args.threads), "--dabba-kwargs",
+                                args.dabba_kwargs],
                                capture_output=True, text=True, check=False)
         if child.returncode != 0:
             raise SystemExit(f"{engine} failed:\n{child.stderr[-4000:]}")

@@ -97,6 +97,10 @@ class ModelConfig:
         'what the Python layers do (CPU attention backend, a family and linear layers with a native form), '
         'else the Python layers; "on": the loop, or an error saying why not; "off": the Python layers, the '
         'reference (forward hooks and changes to a layer\'s forward take effect only there).', "auto")
+    vision_quantization: str | None = _help(
+        '"w8a8": a vision-language model\'s image encoder runs its linears in W8A8 too (int8 weights times '
+        'activations rounded to int8 per token); by default it keeps the model\'s dtype whatever --quantization '
+        'says.', None)
     limit_mm_per_prompt: dict[str, int] | None = _help(
         f'Most images one prompt may carry, as JSON (vLLM\'s form): {{"image": N}}; default '
         f'{{"image": {DEFAULT_IMAGES_PER_PROMPT}}}.', None, parse=json_object)
@@ -118,6 +122,8 @@ class ModelConfig:
             raise ValueError(f'device must be "auto", "cpu" or "cuda[:N]", got {self.device!r}')
         if self.quantization not in (None, "int8", "int4", "w8a8"):
             raise ValueError(f'quantization must be "int8", "int4", "w8a8" or None, got {self.quantization!r}')
+        if self.vision_quantization not in (None, "w8a8"):
+            raise ValueError(f'vision_quantization must be "w8a8" or None, got {self.vision_quantization!r}')
         if self.attention_backend not in ("auto", "torch_ref", "cpu"):
             raise ValueError(f'attention_backend must be "auto", "torch_ref" or "cpu", got {self.attention_backend!r}')
         if self.runner not in RUNNERS:

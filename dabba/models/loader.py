@@ -27,6 +27,7 @@ from dabba.models.pooling import pooling_variant
 from dabba.models.registry import model_class_for
 from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.config import QuantConfig
+from dabba.quantization.w8a8_modules import w8a8_linears
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -171,9 +172,10 @@ def release_freed_heap() -> None:
 
 def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_position: int,
                quant_config: QuantConfig | None = None, tp: TensorParallel = SINGLE,
-               pooling: bool = False) -> nn.Module:
+               pooling: bool = False, vision_quantization: str | None = None) -> nn.Module:
     """The model, or under tensor parallelism rank ``tp.rank``'s shard of it, loaded; ``pooling``:
-    its layers without the LM head (models/pooling.py)."""
+    its layers without the LM head (models/pooling.py); ``vision_quantization`` "w8a8": the image
+    encoder's linears too."""
     model_dir = Path(model_dir)
     gguf = model_dir / GGUF_LINK
     files = [] if gguf.exists() else find_weight_files(model_dir)
@@ -193,5 +195,9 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
     weights = iterate_gguf_weights(gguf, arch) if gguf.exists() else iterate_weights(files)
     model.load_weights(weights, on_loaded=repack.loaded)
     repack.finish()
+    if vision_quantization == "w8a8":
+        if arch.images is None:
+            raise ValueError("vision_quantization: this model reads no images")
+        logger.info("Image encoder: %d linears in W8A8", w8a8_linears(model.vision))
     release_freed_heap()
     return model.eval()

@@ -182,8 +182,8 @@ class Qwen2_5VisionTower(nn.Module):
         device = self.inv_freq.device
         order, lengths = window_order(grid, cfg.spatial_merge_size, cfg.window_merges)
         patch_order = torch.from_numpy((order[:, None] * unit + np.arange(unit)).reshape(-1)).to(device)
-        weight = self.patch_embed.proj.weight
-        x = self.patch_embed.proj(torch.from_numpy(image.patches).to(device, weight.dtype))[patch_order]
+        dtype = self.merger.ln_q.weight.dtype  # the model's (the linears may be W8A8's)
+        x = self.patch_embed.proj(torch.from_numpy(image.patches).to(device, dtype))[patch_order]
         positions = torch.from_numpy(patch_positions(grid, cfg.spatial_merge_size)).to(device)[patch_order]
         freqs = (positions[..., None].float() * self.inv_freq).flatten(1)  # [patches, head_dim / 2]: rows', columns'
         angles = torch.cat([freqs, freqs], dim=-1)[:, None]

@@ -81,7 +81,7 @@ class SiglipVisionTower(nn.Module):
                              f"got {channels} x {height} x {width}")
         p, side = cfg.patch_size, cfg.image_size // cfg.patch_size
         # [num_images, channels, side, p, side, p] -> patches in row-major order, each (channel, row, col)
-        patches = (pixel_values.to(self.patch_embedding.weight.dtype).view(num_images, channels, side, p, side, p)
+        patches = (pixel_values.to(self.position_embedding.weight.dtype).view(num_images, channels, side, p, side, p)
                    .permute(0, 2, 4, 1, 3, 5).reshape(num_images, side * side, channels * p * p))
         x = self.patch_embedding(patches)
         if cfg.clip:

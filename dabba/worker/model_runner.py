@@ -84,7 +84,7 @@ class ModelRunner:
                    "quantize them (quantization int8 or int4) or take a smaller model; `dabba plan` shows what fits")
         start = time.perf_counter()
         self.model = load_model(model_dir, arch, dtype, device, max_position=max_model_len, quant_config=quant_config,
-                                tp=tp, pooling=resolved.runner == "pooling")
+                                tp=tp, pooling=resolved.runner == "pooling", vision_quantization=mc.vision_quantization)
         self.pooler = Pooler(resolved.pooler_config) if resolved.pooler_config is not None else None
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_quant = make_kv_quant(kv_cache_dtype, dtype)

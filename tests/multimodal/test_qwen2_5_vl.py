@@ -319,3 +319,33 @@ def test_an_image_encoded_over_many_steps_beside_a_decoding_stream(family, check
     assert [tokens["chat"], tokens["image"]] == [list(t) for t in expected]
     assert max(units) == 1 and sum(units) >= 4  # a unit a step: the encodings spread over steps
     assert engine.engine_core.scheduler.encoder.ration.work_seconds is not None
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_the_vision_tower_in_w8a8_when_asked(family, checkpoint, tmp_path) -> None:
+    """vision_quantization "w8a8": every plain linear of the encoder in W8A8 (the language model
+    as it was), its image embeddings within cosine 0.999 of the float ones, and the images still
+    steer the tokens (prompt logprobs near float32's)."""
+    from dabba.quantization.w8a8_modules import W8A8Linear
+    from tests.multimodal.test_gemma3_images import PROMPTS as GEMMA_PROMPTS
+    from tests.multimodal.test_gemma3_images import tiny_gemma3
+
+    path, prompt = (checkpoint, PROMPTS[2]) if family == "qwen2_5_vl" else (tiny_gemma3(tmp_path), GEMMA_PROMPTS[2])
+    request = {"prompt": prompt, "multi_modal_data": {"image": images(2)}}
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    runs = {}
+    for asked in (None, "w8a8"):
+        llm = LLM(str(path), dtype="float32", vision_quantization=asked)
+        runner = llm.llm_engine.engine_core.model_runner
+        linears = [m for m in runner.model.vision.modules() if isinstance(m, (torch.nn.Linear, W8A8Linear))]
+        assert linears and all(isinstance(m, W8A8Linear) == (asked is not None) for m in linears)
+        out = llm.generate(request, params, use_tqdm=False)[0]
+        runs[asked] = (prompt_logprobs(out), dict(runner.images.embeddings))
+    (float_lp, float_rows), (w8a8_lp, w8a8_rows) = runs[None], runs["w8a8"]
+    for identifier, rows in float_rows.items():
+        cosine = torch.nn.functional.cosine_similarity(rows, w8a8_rows[identifier], dim=-1)
+        assert cosine.min() > 0.999, cosine.min()
+    gap = (w8a8_lp - float_lp).abs()
+    assert gap.max() < 0.5 and gap.mean() < 0.1  # (random tiny models: near, not equal)
+    with pytest.raises(ValueError, match="vision_quantization"):
+        LLM(str(path), dtype="float32", vision_quantization="int4")
