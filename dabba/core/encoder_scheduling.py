@@ -33,7 +33,7 @@ class EncoderScheduler:
         self.whole_items = whole_items
         self.max_num_batched_tokens = max_num_batched_tokens
         self.budget_left = budget
-        self.work: float | None = None  # this step's multiply-adds of encoding; None: every encoding ends this step
+        self.work: float | None = None  # this step's operations of encoding; None: every encoding ends this step
         self.num_encoded = 0  # images encoded since the start (LLM.get_stats, /metrics)
         # image requests' share of a step while others decode (None: no limit)
         self.ration = ImageBudget(decode_slowdown) if decode_slowdown > 1.0 else None

@@ -1,20 +1,20 @@
 """How much of a step image requests take while other requests decode: image encoding (units of
-models/encoder_steps.py, priced by their multiply-adds) and then tokens of their prompts, as much as keep the step within
-``slowdown`` times the decodes' own step, so that an arriving image slows chat streams by that
-much at most instead of stalling them for its whole encoding and prefill (tens of seconds for a
-large tower on a CPU). The image waits longer for its first token instead.
+models/encoder_steps.py, priced by their operations) and then tokens of their prompts, as much as
+keep the step within ``slowdown`` times the decodes' own step, so that an arriving image slows
+chat streams by that much at most instead of stalling them for its whole encoding and prefill.
+The image waits longer for its first token instead.
 
-The costs are recent means: a decode step's time from the steps that ran decodes alone; a
-multiply-add of encoding's from the worker's own timing of the units it ran (ModelRunnerOutput's
-encoder_seconds over encoder_work);
-an image request's prompt token's from the steps that carried such tokens beside decodes (their
-time past the decode step's and the encoding's, per token). While image work waits, the first step
-with decodes runs them alone, the next takes one unit (or FIRST_TOKENS tokens), then the costs
-rule; one step in REFRESH_EVERY runs the decodes alone, so their time keeps up with growing
-contexts. While other prompts keep every step from being a decode-only one, image work waits
-REFRESH_EVERY steps, then runs the first share unpriced. Prompt tokens a step grants and the image
-requests do not take add up (``credit``): an image whose tokens must run in one chunk (Gemma 3's)
-runs once enough has been granted, its cost spread over the steps that saved it. Pure bookkeeping, no torch (core/)."""
+The costs are recent means: a decode step's time from the steps that ran decodes alone; an
+operation of encoding's from the worker's own timing of the units it ran (ModelRunnerOutput's
+encoder_seconds over encoder_work); an image request's prompt token's from the steps that carried
+such tokens beside decodes (their time past the decode step's and the encoding's, per token).
+While image work waits, the first step with decodes runs them alone, the next takes one unit (or
+FIRST_TOKENS tokens), then the costs rule; one step in REFRESH_EVERY runs the decodes alone, so
+their time keeps up with growing contexts. While other prompts keep every step from being a
+decode-only one, image work waits REFRESH_EVERY steps, then runs the first share unpriced. Prompt
+tokens a step grants and the image requests do not take add up (``credit``): an image whose
+tokens must run in one chunk (Gemma 3's) runs once enough has been granted, its cost spread over
+the steps that saved it. Pure bookkeeping, no torch (core/)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,14 +24,14 @@ from dabba.core.pooling_budget import FIRST_TOKENS, REFRESH_EVERY, _mean
 from dabba.core.request import Request
 
 MAX_CREDIT = 1 << 16
-PROBE = 1.0  # multiply-adds granted while their price is unknown: one unit runs
+PROBE = 1.0  # operations granted while their price is unknown: one unit runs
 
 
 @dataclass
 class ImageBudget:
     slowdown: float  # a step with image work takes at most this times a decode-only step
     decode_seconds: float | None = None
-    work_seconds: float | None = None  # a multiply-add of encoding's
+    work_seconds: float | None = None  # an operation of encoding's
     token_seconds: float | None = None
     mixed_run: int = 0  # steps with image work since the last decode-only one
     unpriced: int = 0  # steps waited for a decode-only step to time
@@ -39,7 +39,7 @@ class ImageBudget:
     active: bool = False  # image work waited beside decodes in the last step
 
     def allowance(self, encoding: bool) -> tuple[float, int]:
-        """(multiply-adds of encoding, image prompt tokens) the next step may take beside decodes
+        """(operations of encoding, image prompt tokens) the next step may take beside decodes
         (SchedulerOutput.encoder_work: one unit at least where above 0); ``encoding``: encodings
         wait (they take the step's share before prompt tokens do)."""
         if self.decode_seconds is None and self.unpriced < REFRESH_EVERY or self.mixed_run >= REFRESH_EVERY:
@@ -59,12 +59,12 @@ class ImageBudget:
             self.decode_seconds, self.mixed_run, self.unpriced, self.credit = None, 0, 0, 0
         self.active = active
 
-    def record(self, decode_rows: int, image_tokens: int, other_tokens: int, units: int, multiply_adds: float,
+    def record(self, decode_rows: int, image_tokens: int, other_tokens: int, units: int, operations: float,
                encoder_seconds: float, seconds: float) -> None:
         """A step's time and what it ran: rows of decoding requests, prompt tokens of image
-        requests and of others, and units of encoding (their multiply-adds and time)."""
-        if units and multiply_adds > 0:
-            self.work_seconds = max(_mean(self.work_seconds, encoder_seconds / multiply_adds), 1e-18)
+        requests and of others, and units of encoding (their operations and time)."""
+        if units and operations > 0:
+            self.work_seconds = max(_mean(self.work_seconds, encoder_seconds / operations), 1e-18)
         self.credit = max(self.credit - image_tokens, 0)
         if not self.active or decode_rows == 0:
             return

@@ -54,7 +54,7 @@ class SchedulerOutput:
     spec_token_budget: dict[str, int] = field(default_factory=dict)
     # Images whose encodings start this step (by the request that starts them), and the
     # identifiers of encoder-cache entries (or encodings under way) to drop first
-    # (core/encoder_cache.py). ``encoder_work``: the multiply-adds of the units of encoding
+    # (core/encoder_cache.py). ``encoder_work``: the operations of the units of encoding
     # (models/encoder_steps.py) the worker may run this step on the encodings under way, oldest
     # first, before the forward (one unit at least; 0: none); None: every encoding to its end (the
     # images' tokens may then run in this step)
@@ -95,7 +95,7 @@ class ModelRunnerOutput:
     # Pooling requests whose whole input went through this step: their embeddings
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
     # Images whose encodings ended this step (their tokens may run from the next), and the units of
-    # encoding the step ran, their multiply-adds and time (core/image_budget.py prices them by it)
+    # encoding the step ran, their operations and time (core/image_budget.py prices them by it)
     encoded_images: list[str] = field(default_factory=list)
     encoder_units: int = 0
     encoder_work: float = 0.0

@@ -1,9 +1,9 @@
 """Image encoding in units, so that a step may run part of an image's encoding and the rest wait
 for later steps (core/image_budget.py rations them while other requests decode): an encoder
 written as a generator that yields before each unit of work (a chunk of patches through one phase
-of a layer) the unit's multiply-adds, and returns the image's embeddings. The worker prices a
-step's share in multiply-adds, so units of unequal size fill it evenly; run to the end in one go,
-the generator is the encoder's forward: the same code either way."""
+of a layer) the unit's operations (flops: a multiply-add counts two), and returns the image's
+embeddings. The worker prices a step's share in operations, so units of unequal size fill it
+evenly; run to the end in one go, the generator is the encoder's forward: the same code either way."""
 from __future__ import annotations
 
 from typing import Any, Generator, TypeVar

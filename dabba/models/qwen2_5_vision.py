@@ -104,7 +104,7 @@ class QwenVisionBlock(nn.Module):
               chunk_rows: int | None) -> Iterator[float]:
         """The block on x [patches, hidden], in place, tokens attending within ``segments``
         ((start, length) runs): q, k, v a chunk of rows at a time, then attention and MLP a unit of
-        whole segments (or of one long segment's queries) at a time; each unit's multiply-adds
+        whole segments (or of one long segment's queries) at a time; each unit's operations
         yielded before it runs."""
         hidden = x.shape[1]
         qkv = x.new_empty(3, x.shape[0], self.attn.num_heads, self.attn.head_dim)

@@ -34,7 +34,7 @@ class SiglipLayer(nn.Module):
     def steps(self, x: torch.Tensor, chunk_rows: int | None) -> Iterator[float]:
         """The layer on x [num_images, num_patches, hidden], in place, in units of ``chunk_rows``
         patches (None: all at once): each chunk's q, k and v, then each chunk's attention over all
-        the keys and its MLP; each unit's multiply-adds yielded before it runs."""
+        the keys and its MLP; each unit's operations yielded before it runs."""
         num_images, num_patches, hidden = x.shape
         qkv = x.new_empty(num_images, num_patches, 3 * hidden)
         chunks = row_chunks(num_patches, chunk_rows)

@@ -34,13 +34,13 @@ class EncoderWork:
 
     encoded: list[str] = field(default_factory=list)
     units: int = 0
-    multiply_adds: float = 0.0
+    operations: float = 0.0
     seconds: float = 0.0
 
 
 class ImageEmbeddings:
     """``encode_steps``: the model's encoder in units (one image's input and a chunk size -> a
-    generator yielding each unit's multiply-adds before it runs and returning the image's
+    generator yielding each unit's operations before it runs and returning the image's
     embeddings [tokens, hidden], models/encoder_steps.py); ``bidirectional``: an image's tokens
     see the whole image (Gemma 3); ``mrope_merge``: an M-RoPE model's spatial merge size (its image
     tokens' positions are their places in the image, worker/mrope_positions.py), else 0."""
@@ -51,13 +51,13 @@ class ImageEmbeddings:
         self.bidirectional = bidirectional
         self.mrope_merge = mrope_merge
         self.embeddings: dict[str, torch.Tensor] = {}
-        # encodings under way, oldest first: the generator, and its next unit's multiply-adds
+        # encodings under way, oldest first: the generator, and its next unit's operations
         self.encodings: dict[str, tuple[Generator[float, None, torch.Tensor], float]] = {}
 
     def update(self, sched: SchedulerOutput) -> EncoderWork:
         """Drop what the scheduler evicted, start the step's new encodings (each content once),
         then run the units the step allows: all of every encoding under way (encoder_work None),
-        or units while their multiply-adds fit ``encoder_work`` (one at least; 0: none), in chunks
+        or units while their operations fit ``encoder_work`` (one at least; 0: none), in chunks
         of CHUNK_ROWS patches."""
         for identifier in sched.free_encoder_hashes:
             self.embeddings.pop(identifier, None)
@@ -72,10 +72,10 @@ class ImageEmbeddings:
                     self._advance(feature.identifier, self.encode_steps(feature.data, chunk_rows), work)
         while self.encodings and budget != 0:
             identifier, (steps, cost) = next(iter(self.encodings.items()))
-            if budget is not None and work.units and work.multiply_adds + cost > budget:
+            if budget is not None and work.units and work.operations + cost > budget:
                 break
             work.units += 1
-            work.multiply_adds += cost
+            work.operations += cost
             self._advance(identifier, steps, work)
         work.seconds = time.perf_counter() - start
         return work

@@ -225,7 +225,7 @@ class ModelRunner:
     def _encoder_output(output: ModelRunnerOutput, work: EncoderWork | None) -> ModelRunnerOutput:
         if work is not None:
             output.encoded_images, output.encoder_units = work.encoded, work.units
-            output.encoder_work, output.encoder_seconds = work.multiply_adds, work.seconds
+            output.encoder_work, output.encoder_seconds = work.operations, work.seconds
         return output
 
     def _propose(self, sched: SchedulerOutput, request_ids: list[str]) -> tuple[dict[str, list[int]], int]:

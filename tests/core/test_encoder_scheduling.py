@@ -175,12 +175,12 @@ def test_a_cached_image_a_chunk_reads_is_not_evicted_to_make_room() -> None:
 
 
 DECODE_S, UNIT_S, TOKEN_S = 0.1, 0.0098, 0.0125  # a decode-only step, a unit of encoding, an image prompt token
-UNIT_WORK = 1e9  # a unit's multiply-adds
+UNIT_WORK = 1e9  # a unit's operations
 
 
 class UnitEncoder(FakeWorker):
     """A FakeWorker whose images take ``units`` units of encoding each, run as the step allows:
-    while their multiply-adds fit encoder_work (one at least), all (None), or none (0)."""
+    while their operations fit encoder_work (one at least), all (None), or none (0)."""
 
     def __init__(self, units: int) -> None:
         super().__init__()
@@ -238,7 +238,7 @@ def rationed_scheduler(whole_items: bool) -> tuple[Scheduler, Callable[[], None]
 def test_image_work_is_rationed_while_requests_decode() -> None:
     """A chat request decodes while an image request (an image of 12 units of encoding) arrives,
     with image_decode_slowdown 1.5: the first step runs the decodes alone (their time), the next
-    one unit (its price), then 0.5 x DECODE_S / UNIT_S = 5.1 units' multiply-adds a step (5 run)
+    one unit (its price), then 0.5 x DECODE_S / UNIT_S = 5.1 units' operations a step (5 run)
     until the encoding ends;
     then the image request's prompt FIRST_TOKENS tokens, then 0.5 x DECODE_S / TOKEN_S = 4 a
     step. The chat request decodes every step; with nothing decoding, the image runs whole."""
