@@ -176,6 +176,8 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
     """The model, or under tensor parallelism rank ``tp.rank``'s shard of it, loaded; ``pooling``:
     its layers without the LM head (models/pooling.py); ``vision_quantization`` "w8a8": the image
     encoder's linears too."""
+    if vision_quantization is not None and arch.images is None:
+        raise ValueError("vision_quantization: this model reads no images")
     model_dir = Path(model_dir)
     gguf = model_dir / GGUF_LINK
     files = [] if gguf.exists() else find_weight_files(model_dir)
@@ -196,8 +198,6 @@ def load_model(model_dir: str | Path, arch: ArchConfig, dtype: torch.dtype, devi
     model.load_weights(weights, on_loaded=repack.loaded)
     repack.finish()
     if vision_quantization == "w8a8":
-        if arch.images is None:
-            raise ValueError("vision_quantization: this model reads no images")
         logger.info("Image encoder: %d linears in W8A8", w8a8_linears(model.vision))
     release_freed_heap()
     return model.eval()

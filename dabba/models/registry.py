@@ -6,7 +6,6 @@ from typing import Callable
 from torch import nn
 
 from dabba.arch.config import ArchConfig
-
 from dabba.models.bert import BertModel
 from dabba.models.gemma import GemmaForCausalLM
 from dabba.models.gemma3_mm import Gemma3ForConditionalGeneration
