@@ -14,6 +14,7 @@ import torch
 
 from dabba import LLM, SamplingParams
 from dabba.arch.config import ArchConfig
+from dabba.config import DEMO_MODEL
 from dabba.core.multimodal import MultiModalFeature, PlaceholderRange
 from dabba.models.encoder_steps import run_steps
 from dabba.multimodal.qwen_image_processor import QwenImageProcessorConfig, VisionPatches
@@ -349,3 +350,5 @@ def test_the_vision_tower_in_w8a8_when_asked(family, checkpoint, tmp_path) -> No
     assert gap.max() < 0.5 and gap.mean() < 0.1  # (random tiny models: near, not equal)
     with pytest.raises(ValueError, match="vision_quantization"):
         LLM(str(path), dtype="float32", vision_quantization="int4")
+    with pytest.raises(ValueError, match="reads no images"):
+        LLM(DEMO_MODEL, vision_quantization="w8a8")
