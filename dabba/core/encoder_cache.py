@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 class _Entry:
     num_tokens: int
     request_ids: set[str] = field(default_factory=set)
-    ready: bool = True  # its embeddings are computed (False: its encoding is under way)
 
 
 class EncoderCache:
@@ -26,6 +25,7 @@ class EncoderCache:
         self.entries: dict[str, _Entry] = {}
         self.unreferenced: OrderedDict[str, int] = OrderedDict()  # evictable, least recently used first
         self.num_used = 0  # rows held by every entry, referenced or not
+        self.under_way: set[str] = set()  # entries whose encodings have not ended
         self._evicted: list[str] = []
 
     def __contains__(self, identifier: str) -> bool:
@@ -43,25 +43,24 @@ class EncoderCache:
         while self.capacity - self.num_used < num_tokens:
             evicted, rows = self.unreferenced.popitem(last=False)
             del self.entries[evicted]
+            self.under_way.discard(evicted)
             self.num_used -= rows
             self._evicted.append(evicted)
-        self.entries[identifier] = _Entry(num_tokens, {request_id}, ready)
+        self.entries[identifier] = _Entry(num_tokens, {request_id})
         self.num_used += num_tokens
+        if not ready:
+            self.under_way.add(identifier)
 
     def is_ready(self, identifier: str) -> bool:
-        return self.entries[identifier].ready
+        return identifier not in self.under_way
 
     def mark_ready(self, identifiers: list[str] | None = None) -> None:
         """These entries' encodings ended (None: every entry's will have by the time the step's
         tokens run)."""
-        for identifier in self.entries if identifiers is None else identifiers:
-            if identifier in self.entries:
-                self.entries[identifier].ready = True
-
-    @property
-    def num_under_way(self) -> int:
-        """Entries whose encodings have not ended."""
-        return sum(not entry.ready for entry in self.entries.values())
+        if identifiers is None:
+            self.under_way.clear()
+        else:
+            self.under_way.difference_update(identifiers)
 
     def add_ref(self, identifier: str, request_id: str) -> None:
         entry = self.entries[identifier]

@@ -97,7 +97,7 @@ class EncoderScheduler:
 
     @property
     def under_way(self) -> bool:
-        return self.cache.num_under_way > 0
+        return bool(self.cache.under_way)
 
     def fit(self, request: Request, start: int, num_new: int) -> tuple[int, list[int]]:
         """How many of the ``num_new`` tokens from ``start`` can run this step, and the indices

@@ -18,7 +18,7 @@ the steps that saved it. Pure bookkeeping, no torch (core/)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
 
 from dabba.core.pooling_budget import FIRST_TOKENS, REFRESH_EVERY, _mean
 from dabba.core.request import Request
@@ -90,9 +90,8 @@ def generating(request: Request) -> bool:
     return request.pooling_params is None and request.num_computed_tokens >= request.num_prompt_tokens
 
 
-def image_work_waits(running: Iterable[Request], waiting: Iterable[Request]) -> tuple[bool, bool]:
+def image_work_waits(running: list[Request], waiting: list[Request]) -> tuple[bool, bool]:
     """(a generation request decodes, an image request's prompt waits)."""
-    running = list(running)
     decodes = any(generating(r) for r in running)
     return decodes, any(image_prefill(r) for r in running) or any(image_prefill(r) for r in waiting)
 

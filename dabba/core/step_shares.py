@@ -14,18 +14,19 @@ class StepShares:
     pooling: int | None = None
     image: int | None = None
 
-    def _kind(self, request: Request) -> str | None:
+    def _left(self, request: Request) -> int | None:
         if request.pooling_params is not None:
-            return "pooling"
-        return "image" if image_prefill(request) else None
+            return self.pooling
+        return self.image if image_prefill(request) else None
 
     def limit(self, request: Request, num_new: int) -> int:
         """``num_new`` cut to what the request's kind has left."""
-        kind = self._kind(request)
-        left = None if kind is None else getattr(self, kind)
+        left = self._left(request)
         return num_new if left is None else min(num_new, left)
 
     def take(self, request: Request, num_new: int) -> None:
-        kind = self._kind(request)
-        if kind is not None and getattr(self, kind) is not None:
-            setattr(self, kind, getattr(self, kind) - num_new)
+        if request.pooling_params is not None:
+            if self.pooling is not None:
+                self.pooling -= num_new
+        elif self.image is not None and image_prefill(request):
+            self.image -= num_new
