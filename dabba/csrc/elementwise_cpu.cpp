@@ -192,24 +192,26 @@ void gelu_tanh_and_mul_row(c10::BFloat16* out, const c10::BFloat16* gate, const 
 }
 
 // In place on q [tokens, heads, d] and k [tokens, kv_heads, d] (rows may be strided views of a
-// fused qkv output): x <- round(x * cos) + round(rotate_half(x) * sin), cos/sin [tokens, d].
-template <typename scalar_t>
-void rotate_rows(at::Tensor& x, const scalar_t* cos, const scalar_t* sin) {
+// fused qkv output): x <- round(x * cos) + round(rotate_half(x) * sin), cos/sin [tokens, d] of
+// angle_t. With angles in x's dtype each product rounds to it, as the model-dtype reference;
+// with float32 angles the rotation runs in float32 and rounds once (transformers' vision towers).
+template <typename scalar_t, typename angle_t>
+void rotate_rows(at::Tensor& x, const angle_t* cos, const angle_t* sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
   scalar_t* xp = x.data_ptr<scalar_t>();
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     float buf[1024];
     for (int64_t t = begin; t < end; ++t) {
-      const scalar_t* c = cos + t * d;
-      const scalar_t* s = sin + t * d;
+      const angle_t* c = cos + t * d;
+      const angle_t* s = sin + t * d;
       for (int64_t h = 0; h < heads; ++h) {
         scalar_t* row = xp + t * token_stride + h * head_stride;
         for (int64_t i = 0; i < d; ++i) buf[i] = Cvt<scalar_t>::load(row[i]);
         for (int64_t i = 0; i < d; ++i) {
           const float rotated = i < half ? -buf[i + half] : buf[i - half];
-          const float a = round_to<scalar_t>(buf[i] * Cvt<scalar_t>::load(c[i]));
-          const float b = round_to<scalar_t>(rotated * Cvt<scalar_t>::load(s[i]));
+          const float a = round_to<angle_t>(buf[i] * Cvt<angle_t>::load(c[i]));
+          const float b = round_to<angle_t>(rotated * Cvt<angle_t>::load(s[i]));
           row[i] = Cvt<scalar_t>::store(a + b);
         }
       }
@@ -223,11 +225,18 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const a
   TORCH_CHECK(q.size(2) % 2 == 0 && q.size(2) <= 1024, "head_dim must be even and at most 1024");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == q.size(0) && cos.size(-1) == q.size(2),
               "cos/sin must be contiguous [tokens, head_dim]");
-  TORCH_CHECK(cos.scalar_type() == q.scalar_type() && sin.scalar_type() == q.scalar_type() &&
-              k.scalar_type() == q.scalar_type(), "dtype mismatch");
+  const bool float_angles = cos.scalar_type() == at::kFloat;
+  TORCH_CHECK((cos.scalar_type() == q.scalar_type() || float_angles) && sin.scalar_type() == cos.scalar_type() &&
+                  k.scalar_type() == q.scalar_type(),
+              "dtype mismatch: cos/sin in q's dtype or float32");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
-    rotate_rows<scalar_t>(q, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
-    rotate_rows<scalar_t>(k, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
+    if (float_angles) {
+      rotate_rows<scalar_t, float>(q, cos.data_ptr<float>(), sin.data_ptr<float>());
+      rotate_rows<scalar_t, float>(k, cos.data_ptr<float>(), sin.data_ptr<float>());
+    } else {
+      rotate_rows<scalar_t, scalar_t>(q, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
+      rotate_rows<scalar_t, scalar_t>(k, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
+    }
   });
 }
 

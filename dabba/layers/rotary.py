@@ -172,3 +172,14 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, 
     k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
     return (torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q_pass), dim=-1),
             torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k_pass), dim=-1))
+
+
+def apply_rotary_float32(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary as transformers' vision towers rotate: in float32, rounded once to q's dtype
+    (cos/sin float32 [num_tokens, head_dim]); in place by the native kernel where it runs."""
+    if q.stride(-1) == 1 and k.stride(-1) == 1 and native.use_cpu_kernels(q) and cos.is_contiguous():
+        torch.ops.dabba_cpu.rotary_embedding(q, k, cos, sin)
+        return q, k
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return tuple((t.float() * cos + _rotate_half(t.float()) * sin).to(t.dtype) for t in (q, k))

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dabba.arch.qwen_vision_config import QwenVisionConfig
+from dabba.layers.encoder_attention import dense_attention
 from dabba.layers.layernorm import RMSNorm
-from dabba.layers.rotary import _rotate_half
+from dabba.layers.rotary import apply_rotary_float32
 from dabba.models.encoder_steps import row_chunks, run_steps
 from dabba.models.vision_language import check_complete, copy_checked, split_vision_tensors
 from dabba.multimodal.qwen_image_processor import VisionPatches
@@ -61,8 +62,7 @@ class QwenVisionAttention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rows' [3, rows, heads, head_dim] q, k (rotated in float32, as transformers does) and v."""
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        q, k = apply_rotary_float32(q, k, cos, sin)
         return torch.stack([q, k, v])
 
     def attend(self, qkv: torch.Tensor, unit: list[tuple[int, int, int, int]]) -> torch.Tensor:
@@ -75,9 +75,8 @@ class QwenVisionAttention(nn.Module):
             runs = [(qs, ks) for qs, n, ks, m in unit if (n, m) == shape]
             queries = torch.tensor([qs for qs, _ in runs], device=device)[:, None] + torch.arange(shape[0], device=device)
             keys = torch.tensor([ks for _, ks in runs], device=device)[:, None] + torch.arange(shape[1], device=device)
-            attended = F.scaled_dot_product_attention(qkv[0, queries].transpose(1, 2), qkv[1, keys].transpose(1, 2),
-                                                      qkv[2, keys].transpose(1, 2), scale=self.head_dim ** -0.5)
-            out[queries - first] = attended.transpose(1, 2)  # [runs, queries, heads, head_dim]
+            out[queries - first] = dense_attention(qkv[0, queries].transpose(1, 2), qkv[1, keys].transpose(1, 2),
+                                                   qkv[2, keys].transpose(1, 2), self.head_dim ** -0.5)
         return self.proj(out.flatten(1))
 
 
@@ -186,7 +185,7 @@ class Qwen2_5VisionTower(nn.Module):
         x = self.patch_embed.proj(torch.from_numpy(image.patches).to(device, dtype))[patch_order]
         positions = torch.from_numpy(patch_positions(grid, cfg.spatial_merge_size)).to(device)[patch_order]
         freqs = (positions[..., None].float() * self.inv_freq).flatten(1)  # [patches, head_dim / 2]: rows', columns'
-        angles = torch.cat([freqs, freqs], dim=-1)[:, None]
+        angles = torch.cat([freqs, freqs], dim=-1)
         rope = (angles.cos(), angles.sin())
         frame = grid[1] * grid[2]
         full = [(start, frame) for start in range(0, grid[0] * frame, frame)]

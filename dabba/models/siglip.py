@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dabba.arch.vision_config import VisionConfig
+from dabba.layers.encoder_attention import dense_attention
 from dabba.models.encoder_steps import row_chunks, run_steps
 from dabba.models.vision_language import check_complete, copy_checked
 
@@ -46,8 +47,8 @@ class SiglipLayer(nn.Module):
         for rows in chunks:
             yield num_images * (rows.stop - rows.start) * (4.0 * num_patches * hidden + 2.0 * hidden ** 2
                                                            + 4.0 * hidden * self.fc1.out_features)
-            attended = F.scaled_dot_product_attention(q[:, :, rows], k, v, scale=self.head_dim ** -0.5)
-            y = x[:, rows] + self.out_proj(attended.transpose(1, 2).reshape(num_images, -1, hidden))
+            attended = dense_attention(q[:, :, rows], k, v, self.head_dim ** -0.5)
+            y = x[:, rows] + self.out_proj(attended.reshape(num_images, -1, hidden))
             x[:, rows] = y + self.fc2(self.activation(self.fc1(self.layer_norm2(y))))
 
 

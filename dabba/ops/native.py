@@ -177,6 +177,11 @@ def gemm_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def dense_attention_available() -> bool:
+    return load_cpu_ops() and torch.ops.dabba_cpu.dense_attention_available()
+
+
+@functools.lru_cache(maxsize=None)
 def avx2_gemm_available() -> bool:
     return load_cpu_ops() and torch.ops.dabba_cpu.avx2_gemm_available()
 

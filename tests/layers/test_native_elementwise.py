@@ -100,3 +100,25 @@ def test_rotary_in_place_on_strided_views(dtype) -> None:
         torch.testing.assert_close(k, ref_k, atol=1e-6, rtol=1e-6)
     assert torch.equal(v, v_before), "rotating q/k must not touch v"
 
+
+
+def test_rotary_float32_angles_on_bf16() -> None:
+    """Vision towers' form (apply_rotary_float32): bf16 q and k rotated in float32, rounded once.
+    Equal to the reference but where a fused multiply-add moves the float32 sum across a bf16
+    rounding boundary: one bf16 step, in a few elements."""
+    from dabba.layers.rotary import apply_rotary_float32
+
+    torch.manual_seed(0)
+    T, H, D = 33, 4, 80
+    qkv = torch.randn(T, 3, H, D, dtype=torch.bfloat16) * 4
+    q, k, v = qkv.unbind(1)
+    angles = torch.randn(T, D) * 3
+    cos, sin = angles.cos(), angles.sin()
+    want = [(t.float() * cos[:, None] + _rotate_half(t.float()) * sin[:, None]).to(torch.bfloat16) for t in (q, k)]
+    v_before = v.clone()
+    got = apply_rotary_float32(q, k, cos, sin)
+    assert got[0].data_ptr() == q.data_ptr()  # in place, through the views
+    for g, w in zip(got, want):
+        diff = (g.float() - w.float()).abs()
+        assert (diff > 0).float().mean() < 0.01 and (diff <= w.float().abs() * 2 ** -7 + 1e-30).all()
+    assert torch.equal(v, v_before)

@@ -352,3 +352,25 @@ def test_the_vision_tower_in_w8a8_when_asked(family, checkpoint, tmp_path) -> No
         LLM(str(path), dtype="float32", vision_quantization="int4")
     with pytest.raises(ValueError, match="reads no images"):
         LLM(DEMO_MODEL, vision_quantization="w8a8")
+
+
+def test_bf16_tower_near_transformers(checkpoint) -> None:
+    """In bf16 (native dense attention tiles and the float32 rotation's kernel where the CPU has
+    them) the embeddings stay within bf16's rounding of transformers' bf16 tower."""
+    import transformers
+
+    from dabba.models.qwen2_5_vision import Qwen2_5VisionTower
+
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint).eval().to(torch.bfloat16)
+    tower = Qwen2_5VisionTower(ArchConfig.from_hf(checkpoint).images.vision)
+    tower.load_weights(model.state_dict().items())
+    tower = tower.to(torch.bfloat16)
+    pictures = images(1, seed=3) + [images(1, seed=4)[0].resize((150, 120))]
+    inputs = image_processor()(images=pictures, return_tensors="pt")
+    with torch.no_grad():
+        theirs = model.model.get_image_features(inputs["pixel_values"].to(torch.bfloat16),
+                                                inputs["image_grid_thw"]).pooler_output
+        ours = [tower(QwenImageProcessorConfig.from_checkpoint(checkpoint).prepare(p)) for p in pictures]
+    for a, b in zip(ours, theirs, strict=True):
+        cosine = torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+        assert cosine.min() > 0.999, cosine.min()

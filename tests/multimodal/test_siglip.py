@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from dabba.arch.vision_config import VisionConfig
@@ -63,3 +64,24 @@ def test_clip_tower_equals_transformers(num_layers) -> None:
         out = reference(pixel_values=pixels, output_hidden_states=True)
         expected = out.last_hidden_state if num_layers is None else out.hidden_states[num_layers]
         torch.testing.assert_close(tower(pixels, num_layers), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_tower_near_transformers() -> None:
+    """In bf16 the tower's attention takes the native dense tiles where the CPU has them
+    (layers/encoder_attention.dense_attention), head_dim 72 as Gemma 3's: its patch states stay
+    within bf16's rounding of transformers' bf16 tower (PyTorch's SDPA)."""
+    import transformers
+
+    config = transformers.SiglipVisionConfig(hidden_size=144, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=2, image_size=96, patch_size=8)
+    torch.manual_seed(0)
+    reference = transformers.SiglipVisionModel(config).eval().to(torch.bfloat16)
+    tower = SiglipVisionTower(VisionConfig.from_dict(config.to_dict()))
+    tower.load_weights(reference.state_dict().items())
+    tower = tower.to(torch.bfloat16)
+    pixels = torch.randn(2, 3, 96, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(pixel_values=pixels).last_hidden_state.float()
+        ours = tower(pixels).float()
+    cosine = F.cosine_similarity(ours.flatten(0, 1), expected.flatten(0, 1), dim=-1)
+    assert cosine.min() > 0.999, cosine.min()
