@@ -22,6 +22,10 @@ dabba/csrc's comments come from here.
   the backend runs it (layer_us: its bf16 passes on AMX tiles where the CPU has them and
   attention_on_amx in csrc/paged_attention_cpu.cpp takes them) and on the AVX512-BF16 passes, the
   reference (reference_layer_us), with the GFLOP/s of each (QK^T and PV of the causal prompt).
+- encoder_attention: one image's (or text's) unmasked attention over --encoder-lens tokens at the
+  shape's heads and head_dim (a vision tower's: --num-heads 16 --head-dim 72 for SigLIP so400m,
+  80 for Qwen2.5-VL's), layers/encoder_attention.dense_attention as chosen (the native tiles for
+  bf16 where the CPU has bf16 dot products) against SDPA on the same bf16 inputs, GFLOP/s of each.
 """
 from __future__ import annotations
 
@@ -248,6 +252,24 @@ def bench_attention(shape: Shape, layers: int, decode_seqs: int, decode_context:
     return out
 
 
+def bench_encoder_attention(shape: Shape, lens: list[int], repeats: int) -> list[dict[str, Any]]:
+    from dabba.layers.encoder_attention import dense_attention
+    from dabba.ops import native
+
+    rows = []
+    for n in lens:
+        q, k, v = (torch.randn(1, shape.num_heads, n, shape.head_dim, dtype=torch.bfloat16) for _ in range(3))
+        scale = shape.head_dim ** -0.5
+        flops = 4.0 * shape.num_heads * shape.head_dim * n * n
+        ours = best_ms(lambda: dense_attention(q, k, v, scale), repeats)
+        sdpa = best_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale), repeats)
+        want = F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2)
+        rows.append({"tokens": n, "kernel": "native" if native.dense_attention_available() else "sdpa",
+                     "ms": ours, "sdpa_ms": sdpa, "gflop_s": flops / ours / 1e6, "sdpa_gflop_s": flops / sdpa / 1e6,
+                     "agrees": agree([dense_attention(q, k, v, scale)], [want])})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=30)
@@ -257,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-seqs", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=300)
     parser.add_argument("--prompt-lens", default="128,256,512,2048")
+    parser.add_argument("--encoder-lens", default="1024,4096")
     for field, default in asdict(Shape()).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=default)
     args = parser.parse_args(argv)
@@ -269,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "int4_prefill": bench_int4_prefill(shape, args.layers, ints(args.prefill_rows), args.repeats),
         "attention": bench_attention(shape, args.layers, args.decode_seqs, args.decode_context,
                                      ints(args.prompt_lens), args.repeats),
+        "encoder_attention": bench_encoder_attention(shape, ints(args.encoder_lens), args.repeats),
     }
     print(json.dumps(result, indent=1))
     return 0

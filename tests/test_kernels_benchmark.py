@@ -11,12 +11,14 @@ from dabba.ops import native
 
 def test_kernels_benchmark_reports_each_kernel(capsys) -> None:
     assert kernels.main(["--layers", "2", "--repeats", "1", "--linear-rows", "1,7,13,300", "--prefill-rows", "100",
-                         "--decode-seqs", "3", "--decode-context", "40", "--prompt-lens", "20",
+                         "--decode-seqs", "3", "--decode-context", "40", "--prompt-lens", "20", "--encoder-lens", "70",
                          "--hidden", "64", "--intermediate", "128", "--num-heads", "4", "--num-kv-heads", "2",
                          "--head-dim", "16"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [row["rows"] for row in result["linear"]] == [1, 7, 13, 300]
     assert [row["rows"] for row in result["int8_prefill"]] == [100]
+    assert [(row["tokens"], row["agrees"]) for row in result["encoder_attention"]] == [(70, True)]
+    assert result["encoder_attention"][0]["kernel"] == ("native" if native.dense_attention_available() else "sdpa")
     assert result["int8_prefill"][0]["agrees"] is True
     assert [row["rows"] for row in result["int4_prefill"]] == [100] and result["int4_prefill"][0]["agrees"] is True
     limits = native.kernel_constants()

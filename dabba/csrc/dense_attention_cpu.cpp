@@ -1,7 +1,8 @@
 // Dense attention without a mask or a cache, for encoders: every query attends to every key of
 // its own sequence (an image's patches in a vision tower, a window of them). Vision towers run
-// thousands of keys at head dims of 72 or 80, where PyTorch's CPU flash attention reaches about a
-// third of the bf16 dot-product peak; these tiles keep both products on vdpbf16ps.
+// thousands of keys at head dims of 72 or 80, where PyTorch's CPU flash attention leaves most of
+// the bf16 dot-product peak unused (benchmarks/kernels.py: encoder_attention); these tiles keep
+// both products on vdpbf16ps.
 //
 //   q    [batch, heads, queries, d]  bf16, any strides with d contiguous (SDPA's layout)
 //   k, v [batch, heads, keys, d]
@@ -31,9 +32,9 @@ namespace dabba {
 
 namespace {
 
-constexpr int64_t kQueryBlock = 64;  // queries a work item takes: its scores stay in L1/L2
+constexpr int64_t kQueryBlock = 48;  // queries a work item takes (whole score and value tiles)
 constexpr int64_t kKeyBlock = 256;   // keys per softmax step
-constexpr int kRows = 4;             // queries a scores tile holds in registers
+constexpr int kRows = 6;             // queries a scores tile holds in registers
 constexpr int64_t kMaxHeadDim = 256;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -98,27 +99,41 @@ inline void value_tile(const uint32_t* p, int64_t ldp, int64_t key_pairs, const 
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * ldo + c * 16, acc[r][c]);
 }
 
-DABBA_WIDE_LOOPS void exp_shifted(float* s, int64_t n, float scale, float shift) {
-  for (int64_t i = 0; i < n; ++i) s[i] = exp_nonpositive(s[i] * scale - shift);
+// exp(x) for x <= 0 in 16 lanes: 2^n e^r, n = round(x / ln2), |r| <= ln2 / 2, e^r by its
+// degree-5 Taylor polynomial (relative error below 3e-6, far under the bf16 rounding the
+// probabilities take), 2^n applied by scalef.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.f / 120.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 lanes_left(int64_t left) {
+  return static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
 }
 
 // One query's online softmax step over `keys` scores: the probabilities to bf16 into p (zero up
 // to the next pair), the running max and sum updated; returns the factor the query's earlier
 // output sums take.
-float softmax_step(float* s, int64_t keys, float scale, float& max, float& sum, uint16_t* p) {
+float softmax_step(const float* s, int64_t keys, float scale, float& max, float& sum, uint16_t* p) {
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 top = lowest;
-  for (int64_t i = 0; i < keys; i += 16) {
-    const __mmask16 m = static_cast<__mmask16>(keys - i >= 16 ? 0xFFFF : (1u << (keys - i)) - 1);
-    top = _mm512_max_ps(top, _mm512_mask_loadu_ps(lowest, m, s + i));
-  }
+  for (int64_t i = 0; i < keys; i += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(lowest, lanes_left(keys - i), s + i));
   const float new_max = std::max(max, _mm512_reduce_max_ps(top) * scale);
   const float rescale = max == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(max - new_max);
-  exp_shifted(s, keys, scale, new_max);
+  const __m512 scale16 = _mm512_set1_ps(scale), max16 = _mm512_set1_ps(new_max);
   __m512 total = _mm512_setzero_ps();
   for (int64_t i = 0; i < keys; i += 16) {
-    const __mmask16 m = static_cast<__mmask16>(keys - i >= 16 ? 0xFFFF : (1u << (keys - i)) - 1);
-    const __m512 e = _mm512_maskz_loadu_ps(m, s + i);
+    const __mmask16 m = lanes_left(keys - i);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + i), scale16, max16)));
     total = _mm512_add_ps(total, e);
     _mm256_mask_storeu_epi16(p + i, m, (__m256i)_mm512_cvtneps_pbh(e));
   }
@@ -132,6 +147,7 @@ template <int NV>
 void attend_block(const uint32_t* q, int64_t rows, int64_t pairs, const Packed& kv, int64_t keys, int64_t dv,
                   float scale, float* o, float* s, uint16_t* p) {
   // q: kQueryBlock rows of pairs (rows past `rows` zero); o: [kQueryBlock][dv] float32 sums
+  static_assert(kQueryBlock % kRows == 0 && kQueryBlock % 4 == 0, "whole tiles in a block");
   constexpr int kValueRows = NV <= 6 ? 4 : NV <= 12 ? 2 : 1;
   float max[kQueryBlock], sum[kQueryBlock];
   std::fill(max, max + kQueryBlock, -std::numeric_limits<float>::infinity());
@@ -153,10 +169,10 @@ void attend_block(const uint32_t* q, int64_t rows, int64_t pairs, const Packed& 
       if (rescale != 1.f)
         for (int64_t j = 0; j < dv; ++j) o[r * dv + j] *= rescale;
     }
-    for (int64_t r = rows; r < tiles; ++r) std::fill(p + r * kKeyBlock, p + r * kKeyBlock + n2, 0);
+    for (int64_t r = rows; r < kQueryBlock; ++r) std::fill(p + r * kKeyBlock, p + r * kKeyBlock + n2, 0);
     const auto* pp = reinterpret_cast<const uint32_t*>(p);
     const uint32_t* vb = kv.v.data() + k0 / 2 * dv;
-    for (int64_t r = 0; r < tiles; r += kValueRows)
+    for (int64_t r = 0; r < rows; r += kValueRows)
       value_tile<kValueRows, NV>(pp + r * kKeyBlock / 2, kKeyBlock / 2, n2 / 2, vb, dv, o + r * dv, dv);
   }
   for (int64_t r = 0; r < rows; ++r) {
