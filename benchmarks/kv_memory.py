@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from dabba.config import DEMO_MODEL, parse_bytes
+from dabba.config import DEMO_MODEL
+from dabba.config_fields import parse_bytes
 
 
 @dataclass

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from benchmarks.throughput import PeakMemory, memory_mib, peak_rss_mib, random_prompts, run_isolated
-from dabba.config import parse_bytes
+from dabba.config_fields import parse_bytes
 
 METHODS = (None, "int8", "int4")
 MIB = 2**20

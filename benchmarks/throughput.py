@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from dabba.config import parse_bytes
+from dabba.config_fields import parse_bytes
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:

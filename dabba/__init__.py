@@ -13,12 +13,13 @@ _init_logger()
 
 if _typing.TYPE_CHECKING:
     from dabba.entrypoints.llm import LLM
+    from dabba.lora_request import LoRARequest
     from dabba.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
     from dabba.pooling_params import PoolingParams
     from dabba.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "PoolingParams",
-           "PoolingRequestOutput"]
+           "PoolingRequestOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
@@ -30,6 +31,7 @@ _LAZY_ATTRS = {
     "CompletionOutput": "dabba.outputs",
     "PoolingParams": "dabba.pooling_params",
     "PoolingRequestOutput": "dabba.outputs",
+    "LoRARequest": "dabba.lora_request",
 }
 
 

@@ -6,10 +6,11 @@ Values derived at run time (the number of KV blocks) live in ``CacheLayout``, ne
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
+
+from dabba.config_fields import _help, json_object, parse_bytes
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 NATIVE_LAYER_LOOP = ("auto", "on", "off")
@@ -20,44 +21,6 @@ DEFAULT_IMAGES_PER_PROMPT = 8  # limit_mm_per_prompt's default
 # The small model dabba trains itself (tools/train_demo_model.py), shipped in the package: the
 # default MODEL of `dabba serve`, `generate` and `chat`.
 DEMO_MODEL = str(Path(__file__).resolve().parent / "assets" / "demo")
-
-
-def parse_bytes(text: str | int) -> int:
-    """'4GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
-    if isinstance(text, int):
-        return text
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
-    t = text.strip().lower()
-    for suffix, scale in units.items():
-        if t.endswith(suffix):
-            number = t[: -len(suffix)].strip()
-            break
-    else:
-        number, scale = t, 1
-    try:
-        return int(float(number) * scale)
-    except ValueError:
-        raise ValueError(f"cannot read {text!r} as a size in bytes (examples: 4GiB, 512MiB, 1000000)") from None
-
-
-def json_object(text: str, field_name: str = "value") -> dict[str, Any]:
-    """An option's JSON object text -> the dict; ValueError naming ``field_name`` otherwise."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{field_name} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{field_name} must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _help(text: str, default: Any = dataclasses.MISSING, parse: Any = None) -> Any:
-    """A field whose help text (and optional CLI parser) travel in its metadata."""
-    metadata = {"help": text, **({"parse": parse} if parse else {})}
-    if default is dataclasses.MISSING:
-        return field(metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -310,15 +273,38 @@ class ParallelConfig:
                              f"got {self.distributed_executor_backend!r}")
 
 
+MAX_LORA_RANK = 512
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = _help(
+        "Serve PEFT LoRA adapters per request (LLM.generate's lora_request): each request's rows add its adapter's "
+        "low-rank product to the base model's attention and MLP projections, in one batch with other adapters and "
+        "the base model.", False)
+    max_loras: int = _help(
+        "Adapters resident at once: the requests of one step use at most this many; others wait, and a resident "
+        "adapter no running request uses gives its place to the next one asked for (least recently used first).", 4)
+    max_lora_rank: int = _help(f"Largest adapter rank taken (1 to {MAX_LORA_RANK}); a larger one is refused.", 16)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ValueError(f"max_loras must be an integer >= 1, got {self.max_loras!r}")
+        if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be an integer in [1, {MAX_LORA_RANK}], got {self.max_lora_rank!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     PARTS: ClassVar[dict[str, type]] = {"model_config": ModelConfig, "cache_config": CacheConfig,
-                                        "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig}
+                                        "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig,
+                                        "lora_config": LoRAConfig}
 
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

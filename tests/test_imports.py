@@ -48,7 +48,7 @@ def test_public_names_are_lazy_and_still_importable():
     code = ("import sys, dabba\n"
             "assert 'torch' not in sys.modules, 'import dabba pulled torch in'\n"
             "assert set(dabba.__all__) == {'LLM', 'SamplingParams', 'RequestOutputKind', 'RequestOutput',"
-            " 'CompletionOutput', 'PoolingParams', 'PoolingRequestOutput'}\n"
+            " 'CompletionOutput', 'PoolingParams', 'PoolingRequestOutput', 'LoRARequest'}\n"
             "assert set(dabba.__all__) <= set(dir(dabba))\n"
             "from dabba import LLM, SamplingParams, RequestOutput, CompletionOutput\n"
             "assert LLM.__module__ == 'dabba.entrypoints.llm', LLM.__module__\n"
@@ -224,10 +224,12 @@ def test_import_graph_sees_function_level_and_from_imports():
     graph = import_graph()
     # `from dabba.ops import native` inside dabba.layers.* is the module dabba.ops.native, not the package
     assert any("dabba.ops.native" in edges for edges in graph.values())
-    # the core package imports only within core plus config, sampling_params, pooling_params and errors
+    # the core package imports only within core plus config, sampling_params, pooling_params,
+    # lora_request and errors
     for module in CORE_MODULES:
-        assert set(graph[module]) <= set(CORE_MODULES) | {"dabba.config", "dabba.sampling_params",
-                                                          "dabba.pooling_params", "dabba.errors"}, graph[module]
+        assert set(graph[module]) <= set(CORE_MODULES) | {"dabba.config", "dabba.config_fields", "dabba.sampling_params",
+                                                          "dabba.pooling_params", "dabba.lora_request",
+                                                          "dabba.errors"}, graph[module]
 
 
 def test_no_import_cycles_among_dabba_modules():
@@ -241,8 +243,8 @@ def test_no_import_cycles_among_dabba_modules():
 # modules of its own rung or of rungs below it. Each rung names modules and packages (a package
 # takes its modules, unless a longer name places one elsewhere).
 LADDER: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("dabba", "dabba.errors", "dabba.logger", "dabba.config", "dabba.sampling_params",
-              "dabba.pooling_params", "dabba.outputs",
+    ("base", ("dabba", "dabba.errors", "dabba.logger", "dabba.config", "dabba.config_fields", "dabba.sampling_params",
+              "dabba.pooling_params", "dabba.lora_request", "dabba.outputs",
               "dabba.structured_output", "dabba.structured_output.params")),  # plain data, no torch
     ("core", ("dabba.core",)),  # the scheduler's bookkeeping and the contracts with the worker
     ("arch", ("dabba.arch",)),  # a model's architecture, resolved

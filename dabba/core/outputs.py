@@ -3,11 +3,15 @@ EngineCoreOutputs from core/ to engine/. Plain data only, so each side could run
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dabba.core.multimodal import MultiModalFeature
+from dabba.lora_request import LoRARequest
 from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (the output processor reads this module and never the scheduler's requests)
+    from dabba.core.request import Request
 
 
 @dataclass
@@ -24,6 +28,13 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None  # a pooling request: pooled when its prompt is done, never sampled
     token_type_ids: list[int] | None = None  # a cross-encoder's text pair (per prompt token)
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # its images (with their encoder inputs)
+    lora: LoRARequest | None = None  # its adapter; None: the base model
+
+    @classmethod
+    def of(cls, request: Request, block_ids: tuple[list[int], ...], num_computed_tokens: int) -> "NewRequestData":
+        return cls(request.request_id, list(request.all_token_ids), request.sampling_params, block_ids,
+                   num_computed_tokens, request.num_output_tokens, request.eos_token_ids, request.pooling_params,
+                   request.token_type_ids, request.mm_features, request.lora)
 
 
 @dataclass

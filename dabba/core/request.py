@@ -9,6 +9,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from dabba.core.multimodal import MultiModalFeature
+from dabba.lora_request import LoRARequest
 from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import SamplingParams
 
@@ -81,6 +82,7 @@ class Request:
     one_step_prompt: bool = False  # its prompt runs in one step, never chunked (an encoder attends to all of it)
     token_type_ids: list[int] | None = None  # a cross-encoder's text pair: 1 in the second text
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # its images, in prompt order
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -144,6 +146,8 @@ class Request:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if i else None
             keys = tuple(f.identifier for f in self.mm_features if f.position.overlaps(i * bs, (i + 1) * bs))
+            if i == 0 and self.lora is not None:  # the chain starts apart from the base model's and other adapters'
+                keys += (f"lora:{self.lora.identity}",)
             self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs], keys))
 
     def sort_key(self) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Protocol
 from dabba.config import SchedulerConfig
 from dabba.core.encoder_scheduling import EncoderScheduler
 from dabba.core.kv_cache_manager import KVCacheManager
+from dabba.core.lora_slots import AdaptersInUse
 from dabba.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput)
 from dabba.core.pooling_budget import PoolingBudget, decoding, step_mix
@@ -53,8 +54,9 @@ class StructuredOutputs(Protocol):
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
                  structured_output: StructuredOutputs | None = None, row_blocks: RowBlocks = RowBlocks(),
-                 encoder: EncoderScheduler | None = None) -> None:
+                 encoder: EncoderScheduler | None = None, max_loras: int = 0) -> None:
         self.config = config
+        self.max_loras = max_loras  # LoRA adapters the running requests may use at once (core/lora_slots.py)
         self.encoder = encoder  # a model that reads images: which of them each step encodes
         self.structured_output = structured_output
         self.kv_cache_manager = kv_cache_manager
@@ -180,8 +182,9 @@ class Scheduler:
 
         # Admit waiting requests, unless this step already had to preempt (memory is tight); past
         # pooling requests when their share of the step is spent.
+        adapters = AdaptersInUse(self.max_loras, self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            j = next((k for k, r in enumerate(self.waiting) if shares.limit(r, 1)), -1)
+            j = next((k for k, r in enumerate(self.waiting) if shares.limit(r, 1) and adapters.admits(r)), -1)
             if j < 0:
                 break
             request = self.waiting[j]
@@ -205,20 +208,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=Request.sort_key)
-            out.scheduled_new_reqs.append(
-                NewRequestData(
-                    request_id=request.request_id,
-                    token_ids=list(request.all_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=kv.get_block_ids(request.request_id),
-                    num_computed_tokens=num_hit,
-                    num_output_tokens=request.num_output_tokens,
-                    eos_token_ids=request.eos_token_ids,
-                    pooling_params=request.pooling_params,
-                    token_type_ids=request.token_type_ids,
-                    mm_features=request.mm_features,
-                )
-            )
+            adapters.add(request)
+            out.scheduled_new_reqs.append(NewRequestData.of(request, kv.get_block_ids(request.request_id), num_hit))
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
             shares.take(request, num_new)

@@ -58,7 +58,8 @@ class EngineCore:
                                                self.cache_layout.groups, sc.max_num_batched_tokens)
         self.structured_output = StructuredOutputManager(tokenizer, resolved.arch.vocab_size, eos_token_ids)
         self.scheduler = Scheduler(sc, self.kv_cache_manager, resolved.max_model_len, self.structured_output,
-                                   self.executor.row_blocks(), _encoder_scheduler(resolved))
+                                   self.executor.row_blocks(), _encoder_scheduler(resolved),
+                                   config.lora_config.max_loras if config.lora_config.enable_lora else 0)
         self.last_step_num_tokens = 0  # tokens the last step ran (the dashboard's tokens per step)
         self._step: tuple[SchedulerOutput, ModelRunnerOutput, float] | None = None  # the step not yet closed
 

@@ -24,6 +24,8 @@ from dabba.engine.processor import EngineRequest, Processor, PromptType
 from dabba.engine.prompt_images import image_prompt
 from dabba.engine.tokenizer import Tokenizer
 from dabba.errors import InvalidRequest
+from dabba.lora_request import LoRARequest
+from dabba.models.lora_adapter import AdapterLimits
 from dabba.models.resolved_config import load_generation_config, resolve_config
 from dabba.outputs import PoolingRequestOutput, RequestOutput
 from dabba.pooling_params import PoolingParams
@@ -51,7 +53,7 @@ class LLMEngine:
                                     eos_token_ids, config.cache_config.block_size, generation_config,
                                     self.resolved.runner, self.resolved.pooler_config, arch.hidden_size,
                                     arch.encoder is not None, image_prompt(arch, model_dir, tokenizer),
-                                    config.model_config.max_images_per_prompt)
+                                    config.model_config.max_images_per_prompt, adapter_limits(config, arch))
         self.processor = Processor(self.model_info, self.engine_core.structured_output)
         self.output_processor = OutputProcessor(tokenizer)
 
@@ -64,12 +66,12 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                    priority: int = 0) -> None:
-        """Queue one prompt (n samples of it; PoolingParams: its embedding); raises InvalidRequest
-        (a ValueError), and queues nothing, if it is invalid or can never fit. A constrained one
-        waits here for its grammar to compile (no deadline: the caller's own constraint; a server
-        bounds it, see AsyncLLMEngine)."""
-        request = self.processor.process(request_id, prompt, params, priority)
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
+        """Queue one prompt (n samples of it; PoolingParams: its embedding), with ``lora_request``'s
+        adapter if given; raises InvalidRequest (a ValueError), and queues nothing, if it is
+        invalid or can never fit. A constrained one waits here for its grammar to compile (no
+        deadline: the caller's own constraint; a server bounds it, see AsyncLLMEngine)."""
+        request = self.processor.process(request_id, prompt, params, priority, lora_request)
         if request.compilation is not None:
             try:
                 request.compilation.future.result()  # its InvalidRequest, if it did not compile
@@ -110,6 +112,12 @@ class LLMEngine:
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()
+
+
+def adapter_limits(config: EngineConfig, arch: ArchConfig) -> AdapterLimits | None:
+    """What adapters must fit, where the engine serves them."""
+    lora = config.lora_config
+    return AdapterLimits.of(arch, lora.max_lora_rank) if lora.enable_lora else None
 
 
 def _eos_token_ids(generation_config: dict[str, Any], arch: ArchConfig, tokenizer: Tokenizer) -> frozenset[int]:

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dabba.arch.pooling_config import PoolerConfig
 from dabba.config import DEFAULT_IMAGES_PER_PROMPT
 from dabba.engine.prompt_images import ImagePrompt
 from dabba.engine.tokenizer import Tokenizer
 from dabba.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dabba.models.lora_adapter import AdapterLimits
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class ModelInfo:
     encoder: bool = False  # a BERT-style encoder: each input runs whole in one step, no prefix cache
     image_prompt: ImagePrompt | None = None  # how images enter its prompts; None: it takes none
     max_images_per_prompt: int = DEFAULT_IMAGES_PER_PROMPT  # limit_mm_per_prompt's
+    lora: AdapterLimits | None = None  # what adapters must fit (enable_lora); None: it serves none
 
     def default_sampling_params(self) -> SamplingParams:
         """Defaults from generation_config.json, as the checkpoint's authors meant them."""

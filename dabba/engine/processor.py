@@ -12,6 +12,7 @@ from dabba.core.request import Request
 from dabba.engine.model_info import ModelInfo
 from dabba.engine.prompt_images import prompt_images
 from dabba.errors import InvalidRequest
+from dabba.lora_request import LoRARequest
 from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import RequestOutputKind, SamplingParams
 from dabba.structured_output.compile_pool import Compilation
@@ -43,6 +44,7 @@ class Processor:
     def __init__(self, model_info: ModelInfo, grammars: StructuredOutputManager) -> None:
         self.model_info = model_info
         self.grammars = grammars
+        self._checked_loras: set[LoRARequest] = set()  # adapters read and found to fit the model
 
     @staticmethod
     def needs_work(prompt: PromptType, params: SamplingParams | PoolingParams) -> bool:
@@ -54,10 +56,14 @@ class Processor:
         return constrained or not plain_ids
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                priority: int = 0) -> EngineRequest:
+                priority: int = 0, lora_request: LoRARequest | None = None) -> EngineRequest:
         info = self.model_info
         if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
             raise InvalidRequest("priority", f"priority must be an integer in [-2**63, 2**63), got {priority!r}")
+        if lora_request is not None:
+            self._check_lora(lora_request)
+            if isinstance(params, PoolingParams):
+                raise InvalidRequest("lora_request", "embedding requests run on the base model only")
         if isinstance(params, PoolingParams):
             return self._process_pooling(request_id, prompt, params, priority)
         if info.runner == "pooling":
@@ -78,12 +84,31 @@ class Processor:
                 priority=priority,
                 block_size=info.block_size,
                 mm_features=features,
+                lora=lora_request,
                 block_hashes=list(samples[0].block_hashes) if samples else [],  # the prompt's, hashed once
             ))
         compilation = None
         if params.structured_outputs is not None:  # compiling from now: last, so nothing after it fails
             compilation = self.grammars.compile(params.structured_outputs)
         return EngineRequest(request_id, text, token_ids, params, priority, samples, compilation)
+
+    def _check_lora(self, lora: LoRARequest) -> None:
+        """The adapter read and held against the model once per LoRARequest (the worker reads it
+        again when it takes a slot): a request for one that cannot run is refused here."""
+        from dabba.models.lora_adapter import read_peft_adapter
+
+        if not isinstance(lora, LoRARequest):
+            raise InvalidRequest("lora_request", f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        limits = self.model_info.lora
+        if limits is None:
+            raise InvalidRequest("lora_request", "this engine serves no LoRA adapters (start it with enable_lora)")
+        if lora in self._checked_loras:
+            return
+        try:
+            limits.check(read_peft_adapter(lora.lora_path, limits.max_rank), lora.lora_path)
+        except ValueError as e:
+            raise InvalidRequest("lora_request", str(e)) from None
+        self._checked_loras.add(lora)
 
     def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
                          priority: int) -> EngineRequest:

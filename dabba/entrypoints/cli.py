@@ -9,7 +9,8 @@ import traceback
 from pathlib import Path
 from typing import Sequence
 
-from dabba.config import DEMO_MODEL, EngineConfig, ServerConfig, parse_bytes
+from dabba.config import DEMO_MODEL, EngineConfig, ServerConfig
+from dabba.config_fields import parse_bytes
 from dabba.entrypoints.cli_args import add_config_args, add_engine_args, config_kwargs, engine_kwargs
 from dabba.entrypoints.openai.reasoning import REASONING_PARSERS
 from dabba.entrypoints.openai.tool_call_parsers import TOOL_CALL_PARSERS

@@ -14,6 +14,7 @@ from dabba.engine.tokenizer import Tokenizer
 from dabba.entrypoints.chat_utils import render_conversation, template_content
 from dabba.multimodal.media import ImageSource
 from dabba.entrypoints.scoring import pair_up, plan_scoring
+from dabba.lora_request import LoRARequest
 from dabba.outputs import PoolingRequestOutput, RequestOutput, RerankResult, ScoringOutput, ScoringRequestOutput
 from dabba.pooling_params import PoolingParams
 from dabba.sampling_params import RequestOutputKind, SamplingParams
@@ -82,9 +83,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in input order. Each prompt's
-        result is its one FINAL_ONLY output, whatever output_kind the params name."""
+        result is its one FINAL_ONLY output, whatever output_kind the params name.
+        ``lora_request``: the adapter every prompt runs with, or one per prompt (None: the base
+        model), where the LLM was made with enable_lora=True."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -94,7 +98,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
-        return self._run(prompts, params, priority, "Generating", use_tqdm)
+        loras = (list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        return self._run(prompts, params, priority, "Generating", use_tqdm, loras)
 
     def embed(
         self,
@@ -145,7 +152,8 @@ class LLM:
         return [RerankResult(i, documents[i], scores[i]) for i in order[:top_n]]
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams],
-             priority: Sequence[int] | None, what: str, use_tqdm: bool) -> list[Any]:
+             priority: Sequence[int] | None, what: str, use_tqdm: bool,
+             loras: list[LoRARequest | None] | None = None) -> list[Any]:
         """Add every prompt (all or none), step until each has its final output; in input order."""
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
@@ -154,8 +162,9 @@ class LLM:
         request_ids = [f"req-{next(self._counter)}" for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, p, prio in zip(request_ids, prompts, params, priorities):
-                engine.add_request(request_id, prompt, p, prio)
+            for request_id, prompt, p, prio, lora in zip(request_ids, prompts, params, priorities,
+                                                         loras or [None] * len(prompts)):
+                engine.add_request(request_id, prompt, p, prio, lora)
                 added.append(request_id)
         except ValueError:
             for request_id in added:  # all or nothing: leave no half-submitted batch behind

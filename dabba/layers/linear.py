@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from dabba.distributed.tensor_parallel import current_tensor_parallel
+from dabba.layers.lora import LoRASlots, step_has_adapters
+from dabba.ops.activation import act_and_mul as apply_act_and_mul
 from dabba.quantization.base import UnquantizedLinearMethod
 from dabba.quantization.config import QuantConfig
 
@@ -76,6 +78,7 @@ class Linear(nn.Module):
                              f"group ({in_features} of {self.full_in_features} input channels a rank, groups of "
                              f"{group}); take a size that divides {self.full_in_features // group} groups")
         self.quant_method.create_weights(self)  # `weight`, or a checkpoint format's packed tensors
+        self.lora: LoRASlots | None = None  # adapters' slots, where the engine serves LoRA (worker/lora_manager.py)
         if bias:
             if self.parallel == "row" and not reduce_results:
                 raise ValueError(f"{prefix}: a row-parallel layer whose caller sums the ranks cannot add a bias")
@@ -155,8 +158,14 @@ class Linear(nn.Module):
         """x W^T + b; with ``act_and_mul`` ("silu": SwiGLU, "gelu_tanh": GeGLU), act(gate) * up of a
         merged [gate, up] layer's output, fused where the method can. (Through the module call
         either way: calibration hooks see x.)"""
+        if self.lora is not None and step_has_adapters():  # the adapters' products join before the activation
+            y = self.lora.add_to(self._plain(x), x)
+            return y if act_and_mul is None else apply_act_and_mul(y, act_and_mul)
         if act_and_mul is not None:
             return self.quant_method.apply_act_and_mul(self, x, self.bias, act_and_mul)
+        return self._plain(x)
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel != "row":
             return self.quant_method.apply(self, x, self.bias)
         y = self.quant_method.apply(self, x, None)  # this rank's partial sums: the bias is added once, after

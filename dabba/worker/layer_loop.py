@@ -17,7 +17,8 @@ from dabba.models.native_layer_loop import NativeLayerLoop, missing_native_form
 
 
 def select_layer_loop(model: torch.nn.Module, backend: AttentionBackend, kv_quant: KVQuant | None,
-                      setting: str, tp: TensorParallel = SINGLE) -> tuple[NativeLayerLoop | None, str]:
+                      setting: str, tp: TensorParallel = SINGLE,
+                      lora: bool = False) -> tuple[NativeLayerLoop | None, str]:
     """The native loop or None (the Python layers), and why. The native loop reads the CPU
     backend's cache layout and must compute exactly what the Python layers do; "auto" takes it
     where both hold, "on" insists, "off" never takes it. A tensor-parallel rank's loop sums over
@@ -27,6 +28,8 @@ def select_layer_loop(model: torch.nn.Module, backend: AttentionBackend, kv_quan
     if tp.size > 1 and not isinstance(tp.communicator, ShmCommunicator):
         why = (f"tensor_parallel_size={tp.size} over torch.distributed (the loop's collectives go through the "
                "shared memory of ranks on one host)")
+    elif lora:
+        why = "enable_lora (the adapters' products are added in the Python layers)"
     elif not isinstance(backend, CpuBackend):
         why = f"the {type(backend).__name__} attention backend (the loop reads the CPU backend's cache)"
     else:

@@ -27,6 +27,7 @@ from dabba.core.kv_cache_groups import KVCacheGroup, group_layers, group_size, l
 from dabba.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from dabba.core.spec_budget import RowBlocks
 from dabba.distributed.tensor_parallel import SINGLE, KVHeadShard, TensorParallel
+from dabba.layers.lora import lora_rows
 from dabba.layers.pooler import Pooler
 from dabba.models.loader import load_model
 from dabba.models.resolved_config import ResolvedConfig
@@ -34,6 +35,7 @@ from dabba.models.sizes import weights_bytes
 from dabba.ops import native
 from dabba.worker.image_inputs import EncoderWork, ImageEmbeddings
 from dabba.worker.layer_loop import run_layers, select_layer_loop
+from dabba.worker.lora_manager import LoRAManager
 from dabba.worker.memory import check_fits, default_kv_cache_memory, keep_freed_host_memory, kv_cache_tensors
 from dabba.worker.model_inputs import ModelInputs
 from dabba.worker.request_states import RequestStates
@@ -97,8 +99,11 @@ class ModelRunner:
                     f", {quant_config.method}" if quant_config else "",
                     f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
                     device, time.perf_counter() - start, type(self.backend).__name__)
+        lora = resolved.config.lora_config
+        self.loras = LoRAManager(self.model, lora.max_loras, lora.max_lora_rank, dtype, device) \
+            if lora.enable_lora else None
         self.native_loop, self.layer_loop_reason = select_layer_loop(self.model, self.backend, self.kv_quant,
-                                                                     mc.native_layer_loop, tp)
+                                                                     mc.native_layer_loop, tp, lora.enable_lora)
         logger.info("Layers run %s: %s", "in the native loop (csrc/decode_cpu.cpp)" if self.native_loop
                     else "in Python", self.layer_loop_reason)
         self.sampler = Sampler(device, mc.seed)
@@ -179,9 +184,13 @@ class ModelRunner:
         assert self.layout is not None, "initialize_kv_cache() first"
         inputs = self.requests.prepare_inputs(sched, self.layout.block_size, self.device, self.images)
         metadata = [self.backend.build_metadata(common) for common in inputs.attn]
-        hidden = run_layers(self.model, self.native_loop, self.backend, inputs.input_ids, inputs.positions, metadata,
-                            self.kv_caches, self.layer_groups, inputs.token_type_ids,
-                            inputs.image_embeds)  # [num_tokens, hidden]
+        adapters = None if self.loras is None else self.loras.step_rows(
+            [self.requests.states[r].lora for r in sched.num_scheduled_tokens],
+            list(sched.num_scheduled_tokens.values()), self.device)
+        with lora_rows(adapters):
+            hidden = run_layers(self.model, self.native_loop, self.backend, inputs.input_ids, inputs.positions,
+                                metadata, self.kv_caches, self.layer_groups, inputs.token_type_ids,
+                                inputs.image_embeds)  # [num_tokens, hidden]
         output = self._encoder_output(ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(sched, inputs, hidden)),
                                       encoding)
         if inputs.pooling:

@@ -40,6 +40,7 @@ class CachedRequestState:
     pooling: PoolingState = field(default_factory=PoolingState)  # its pooling so far, chunk by chunk
     token_type_ids: list[int] | None = None  # a cross-encoder's text pair
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # its images
+    lora: Any = None  # its LoRARequest; None: the base model
     mrope: Any = None  # M-RoPE models: its prompt's positions and the delta after (worker/mrope_positions.py)
 
     @property
@@ -77,6 +78,7 @@ class RequestStates:
                 pooling_params=new.pooling_params,
                 token_type_ids=new.token_type_ids,
                 mm_features=new.mm_features,
+                lora=new.lora,
             )
             self.block_tables.add(new.request_id, new.block_ids)
         for cached in sched.scheduled_cached_reqs:

@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from dabba.config import parse_bytes
+    from dabba.config_fields import parse_bytes
 
     limits = ServerConfig(max_n=args.max_n, max_stop_sequences=args.max_stop_sequences,
                           max_stop_length=args.max_stop_length,
