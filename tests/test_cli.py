@@ -69,3 +69,13 @@ def test_auto_tool_choice_needs_a_parser(checkpoints, capsys) -> None:
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
     args = build_parser().parse_args(["serve", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "hermes")
+
+
+def test_lora_modules_need_enable_lora_and_name_path_items(checkpoints, capsys) -> None:
+    path = str(checkpoints["qwen2"].path)
+    for flags, message in ((["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+                           (["--enable-lora", "--lora-modules", "a"], "name=path items"),
+                           (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names 'a' twice")):
+        assert main(["serve", path, *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1

@@ -26,6 +26,7 @@ from dabba.engine.processor import EngineRequest, PromptType
 from dabba.engine.protocol import ENGINE_FAILED, EngineDeadError, RequestStream
 from dabba.engine.stats_feed import StatsFeed, watch
 from dabba.errors import InvalidRequest
+from dabba.lora_request import LoRARequest
 from dabba.outputs import RequestOutput
 from dabba.sampling_params import SamplingParams
 from dabba.structured_output.compile_pool import Compilation
@@ -73,25 +74,28 @@ class AsyncLLMEngine:
 
     # ---- called from the event loop -----------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0, compile_timeout: float | None = None) -> RequestStream:
-        """Process a request (off the event loop when that tokenizes or claims a compile), wait
-        for its grammar to compile (up to ``compile_timeout`` seconds), then queue it; returns
-        once the engine accepted it, or raises its InvalidRequest."""
+                          priority: int = 0, compile_timeout: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
+        """Process a request (off the event loop when that tokenizes, claims a compile or reads an
+        adapter), wait for its grammar to compile (up to ``compile_timeout`` seconds), then queue
+        it; returns once the engine accepted it, or raises its InvalidRequest."""
         self._check_open()
-        return await self.add_processed(await self.process(request_id, prompt, params, priority, compile_timeout))
+        return await self.add_processed(await self.process(request_id, prompt, params, priority, compile_timeout,
+                                                           lora_request))
 
     async def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                      priority: int = 0, compile_timeout: float | None = None) -> EngineRequest:
-        if self._processor.needs_work(prompt, params):
+                      priority: int = 0, compile_timeout: float | None = None,
+                      lora_request: LoRARequest | None = None) -> EngineRequest:
+        if self._processor.needs_work(prompt, params) or lora_request is not None:
             processing = asyncio.ensure_future(
-                asyncio.to_thread(self._processor.process, request_id, prompt, params, priority))
+                asyncio.to_thread(self._processor.process, request_id, prompt, params, priority, lora_request))
             try:
                 request = await asyncio.shield(processing)
             except asyncio.CancelledError:  # the thread goes on: a compile it claims is released when it ends
                 processing.add_done_callback(self._release_claim)
                 raise
         else:
-            request = self._processor.process(request_id, prompt, params, priority)
+            request = self._processor.process(request_id, prompt, params, priority, lora_request)
         if request.compilation is not None:
             await wait_compiled(request.compilation, self._processor.grammars, compile_timeout)
         return request

@@ -23,6 +23,7 @@ from dabba.engine.async_engine import AsyncLLMEngine
 from dabba.engine.llm_engine import LLMEngine
 from dabba.engine.metrics import EngineMetrics
 from dabba.engine.processor import PromptType
+from dabba.lora_request import LoRARequest
 from dabba.engine.protocol import EngineDeadError, InvalidRequest, RequestStream
 from dabba.engine.stats_feed import combine_snapshots, watch
 from dabba.sampling_params import SamplingParams
@@ -144,10 +145,11 @@ class DataParallelEngine:
             threading.Thread(target=self.run_loop, name="dabba-replicas", daemon=True).start()
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0, compile_timeout: float | None = None) -> RequestStream:
+                          priority: int = 0, compile_timeout: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         self._check_open()
         # the same in every replica (they share the process's grammar compiles)
-        request = await self.replicas[0].process(request_id, prompt, params, priority, compile_timeout)
+        request = await self.replicas[0].process(request_id, prompt, params, priority, compile_timeout, lora_request)
         self._check_open()
         if self.router.in_flight(request_id):  # a replica would refuse it only if it held it itself
             raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")

@@ -13,6 +13,7 @@ from dabba.core.stats import SchedulerStats
 from dabba.engine.model_info import ModelInfo
 from dabba.engine.processor import PromptType
 from dabba.errors import InvalidRequest, Overloaded
+from dabba.lora_request import LoRARequest
 from dabba.outputs import RequestOutput
 from dabba.sampling_params import SamplingParams
 
@@ -64,9 +65,11 @@ class EngineClient(Protocol):
     model_info: ModelInfo
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0, compile_timeout: float | None = None) -> RequestStream:
-        """Process and queue a request; returns once the engine accepted it, a constrained one
-        once its grammar compiled (within ``compile_timeout`` seconds; None: no bound). Raises
+                          priority: int = 0, compile_timeout: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
+        """Process and queue a request (with ``lora_request``'s adapter, where the engine serves
+        adapters); returns once the engine accepted it, a constrained one once its grammar
+        compiled (within ``compile_timeout`` seconds; None: no bound). Raises
         InvalidRequest (a ValueError naming the field) for a request the engine refuses,
         Overloaded when the grammar compilers' queue is full, EngineDeadError when the engine
         no longer serves."""

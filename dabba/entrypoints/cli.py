@@ -70,17 +70,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dabba.engine.clients import make_engine_client
     from dabba.engine.data_parallel import build_replicas
     from dabba.engine.llm_engine import LLMEngine
+    from dabba.entrypoints.openai.adapters import parse_lora_modules
     from dabba.entrypoints.openai.api_server import serve
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
     server_config = ServerConfig(**config_kwargs(args, SERVER_PARTS))  # a bad bound fails before the model loads
+    lora_modules = parse_lora_modules(args.lora_modules or [])
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
     engine = LLMEngine(config) if config.parallel_config.data_parallel_size == 1 else build_replicas(config)
     name = args.served_model_name or ("demo" if args.model == DEMO_MODEL else args.model)
     client = make_engine_client(engine, name, start_thread=False)  # serve() runs its loop on this thread
     return serve(client, name, args.host, args.port, args.api_key,
-                 args.tool_call_parser if args.enable_auto_tool_choice else None, server_config, args.reasoning_parser)
+                 args.tool_call_parser if args.enable_auto_tool_choice else None, server_config, args.reasoning_parser,
+                 lora_modules)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -158,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT directories) served from the start, each under its NAME as the "
+                          "request's model (needs --enable-lora); more load at run time: POST /v1/load_lora_adapter")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help='tool_choice "auto" (the default when a request has tools): read calls from the reply')
     srv.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,

@@ -25,7 +25,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def live_server(path: str, model_name: str, api_key: str | None, tool_call_parser: str | None = None,
                 config: ServerConfig | None = None, app_state: dict | None = None,
-                reasoning_parser: str | None = None, **engine_options) -> Iterator[tuple[str, LLMEngine | list[LLMEngine]]]:
+                reasoning_parser: str | None = None, lora_modules: dict[str, str] | None = None, **engine_options) -> Iterator[tuple[str, LLMEngine | list[LLMEngine]]]:
     """Yields (base URL, engine, or the replicas under data_parallel_size); stops the server on
     exit. ``app_state``, if given, receives the app's state (its EngineClient as "engine");
     ``engine_options`` add to the engine's."""
@@ -34,7 +34,8 @@ def live_server(path: str, model_name: str, api_key: str | None, tool_call_parse
     engine = (LLMEngine(engine_config) if engine_config.parallel_config.data_parallel_size == 1 else
               build_replicas(engine_config))
     app = build_app(make_engine_client(engine, model_name), model_name, api_key=api_key,
-                    tool_call_parser=tool_call_parser, config=config, reasoning_parser=reasoning_parser)
+                    tool_call_parser=tool_call_parser, config=config, reasoning_parser=reasoning_parser,
+                    lora_modules=lora_modules)
     if app_state is not None:
         app_state["engine"] = app.state.engine_client
     try:

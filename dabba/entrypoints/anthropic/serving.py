@@ -119,7 +119,7 @@ class AnthropicServing:
         stop_reason, stop_sequence = _stop(o, bool(reply.calls))
         usage = Usage(input_tokens=len(out.prompt_token_ids), output_tokens=len(o.token_ids),
                       cache_read_input_tokens=out.num_cached_tokens)
-        return JSONResponse(MessageResponse(id=run.request_id, model=self.chat.served_model_name, content=content,
+        return JSONResponse(MessageResponse(id=run.request_id, model=run.model, content=content,
                                             stop_reason=stop_reason, stop_sequence=stop_sequence,
                                             usage=usage).model_dump())
 
@@ -134,7 +134,7 @@ class AnthropicServing:
         reader = run.form.reader()
         num_tokens, cached = 0, 0
         yield event({"type": "message_start", "message": MessageResponse(
-            id=run.request_id, model=self.chat.served_model_name, content=[],
+            id=run.request_id, model=run.model, content=[],
             usage=Usage(input_tokens=run.num_prompt_tokens, output_tokens=0)).model_dump()})
         yield event({"type": "ping"})
         try:

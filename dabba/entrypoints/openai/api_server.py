@@ -19,7 +19,7 @@ from typing import AsyncIterator
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -29,9 +29,10 @@ from dabba.config import ServerConfig
 from dabba.engine.protocol import EngineClient, EngineDeadError
 from dabba.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from dabba.entrypoints.anthropic.serving import AnthropicServing
+from dabba.entrypoints.openai.adapters import AdapterRegistry
 from dabba.entrypoints.openai.http_protocol import protocol_class, raise_open_file_limit
 from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                               TokenizeRequest)
+                                               LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from dabba.entrypoints.openai.errors import OpenAIError
 from dabba.entrypoints.openai.response_store import ResponseStore
 from dabba.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -84,18 +85,22 @@ class RequestBodyLimit:
 
 def build_app(client: EngineClient, served_model_name: str, api_key: str | None = None,
               tool_call_parser: str | None = None, config: ServerConfig | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, lora_modules: dict[str, str] | None = None) -> FastAPI:
     """The app in front of ``client`` (engine/clients.py makes one). ``tool_call_parser``: how
     tool_choice "auto" reads the model's calls (None: no auto tool choice); ``config``: the bounds
     on requests; ``reasoning_parser``: how a reply's thinking is split from its answer (None: it
-    is not)."""
+    is not); ``lora_modules``: LoRA adapters served by name from the start ({name: path}; a bad
+    one is a ValueError)."""
     config = config or ServerConfig()
     model_info = client.model_info
-    serving = OpenAIServingChat(client, served_model_name, tool_call_parser, config, reasoning_parser)
+    adapters = AdapterRegistry(model_info, served_model_name)
+    for name, path in (lora_modules or {}).items():
+        adapters.load(name, path)
+    serving = OpenAIServingChat(client, served_model_name, tool_call_parser, config, reasoning_parser, adapters)
     anthropic = AnthropicServing(serving)
     responses = OpenAIServingResponses(serving, ResponseStore(config.max_stored_responses))
-    embedding = OpenAIServingEmbedding(client, served_model_name, config)
-    scoring = OpenAIServingScore(client, served_model_name, config)
+    embedding = OpenAIServingEmbedding(client, served_model_name, config, adapters)
+    scoring = OpenAIServingScore(client, served_model_name, config, adapters)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -177,8 +182,30 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "dabba", "max_model_len": model_info.max_model_len}]}
+        # the base model, then its adapters as vLLM lists them (parent: the base model, root: the files)
+        return {"object": "list", "data": [
+            {"id": served_model_name, "object": "model", "created": 0, "owned_by": "dabba",
+             "max_model_len": model_info.max_model_len},
+            *({"id": lora.lora_name, "object": "model", "created": 0, "owned_by": "dabba", "parent": served_model_name,
+               "root": lora.lora_path, "max_model_len": model_info.max_model_len} for lora in adapters.all())]}
+
+    # vLLM's runtime adapter endpoints, behind the API key
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        try:
+            await asyncio.to_thread(adapters.load, req.lora_name, req.lora_path)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="lora_path" if "LoRA adapter" in str(e) else "lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+        try:
+            adapters.unload(req.lora_name)
+        except KeyError:
+            raise OpenAIError(404, f"The LoRA adapter `{req.lora_name}` is not loaded.", param="lora_name",
+                              code="model_not_found") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -287,7 +314,7 @@ def uvicorn_config(app: FastAPI, host: str, port: int, config: ServerConfig, log
 
 def serve(client: EngineClient, served_model_name: str, host: str, port: int, api_key: str | None,
           tool_call_parser: str | None = None, config: ServerConfig | None = None,
-          reasoning_parser: str | None = None) -> int:
+          reasoning_parser: str | None = None, lora_modules: dict[str, str] | None = None) -> int:
     """Run until SIGINT/SIGTERM, then drain: new requests are refused (503), those in flight get
     ``config.shutdown_timeout`` seconds to finish, and any still running end with an error (an
     error event and [DONE] for a stream, a 503 body otherwise). Returns the exit status: 0 after
@@ -297,7 +324,7 @@ def serve(client: EngineClient, served_model_name: str, host: str, port: int, ap
     config = config or ServerConfig()
     raise_open_file_limit(config.max_connections)
     app = build_app(client, served_model_name, api_key, tool_call_parser=tool_call_parser, config=config,
-                    reasoning_parser=reasoning_parser)
+                    reasoning_parser=reasoning_parser, lora_modules=lora_modules)
     log_level = logging.getLevelName(logger.getEffectiveLevel()).lower()  # dabba's (--log-level)
     server = uvicorn.Server(uvicorn_config(app, host, port, config, log_level))
     status: dict[str, int] = {}

@@ -295,6 +295,15 @@ class DetokenizeRequest(OpenAIRequest):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(OpenAIRequest):  # vLLM's /v1/load_lora_adapter
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIRequest):
+    lora_name: str
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

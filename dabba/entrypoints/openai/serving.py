@@ -16,12 +16,14 @@ from dabba.config import ServerConfig
 from dabba.multimodal.fetch import UrlPolicy
 from dabba.multimodal.media import ImageLimits, ImageSource
 from dabba.engine.protocol import EngineClient, EngineDeadError, Overloaded, RequestStream
+from dabba.entrypoints.openai.adapters import AdapterRegistry
 from dabba.entrypoints.openai.errors import OpenAIError, param_of
 from dabba.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                CompletionResponse, ErrorInfo, ErrorResponse, PromptTokensDetails,
                                                SamplingFields, UsageInfo, random_id)
 from dabba.entrypoints.openai.request_bounds import (check_bounds, check_constraint, constraint_field,
                                                      structured_outputs_of)
+from dabba.lora_request import LoRARequest
 from dabba.outputs import PositionLogprobs, RequestOutput
 from dabba.sampling_params import RequestOutputKind, SamplingParams
 from dabba.structured_output import StructuredOutputsParams
@@ -46,9 +48,11 @@ class ChoiceProgress:
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, served_model_name: str, config: ServerConfig | None = None) -> None:
+    def __init__(self, client: EngineClient, served_model_name: str, config: ServerConfig | None = None,
+                 adapters: AdapterRegistry | None = None) -> None:
         self.client = client
         self.served_model_name = served_model_name
+        self.adapters = adapters or AdapterRegistry(client.model_info, served_model_name)
         self.config = config or ServerConfig()
         self.tokenizer = client.model_info.tokenizer
         self.max_model_len = client.model_info.max_model_len
@@ -59,9 +63,24 @@ class OpenAIServing:
                                         image_prompt.check) if image_prompt is not None else None
 
     # ---- shared ---------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter ``model`` names (None: the base model); a 404 for a name the server does not serve."""
+        if model is None or model == self.served_model_name:
+            return None
+        lora = self.adapters.get(model)
+        if lora is None:
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return lora
+
+    def check_base_model(self, model: str | None) -> None:
+        """check_model for what runs on the base model alone (embeddings, scores)."""
+        if self.check_model(model) is not None:
+            raise OpenAIError(400, f"`{model}` is a LoRA adapter; this endpoint runs the base model "
+                                   f"`{self.served_model_name}` only", param="model")
+
+    def model_name(self, model: str | None) -> str:
+        """What a reply names as its model: the adapter asked for, else the base model."""
+        return model if model is not None and self.adapters.get(model) is not None else self.served_model_name
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None, structured: StructuredOutputsParams | None = None,
@@ -89,7 +108,7 @@ class OpenAIServing:
 
     async def _start(self, raw: Request, request_ids: list[str], prompts: list[Any], params: SamplingParams,
                      priority: int, constraint_param: str = "structured_outputs",
-                     prompt_param: str = "prompt") -> list[RequestStream]:
+                     prompt_param: str = "prompt", lora: LoRARequest | None = None) -> list[RequestStream]:
         """Queue every prompt before answering: a rejected one is a 400 for the whole call,
         even when streaming, and leaves nothing running. The client processes each prompt off the
         event loop (tokenizing, validating and compiling its constraint, within the server's
@@ -101,7 +120,8 @@ class OpenAIServing:
         timeout = self.config.structured_outputs_compile_timeout
         try:
             for request_id, prompt in zip(request_ids, prompts):
-                adding = self.client.add_request(request_id, prompt, params, priority, compile_timeout=timeout)
+                adding = self.client.add_request(request_id, prompt, params, priority, compile_timeout=timeout,
+                                                 **({"lora_request": lora} if lora is not None else {}))
                 # only a compile waits long enough for its client to leave meanwhile
                 streams.append(await (adding if params.structured_outputs is None
                                       else self._unless_disconnected(raw, adding)))
@@ -243,7 +263,7 @@ class OpenAIServing:
         raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
 
     async def completions(self, req: CompletionRequest, raw: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         check_bounds(req, self.config)
         if req.suffix is not None:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
@@ -255,7 +275,7 @@ class OpenAIServing:
         prompts = self._completion_prompts(req)
         base_id = random_id("cmpl")
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        streams = await self._start(raw, ids, prompts, params, req.priority, constraint_field(req))
+        streams = await self._start(raw, ids, prompts, params, req.priority, constraint_field(req), lora=lora)
         if req.stream:
             return self._streaming(self._completion_events(req, base_id, streams, params))
         outs = await self._finals(streams, raw, constraint_field(req))
@@ -269,7 +289,7 @@ class OpenAIServing:
                     logprobs = self._completion_logprobs(o.token_ids, o.logprobs, 0, out if req.echo else None)
                 choices.append(CompletionChoice(index=i * params.n + o.index, text=text, logprobs=logprobs,
                                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))
-        return JSONResponse(CompletionResponse(id=base_id, model=self.served_model_name, choices=choices,
+        return JSONResponse(CompletionResponse(id=base_id, model=self.model_name(req.model), choices=choices,
                                                usage=final_usage(outs)).model_dump())
 
     def _prompt_text(self, out: RequestOutput) -> str:
@@ -318,12 +338,12 @@ class OpenAIServing:
                                                          prompt if req.echo and starting else None)
                 state.num_chars += len(o.text)
                 state.num_tokens += len(o.token_ids)
-                yield CompletionResponse(id=base_id, model=self.served_model_name, choices=[
+                yield CompletionResponse(id=base_id, model=self.model_name(req.model), choices=[
                     CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=o.finish_reason,
                                      stop_reason=o.stop_reason)]).model_dump()
         if req.stream_options and req.stream_options.include_usage:
             num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts.values())
-            yield CompletionResponse(id=base_id, model=self.served_model_name, choices=[],
+            yield CompletionResponse(id=base_id, model=self.model_name(req.model), choices=[],
                                      usage=usage_info(num_prompt_tokens, sum(c.num_tokens for c in progress.values()),
                                                       sum(p.num_cached_tokens for p in prompts.values()))
                                      ).model_dump()

@@ -19,6 +19,7 @@ from dabba.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, 
                                                ChatMessageOut, ChatStreamChoice, ChatTool, DeltaFunctionCall,
                                                DeltaToolCall, FunctionCall, TokenLogprob, ToolCallOut, TopLogprob,
                                                UsageInfo, random_id)
+from dabba.entrypoints.openai.adapters import AdapterRegistry
 from dabba.entrypoints.openai.errors import OpenAIError
 from dabba.entrypoints.openai.request_bounds import check_bounds, constraint_field, structured_outputs_of
 from dabba.entrypoints.openai.serving import ChoiceProgress, OpenAIServing, final_usage, usage_info
@@ -44,6 +45,7 @@ class ChatRun:
     form: ReplyFormat
     constraint_param: str
     num_prompt_tokens: int
+    model: str  # what its replies name as the model: the adapter asked for, else the base model
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -51,8 +53,9 @@ class OpenAIServingChat(OpenAIServing):
     the model's calls (``--enable-auto-tool-choice --tool-call-parser NAME``); None: no auto."""
 
     def __init__(self, client: EngineClient, served_model_name: str, tool_call_parser: str | None = None,
-                 config: ServerConfig | None = None, reasoning_parser: str | None = None) -> None:
-        super().__init__(client, served_model_name, config)
+                 config: ServerConfig | None = None, reasoning_parser: str | None = None,
+                 adapters: AdapterRegistry | None = None) -> None:
+        super().__init__(client, served_model_name, config, adapters)
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -157,7 +160,7 @@ class OpenAIServingChat(OpenAIServing):
         """The engine's request for a chat request, queued: every chat API converts its request to
         a ChatCompletionRequest and comes here (the template, sampling, tool choice and its
         constraint, the reply format), then renders the run's outputs in its own shapes."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         tool_choice = self._tool_choice(req)
         check_bounds(req, self.config)  # before the template's work
         # As vLLM: tools reach the template even for "none". Off the event loop: a long
@@ -185,8 +188,10 @@ class OpenAIServingChat(OpenAIServing):
         if form.keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
         request_id = request_id or random_id("chatcmpl")
-        streams = await self._start(raw, [request_id], [prompt], params, req.priority, constraint_param, "messages")
-        return ChatRun(request_id, streams, params, form, constraint_param, len(prompt["prompt_token_ids"]))
+        streams = await self._start(raw, [request_id], [prompt], params, req.priority, constraint_param, "messages",
+                                    lora)
+        return ChatRun(request_id, streams, params, form, constraint_param, len(prompt["prompt_token_ids"]),
+                       self.model_name(req.model))
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         run = await self.start_chat(req, raw)
@@ -208,7 +213,7 @@ class OpenAIServingChat(OpenAIServing):
                 index=o.index, message=message,
                 logprobs=self._chat_logprobs(o.token_ids, o.logprobs, top) if req.logprobs else None,
                 finish_reason=_finish_reason(o.finish_reason, bool(reply.calls)), stop_reason=o.stop_reason))
-        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name(req.model), choices=choices,
                                                    usage=final_usage([out])).model_dump())
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None,
@@ -230,7 +235,7 @@ class OpenAIServingChat(OpenAIServing):
         none (held back: a partial character or tag, text still to be read as calls) go out with
         the next."""
         def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> dict:
-            body = ChatCompletionChunk(id=request_id, model=self.served_model_name,
+            body = ChatCompletionChunk(id=request_id, model=self.model_name(req.model),
                                        choices=[choice] if choice else [], usage=usage).model_dump()
             for c in body["choices"]:  # a delta carries only what it brings, as OpenAI's do
                 calls = c["delta"].pop("tool_calls")

@@ -57,7 +57,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         return inputs
 
     async def embeddings(self, req: EmbeddingRequest, raw: Request) -> dict[str, Any]:
-        self.check_model(req.model)
+        self.check_base_model(req.model)
         if self.client.model_info.pooler is None:
             raise OpenAIError(400, f"this model ({self.client.model_info.architecture}) does not produce embeddings",
                               param="model")

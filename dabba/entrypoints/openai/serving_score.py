@@ -75,7 +75,7 @@ class OpenAIServingScore(OpenAIServing):
         return plan.scores([o.outputs.embedding for o in outs]), sum(len(o.prompt_token_ids) for o in outs)
 
     async def score(self, req: ScoreRequest, raw: Request) -> dict[str, Any]:
-        self.check_model(req.model)
+        self.check_base_model(req.model)
         try:
             pairs = pair_up(req.text_1, req.text_2)
         except InvalidRequest as e:
@@ -87,7 +87,7 @@ class OpenAIServingScore(OpenAIServing):
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
     async def rerank(self, req: RerankRequest, raw: Request) -> dict[str, Any]:
-        self.check_model(req.model)
+        self.check_base_model(req.model)
         texts = [d if isinstance(d, str) else d.text for d in req.documents]
         if not texts:
             return {"id": random_id("rerank"), "model": self.served_model_name, "usage": {"total_tokens": 0},
