@@ -134,11 +134,14 @@ def test_a_bad_request_is_an_invalid_request_naming_its_field(client, prompt, pa
     asyncio.run(run())
 
 
-def test_a_request_id_in_use_is_refused(client) -> None:
+def test_a_request_id_in_use_is_refused(served) -> None:
+    client = served.client
+
     async def run() -> None:
-        stream = await client.add_request("same", {"prompt_token_ids": [5, 6]}, GREEDY)
-        with pytest.raises(InvalidRequest) as caught:  # however far the first one got: it is not collected yet
-            await client.add_request("same", {"prompt_token_ids": [7, 8]}, GREEDY)
+        with steps_held(served.engines):  # the first one still runs when the second arrives
+            stream = await client.add_request("same", {"prompt_token_ids": [5, 6]}, GREEDY)
+            with pytest.raises(InvalidRequest) as caught:
+                await client.add_request("same", {"prompt_token_ids": [7, 8]}, GREEDY)
         await collect(stream)
         return caught.value.param
 
