@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-from dabba.engine.model_info import ModelInfo
+from dabba.engine.protocol import ModelInfo
 from dabba.lora_request import LoRARequest
 
 
