@@ -54,7 +54,7 @@ SOURCES = ("paged_attention_cpu.cpp", "paged_attention_amx_cpu.cpp", "kv_cache_w
            "gemv_cpu.cpp", "gemm_cpu.cpp", "gemm_amx_cpu.cpp", "gemm_avx2_cpu.cpp", "int8_gemv_cpu.cpp",
            "int8_code_gemm_cpu.cpp", "decode_cpu.cpp", "kernel_constants.cpp", "sampling_cpu.cpp", "int4_linear_cpu.cpp",
            "moe_cpu.cpp", "shm_group_cpu.cpp", "gguf_linear_cpu.cpp", "gguf_gemm_cpu.cpp", "w8a8_cpu.cpp",
-           "dense_attention_cpu.cpp")  # in dabba/csrc
+           "dense_attention_cpu.cpp", "lora_cpu.cpp")  # in dabba/csrc
 COMMON_CFLAGS = ("-O3", "-fopenmp", "-fno-trapping-math")
 COMMON_LDFLAGS = ("-fopenmp",)
 

@@ -82,4 +82,4 @@ class LoRAManager:
             if lora is not None:
                 rows.setdefault(slots[lora.identity], []).extend(range(start, start + n))
             start += n
-        return [(slot, torch.tensor(index, dtype=torch.long, device=device)) for slot, index in rows.items()]
+        return StepRows.of([(slot, torch.tensor(index, dtype=torch.long, device=device)) for slot, index in rows.items()])
