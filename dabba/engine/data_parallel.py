@@ -23,9 +23,9 @@ from dabba.engine.async_engine import AsyncLLMEngine
 from dabba.engine.llm_engine import LLMEngine
 from dabba.engine.metrics import EngineMetrics
 from dabba.engine.processor import PromptType
-from dabba.lora_request import LoRARequest
 from dabba.engine.protocol import EngineDeadError, InvalidRequest, RequestStream
 from dabba.engine.stats_feed import combine_snapshots, watch
+from dabba.lora_request import LoRARequest
 from dabba.sampling_params import SamplingParams
 
 logger = logging.getLogger("dabba")

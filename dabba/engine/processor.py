@@ -37,9 +37,10 @@ class EngineRequest:
 
 
 class Processor:
-    """Turns (request id, prompt, params, priority) into an EngineRequest or an InvalidRequest.
-    Thread-safe: it reads only ModelInfo and claims constraints' compiles, which are shared (a
-    constraint starts compiling here, in a worker process, while its caller waits)."""
+    """Turns (request id, prompt, params, priority, adapter) into an EngineRequest or an
+    InvalidRequest. Thread-safe: it reads ModelInfo, claims constraints' compiles, which are
+    shared (a constraint starts compiling here, in a worker process, while its caller waits), and
+    adds to a set the adapters it has checked."""
 
     def __init__(self, model_info: ModelInfo, grammars: StructuredOutputManager) -> None:
         self.model_info = model_info
