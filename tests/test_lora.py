@@ -153,3 +153,20 @@ def test_bad_adapters_refused(llm, llama, adapters, tmp_path) -> None:
     with pytest.raises(ValueError, match="enable_lora"):
         LLM(str(llama.path), dtype="float32").generate(prompt, greedy(), use_tqdm=False,
                                                         lora_request=adapters["attn"][0])
+
+
+def test_slot_swaps_read_each_adapter_once(llama, adapters, monkeypatch) -> None:
+    """One slot, three adapters taking turns: each adapter's files are read once by the worker
+    (parsed adapters stay in host memory), and the outputs still equal PEFT's."""
+    from dabba.worker import lora_manager
+
+    reads: list[str] = []
+    real = lora_manager.read_peft_adapter
+    monkeypatch.setattr(lora_manager, "read_peft_adapter", lambda path, rank: reads.append(path) or real(path, rank))
+    llm = LLM(str(llama.path), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=16)
+    for _ in range(2):
+        for name in ("attn", "mlp", "all"):
+            out = llm.generate({"prompt_token_ids": llama.prompts[1]}, greedy(), use_tqdm=False,
+                               lora_request=adapters[name][0])[0]
+            assert out.outputs[0].token_ids == adapters[name][1][1]
+    assert sorted(reads) == sorted(adapters[n][0].lora_path for n in ("attn", "mlp", "all"))

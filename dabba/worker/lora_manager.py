@@ -1,7 +1,8 @@
 """The worker's LoRA adapters: ``max_loras`` slots in every adaptable linear layer (attention and
 MLP projections), filled from PEFT directories when a step first needs an adapter, the least
 recently used adapter no step needs giving its slot up; and each step's rows of each adapter.
-The scheduler sees to it that one step never needs more adapters than there are slots."""
+The scheduler sees to it that one step never needs more adapters than there are slots. Adapters
+read lately stay parsed in host memory (twice the slots, at least 8), so a swap back reads no files."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -12,7 +13,7 @@ from torch import nn
 from dabba.layers.linear import Linear
 from dabba.layers.lora import LoRASlots, StepRows
 from dabba.lora_request import LoRARequest
-from dabba.models.lora_adapter import read_peft_adapter
+from dabba.models.lora_adapter import PeftAdapter, read_peft_adapter
 
 # the linear layers adapters may target, by the end of their names (PEFT's target_modules of
 # q/k/v/o_proj and gate/up/down_proj, merged as dabba's layers are)
@@ -33,6 +34,8 @@ class LoRAManager:
         if not self.layers:
             raise ValueError(f"enable_lora: {type(model).__name__} has no layers adapters can target")
         self.resident: OrderedDict[str, int] = OrderedDict()  # adapter identity -> slot, least recent first
+        self.parsed: OrderedDict[str, PeftAdapter] = OrderedDict()  # read lately, least recent first
+        self.max_parsed = max(2 * max_loras, 8)
 
     def slots_for(self, loras: dict[str, LoRARequest]) -> dict[str, int]:
         """Each adapter's slot (``loras``: by identity, those a step needs), loading those not resident."""
@@ -54,8 +57,15 @@ class LoRAManager:
             self.resident[identity] = slot
         return {identity: self.resident[identity] for identity in loras}
 
+    def _read(self, lora: LoRARequest) -> PeftAdapter:
+        adapter = self.parsed.pop(lora.identity, None) or read_peft_adapter(lora.lora_path, self.max_rank)
+        self.parsed[lora.identity] = adapter
+        while len(self.parsed) > self.max_parsed:
+            self.parsed.popitem(last=False)
+        return adapter
+
     def _load(self, lora: LoRARequest, slot: int) -> None:
-        adapter = read_peft_adapter(lora.lora_path, self.max_rank)
+        adapter = self._read(lora)
         for layer in self.layers.values():
             layer.lora.clear(slot)
         for module_name, (a, b) in adapter.modules.items():
