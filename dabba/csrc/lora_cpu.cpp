@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 namespace dabba {
@@ -22,20 +21,8 @@ namespace dabba {
 namespace {
 
 template <typename T>
-float load(T v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return bf16_bits_to_float(v.x);
-}
-
-template <typename T>
-T store(float f) {
-  if constexpr (std::is_same_v<T, float>) return f;
-  else return c10::BFloat16(float_to_bf16_bits(f), c10::BFloat16::from_bits());
-}
-
-template <typename T>
 float round_to(float f) {
-  return load<T>(store<T>(f));
+  return to_float(from_float<T>(f));
 }
 
 // sum_i a[i] b[i] in 16 float32 lanes (GCC keeps a single accumulator scalar without -ffast-math)
@@ -44,21 +31,21 @@ DABBA_WIDE_LOOPS float dot(const T* a, const T* b, int64_t n) {
   float lanes[16] = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    for (int k = 0; k < 16; ++k) lanes[k] += load(a[i + k]) * load(b[i + k]);
+    for (int k = 0; k < 16; ++k) lanes[k] += to_float(a[i + k]) * to_float(b[i + k]);
   float sum = 0.f;
   for (int k = 0; k < 16; ++k) sum += lanes[k];
-  for (; i < n; ++i) sum += load(a[i]) * load(b[i]);
+  for (; i < n; ++i) sum += to_float(a[i]) * to_float(b[i]);
   return sum;
 }
 
 template <typename T>
 DABBA_WIDE_LOOPS void axpy(float* acc, float c, const T* row, int64_t n) {
-  for (int64_t o = 0; o < n; ++o) acc[o] += c * load(row[o]);
+  for (int64_t o = 0; o < n; ++o) acc[o] += c * to_float(row[o]);
 }
 
 template <typename T>
 DABBA_WIDE_LOOPS void add_rounded(T* y, const float* delta, int64_t n) {
-  for (int64_t o = 0; o < n; ++o) y[o] = store<T>(load(y[o]) + round_to<T>(delta[o]));
+  for (int64_t o = 0; o < n; ++o) y[o] = from_float<T>(to_float(y[o]) + round_to<T>(delta[o]));
 }
 
 template <typename T>
