@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +30,18 @@ def write_adapter(model: Path, out: Path, rank: int, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
+    from dabba.arch.config import ArchConfig
+    from dabba.models.lora_adapter import AdapterLimits
+
     cfg = json.loads((model / "config.json").read_text())
-    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
-              "up_proj": (h, i), "down_proj": (i, h)}
+    arch = ArchConfig.from_hf(str(model))
+    layers, shapes = arch.num_hidden_layers, AdapterLimits.of(arch, rank).shapes  # what dabba checks adapters by
     dtype = getattr(torch, cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(layers):
-        for name, (n_in, n_out) in shapes.items():
+        for name in TARGETS:
+            n_in, n_out = shapes[name]
             where = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{where}.{name}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, n_in, generator=g) / n_in ** 0.5).to(dtype)
@@ -55,7 +55,8 @@ def write_adapter(model: Path, out: Path, rank: int, seed: int) -> None:
 
 def run_engine(args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
     """In this process: one engine over ``prompts``, with the adapters round-robin if any."""
-    from dabba import LLM, LoRARequest, SamplingParams
+    from dabba import LLM, LoRARequest
+    from dabba.tools.bench.offline import warm_and_time
 
     adapters = [LoRARequest(f"a{k}", k + 1, path) for k, path in enumerate(args["adapters"])]
     kwargs = {"dtype": args["dtype"], "max_num_batched_tokens": args["max_num_batched_tokens"]}
@@ -63,13 +64,7 @@ def run_engine(args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]
         kwargs.update(enable_lora=True, max_loras=max(len(adapters), 1), max_lora_rank=args["rank"])
     llm = LLM(args["model"], **kwargs)
     loras = [adapters[k % len(adapters)] for k in range(len(prompts))] if adapters else None
-    warm = [{"prompt_token_ids": p[::-1]} for p in prompts[:4]]
-    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False,
-                 lora_request=loras[:4] if loras else None)
-    params = SamplingParams(temperature=0, max_tokens=args["output_len"], ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
-    elapsed = time.perf_counter() - start
+    elapsed, outs = warm_and_time(llm, prompts, args["output_len"], loras)
     return {"elapsed_s": elapsed, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "layer_loop": llm.llm_engine.engine_core.model_runner.layer_loop_reason}
 

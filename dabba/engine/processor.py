@@ -96,8 +96,6 @@ class Processor:
     def _check_lora(self, lora: LoRARequest) -> None:
         """The adapter read and held against the model once per LoRARequest (the worker reads it
         again when it takes a slot): a request for one that cannot run is refused here."""
-        from dabba.models.lora_adapter import read_peft_adapter
-
         if not isinstance(lora, LoRARequest):
             raise InvalidRequest("lora_request", f"lora_request must be a LoRARequest, got {type(lora).__name__}")
         limits = self.model_info.lora
@@ -106,7 +104,7 @@ class Processor:
         if lora in self._checked_loras:
             return
         try:
-            limits.check(read_peft_adapter(lora.lora_path, limits.max_rank), lora.lora_path)
+            limits.read(lora.lora_path)
         except ValueError as e:
             raise InvalidRequest("lora_request", str(e)) from None
         self._checked_loras.add(lora)

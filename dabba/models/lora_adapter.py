@@ -115,6 +115,12 @@ class AdapterLimits:
         return cls(max_rank, arch.num_hidden_layers, _shapes(arch) if arch.moe is None else
                    {k: v for k, v in _shapes(arch).items() if k in ("q_proj", "k_proj", "v_proj", "o_proj")})
 
+    def read(self, path: str | Path) -> PeftAdapter:
+        """The adapter at ``path``, if it fits (a ValueError saying why not)."""
+        adapter = read_peft_adapter(path, self.max_rank)
+        self.check(adapter, path)
+        return adapter
+
     def check(self, adapter: PeftAdapter, path: str | Path) -> None:
         path = Path(path)
         for module, (a, b) in adapter.modules.items():

@@ -199,7 +199,8 @@ class SilentEngine:
         self.model_info = model_info
         self.aborted: list[str] = []
 
-    async def add_request(self, request_id, prompt, params, priority=0, compile_timeout=None) -> RequestStream:
+    async def add_request(self, request_id, prompt, params, priority=0, compile_timeout=None,
+                          lora_request=None) -> RequestStream:
         return RequestStream(request_id, asyncio.Queue(), self.abort)
 
     def abort(self, request_id: str) -> None:

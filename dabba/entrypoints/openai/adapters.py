@@ -40,8 +40,6 @@ class AdapterRegistry:
     def load(self, name: str, path: str) -> LoRARequest:
         """Read and check the adapter (a ValueError says what is wrong), then serve it as ``name``.
         Reads files: call it off the event loop."""
-        from dabba.models.lora_adapter import read_peft_adapter
-
         limits = self.model_info.lora
         if limits is None:
             raise ValueError("this server serves no LoRA adapters (start it with --enable-lora)")
@@ -51,7 +49,7 @@ class AdapterRegistry:
             raise ValueError(f"the adapter {name!r} is already loaded (unload it first)")
         with self._lock:
             lora = LoRARequest(name, next(self._ids), path)
-        limits.check(read_peft_adapter(path, limits.max_rank), path)
+        limits.read(path)
         with self._lock:
             if name in self._adapters:
                 raise ValueError(f"the adapter {name!r} is already loaded (unload it first)")

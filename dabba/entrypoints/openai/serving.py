@@ -121,7 +121,7 @@ class OpenAIServing:
         try:
             for request_id, prompt in zip(request_ids, prompts):
                 adding = self.client.add_request(request_id, prompt, params, priority, compile_timeout=timeout,
-                                                 **({"lora_request": lora} if lora is not None else {}))
+                                                 lora_request=lora)
                 # only a compile waits long enough for its client to leave meanwhile
                 streams.append(await (adding if params.structured_outputs is None
                                       else self._unless_disconnected(raw, adding)))

@@ -56,17 +56,17 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "p10": q[9], "p50": q[49], "p90": q[89], "p99": q[98]}
 
 
-def warm_and_time(llm, prompts: list[list[int]], output_len: int) -> tuple[float, list]:
+def warm_and_time(llm, prompts: list[list[int]], output_len: int, loras: list | None = None) -> tuple[float, list]:
     """Warm up on the shapes of a prefill and of batched decodes (reversed ids, so that the timed
     run finds nothing of its own in the prefix cache), then time one generate() of all prompts,
-    greedy with EOS ignored. Returns (seconds, outputs)."""
+    greedy with EOS ignored (``loras``: each prompt's LoRARequest or None). Returns (seconds, outputs)."""
     from dabba import SamplingParams
 
     llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:4]], SamplingParams(max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)
+                 use_tqdm=False, lora_request=loras[:4] if loras else None)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
     return time.perf_counter() - start, outputs
 
 
