@@ -44,3 +44,31 @@ def _help(text: str, default: Any = dataclasses.MISSING, parse: Any = None) -> A
     if default is dataclasses.MISSING:
         return field(metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def parse_duration(value: object, field_name: str = "keep_alive") -> float:
+    """Seconds: a number, or a string such as "90", "30s", "5m", "1h" (Ollama's durations);
+    ValueError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{field_name} must be a number of seconds or a duration such as '5m', got {value!r}")
+    if isinstance(value, str):
+        text = value.strip()
+        units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+        unit = next((u for u in units if text.endswith(u)), "")
+        try:
+            seconds = float(text[:len(text) - len(unit)]) * units.get(unit, 1)
+        except ValueError:
+            raise ValueError(f"{field_name} must be a number of seconds or a duration such as '5m', "
+                             f"got {value!r}") from None
+    else:
+        seconds = float(value)
+    if seconds != seconds or abs(seconds) == float("inf"):
+        raise ValueError(f"{field_name} must be finite, got {value!r}")
+    return seconds
+
+
+def parse_keep_alive(value: object, field_name: str = "keep_alive") -> float | None:
+    """Ollama's keep_alive: a duration (parse_duration); a negative one keeps the model loaded
+    for good (None); 0 unloads it once idle."""
+    seconds = parse_duration(value, field_name)
+    return None if seconds < 0 else seconds

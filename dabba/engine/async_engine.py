@@ -55,7 +55,7 @@ class AsyncLLMEngine:
     an OpenMP thread-team effect; benchmarks/design_choices.py measures it, README gives the figure)."""
 
     def __init__(self, engine: LLMEngine, model_name: str, start_thread: bool = True,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, wake: threading.Event | None = None) -> None:
         self._engine = engine  # the engine thread's alone
         self.model_info = engine.model_info
         self._processor = engine.processor  # thread-safe: requests are processed on the caller's side
@@ -69,6 +69,7 @@ class AsyncLLMEngine:
         self._draining = False
         self._idle = threading.Event()  # set by the engine thread whenever no request is in flight
         self.error: BaseException | None = None
+        self._wake = wake  # set with every command: a thread that turns several engines' loops waits on it
         if start_thread:
             threading.Thread(target=self.run_loop, name="dabba-engine", daemon=True).start()
 
@@ -128,7 +129,12 @@ class AsyncLLMEngine:
             raise EngineDeadError("the server is shutting down")
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(AbortRequest(request_id))
+        self._send(AbortRequest(request_id))
+
+    def _send(self, command: Command) -> None:
+        self._commands.put(command)
+        if self._wake is not None:
+            self._wake.set()
 
     async def _ask(self, command_type: type, *args: object) -> object:
         reply = Reply.on_running_loop()
@@ -166,7 +172,7 @@ class AsyncLLMEngine:
         return request_id in self._streams
 
     def _put_command(self, command: Command) -> None:
-        self._commands.put(command)
+        self._send(command)
         if self._stopped.is_set():  # the loop may have drained its queue before this one came
             self._answer_late_commands()
 
@@ -180,17 +186,17 @@ class AsyncLLMEngine:
         self._idle.clear()
         if self._stopped.is_set():  # stopped in between: its last act was to set _idle
             self._idle.set()
-        self._commands.put(Wake())  # the engine thread answers: idle now, or when the last finishes
+        self._send(Wake())  # the engine thread answers: idle now, or when the last finishes
         finished = self._idle.wait(timeout)
         clean = finished and self.error is None
         if not finished:
-            self._commands.put(AbortAll("the server is shutting down: the request did not finish in time"))
+            self._send(AbortAll("the server is shutting down: the request did not finish in time"))
         return clean
 
     def shutdown(self) -> None:
         """Abort what is in flight and stop the loop."""
         self._stop.set()
-        self._commands.put(Wake())
+        self._send(Wake())
         self._stopped.wait(timeout=30)
 
     @property
@@ -204,36 +210,57 @@ class AsyncLLMEngine:
     # ---- the engine thread ----------------------------------------------------------------
     def run_loop(self) -> None:
         """Step the engine until shutdown(); the thread that calls it is the engine thread."""
-        try:
-            self._run()
-        finally:
-            self._stopped.set()
-            self._idle.set()  # nothing runs any more (a failed loop has failed its streams)
-            self._answer_late_commands()
+        while self.turn(wait=0.5):
+            pass
 
-    def _run(self) -> None:
+    def turn(self, wait: float = 0.0) -> bool:
+        """One turn of the loop, on the engine thread: the commands queued (waiting up to ``wait``
+        seconds for one while no request is in flight), then a step if a request waits. A thread
+        that hosts several engines (engine/engine_host.py) turns each in turn. False once the
+        loop is over (shut down, or failed: then every stream has its error), for good."""
+        if self._stopped.is_set():
+            return False
         engine = self._engine
         try:
-            while not self._stop.is_set():
-                block = not engine.has_unfinished_requests()
-                self._apply_commands(block)
-                if engine.has_unfinished_requests():
-                    outputs, stats = engine.step_with_stats()
-                    self._publish(outputs, stats)
-                    if self.feed.watchers:
-                        self.feed.publish(engine.engine_core, idle=not engine.has_unfinished_requests())
-                elif self.feed.watchers and not self.feed.shows_idle():  # the last requests were aborted
-                    self.feed.publish(engine.engine_core, idle=True)
-                if not self._streams:
-                    self._idle.set()
+            if self._stop.is_set():
+                self._abort_all("the server is shutting down")
+                self._close()
+                return False
+            self._apply_commands(0.0 if engine.has_unfinished_requests() else wait)
+            if engine.has_unfinished_requests():
+                outputs, stats = engine.step_with_stats()
+                self._publish(outputs, stats)
+                if self.feed.watchers:
+                    self.feed.publish(engine.engine_core, idle=not engine.has_unfinished_requests())
+            elif self.feed.watchers and not self.feed.shows_idle():  # the last requests were aborted
+                self.feed.publish(engine.engine_core, idle=True)
+            if not self._streams:
+                self._idle.set()
+            return True
         except BaseException as e:  # the loop is dead: fail every stream rather than hang them
             logger.exception("engine loop failed")
             self.error = e
             for stream in self._streams.values():  # the cause stays in the log, not in responses
                 stream.put(EngineDeadError(ENGINE_FAILED))
             self._streams.clear()
-            return
-        self._abort_all("the server is shutting down")
+            self._close()
+            return False
+
+    def end(self) -> None:
+        """shutdown() on the engine thread itself (which cannot wait for its own loop): the
+        requests in flight end with an error now, and the loop is over."""
+        self._stop.set()
+        self.turn()
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a request waits for a step (the engine thread's to ask)."""
+        return self._engine.has_unfinished_requests()
+
+    def _close(self) -> None:
+        self._stopped.set()
+        self._idle.set()  # nothing runs any more (a failed loop has failed its streams)
+        self._answer_late_commands()
 
     def _abort_all(self, reason: str) -> None:
         for request_id, stream in list(self._streams.items()):
@@ -241,13 +268,13 @@ class AsyncLLMEngine:
             stream.put(EngineDeadError(reason))
         self._streams.clear()
 
-    def _apply_commands(self, block: bool) -> None:
+    def _apply_commands(self, wait: float) -> None:
         while True:
             try:
-                command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                command = self._commands.get(timeout=wait) if wait > 0 else self._commands.get_nowait()
             except queue.Empty:
                 return
-            block = False
+            wait = 0.0
             self._apply(command)
 
     def _apply(self, command: Command) -> None:

@@ -7,6 +7,8 @@ serve any more as EngineDeadError; outputs stream as RequestOutputs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
 from typing import AsyncIterator, Callable, Protocol, runtime_checkable
 
 from dabba.core.stats import SchedulerStats
@@ -17,8 +19,8 @@ from dabba.lora_request import LoRARequest
 from dabba.outputs import RequestOutput
 from dabba.sampling_params import SamplingParams
 
-__all__ = ["ENGINE_FAILED", "EngineClient", "EngineDeadError", "InvalidRequest", "ModelInfo", "Overloaded",
-           "PromptType", "RequestStream"]
+__all__ = ["ENGINE_FAILED", "EngineClient", "EngineDeadError", "InvalidRequest", "ModelInfo", "ModelRouterClient",
+           "ModelState", "ModelUnavailable", "Overloaded", "PromptType", "RequestStream", "UNSET"]
 
 ENGINE_FAILED = "the engine failed (the server's log says why); the server is stopping"
 
@@ -119,3 +121,61 @@ class EngineClient(Protocol):
     @property
     def is_draining(self) -> bool:
         ...
+
+
+# ---- several models (engine/model_router.py) -----------------------------------------------
+UNSET: object = object()  # a request that gave no keep_alive
+
+
+class ModelState(str, enum.Enum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    UNLOADING = "unloading"
+
+
+class ModelUnavailable(Exception):
+    """A model cannot serve the request now: ``status`` 404 (no such model), 503 (loading, or
+    others busy: retry after ``retry_after`` seconds), 507 (it can never fit) or 500 (its load
+    failed)."""
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.retry_after = status, message, retry_after
+
+
+class ServedModel(Protocol):
+    """One model of a router, as a front end sees it: its client while it is loaded."""
+
+    state: ModelState
+    client: EngineClient | None
+
+    @property
+    def name(self) -> str: ...
+
+
+class ModelRouterClient(Protocol):
+    """What a front end of several models may ask of their router: a lease on a model (loaded
+    first if need be) for a request's handling, an unload, the models and their metrics."""
+
+    entries: dict[str, ServedModel]
+
+    async def acquire(self, name: str | None, keep_alive: float | None | object = UNSET) -> ServedModel:
+        """The model loaded, leased until release(); ``keep_alive`` (seconds; None: for good)
+        replaces its idle time. Raises ModelUnavailable."""
+        ...
+
+    def release(self, model: ServedModel) -> None: ...
+
+    def lease(self, name: str | None, keep_alive: float | None | object = UNSET
+              ) -> contextlib.AbstractAsyncContextManager[ServedModel]: ...
+
+    async def unload(self, name: str) -> None:
+        """Unload once its requests in flight have finished."""
+        ...
+
+    async def keep_alive_loop(self, period: float = 1.0) -> None:
+        """Unload models idle past their keep_alive, for as long as the server runs."""
+        ...
+
+    async def render_metrics(self) -> bytes: ...

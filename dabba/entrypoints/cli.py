@@ -10,15 +10,17 @@ from pathlib import Path
 from typing import Sequence
 
 from dabba.config import DEMO_MODEL, EngineConfig, ServerConfig
-from dabba.config_fields import parse_bytes
+from dabba.config_fields import parse_bytes, parse_keep_alive
 from dabba.entrypoints.cli_args import add_config_args, add_engine_args, config_kwargs, engine_kwargs
 from dabba.entrypoints.openai.reasoning import REASONING_PARSERS
 from dabba.entrypoints.openai.tool_call_parsers import TOOL_CALL_PARSERS
 from dabba.entrypoints.cli_tools import (cmd_bench_embed, cmd_bench_latency, cmd_bench_serve, cmd_bench_throughput,
                                          cmd_eval_kl_divergence, cmd_eval_perplexity, cmd_plan, cmd_quantize)
 from dabba.logger import init_logger
+from dabba.router_config import RouterConfig
 
 SERVER_PARTS = {"server_config": ServerConfig}
+ROUTER_PARTS = {"router_config": RouterConfig}
 
 def _text_or_file(value: str) -> str:
     """A flag's value, or the contents of the file it names with a leading @ (curl's convention)."""
@@ -67,6 +69,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.models or args.models_file:
+        return serve_models(args)
     from dabba.engine.clients import make_engine_client
     from dabba.engine.data_parallel import build_replicas
     from dabba.engine.llm_engine import LLMEngine
@@ -86,6 +90,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(client, name, args.host, args.port, args.api_key,
                  args.tool_call_parser if args.enable_auto_tool_choice else None, server_config, args.reasoning_parser,
                  lora_modules)
+
+
+def serve_models(args: argparse.Namespace) -> int:
+    """`dabba serve --model NAME=PATH ...` or `--models-file FILE`: several models, each loaded on first use."""
+    from dabba.engine.model_footprint import plan_footprint
+    from dabba.engine.model_router import ModelRouter
+    from dabba.entrypoints.models_file import parse_model_flags, read_models_file
+    from dabba.entrypoints.openai.api_server import build_router_app, run_app
+    from dabba.entrypoints.openai.model_servings import ServingOptions
+    from dabba.worker.memory import available_cpu_memory
+
+    if args.model != DEMO_MODEL:
+        raise ValueError("give the models either as MODEL or as --model NAME=PATH / --models-file, not both")
+    if args.lora_modules or args.served_model_name:
+        raise ValueError("with several models, give each one's adapters and name in the models file "
+                         "(lora_modules, name), not --lora-modules / --served-model-name")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
+    server_config = ServerConfig(**config_kwargs(args, SERVER_PARTS))
+    router_config = RouterConfig(**config_kwargs(args, ROUTER_PARTS))
+    options = ServingOptions(args.tool_call_parser if args.enable_auto_tool_choice else None, args.reasoning_parser)
+    defaults, keep_alive = engine_kwargs(args), parse_keep_alive(router_config.keep_alive)
+    served = parse_model_flags(args.models or [], defaults, keep_alive, options)
+    if router_config.models_file:
+        served += read_models_file(router_config.models_file, defaults, keep_alive, options)
+    names = [m.spec.name for m in served]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must differ, got {names}")
+    budget = router_config.models_memory or int(available_cpu_memory() * 0.9)
+    router = ModelRouter([m.spec for m in served], budget, router_config.max_waiting_per_model)
+    for entry in router.entries.values():  # a model that cannot be planned fails now, not at its first request
+        try:
+            entry.footprint, entry.config = plan_footprint(entry.spec.config)
+        except ValueError as e:
+            raise ValueError(f"model {entry.name}: {e}") from None
+    app = build_router_app(router, {m.spec.name: m.options for m in served}, args.api_key, server_config,
+                           {m.spec.name: m.lora_modules for m in served})
+    return run_app(app, router, args.host, args.port, server_config, f"{len(served)} models ({', '.join(names)})")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -163,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    srv.add_argument("--model", dest="models", action="append", default=None, metavar="NAME=PATH",
+                     help="serve several models (repeat the flag; or --models-file): each loads on its first "
+                          "request, as NAME, with the engine flags given")
     srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                      help="LoRA adapters (PEFT directories) served from the start, each under its NAME as the "
                           "request's model (needs --enable-lora); more load at run time: POST /v1/load_lora_adapter")
@@ -191,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     for cmd in (gen, srv, chat, ppl):
         add_engine_args(cmd)
     add_config_args(srv, SERVER_PARTS)
+    add_config_args(srv, ROUTER_PARTS)
     kld = _model_command(ev, "kl-divergence", "KL divergence of MODEL's next-token distributions from a reference "
                          "model's (e.g. quantized vs full precision) on a text file; prints JSON",
                          cmd_eval_kl_divergence)

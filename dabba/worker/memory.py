@@ -4,11 +4,12 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from dabba.attention.kv_quant import SCALE_DTYPE
+from dabba.core.kv_cache_groups import KVCacheGroup
 from dabba.ops.host_memory import advise_huge_pages
 
 CPU_KV_SHARE = 0.3  # of available RAM once the weights are loaded...
@@ -42,6 +43,15 @@ def check_fits(what: str, nbytes: int, device: torch.device, advice: str) -> Non
     if nbytes > available:
         raise ValueError(f"{what}: {nbytes / 2**30:.2f} GiB needed, but only {available / 2**30:.2f} GiB of "
                          f"{'GPU ' if device.type == 'cuda' else ''}memory is available; {advice}")
+
+
+def kv_bytes_for_sequences(groups: Sequence[KVCacheGroup], block_size: int, bytes_per_block: int, max_model_len: int,
+                           max_num_seqs: int, max_chunk: int) -> int:
+    """What ``max_num_seqs`` sequences of ``max_model_len`` tokens hold of the pool at once (with
+    the pool's placeholder block where a group slides): more would never be used."""
+    blocks_per_seq = sum(g.blocks_needed(max_model_len, block_size, max_chunk) for g in groups)
+    null_block = any(g.sliding_window is not None for g in groups)
+    return (max_num_seqs * blocks_per_seq + null_block) * bytes_per_block
 
 
 def default_kv_cache_memory(device: torch.device, bytes_wanted: int) -> int:
@@ -100,3 +110,14 @@ def kv_cache_tensors(backend: Any, kv_quant: Any, num_blocks: int, block_size: i
     codes = allocate_kv_cache(shape, num_tensors, kv_quant.storage_dtype, device)
     scales = allocate_kv_cache(shape[:-1], num_tensors, SCALE_DTYPE, device)
     return list(zip(codes, scales))
+
+
+def release_freed_host_memory() -> None:
+    """Give the heap's free pages back to the OS (an unloaded model's weights): glibc keeps them
+    otherwise, as keep_freed_host_memory asks of it. Best effort: a no-op off glibc."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

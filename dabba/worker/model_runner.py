@@ -36,7 +36,8 @@ from dabba.ops import native
 from dabba.worker.image_inputs import EncoderWork, ImageEmbeddings
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.lora_manager import LoRAManager
-from dabba.worker.memory import check_fits, default_kv_cache_memory, keep_freed_host_memory, kv_cache_tensors
+from dabba.worker.memory import (check_fits, default_kv_cache_memory, keep_freed_host_memory, kv_bytes_for_sequences,
+                                 kv_cache_tensors)
 from dabba.worker.model_inputs import ModelInputs
 from dabba.worker.request_states import RequestStates
 from dabba.worker.sampler import Sampler, apply_grammar_bitmask
@@ -139,9 +140,8 @@ class ModelRunner:
             bytes_per_block += self.proposer.bytes_per_block(bs, self.kv_cache_dtype, groups)
         budget = cache_config.kv_cache_memory
         if budget is None:
-            blocks_per_seq = sum(g.blocks_needed(self.max_model_len, bs, max_chunk) for g in groups)
-            null_block = any(g.sliding_window is not None for g in groups)  # the pool's placeholder
-            budget = default_kv_cache_memory(self.device, (max_num_seqs * blocks_per_seq + null_block) * bytes_per_block)
+            budget = default_kv_cache_memory(self.device, kv_bytes_for_sequences(
+                groups, bs, bytes_per_block, self.max_model_len, max_num_seqs, max_chunk))
         if cache_config.kv_cache_memory is not None:  # a default budget is a share of what is there
             check_fits("the KV cache (kv_cache_memory)", budget, self.device, "ask for a smaller KV cache")
         num_blocks = budget // bytes_per_block

@@ -14,7 +14,7 @@ import hmac
 import logging
 import signal
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -26,23 +26,41 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import dabba
 from dabba.config import ServerConfig
-from dabba.engine.protocol import EngineClient, EngineDeadError
+from dabba.engine.protocol import EngineClient, EngineDeadError, ModelRouterClient, ModelUnavailable
 from dabba.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
-from dabba.entrypoints.anthropic.serving import AnthropicServing
-from dabba.entrypoints.openai.adapters import AdapterRegistry
 from dabba.entrypoints.openai.http_protocol import protocol_class, raise_open_file_limit
+from dabba.entrypoints.openai.model_servings import ModelTable, OneModel, RoutedModels, ServingOptions, unavailable
 from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                               LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
+                                               LoadLoRAAdapterRequest, ModelOperation, TokenizeRequest,
+                                               UnloadLoRAAdapterRequest)
 from dabba.entrypoints.openai.errors import OpenAIError
 from dabba.entrypoints.openai.response_store import ResponseStore
 from dabba.entrypoints.openai.responses_protocol import ResponsesRequest
 from dabba.entrypoints.openai.serving_responses import OpenAIServingResponses
-from dabba.entrypoints.openai.serving_chat import OpenAIServingChat
-from dabba.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
-from dabba.entrypoints.openai.serving_score import OpenAIServingScore, RerankRequest, ScoreRequest
+from dabba.entrypoints.openai.serving_embedding import EmbeddingRequest
+from dabba.entrypoints.openai.serving_score import RerankRequest, ScoreRequest
 from dabba.entrypoints.web.routes import add_web_routes
 
 logger = logging.getLogger("dabba")
+
+
+class Lifecycle(Protocol):
+    """What runs the engines behind an app: one EngineClient, or a ModelRouter of several."""
+
+    def run_loop(self) -> None: ...
+
+    def drain(self, timeout: float) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def is_draining(self) -> bool: ...
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -92,27 +110,64 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
     is not); ``lora_modules``: LoRA adapters served by name from the start ({name: path}; a bad
     one is a ValueError)."""
     config = config or ServerConfig()
-    model_info = client.model_info
-    adapters = AdapterRegistry(model_info, served_model_name)
+    responses = OpenAIServingResponses(None, ResponseStore(config.max_stored_responses))
+    table = OneModel(client, served_model_name, ServingOptions(tool_call_parser, reasoning_parser), config, responses)
     for name, path in (lora_modules or {}).items():
-        adapters.load(name, path)
-    serving = OpenAIServingChat(client, served_model_name, tool_call_parser, config, reasoning_parser, adapters)
-    anthropic = AnthropicServing(serving)
-    responses = OpenAIServingResponses(serving, ResponseStore(config.max_stored_responses))
-    embedding = OpenAIServingEmbedding(client, served_model_name, config, adapters)
-    scoring = OpenAIServingScore(client, served_model_name, config, adapters)
+        table.servings.adapters.load(name, path)
+    app = make_app(table, client, api_key, config)
+    app.state.engine_client = client
+    app.state.serving = table.servings.chat
+    return app
+
+
+def build_router_app(router: ModelRouterClient, options: dict[str, ServingOptions] | None = None,
+                     api_key: str | None = None, config: ServerConfig | None = None,
+                     lora_modules: dict[str, dict[str, str]] | None = None, keep_alive_period: float = 1.0) -> FastAPI:
+    """The app in front of several models (engine/model_router.py): each request's ``model``
+    routes it; ``options``: each model's reply parsers; ``lora_modules``: each model's adapters
+    ({model: {name: path}}), served from its first load. Operators load and unload models with
+    POST /models/load and /models/unload ({"model": name}), behind the API key."""
+    config = config or ServerConfig()
+    responses = OpenAIServingResponses(None, ResponseStore(config.max_stored_responses))
+    table = RoutedModels(router, options or {}, config, responses, lora_modules)
+    app = make_app(table, router, api_key, config, background=lambda: router.keep_alive_loop(keep_alive_period))
+    app.state.router = router
+
+    @app.post("/models/load", dependencies=[Depends(app.state.check_api_key)])
+    async def load_model(req: ModelOperation):
+        async with table.lease(req.model, req.keep_alive):  # as a request's first use loads it
+            pass
+        return {"model": req.model, "state": router.entries[req.model].state.value}
+
+    @app.post("/models/unload", dependencies=[Depends(app.state.check_api_key)])
+    async def unload_model(req: ModelOperation):
+        try:
+            await router.unload(req.model)  # its requests in flight finish first
+        except ModelUnavailable as e:
+            raise unavailable(e) from None
+        return {"model": req.model, "state": router.entries[req.model].state.value}
+
+    return app
+
+
+def make_app(table: ModelTable, engines: Lifecycle, api_key: str | None, config: ServerConfig,
+             background: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+    """The routes, each reaching its model's servings through ``table``; ``engines``: what runs
+    them (one EngineClient, or a router of several), stopped when the app stops; ``background``:
+    a task for the app's life."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.ensure_future(background()) if background is not None else None
         yield
-        client.shutdown()  # uvicorn has stopped accepting and drained what it could
+        if task is not None:
+            task.cancel()
+        engines.shutdown()  # uvicorn has stopped accepting and drained what it could
 
     # No redirects: Starlette's trailing-slash redirect builds its Location from the client's Host
     # header; such a path is a 404 like any other unknown one.
     app = FastAPI(title="dabba", version=dabba.__version__, lifespan=lifespan, redirect_slashes=False)
     app.add_middleware(RequestBodyLimit, limit=config.max_request_body_bytes)
-    app.state.engine_client = client
-    app.state.serving = serving
 
     async def check_api_key(request: Request) -> None:
         # A dependency of the /v1 routes, not an HTTP middleware: Starlette's BaseHTTPMiddleware
@@ -126,6 +181,7 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
                 raise OpenAIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or "
                                        "'x-api-key: <key>').", type="authentication_error", code="invalid_api_key")
 
+    app.state.check_api_key = check_api_key
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)], redirect_slashes=False)
 
     @app.exception_handler(OpenAIError)
@@ -170,9 +226,9 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
 
     @app.get("/health")
     async def health():
-        if not client.is_running:
+        if not engines.is_running:
             return OpenAIError(503, "engine is not running", type="server_error").response()
-        if client.is_draining:  # so that a load balancer sends no more
+        if engines.is_draining:  # so that a load balancer sends no more
             return OpenAIError(503, "the server is shutting down", type="server_error").response()
         return Response(status_code=200)
 
@@ -182,16 +238,12 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
 
     @v1.get("/models")
     async def models():
-        # the base model, then its adapters as vLLM lists them (parent: the base model, root: the files)
-        return {"object": "list", "data": [
-            {"id": served_model_name, "object": "model", "created": 0, "owned_by": "dabba",
-             "max_model_len": model_info.max_model_len},
-            *({"id": lora.lora_name, "object": "model", "created": 0, "owned_by": "dabba", "parent": served_model_name,
-               "root": lora.lora_path, "max_model_len": model_info.max_model_len} for lora in adapters.all())]}
+        return {"object": "list", "data": table.model_list()}
 
     # vLLM's runtime adapter endpoints, behind the API key
     @v1.post("/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        adapters = table.adapters(req.base_model_name)
         try:
             await asyncio.to_thread(adapters.load, req.lora_name, req.lora_path)
         except ValueError as e:
@@ -201,7 +253,7 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
     @v1.post("/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
         try:
-            adapters.unload(req.lora_name)
+            table.adapters(req.base_model_name).unload(req.lora_name)
         except KeyError:
             raise OpenAIError(404, f"The LoRA adapter `{req.lora_name}` is not loaded.", param="lora_name",
                               code="model_not_found") from None
@@ -209,78 +261,89 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, raw: Request):
-        return await serving.completions(req, raw)
+        async with table.lease(req.model, req.keep_alive) as s:
+            return await s.chat.completions(req, raw)
 
     @v1.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        return await serving.chat(req, raw)
+        async with table.lease(req.model, req.keep_alive) as s:
+            return await s.chat.chat(req, raw)
 
     @v1.post("/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request):
-        return await embedding.embeddings(req, raw)
+        async with table.lease(req.model, req.keep_alive) as s:
+            return await s.embedding.embeddings(req, raw)
 
     # vLLM's score, and rerank in the Jina/Cohere shape under the paths vLLM and llama.cpp answer
     # (the aliases share the handler, and stay out of the OpenAPI schema)
     @v1.post("/score")
     @app.post("/score", dependencies=[Depends(check_api_key)], include_in_schema=False)
     async def score(req: ScoreRequest, raw: Request):
-        return await scoring.score(req, raw)
+        async with table.lease(req.model, req.keep_alive) as s:
+            return await s.scoring.score(req, raw)
 
     @v1.post("/rerank")
     @app.post("/rerank", dependencies=[Depends(check_api_key)], include_in_schema=False)
     @app.post("/v2/rerank", dependencies=[Depends(check_api_key)], include_in_schema=False)
     async def rerank(req: RerankRequest, raw: Request):
-        return await scoring.rerank(req, raw)
+        async with table.lease(req.model, req.keep_alive) as s:
+            return await s.scoring.rerank(req, raw)
 
     @v1.post("/responses")
     async def create_response(req: ResponsesRequest, raw: Request):
-        return await responses.create(req, raw)
+        async with table.lease(req.model, req.keep_alive) as s:
+            return await s.responses.create(req, raw)
 
     @v1.get("/responses/{response_id}")
     async def get_response(response_id: str):
-        return responses.retrieve(response_id)
+        return table.responses.retrieve(response_id)
 
     @v1.delete("/responses/{response_id}")
     async def delete_response(response_id: str):
-        return responses.delete(response_id)
+        return table.responses.delete(response_id)
 
     @v1.post("/responses/{response_id}/cancel")
     async def cancel_response(response_id: str):
-        return responses.cancel(response_id)
+        return table.responses.cancel(response_id)
 
     @v1.post("/messages")
     async def messages(req: MessagesRequest, raw: Request):
-        return await anthropic.messages(req, raw)
+        async with table.lease(req.model, req.keep_alive) as s:
+            return await s.anthropic.messages(req, raw)
 
     @v1.post("/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest):
-        return await anthropic.count_tokens(req)
+        async with table.lease(req.model, req.keep_alive) as s:
+            return await s.anthropic.count_tokens(req)
 
     app.include_router(v1)
 
     # vLLM's paths, outside /v1, behind the same key; the tokenizer runs off the event loop.
     @app.post("/tokenize", dependencies=[Depends(check_api_key)])
     async def tokenize(req: TokenizeRequest):
-        serving.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
-        if req.messages is not None:
-            prompt = await asyncio.to_thread(serving.chat_prompt, req.messages, req.add_generation_prompt, req.tools,
-                                             req.chat_template_kwargs)
-            tokens = prompt["prompt_token_ids"]
-        else:
-            tokens = await asyncio.to_thread(model_info.tokenizer.encode, req.prompt,
-                                             add_special_tokens=req.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": model_info.max_model_len}
+        async with table.lease(req.model, req.keep_alive) as s:
+            s.chat.check_model(req.model)
+            if (req.prompt is None) == (req.messages is None):
+                raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
+            if req.messages is not None:
+                prompt = await asyncio.to_thread(s.chat.chat_prompt, req.messages, req.add_generation_prompt,
+                                                 req.tools, req.chat_template_kwargs)
+                tokens = prompt["prompt_token_ids"]
+            else:
+                tokens = await asyncio.to_thread(s.client.model_info.tokenizer.encode, req.prompt,
+                                                 add_special_tokens=req.add_special_tokens)
+            return {"tokens": tokens, "count": len(tokens), "max_model_len": s.client.model_info.max_model_len}
 
     @app.post("/detokenize", dependencies=[Depends(check_api_key)])
     async def detokenize(req: DetokenizeRequest):
-        serving.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < model_info.vocab_size]
-        if bad:
-            raise OpenAIError(400, f"tokens outside [0, {model_info.vocab_size}): {bad[:5]}", param="tokens")
-        text = await asyncio.to_thread(model_info.tokenizer.decode, req.tokens, skip_special_tokens=False)
-        return {"prompt": text}
+        async with table.lease(req.model, req.keep_alive) as s:
+            s.chat.check_model(req.model)
+            info = s.client.model_info
+            bad = [t for t in req.tokens if not 0 <= t < info.vocab_size]
+            if bad:
+                raise OpenAIError(400, f"tokens outside [0, {info.vocab_size}): {bad[:5]}", param="tokens")
+            text = await asyncio.to_thread(info.tokenizer.decode, req.tokens, skip_special_tokens=False)
+            return {"prompt": text}
 
     @app.get("/server/limits", dependencies=[Depends(check_api_key)])
     async def server_limits():
@@ -288,12 +351,12 @@ def build_app(client: EngineClient, served_model_name: str, api_key: str | None 
         (tools/reliability) knows them."""
         return dataclasses.asdict(config)
 
-    add_web_routes(app, client, check_api_key)
+    add_web_routes(app, table, check_api_key)
 
     @app.get("/metrics")
     async def metrics():
         # the scheduler's gauges, computed when scraped
-        return Response(await client.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await table.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -315,24 +378,29 @@ def uvicorn_config(app: FastAPI, host: str, port: int, config: ServerConfig, log
 def serve(client: EngineClient, served_model_name: str, host: str, port: int, api_key: str | None,
           tool_call_parser: str | None = None, config: ServerConfig | None = None,
           reasoning_parser: str | None = None, lora_modules: dict[str, str] | None = None) -> int:
+    """Serve one model (``client`` made with start_thread=False: its loop runs here, on the main
+    thread; see AsyncLLMEngine) until SIGINT/SIGTERM: run_app's exit status."""
+    config = config or ServerConfig()
+    app = build_app(client, served_model_name, api_key, tool_call_parser=tool_call_parser, config=config,
+                    reasoning_parser=reasoning_parser, lora_modules=lora_modules)
+    return run_app(app, client, host, port, config, served_model_name)
+
+
+def run_app(app: FastAPI, engines: Lifecycle, host: str, port: int, config: ServerConfig, what: str) -> int:
     """Run until SIGINT/SIGTERM, then drain: new requests are refused (503), those in flight get
     ``config.shutdown_timeout`` seconds to finish, and any still running end with an error (an
     error event and [DONE] for a stream, a 503 body otherwise). Returns the exit status: 0 after
     a clean drain, EXIT_DRAIN_TIMED_OUT if requests were cut, EXIT_ENGINE_FAILED if the engine
-    loop failed (so a supervisor restarts the process). ``client`` was made with
-    start_thread=False: its loop runs here, on the main thread (see AsyncLLMEngine)."""
-    config = config or ServerConfig()
+    loop failed (so a supervisor restarts the process). The engines' loop runs on this thread."""
     raise_open_file_limit(config.max_connections)
-    app = build_app(client, served_model_name, api_key, tool_call_parser=tool_call_parser, config=config,
-                    reasoning_parser=reasoning_parser, lora_modules=lora_modules)
     log_level = logging.getLevelName(logger.getEffectiveLevel()).lower()  # dabba's (--log-level)
     server = uvicorn.Server(uvicorn_config(app, host, port, config, log_level))
     status: dict[str, int] = {}
     stopping = threading.Event()
 
     def drain_then_stop() -> None:
-        if not client.drain(config.shutdown_timeout):
-            status.setdefault("code", EXIT_ENGINE_FAILED if client.error else EXIT_DRAIN_TIMED_OUT)
+        if not engines.drain(config.shutdown_timeout):
+            status.setdefault("code", EXIT_ENGINE_FAILED if engines.error else EXIT_DRAIN_TIMED_OUT)
             logger.warning("shutdown: requests still in flight after %.0f s were ended with an error",
                            config.shutdown_timeout)
         server.should_exit = True  # uvicorn stops accepting and closes connections once their responses end
@@ -351,15 +419,15 @@ def serve(client: EngineClient, served_model_name: str, host: str, port: int, ap
         except SystemExit as e:  # uvicorn could not start (port taken): the process exits with its code
             status.setdefault("code", e.code if isinstance(e.code, int) else 1)
         finally:
-            client.shutdown()
+            engines.shutdown()
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     thread = threading.Thread(target=http, name="dabba-http")
-    logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", served_model_name, host, port)
+    logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", what, host, port)
     thread.start()
-    client.run_loop()  # the engine steps on the main thread (see AsyncLLMEngine)
-    if client.error is not None:  # the loop died: its streams have their errors; stop serving
+    engines.run_loop()  # the engines step on the main thread (see AsyncLLMEngine)
+    if engines.error is not None:  # the loop died: its streams have their errors; stop serving
         logger.error("the engine loop failed; the server exits with status %d", EXIT_ENGINE_FAILED)
         status.setdefault("code", EXIT_ENGINE_FAILED)
         server.should_exit = True

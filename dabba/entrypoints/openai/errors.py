@@ -13,16 +13,21 @@ class OpenAIError(Exception):
     """An error the client made (or one to show it), with its HTTP status and OpenAI type."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers  # e.g. a 503's Retry-After
 
     def response(self, path: str = "") -> JSONResponse:
         """In OpenAI's shape, or in Anthropic's for a request to the Messages API (``path``)."""
         if speaks_anthropic(path):
-            return anthropic_error(self.status, self.message)
-        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status)
+            response = anthropic_error(self.status, self.message)
+        else:
+            body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                                 code=self.code))
+            response = JSONResponse(body.model_dump(), status_code=self.status)
+        response.headers.update(self.headers or {})
+        return response
 
 
 def param_of(error: ValueError, prompt_param: str = "prompt",

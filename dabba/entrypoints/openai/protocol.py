@@ -46,7 +46,11 @@ class OpenAIModel(BaseModel):
 
 
 class OpenAIRequest(OpenAIModel):
-    """A request body: no string in it may hold a lone surrogate (a 400 naming where)."""
+    """A request body: no string in it may hold a lone surrogate (a 400 naming where).
+    ``keep_alive`` (Ollama's, for a server of several models): how long the model stays loaded
+    once idle, seconds or a duration such as "5m"; negative: for good; 0: unloaded once idle."""
+
+    keep_alive: float | str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -298,10 +302,16 @@ class DetokenizeRequest(OpenAIRequest):
 class LoadLoRAAdapterRequest(OpenAIRequest):  # vLLM's /v1/load_lora_adapter
     lora_name: str
     lora_path: str
+    base_model_name: str | None = None  # which model's adapter (vLLM's name; needed with several models)
 
 
 class UnloadLoRAAdapterRequest(OpenAIRequest):
     lora_name: str
+    base_model_name: str | None = None
+
+
+class ModelOperation(OpenAIRequest):  # POST /models/load and /models/unload
+    model: str
 
 
 class ErrorInfo(BaseModel):

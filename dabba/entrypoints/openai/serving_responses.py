@@ -32,10 +32,16 @@ END_OF_THINKING = "</think>"
 
 
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
-        self.chat = chat
+    def __init__(self, chat: OpenAIServingChat | None, store: ResponseStore) -> None:
+        self.chat = chat  # None: one that retrieves, deletes and cancels (the stored responses of every model)
         self.store = store
         self._cancel: dict[str, asyncio.Event] = {}  # in-progress responses' cancel signals
+
+    def serving_for(self, chat: OpenAIServingChat) -> "OpenAIServingResponses":
+        """The same stored responses and cancel signals, new ones answered by ``chat``'s model."""
+        serving = OpenAIServingResponses(chat, self.store)
+        serving._cancel = self._cancel
+        return serving
 
     # ---- the one conversion -------------------------------------------------------------------
     def chat_request(self, req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
