@@ -268,7 +268,8 @@ class ModelRouter:
         """Refuse new requests; give every model's requests in flight ``timeout`` seconds in all."""
         self._draining = True
         deadline = time.monotonic() + timeout
-        return all([c.drain(max(deadline - time.monotonic(), 0.0)) for c in self.clients()])
+        # a model whose loop failed has failed its own requests already: it does not fail the drain
+        return all([c.drain(max(deadline - time.monotonic(), 0.0)) for c in self.clients() if c.error is None])
 
     def shutdown(self) -> None:
         for client in self.clients():

@@ -142,3 +142,41 @@ def test_an_engine_failure_fails_the_stream_and_exits_non_zero(checkpoints) -> N
         assert "injected failure" in server.text()  # the log has the cause; the client does not
     finally:
         server.kill()
+
+
+def models_args(checkpoints, *extra: str) -> list[str]:
+    return ["serve", "--model", f"a={checkpoints['llama'].path}", "--model", f"b={checkpoints['qwen2'].path}",
+            "--dtype", "float32", "--kv-cache-memory", "16MiB", *extra]
+
+
+def test_serve_of_several_models_routes_then_drains_on_sigterm(checkpoints) -> None:
+    server = ServeProcess(DABBA + models_args(checkpoints))
+    try:
+        models = httpx.get(f"{server.url}/v1/models").json()["data"]
+        assert [(m["id"], m["state"]) for m in models] == [("a", "unloaded"), ("b", "unloaded")]
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                       json={"model": "b", "prompt": "x", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["model"] == "b"
+        body = {"model": "a", "prompt": "x", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        data = server.stream_then(body, lambda: server.proc.send_signal(signal.SIGTERM))
+        assert data[-1] == "[DONE]" and json.loads(data[-2])["usage"]["completion_tokens"] == 200
+        assert server.wait() == 0, server.text()
+    finally:
+        server.kill()
+
+
+def test_a_failed_model_fails_its_requests_and_the_others_serve_on(checkpoints) -> None:
+    server = ServeProcess([sys.executable, "-c", FAILING_SERVE] + models_args(checkpoints))
+    try:
+        data = server.stream_then({"model": "a", "prompt": "x", "max_tokens": 50, "ignore_eos": True}, lambda: None)
+        error = json.loads(data[-2])["error"]
+        assert error["type"] == "server_error" and "engine failed" in error["message"]
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                       json={"model": "b", "prompt": "x", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait() == 0, server.text()
+    finally:
+        server.kill()

@@ -199,3 +199,41 @@ def test_the_playground_attaches_images_for_a_vision_language_model(browser, tmp
         assert page.query_selector(".msg.user .images img") is not None and not page.is_visible("#attachments")
         assert engine.get_stats().num_images_encoded == 1
         assert errors == []
+
+
+def test_the_dashboard_and_playground_pick_among_several_models(browser, checkpoints) -> None:
+    from dabba.config import EngineConfig
+    from dabba.engine.model_router import ModelRouter, ModelSpec
+    from dabba.entrypoints.openai.api_server import build_router_app
+    from tests.entrypoints.live_server import serving
+
+    options = dict(dtype="float32", kv_cache_memory=4 * 2**20)
+    router = ModelRouter([ModelSpec("demo", EngineConfig.from_kwargs(model=str(DEMO), **options)),
+                          ModelSpec("tiny", EngineConfig.from_kwargs(model=str(checkpoints["llama"].path), **options))],
+                         2**30)
+    loop = threading.Thread(target=router.run_loop, daemon=True)
+    loop.start()
+    try:
+        with serving(build_router_app(router, api_key=API_KEY)) as url:
+            body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 5, "ignore_eos": True}
+            assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+            page, errors = open_page(browser, url + "/dashboard")
+            give_key(page)
+            page.wait_for_selector("#model select")
+            assert page.eval_on_selector("#model select", "s => s.value") == "tiny"  # the loaded one
+            assert page.eval_on_selector_all("#model option", "os => os.map(o => o.textContent)") == [
+                "demo (unloaded)", "tiny (loaded)"]
+            page.wait_for_function("document.getElementById('generated').textContent === '5'")  # tiny's engine
+            page.select_option("#model select", "demo")  # not loaded: the page says so, and loads nothing
+            page.wait_for_function("document.getElementById('status').textContent.includes('not loaded')")
+            assert router.entries["demo"].state.value == "unloaded"
+            page.context.close()
+            page, errors2 = open_page(browser, url + "/?model=demo")
+            give_key(page)
+            page.wait_for_selector("#model select")
+            assert page.eval_on_selector("#model select", "s => s.value") == "demo"
+            page.context.close()
+            assert [e for e in errors + errors2 if KEY_REFUSED not in e and "409" not in e] == []
+    finally:
+        router.shutdown()
+        loop.join(timeout=30)

@@ -87,3 +87,28 @@ async function readEvents(response, onEvent) {
 function formatNumber(x, digits = 1) {
   return Number.isFinite(x) ? x.toFixed(digits) : "–";
 }
+
+// The model to talk to or watch: from /v1/models (a server of several lists each with its state;
+// an adapter names its parent), ?model= in the page's address first, else the first loaded. With a
+// choice, a <select> in ``holder`` calls onChange(id); else ``holder`` shows the one name.
+async function pickModel(holder, onChange, basesOnly = false) {
+  const response = await apiFetch("/v1/models");
+  if (!response.ok) {
+    holder.textContent = await errorText(response);
+    return null;
+  }
+  const models = (await response.json()).data.filter((m) => !(basesOnly && m.parent));
+  const wanted = new URLSearchParams(location.search).get("model");
+  const chosen = models.find((m) => m.id === wanted) || models.find((m) => !m.state || m.state === "loaded")
+    || models[0];
+  if (models.length < 2) {
+    holder.textContent = chosen.id;
+    return chosen.id;
+  }
+  const select = document.createElement("select");
+  for (const m of models) select.add(new Option(m.state ? `${m.id} (${m.state})` : m.id, m.id));
+  select.value = chosen.id;
+  select.addEventListener("change", () => onChange(select.value));
+  holder.replaceChildren(select);
+  return chosen.id;
+}

@@ -146,9 +146,12 @@ function drawGrid(grid) {
 }
 
 async function connect() {
+  // a server of several models: the one chosen (a new choice reloads the page: its charts are that engine's)
+  const model = await pickModel($("model"), (id) => { location.search = `?model=${encodeURIComponent(id)}`; }, true);
+  const query = model ? `?model=${encodeURIComponent(model)}` : "";
   for (;;) {
     try {
-      const response = await apiFetch("/engine/stats/stream");
+      const response = await apiFetch(`/engine/stats/stream${query}`);
       if (!response.ok) throw new Error(await errorText(response));
       await readEvents(response, (data) => onSnapshot(JSON.parse(data)));
       $("status").textContent = "disconnected; reconnecting…";

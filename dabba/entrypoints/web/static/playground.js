@@ -8,14 +8,7 @@ let modelName = null;
 let controller = null;  // the reply in flight, if any
 
 async function loadModel() {
-  const response = await apiFetch("/v1/models");
-  if (!response.ok) {
-    $("model").textContent = await errorText(response);
-    return;
-  }
-  const body = await response.json();
-  modelName = body.data[0].id;
-  $("model").textContent = modelName;
+  modelName = await pickModel($("model"), (id) => { modelName = id; });
 }
 
 function addMessage(role, text, images = []) {
