@@ -170,3 +170,55 @@ def test_slot_swaps_read_each_adapter_once(llama, adapters, monkeypatch) -> None
                                lora_request=adapters[name][0])[0]
             assert out.outputs[0].token_ids == adapters[name][1][1]
     assert sorted(reads) == sorted(adapters[n][0].lora_path for n in ("attn", "mlp", "all"))
+
+
+def grid_checkpoint(base: Path, out: Path, bits: int, group_size: int | None, symmetric: bool) -> Path:
+    """``base`` with every projection rounded to a quantizer's grid (its own codes' values), so that
+    the quantized engine multiplies the very weights PEFT is given."""
+    from safetensors.torch import load_file, save_file
+
+    from dabba.quantization.rtn import quantize
+
+    shutil.copytree(base, out, dirs_exist_ok=True)
+    for file in out.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name, w in tensors.items():
+            if w.dim() == 2 and "proj" in name:
+                tensors[name] = quantize(w.float(), bits, group_size or w.shape[1], symmetric).dequantize().to(w.dtype)
+        save_file(tensors, file, metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("quantization, bits, group_size, symmetric", [
+    ("int8", 8, None, True), ("w8a8", 8, None, True), ("int4", 4, 32, False)])
+def test_adapters_on_quantized_base_weights(llama, tmp_path, quantization, bits, group_size, symmetric) -> None:
+    """On INT8, W8A8 and INT4 bases (weights on the quantizer's grid), the log-probabilities of a
+    sequence with an adapter stay as close to PEFT's on the same weights as the base model's stay to
+    transformers' (the kernels' rounding, W8A8's of activations too: a near tie may flip a token,
+    so tokens are not compared), far closer than the adapter moves them."""
+    from transformers import AutoModelForCausalLM
+
+    grid = grid_checkpoint(llama.path, tmp_path / "grid", bits, group_size, symmetric)
+    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+    peft_model = make_adapter(grid, tmp_path / "adapter", 7, 8, 16, targets, False)
+    sequence = llama.prompts[5] + llama.reference[5][:16]
+
+    def reference(model) -> torch.Tensor:
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([sequence])).logits[0, :-1].float(), -1)
+        return logprobs.gather(1, torch.tensor(sequence[1:])[:, None])[:, 0]
+
+    want = reference(peft_model)
+    want_base = reference(AutoModelForCausalLM.from_pretrained(grid, dtype=torch.float32))
+    llm = LLM(str(grid), dtype="float32", quantization=quantization, enable_lora=True, max_lora_rank=8,
+              max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def prompt_logprobs(lora: LoRARequest | None) -> torch.Tensor:
+        out = llm.generate({"prompt_token_ids": sequence}, params, use_tqdm=False, lora_request=lora)[0]
+        return torch.tensor([p[t].logprob for p, t in zip(out.prompt_logprobs[1:], sequence[1:])])
+
+    ours, base = prompt_logprobs(LoRARequest("a", 1, str(tmp_path / "adapter"))), prompt_logprobs(None)
+    base_error = (base - want_base).abs().max()
+    assert (ours - want).abs().max() < max(0.02, 2 * base_error)
+    assert (ours - base).abs().max() > 10 * max(0.02, 2 * base_error)  # the adapter matters here

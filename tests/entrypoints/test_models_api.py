@@ -13,7 +13,9 @@ from dabba.config import EngineConfig
 from dabba.engine.llm_engine import LLMEngine
 from dabba.engine.model_router import ModelRouter, ModelSpec
 from dabba.entrypoints.openai.api_server import build_router_app
+from tests.conftest import hf_greedy
 from tests.entrypoints.live_server import serving
+from tests.test_lora import make_adapter
 
 KEY = "sk-test"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -21,7 +23,19 @@ OPTIONS = dict(dtype="float32", max_num_batched_tokens=64, kv_cache_memory=4 * 2
 
 
 @pytest.fixture(scope="module")
-def server(checkpoints):
+def adapters(checkpoints, tmp_path_factory):
+    """Two PEFT adapters of the tiny Llama and PEFT's greedy tokens for one prompt with each."""
+    llama = checkpoints["llama"]
+    paths, expected = {}, {}
+    for i, name in enumerate(("sql", "poet")):
+        paths[name] = tmp_path_factory.mktemp(name)
+        expected[name] = hf_greedy(make_adapter(llama.path, paths[name], 20 + i, 8, 16, ["q_proj", "v_proj"], False),
+                                   llama.prompts[2:3], 8)[0]
+    return paths, expected
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, adapters):
     llama, qwen = checkpoints["llama"], checkpoints["qwen2"]
     gate = threading.Event()
 
@@ -34,9 +48,11 @@ def server(checkpoints):
              ModelSpec("qwen", EngineConfig.from_kwargs(model=str(qwen.path), **OPTIONS)),
              ModelSpec("slow", EngineConfig.from_kwargs(model=str(llama.path), max_model_len=96, **OPTIONS)),
              ModelSpec("huge", EngineConfig.from_kwargs(model=str(llama.path), **{**OPTIONS,
-                                                                                 "kv_cache_memory": 2**40}))]
+                                                                                 "kv_cache_memory": 2**40})),
+             ModelSpec("tuned", EngineConfig.from_kwargs(model=str(llama.path), enable_lora=True, max_loras=2,
+                                                         **OPTIONS))]
     router = ModelRouter(specs, 2**30, max_waiting=1, build_engine=build)
-    app = build_router_app(router, api_key=KEY)
+    app = build_router_app(router, api_key=KEY, lora_modules={"tuned": {"sql": str(adapters[0]["sql"])}})
     loop = threading.Thread(target=router.run_loop, daemon=True)
     loop.start()
     with serving(app) as url:
@@ -119,3 +135,23 @@ def test_requests_past_the_waiting_bound_get_503_with_retry_after(server):
         assert r.json()["error"]["code"] == "model_unavailable"
         gate.set()
         assert first.result().status_code == 200
+
+
+def test_adapters_route_to_their_base_model(server, adapters):
+    url, llama, _, _ = server
+    paths, expected = adapters
+    assert listed(url)["tuned"] == "unloaded"
+    r = complete(url, "sql", llama.prompts[2])  # an adapter from the start: loads its base
+    assert r.status_code == 200 and r.json()["model"] == "sql", r.text
+    assert r.json()["choices"][0]["text"] == text_of(url, "tuned", expected["sql"])
+    models = {m["id"]: m for m in httpx.get(f"{url}/v1/models", headers=HEADERS).json()["data"]}
+    assert (models["tuned"]["state"], models["sql"]["parent"], models["sql"]["state"]) == ("loaded", "tuned", "loaded")
+    load = {"lora_name": "poet", "lora_path": str(paths["poet"])}
+    r = httpx.post(f"{url}/v1/load_lora_adapter", headers=HEADERS, json=load)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "base_model_name"  # which model's?
+    r = httpx.post(f"{url}/v1/load_lora_adapter", headers=HEADERS, json={**load, "base_model_name": "tuned"})
+    assert r.status_code == 200, r.text
+    r = complete(url, "poet", llama.prompts[2])
+    assert r.json()["choices"][0]["text"] == text_of(url, "tuned", expected["poet"])
+    r = httpx.post(f"{url}/v1/load_lora_adapter", headers=HEADERS, json={**load, "base_model_name": "nope"})
+    assert r.status_code == 404

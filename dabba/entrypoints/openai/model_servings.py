@@ -125,6 +125,9 @@ class RoutedModels:
         for base, registry in self._adapters.items():
             if registry.get(model) is not None:
                 return base
+        for base, modules in self._lora_modules.items():  # served from the start: routed before the base loads
+            if model in modules and base not in self._adapters:
+                return base
         raise OpenAIError(404, f"The model `{model}` does not exist (served here: "
                                f"{', '.join(sorted(self.router.entries))}).", param="model", code="model_not_found")
 
