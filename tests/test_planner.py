@@ -131,3 +131,33 @@ def test_plan_cli(capsys) -> None:
     assert main(["plan", DEMO_MODEL, "--quantization", "int4", "--kv-cache-dtype", "int8"]) == 0
     text = capsys.readouterr().out
     assert "2 · B · S · 6 · 2 · 64 · 2" in text and "int4" in text
+
+
+def test_load_time_is_the_formula_of_rates_measured_here() -> None:
+    result = plan(DEMO_MODEL, 16 * 2**20, quantization="none", kv_cache_dtype="auto", load_time=True)
+    (row,) = result.rows
+    rates = result.load_rates
+    assert set(rates) == {"fixed", "read", "zero", "process_none"} and all(v > 0 for v in rates.values())
+    files = sum(f.stat().st_size for f in __import__("pathlib").Path(DEMO_MODEL).glob("*.safetensors"))
+    want = (rates["fixed"] + files / rates["read"] + files / rates["process_none"]
+            + row.num_blocks * row.kv_bytes_per_block / rates["zero"])
+    assert row.load_seconds == pytest.approx(want)
+    assert "load s" in result.render()
+    assert plan(DEMO_MODEL, 16 * 2**20).rows[0].load_seconds is None  # only when asked: it reads the files
+
+
+def test_a_router_plans_what_dabba_plan_counts(checkpoints) -> None:
+    """The footprint a server of several models plans each load by is the planner's row, and the
+    KV budget it makes explicit is what the engine then allocates."""
+    from dabba.config import EngineConfig
+    from dabba.engine.llm_engine import LLMEngine
+    from dabba.engine.model_footprint import plan_footprint
+
+    path = str(checkpoints["qwen2"].path)
+    footprint, config = plan_footprint(EngineConfig.from_kwargs(model=path, quantization="int8", max_num_seqs=4))
+    (row,) = plan(path, footprint.kv_cache_bytes, quantization="int8", kv_cache_dtype="auto").rows
+    assert footprint.weights_bytes == row.weights_bytes
+    assert footprint.kv_cache_bytes == row.num_blocks * row.kv_bytes_per_block == config.cache_config.kv_cache_memory
+    engine = LLMEngine(config)
+    assert engine.engine_core.cache_layout.num_blocks == row.num_blocks
+    engine.shutdown()

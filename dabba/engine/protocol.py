@@ -149,6 +149,7 @@ class ServedModel(Protocol):
 
     state: ModelState
     client: EngineClient | None
+    load_seconds: float | None  # its last load's
 
     @property
     def name(self) -> str: ...

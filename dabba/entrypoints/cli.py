@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: 4096)")
     pl.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="plan one rank of this many: its shard of the weights, its KV heads, its memory (default: 1)")
+    pl.add_argument("--load-time", action="store_true",
+                    help="also predict each row's load time on this machine, from rates measured now (reads a "
+                         "sample of the checkpoint's files and processes one projection)")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.add_argument("--revision", default=None, help="the Hub revision of a model given as a repo id (default: main)")
     pl.add_argument("--download-dir", default=None,

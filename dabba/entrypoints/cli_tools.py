@@ -39,7 +39,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kv_memory = None if args.memory is not None and args.kv_cache_memory is None else (args.kv_cache_memory or 4 * 2**30)
     result = plan(args.model, kv_memory, args.max_model_len, args.quantization, args.kv_cache_dtype, args.dtype,
                   args.block_size, total_memory=args.memory, revision=args.revision, download_dir=args.download_dir,
-                  max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size)
+                  max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size,
+                  load_time=args.load_time)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
     return 0
 

@@ -36,6 +36,7 @@ class PlanRow:
     kv_bytes_per_block: int
     num_blocks: int  # in kv_cache_memory
     max_sequences: int  # of max_model_len tokens each, all in the cache at once
+    load_seconds: float | None = None  # with load_time: predicted on this machine (tools/load_time.py)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class MemoryPlan:
     active_parameters: int = 0  # what one token's forward multiplies: fewer than all in a mixture of experts
     experts: str | None = None  # a mixture of experts: "top_k of num_experts experts in N of L layers"
     tensor_parallel_size: int = 1  # above 1: the weights, KV heads and memory are one rank's
+    load_rates: dict | None = None  # with load_time: the rates measured here (bytes/s) and the fixed seconds
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,10 +83,18 @@ class MemoryPlan:
             f"{'weights':>8} {'kv dtype':>8} {'weights MiB':>12} {'KV MiB':>9} {'KV B/token':>11} {'KV B/block':>11} "
             f"{'blocks':>8} {'sequences':>10}",
         ]
+        if self.load_rates:
+            lines[-1] += f" {'load s':>7}"
         for r in self.rows:
             lines.append(f"{r.quantization:>8} {r.kv_cache_dtype:>8} {r.weights_bytes / mib:>12.1f} "
                          f"{r.kv_cache_memory / mib:>9.1f} {r.kv_bytes_per_token:>11} {r.kv_bytes_per_block:>11} "
-                         f"{r.num_blocks:>8} {r.max_sequences:>10}")
+                         f"{r.num_blocks:>8} {r.max_sequences:>10}"
+                         + (f" {r.load_seconds:>7.1f}" if r.load_seconds is not None else ""))
+        if self.load_rates:
+            rates = self.load_rates
+            lines.append(f"load s = {rates['fixed']:.2f} s fixed + checkpoint bytes / {rates['read'] / 2**30:.2f} GiB/s "
+                         f"read + / the method's processing rate + KV bytes / {rates['zero'] / 2**30:.2f} GiB/s "
+                         "zeroed (measured here, now)")
         return "\n".join(lines)
 
 
@@ -93,12 +103,14 @@ def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_l
          block_size: int = 16, device_type: str = "cpu", total_memory: int | None = None,
          revision: str | None = None, download_dir: str | None = None,
          max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
-         tensor_parallel_size: int = 1) -> MemoryPlan:
+         tensor_parallel_size: int = 1, load_time: bool = False) -> MemoryPlan:
     """Every combination, or only the given ``quantization`` ("none" for unquantized weights) /
     ``kv_cache_dtype``. With
     ``total_memory`` the KV cache gets what each row's weights leave of it (as on a GPU of that
     size), so smaller weights mean more sequences. ``tensor_parallel_size``: one rank's figures. A
-    Hub repo id ``model`` costs only its config.json: nothing here reads weights."""
+    Hub repo id ``model`` costs only its config.json: nothing here reads weights, but for
+    ``load_time`` (each row's load predicted from rates measured here: tools/load_time.py), which
+    reads a sample of the checkpoint's files."""
     if (kv_cache_memory is None) == (total_memory is None):
         raise ValueError("give exactly one of kv_cache_memory and total_memory")
     # As the engine resolves it (the device is this plan's, not this machine's): the config files alone
@@ -148,6 +160,17 @@ def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_l
             per_block = kv_bytes_per_token(group_size(groups), H, d, kv, torch_dtype) * block_size
             budget = kv_cache_memory if total_memory is None else max(total_memory - w_bytes, 0)
             num_blocks = budget // per_block
-            result.rows.append(PlanRow(name, kv, w_bytes, budget, per_token, per_block, num_blocks,
-                                       max(num_blocks - null_block, 0) // blocks_per_seq))
+            row = PlanRow(name, kv, w_bytes, budget, per_token, per_block, num_blocks,
+                          max(num_blocks - null_block, 0) // blocks_per_seq)
+            if load_time:
+                from dabba.tools.load_time import predict_load_time
+
+                result.load_rates = result.load_rates or {}
+                row.load_seconds = predict_load_time(
+                    resolved.model_dir, resolved.tokenizer_dir, arch, torch_dtype, qc, num_blocks * per_block,
+                    resolved.config.model_config.gguf_file, result.load_rates).seconds
+            result.rows.append(row)
+    if result.load_rates:  # JSON-friendly: the processing rates by method
+        result.load_rates = {k if isinstance(k, str) else f"process_{k[1] or 'none'}": v
+                             for k, v in result.load_rates.items()}
     return result

@@ -178,7 +178,7 @@ class RoutedModels:
         for name, entry in self.router.entries.items():
             servings = self._servings.get(name) if entry.state is ModelState.LOADED else None
             max_len = servings.client.model_info.max_model_len if servings else None
-            cards.append(model_card(name, max_len, state=entry.state.value))
+            cards.append(model_card(name, max_len, state=entry.state.value, load_seconds=entry.load_seconds))
             registry = self._adapters.get(name)
             for lora in registry.all() if registry else []:
                 cards.append(model_card(lora.lora_name, max_len, parent=name, root=lora.lora_path,
