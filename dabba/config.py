@@ -114,6 +114,10 @@ class CacheConfig:
     kv_cache_dtype: str = _help('KV-cache element type: "auto" (the model\'s dtype), "int8" or "fp8" (float8_e4m3fn), '
                                 'both with a scale per token and KV head.', "auto")
 
+    kv_offload_memory: int | None = _help(
+        "Bytes of host memory under the KV pool that keep the prefix blocks the pool evicts (least recently used "
+        "first out), so a prompt that misses the pool loads them back instead of recomputing them. Default: none. "
+        "Accepts sizes such as 8GiB.", None, parse=parse_bytes)
     encoder_cache_memory: int = _help(
         "Bytes for the image embeddings kept by content hash (the encoder cache): an image shown again, in a "
         "later turn or another request, is not encoded again while its embeddings are here. Accepts sizes such "
@@ -127,8 +131,9 @@ class CacheConfig:
             raise ValueError(f'kv_cache_dtype must be "auto", "int8" or "fp8", got {self.kv_cache_dtype!r}')
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        for name in ("kv_cache_memory", "kv_offload_memory"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive number of bytes, got {getattr(self, name)}")
 
 
 SPEC_METHODS = ("ngram", "draft_model")

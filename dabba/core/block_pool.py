@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from typing import Hashable
+from typing import Callable, Hashable
 
 
 # One character per block in block_states() (the dashboard's grid draws them)
@@ -47,6 +47,8 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks if b is not self.null_block)
         self.cached: dict[Hashable, KVCacheBlock] = {}
         self.num_evictions = 0
+        # told (block id, hash) each time a cached block's content is about to be overwritten (a tier keeps it)
+        self.on_evict: Callable[[int, Hashable], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,6 +71,8 @@ class BlockPool:
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1

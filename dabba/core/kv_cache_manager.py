@@ -7,11 +7,13 @@ their place, so a long sequence holds only about a window's worth of blocks in s
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
 from dabba.core.block_pool import BlockPool, KVCacheBlock
 from dabba.core.kv_cache_groups import KVCacheGroup, cdiv
+from dabba.core.kv_offload import HostTierIndex, KVTransfers, TierHit
 from dabba.core.request import Request
 
 BlockTables = tuple[list[KVCacheBlock], ...]  # one table per group
@@ -31,10 +33,12 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 groups: Sequence[KVCacheGroup] | None = None, max_chunk: int | None = None) -> None:
+                 groups: Sequence[KVCacheGroup] | None = None, max_chunk: int | None = None,
+                 tier: HostTierIndex | None = None) -> None:
         """``groups``: the model's KV-cache groups (default: one group, full attention);
         ``max_chunk``: the most tokens a request computes in one step (bounds what a sliding
-        group holds; default: a whole sequence)."""
+        group holds; default: a whole sequence); ``tier``: host memory under the pool that keeps
+        the prefix blocks it evicts (core/kv_offload.py; one full-attention group only)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.groups = tuple(groups) if groups else (KVCacheGroup((), None),)
@@ -44,6 +48,11 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, BlockTables] = {}
         self.num_cached_blocks: dict[str, list[int]] = {}  # per group: leading blocks already published
         self.prefix_stats = PrefixCacheStats()
+        self.tier = tier if enable_caching else None
+        if self.tier is not None:
+            if len(self.groups) > 1 or self.sliding_groups:
+                raise ValueError("kv_offload_memory: a model with sliding-window layers cannot offload KV blocks yet")
+            self.pool.on_evict = self.tier.evicted
 
     @property
     def num_blocks(self) -> int:
@@ -60,12 +69,29 @@ class KVCacheManager:
         return sum(g.blocks_needed(num_tokens, self.block_size, chunk) for g in self.groups)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix, so the next prompts prefill in full (benchmarks' cold
-        prompts). Refused (False) while requests hold blocks: their blocks stay as they are."""
+        """Forget every cached prefix, the tier's too, so the next prompts prefill in full
+        (benchmarks' cold prompts). Refused (False) while requests hold blocks: their blocks stay
+        as they are."""
         if self.req_to_blocks:
             return False
         self.pool.reset_prefix_cache()
+        if self.tier is not None:
+            self.tier.clear()
         return True
+
+    def offload_stats(self) -> dict[str, int]:
+        """The tier's SchedulerStats fields (none without a tier)."""
+        if self.tier is None:
+            return {}
+        stats, per_block = self.tier.stats, self.tier.bytes_per_block
+        return {"kv_offload_memory_bytes": self.tier.bytes_held,
+                "kv_offload_memory_stored_bytes": stats.stored_blocks * per_block,
+                "kv_offload_memory_loaded_bytes": stats.loaded_blocks * per_block,
+                "kv_offload_memory_hit_blocks": stats.loaded_blocks, "kv_offload_memory_missed_blocks": stats.missed_blocks}
+
+    def take_transfers(self) -> KVTransfers | None:
+        """What the worker copies between the pool and the tier before this step's forward."""
+        return self.tier.take() if self.tier is not None else None
 
     @property
     def usage(self) -> float:
@@ -108,8 +134,13 @@ class KVCacheManager:
             hits = tuple(self._longest_hit(g, hashes, num_hit) for g in range(len(self.groups)))
             shortest = min(len(h) for h in hits)
             if shortest == num_hit:
-                return hits, num_hit * self.block_size
+                break
             num_hit = shortest
+        if self.tier is not None and num_hit < len(hashes):  # the tier may hold what follows
+            extra = [TierHit((0, h)) for h in itertools.takewhile(lambda h: (0, h) in self.tier, hashes[num_hit:])]
+            hits = (hits[0] + extra,)
+            num_hit += len(extra)
+        return hits, num_hit * self.block_size
 
     def cached_prefix_blocks(self, block_hashes: list) -> int:
         """How many leading blocks of a prompt (its chained hashes) the cache holds, as the
@@ -165,6 +196,7 @@ class KVCacheManager:
             0   num_computed_tokens                 num_computed   total
         """
         new_computed = new_computed_blocks or tuple([] for _ in self.groups)
+        to_load = [hit for hit in new_computed[0] if isinstance(hit, TierHit)]  # the tier's part of the hit
         tables = self.req_to_blocks.get(request.request_id) or tuple([] for _ in self.groups)
         num_computed = request.num_computed_tokens + len(new_computed[0]) * self.block_size
         total = num_computed + num_new_tokens
@@ -175,17 +207,26 @@ class KVCacheManager:
                         for end, blocks, hits in zip(ends, tables, new_computed)]
         # Hit blocks nobody holds sit in the free queue: touching them removes them from it.
         num_evictable_hits = sum(1 for hits in new_computed for b in hits
-                                 if b.ref_cnt == 0 and b is not self.pool.null_block)
-        if sum(num_required) > self.pool.num_free_blocks - num_evictable_hits:
+                                 if not isinstance(b, TierHit) and b.ref_cnt == 0 and b is not self.pool.null_block)
+        if sum(num_required) + len(to_load) > self.pool.num_free_blocks - num_evictable_hits:
             return None
 
         if request.request_id not in self.req_to_blocks:
             self.prefix_stats.num_queried_tokens += request.num_tokens
             self.prefix_stats.num_hit_tokens += len(new_computed[0]) * self.block_size
+            if self.tier is not None and request.uses_prefix_cache:
+                self.tier.stats.missed_blocks += len(request.prefix_block_hashes) - len(new_computed[0])
             self.req_to_blocks[request.request_id] = tables
             self.num_cached_blocks[request.request_id] = [0] * len(self.groups)
         for hits in new_computed:  # every group's hits first: a new block must not be another group's hit
-            self.pool.touch(hits)
+            self.pool.touch([b for b in hits if not isinstance(b, TierHit)])
+        if to_load:  # fresh blocks for the tier's hits, loaded before the step's forward
+            fresh = iter(self.pool.get_new_blocks(len(to_load)))
+            loaded = [next(fresh) if isinstance(b, TierHit) else b for b in new_computed[0]]
+            for hit, block in zip(new_computed[0], loaded):
+                if isinstance(hit, TierHit):
+                    self.tier.load(hit.key, block.block_id)
+            new_computed = (loaded, *new_computed[1:])
         new_blocks = []
         for g, (blocks, hits, n) in enumerate(zip(tables, new_computed, num_required)):
             new = self.pool.get_new_blocks(n)

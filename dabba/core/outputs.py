@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dabba.core.kv_offload import KVTransfers
 from dabba.core.multimodal import MultiModalFeature
 from dabba.lora_request import LoRARequest
 from dabba.pooling_params import PoolingParams
@@ -72,6 +73,8 @@ class SchedulerOutput:
     scheduled_encoder_inputs: dict[str, list[MultiModalFeature]] = field(default_factory=dict)
     free_encoder_hashes: list[str] = field(default_factory=list)
     encoder_work: float | None = None
+    # Copies between the pool and the host tier under it, before the forward (core/kv_offload.py)
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -220,6 +220,7 @@ class Scheduler:
         self._add_grammar_bitmask(out)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         self.speculation.budget_drafts(out, self.requests)
+        out.kv_transfers = self.kv_cache_manager.take_transfers()
         return out
 
     def record_step_time(self, out: SchedulerOutput, runner_out: ModelRunnerOutput, seconds: float) -> None:
@@ -381,5 +382,6 @@ class Scheduler:
             spec_num_draft_tokens=self.speculation.counters.num_draft_tokens,
             spec_num_accepted_tokens=self.speculation.counters.num_accepted_tokens,
             num_images_encoded=self.encoder.num_encoded if self.encoder is not None else 0,
+            **kv.offload_stats(),
         )
 

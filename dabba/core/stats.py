@@ -25,6 +25,12 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     num_images_encoded: int = 0  # images the vision encoder ran on (one served from its cache is not counted)
+    # the host-memory tier under the pool (core/kv_offload.py): what it holds, and block counts since start
+    kv_offload_memory_bytes: int = 0
+    kv_offload_memory_stored_bytes: int = 0
+    kv_offload_memory_loaded_bytes: int = 0
+    kv_offload_memory_hit_blocks: int = 0  # blocks a prompt found there, not in the pool (and loaded)
+    kv_offload_memory_missed_blocks: int = 0  # prompt blocks found neither in the pool nor there
 
     @classmethod
     def combine(cls, parts: list["SchedulerStats"]) -> "SchedulerStats":

@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 
 from dabba.core.stats import SchedulerStats
 from dabba.engine.commands import (AbortAll, AbortRequest, AddRequest, Command, GetSnapshot, GetStats, OutputQueue,
-                                   Reply, Wake)
+                                   Reply, ResetCache, Wake)
 from dabba.engine.llm_engine import LLMEngine
 from dabba.engine.metrics import EngineMetrics
 from dabba.engine.output_processor import IterationStats
@@ -149,6 +149,10 @@ class AsyncLLMEngine:
     async def get_snapshot(self) -> dict:
         """The dashboard's snapshot of the engine now (engine/stats_feed.py)."""
         return await self._ask(GetSnapshot)
+
+    async def reset_cache(self) -> bool:
+        """Forget every cached prefix, in the pool and the tiers under it; False while requests run."""
+        return await self._ask(ResetCache)
 
     def watch_stats(self) -> AsyncIterator[dict | None]:
         """Snapshots as the engine steps (engine/stats_feed.py's watch)."""
@@ -295,6 +299,8 @@ class AsyncLLMEngine:
                 reply.send(engine.get_stats())
             case GetSnapshot(reply):
                 reply.send(self.feed.publish(engine.engine_core, idle=not engine.has_unfinished_requests()))
+            case ResetCache(reply):
+                reply.send(engine.reset_prefix_cache())
             case AbortAll(reason):
                 self._abort_all(reason)
             case Wake():
@@ -315,6 +321,8 @@ class AsyncLLMEngine:
                     reply.send(self._engine.get_stats())
                 case GetSnapshot(reply):
                     reply.send(self.feed.publish(self._engine.engine_core, idle=True))
+                case ResetCache(reply):
+                    reply.send(False)
 
     def _publish(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
         """Metrics come from the step's stats, not from the outputs: a DELTA output holds only

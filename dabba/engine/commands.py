@@ -101,3 +101,8 @@ def _set_result(future: asyncio.Future, value: object) -> None:
 def _set_exception(future: asyncio.Future, error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
+
+
+@dataclass
+class ResetCache:
+    reply: Reply  # -> bool: every cached prefix (pool and tiers) forgotten; False while requests run

@@ -10,7 +10,9 @@ from typing import Iterable
 
 from dabba.core.encoder_cache import EncoderCache
 from dabba.core.encoder_scheduling import EncoderScheduler
+from dabba.config import EngineConfig
 from dabba.core.kv_cache_manager import KVCacheManager, PrefixCacheView
+from dabba.core.kv_offload import HostTierIndex
 from dabba.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from dabba.core.request import RequestStatus
 from dabba.core.scheduler import Scheduler
@@ -55,7 +57,8 @@ class EngineCore:
         self.executor = make_executor(resolved, config.parallel_config, replica)
         self.cache_layout = self.executor.initialize_kv_cache(cc, sc.max_num_seqs, sc.max_num_batched_tokens)
         self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                               self.cache_layout.groups, sc.max_num_batched_tokens)
+                                               self.cache_layout.groups, sc.max_num_batched_tokens,
+                                               _host_tier(config, self.cache_layout.bytes_per_block))
         self.structured_output = StructuredOutputManager(tokenizer, resolved.arch.vocab_size, eos_token_ids)
         self.scheduler = Scheduler(sc, self.kv_cache_manager, resolved.max_model_len, self.structured_output,
                                    self.executor.row_blocks(), _encoder_scheduler(resolved),
@@ -132,3 +135,16 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """vLLM's reset_prefix_cache: False while requests are unfinished."""
         return not self.has_unfinished_requests() and self.kv_cache_manager.reset_prefix_cache()
+
+
+def _host_tier(config: EngineConfig, bytes_per_block: int) -> HostTierIndex | None:
+    """The host-memory tier under the pool, --kv-offload-memory of it (core/kv_offload.py)."""
+    memory = config.cache_config.kv_offload_memory
+    if memory is None:
+        return None
+    spec = config.scheduler_config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        raise ValueError("kv_offload_memory: a draft model's KV is not offloaded yet; use ngram drafts or no tier")
+    if memory < bytes_per_block:
+        raise ValueError(f"kv_offload_memory={memory} bytes is less than one KV block ({bytes_per_block} bytes)")
+    return HostTierIndex(memory // bytes_per_block, bytes_per_block)

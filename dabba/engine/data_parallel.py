@@ -175,6 +175,9 @@ class DataParallelEngine:
     async def get_stats(self) -> SchedulerStats:
         return SchedulerStats.combine(list(await asyncio.gather(*(r.get_stats() for r in self.replicas))))
 
+    async def reset_cache(self) -> bool:
+        return all(await asyncio.gather(*(r.reset_cache() for r in self.replicas)))
+
     async def render_metrics(self) -> bytes:
         """Each replica's gauges from its stats, and the sum's (replica="all") from them all: one
         registry (engine/metrics.py)."""

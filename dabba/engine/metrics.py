@@ -21,6 +21,7 @@ GAUGES = {
     "spec_acceptance_rate": ("dabba:spec_decode_acceptance_rate", "Accepted draft tokens / proposed ones"),
     "spec_mean_accepted_length": ("dabba:spec_decode_mean_accepted_length",
                                   "Tokens a speculative step gives a request: accepted drafts + 1"),
+    "kv_offload_memory_bytes": ("dabba:kv_offload_memory_bytes", "Bytes of KV blocks the host-memory tier holds"),
 }
 COUNTERS = {
     "num_preemptions": ("dabba:num_preemptions", "Requests preempted (KV blocks ran out)"),
@@ -29,6 +30,14 @@ COUNTERS = {
     "spec_num_drafts": ("dabba:spec_decode_num_drafts", "Speculative steps (a request's drafts verified)"),
     "spec_num_draft_tokens": ("dabba:spec_decode_num_draft_tokens", "Draft tokens proposed and verified"),
     "spec_num_accepted_tokens": ("dabba:spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+    "kv_offload_memory_stored_bytes": ("dabba:kv_offload_memory_stored_bytes",
+                                       "Bytes of evicted prefix blocks copied into the host-memory tier"),
+    "kv_offload_memory_loaded_bytes": ("dabba:kv_offload_memory_loaded_bytes",
+                                       "Bytes of prefix blocks loaded back from the host-memory tier"),
+    "kv_offload_memory_hit_blocks": ("dabba:kv_offload_memory_hit_blocks",
+                                     "Prompt blocks missed by the pool and found in the host-memory tier"),
+    "kv_offload_memory_missed_blocks": ("dabba:kv_offload_memory_missed_blocks",
+                                        "Prompt blocks found neither in the pool nor in the host-memory tier"),
 }
 HISTOGRAMS = {
     "time_to_first_token": ("dabba:time_to_first_token_seconds", "Arrival to first output token"),
@@ -98,7 +107,10 @@ class EngineMetrics:
         self.kv_cache_tokens.set(stats.kv_tokens_stored)
         self.kv_cache_slot_utilization.set(stats.kv_slot_utilization)
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
-        for name in ("num_preemptions", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens"):
+        self.kv_offload_memory_bytes.set(stats.kv_offload_memory_bytes)
+        for name in ("num_preemptions", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+                     "kv_offload_memory_stored_bytes", "kv_offload_memory_loaded_bytes", "kv_offload_memory_hit_blocks",
+                     "kv_offload_memory_missed_blocks"):
             total = getattr(stats, name)  # a counter advances by what the total grew since last time
             getattr(self, name).inc(total - self._seen.get(name, 0))
             self._seen[name] = total

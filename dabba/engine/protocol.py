@@ -97,6 +97,10 @@ class EngineClient(Protocol):
         """The Prometheus exposition of the engine's metrics, its gauges taken now."""
         ...
 
+    async def reset_cache(self) -> bool:
+        """Forget every cached prefix (the pool's and its tiers'); False while requests run."""
+        ...
+
     def run_loop(self) -> None:
         """Step until shutdown(), on the calling thread (a client made with start_thread=False)."""
         ...

@@ -34,6 +34,7 @@ from dabba.models.resolved_config import ResolvedConfig
 from dabba.models.sizes import weights_bytes
 from dabba.ops import native
 from dabba.worker.image_inputs import EncoderWork, ImageEmbeddings
+from dabba.worker.kv_offload import HostKVTier
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.lora_manager import LoRAManager
 from dabba.worker.memory import (check_fits, default_kv_cache_memory, keep_freed_host_memory, kv_bytes_for_sequences,
@@ -108,6 +109,7 @@ class ModelRunner:
         logger.info("Layers run %s: %s", "in the native loop (csrc/decode_cpu.cpp)" if self.native_loop
                     else "in Python", self.layer_loop_reason)
         self.sampler = Sampler(device, mc.seed)
+        self.host_tier = HostKVTier()  # holds blocks only where the engine offloads (kv_offload_memory)
         self.proposer = make_proposer(resolved, self.backend, self.kv_quant, self.sampler.generator)
         self.requests = RequestStates()
         images = arch.images
@@ -178,6 +180,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.requests.update(sched)
+        if sched.kv_transfers is not None:  # the host tier's copies, before the forward writes any block
+            self.host_tier.apply(sched.kv_transfers, self.kv_caches)
         encoding = self.images.update(sched) if self.images is not None else None
         if sched.is_empty:
             return self._encoder_output(ModelRunnerOutput(), encoding)

@@ -30,9 +30,9 @@ from dabba.engine.protocol import EngineClient, EngineDeadError, ModelRouterClie
 from dabba.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from dabba.entrypoints.openai.http_protocol import protocol_class, raise_open_file_limit
 from dabba.entrypoints.openai.model_servings import ModelTable, OneModel, RoutedModels, ServingOptions, unavailable
-from dabba.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                               LoadLoRAAdapterRequest, ModelOperation, TokenizeRequest,
-                                               UnloadLoRAAdapterRequest)
+from dabba.entrypoints.openai.protocol import (CacheReset, ChatCompletionRequest, CompletionRequest,
+                                               DetokenizeRequest, LoadLoRAAdapterRequest, ModelOperation,
+                                               TokenizeRequest, UnloadLoRAAdapterRequest)
 from dabba.entrypoints.openai.errors import OpenAIError
 from dabba.entrypoints.openai.response_store import ResponseStore
 from dabba.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -344,6 +344,11 @@ def make_app(table: ModelTable, engines: Lifecycle, api_key: str | None, config:
                 raise OpenAIError(400, f"tokens outside [0, {info.vocab_size}): {bad[:5]}", param="tokens")
             text = await asyncio.to_thread(info.tokenizer.decode, req.tokens, skip_special_tokens=False)
             return {"prompt": text}
+
+    @app.post("/cache/reset", dependencies=[Depends(check_api_key)])
+    async def reset_cache(req: CacheReset | None = None):
+        """Forget the cached prefixes, in the KV pool and the tiers under it, of one model or all."""
+        return {"reset": await table.reset_cache(req.model if req else None)}
 
     @app.get("/server/limits", dependencies=[Depends(check_api_key)])
     async def server_limits():

@@ -67,6 +67,11 @@ class ModelTable(Protocol):
 
     async def render_metrics(self) -> bytes: ...
 
+    async def reset_cache(self, model: str | None) -> list[str]:
+        """Forget ``model``'s cached prefixes (None: every loaded model's); the names reset.
+        A 409 while one of them runs requests."""
+        ...
+
 
 def model_card(name: str, max_model_len: int | None, **extra: object) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "dabba", "max_model_len": max_model_len, **extra}
@@ -99,6 +104,10 @@ class OneModel:
 
     def loaded(self) -> list[ModelServings]:
         return [self.servings]
+
+    async def reset_cache(self, model: str | None) -> list[str]:
+        self.servings.chat.check_model(model)
+        return await reset_each([self.servings])
 
     async def render_metrics(self) -> bytes:
         return await self.client.render_metrics()
@@ -191,6 +200,19 @@ class RoutedModels:
 
     async def render_metrics(self) -> bytes:
         return await self.router.render_metrics()
+
+    async def reset_cache(self, model: str | None) -> list[str]:
+        if model is not None:
+            self._base_of(model)  # a 404 for a name not served
+        return await reset_each([s for s in self.loaded() if model is None or s.name == self._base_of(model)])
+
+
+async def reset_each(servings: list[ModelServings]) -> list[str]:
+    busy = [s.name for s in servings if not await s.client.reset_cache()]
+    if busy:
+        raise OpenAIError(409, f"requests are running on {', '.join(busy)}: their cached prefixes stay; retry when "
+                               "they have finished", code="cache_in_use")
+    return [s.name for s in servings]
 
 
 def unavailable(e: ModelUnavailable) -> OpenAIError:

@@ -314,6 +314,10 @@ class ModelOperation(OpenAIRequest):  # POST /models/load and /models/unload
     model: str
 
 
+class CacheReset(OpenAIRequest):  # POST /cache/reset
+    model: str | None = None
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
