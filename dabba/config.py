@@ -118,6 +118,11 @@ class CacheConfig:
         "Bytes of host memory under the KV pool that keep the prefix blocks the pool evicts (least recently used "
         "first out), so a prompt that misses the pool loads them back instead of recomputing them. Default: none. "
         "Accepts sizes such as 8GiB.", None, parse=parse_bytes)
+    kv_offload_dir: str | None = _help(
+        "A directory for a disk tier under the host-memory one (needs kv_offload_memory): blocks it lets go are "
+        "written there, one file each, under the model's key, and read back for later prompts and restarts.", None)
+    kv_offload_disk_size: int = _help("Bytes of KV blocks the disk tier keeps. Accepts sizes such as 64GiB.",
+                                      16 * 2**30, parse=parse_bytes)
     encoder_cache_memory: int = _help(
         "Bytes for the image embeddings kept by content hash (the encoder cache): an image shown again, in a "
         "later turn or another request, is not encoded again while its embeddings are here. Accepts sizes such "
@@ -131,9 +136,11 @@ class CacheConfig:
             raise ValueError(f'kv_cache_dtype must be "auto", "int8" or "fp8", got {self.kv_cache_dtype!r}')
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        for name in ("kv_cache_memory", "kv_offload_memory"):
+        for name in ("kv_cache_memory", "kv_offload_memory", "kv_offload_disk_size"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive number of bytes, got {getattr(self, name)}")
+        if self.kv_offload_dir is not None and self.kv_offload_memory is None:
+            raise ValueError("kv_offload_dir needs kv_offload_memory: blocks reach the disk through host memory")
 
 
 SPEC_METHODS = ("ngram", "draft_model")

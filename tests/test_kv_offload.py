@@ -115,3 +115,63 @@ def test_cache_reset_and_metrics_over_http(checkpoints) -> None:
         metrics = httpx.get(f"{url}/metrics").text
         held = next(line for line in metrics.splitlines() if line.startswith("dabba:kv_offload_memory_bytes{"))
         assert float(held.split()[-1]) == 0
+
+
+def test_disk_index_bounds_and_concurrent_fetches_ask_once() -> None:
+    from dabba.core.kv_offload import DiskTierIndex
+
+    disk = DiskTierIndex(3, ["old", "a", "b", "c"])  # a directory holding more than the bound: the oldest go
+    assert disk.keys() == ["a", "b", "c"] and disk.evicted_at_start == ["old"]
+    assert disk.add("d") == ["a"] and disk.keys() == ["b", "c", "d"]
+    tier = HostTierIndex(4, 10, disk)
+    assert tier.take().deletes == ["old"]
+    assert tier.fetching([], ["b", "c", "x"]) is True  # b and c on disk: fetched, the prompt waits
+    assert tier.fetching([], ["b", "c", "x"]) is True  # a second prompt over them waits for the same reads
+    assert tier.take().fetches == ["b", "c"]
+    assert disk.add("e") == ["d"]  # blocks on their way are never the disk's victims
+    tier.fetched(["b"], ["c"])  # c's file failed its checks: recomputed, forgotten
+    assert "b" in tier and "c" not in disk and tier.fetching(["b"], ["x"]) is False
+
+
+def disk_run(llama: Checkpoint, directory, order: tuple[int, ...]) -> tuple[list, object]:
+    llm = LLM(str(llama.path), dtype="float32", kv_cache_memory=30 * BLOCK, kv_offload_memory=16 * BLOCK,
+              kv_offload_dir=str(directory), max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = [llm.generate({"prompt_token_ids": llama.prompts[k]}, params, use_tqdm=False)[0] for k in order]
+    llm.llm_engine.engine_core.model_runner.host_tier.disk.flush()  # every write asked for is on disk
+    assert [o.outputs[0].token_ids for o in outs] == [llama.reference[k][:16] for k in order]
+    return [o.num_cached_tokens for o in outs], llm.get_stats()
+
+
+def test_the_disk_tier_serves_a_restart_and_recomputes_bad_files(checkpoints, tmp_path) -> None:
+    import json
+    import struct
+
+    from dabba.worker.kv_offload import MAGIC
+
+    llama: Checkpoint = checkpoints["llama"]
+    cached, stats = disk_run(llama, tmp_path, (8, 9, 7, 6))
+    assert cached == [0, 0, 0, 0] and stats.kv_offload_disk_bytes > 0
+    (model_dir,) = tmp_path.iterdir()
+    files = {f.name for f in model_dir.iterdir()}
+    assert stats.kv_offload_disk_bytes == len(files) * BLOCK  # every full block computed, once
+    cached, stats = disk_run(llama, tmp_path, (8,))  # a restart: the prefix comes from disk
+    assert cached == [176] and stats.kv_offload_disk_hit_blocks == 11
+
+    from dabba.core.request import Request
+
+    hashes = Request("x", llama.prompts[9], Params(max_tokens=1), block_size=16).prefix_block_hashes
+    paths = [model_dir / f"{h.hex()}.kv" for h in hashes]
+    data = paths[2].read_bytes()
+    paths[2].write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # a flipped bit: the checksum fails
+    size = struct.unpack("<I", data[len(MAGIC):len(MAGIC) + 4])[0]
+    header = json.loads(data[len(MAGIC) + 4:len(MAGIC) + 4 + size])
+    foreign = json.dumps({**header, "model": "0" * 32}).encode()
+    paths[5].write_bytes(MAGIC + struct.pack("<I", len(foreign)) + foreign + data[len(MAGIC) + 4 + size:])
+    paths[7].write_bytes(paths[7].read_bytes()[:100])  # truncated
+    (model_dir / "leftover.kv.tmp123").write_bytes(b"half")  # an interrupted write
+    cached, stats = disk_run(llama, tmp_path, (9,))  # equal output all the same, recomputed from block 2 on
+    assert cached == [32] and stats.kv_offload_disk_failed_blocks == 3
+    assert not (model_dir / "leftover.kv.tmp123").exists()
+    cached, stats = disk_run(llama, tmp_path, (9,))  # the recomputed blocks were written again, good ones
+    assert cached == [16 * 16] and stats.kv_offload_disk_failed_blocks == 0  # as many as memory keeps

@@ -79,19 +79,49 @@ class KVCacheManager:
             self.tier.clear()
         return True
 
+    def fetching(self, request: Request) -> bool:
+        """Whether the request's prefix continues, past what the pool and the memory tier hold,
+        in blocks on disk: they are fetched into memory off the engine thread (those not yet
+        asked for), and the request waits for them rather than recompute them."""
+        if self.tier is None or self.tier.disk is None or not request.uses_prefix_cache:
+            return False
+        hits, _ = self.get_computed_blocks(request)
+        return self.tier.fetching([b.key for b in hits[0] if isinstance(b, TierHit)],
+                                  [(0, h) for h in request.prefix_block_hashes[len(hits[0]):]])
+
+    def fetched(self, read: list, failed: list) -> None:
+        """The worker's report on disk reads (ModelRunnerOutput.kv_fetched / kv_fetch_failed)."""
+        if self.tier is not None and (read or failed):
+            self.tier.fetched(read, failed)
+            for key in failed:  # recomputed already, before the failure came back: written again
+                block = self.pool.cached.get(key)
+                if block is not None:
+                    self.tier.published(block.block_id, key)
+
     def offload_stats(self) -> dict[str, int]:
         """The tier's SchedulerStats fields (none without a tier)."""
         if self.tier is None:
             return {}
-        stats, per_block = self.tier.stats, self.tier.bytes_per_block
-        return {"kv_offload_memory_bytes": self.tier.bytes_held,
-                "kv_offload_memory_stored_bytes": stats.stored_blocks * per_block,
-                "kv_offload_memory_loaded_bytes": stats.loaded_blocks * per_block,
-                "kv_offload_memory_hit_blocks": stats.loaded_blocks, "kv_offload_memory_missed_blocks": stats.missed_blocks}
+        stats, per_block, disk = self.tier.stats, self.tier.bytes_per_block, self.tier.disk
+        out = {"kv_offload_memory_bytes": self.tier.bytes_held,
+               "kv_offload_memory_stored_bytes": stats.stored_blocks * per_block,
+               "kv_offload_memory_loaded_bytes": stats.loaded_blocks * per_block,
+               "kv_offload_memory_hit_blocks": stats.loaded_blocks, "kv_offload_memory_missed_blocks": stats.missed_blocks}
+        if disk is not None:
+            out.update(kv_offload_disk_bytes=len(disk) * per_block,
+                       kv_offload_disk_stored_bytes=disk.stats.stored_blocks * per_block,
+                       kv_offload_disk_loaded_bytes=disk.stats.loaded_blocks * per_block,
+                       kv_offload_disk_hit_blocks=disk.stats.loaded_blocks,
+                       kv_offload_disk_failed_blocks=disk.stats.missed_blocks)
+        return out
 
     def take_transfers(self) -> KVTransfers | None:
         """What the worker copies between the pool and the tier before this step's forward."""
-        return self.tier.take() if self.tier is not None else None
+        if self.tier is None:
+            return None
+        if self.tier.disk is not None:  # last step's new blocks, those the pool still holds, to disk
+            self.tier.persist(lambda block_id, key: self.pool.cached.get(key) is self.pool.blocks[block_id])
+        return self.tier.take()
 
     @property
     def usage(self) -> float:
@@ -260,6 +290,8 @@ class KVCacheManager:
         for i in range(done[g], num_full):
             if blocks[i] is not self.pool.null_block:
                 self.pool.cache_full_block(blocks[i], (g, request.block_hashes[i]))
+                if self.tier is not None and blocks[i].block_hash == (g, request.block_hashes[i]):
+                    self.tier.published(blocks[i].block_id, blocks[i].block_hash)
         done[g] = max(done[g], num_full)
 
     def free(self, request: Request) -> None:

@@ -114,6 +114,9 @@ class ModelRunnerOutput:
     encoder_units: int = 0
     encoder_work: float = 0.0
     encoder_seconds: float = 0.0
+    # The disk tier's reads that ended since the last step: into the memory tier, or failed
+    kv_fetched: list = field(default_factory=list)
+    kv_fetch_failed: list = field(default_factory=list)
 
 
 @dataclass

@@ -184,7 +184,8 @@ class Scheduler:
         # pooling requests when their share of the step is spent.
         adapters = AdaptersInUse(self.max_loras, self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            j = next((k for k, r in enumerate(self.waiting) if shares.limit(r, 1) and adapters.admits(r)), -1)
+            j = next((k for k, r in enumerate(self.waiting)  # (one whose prefix comes from disk waits for it)
+                      if shares.limit(r, 1) and adapters.admits(r) and not kv.fetching(r)), -1)
             if j < 0:
                 break
             request = self.waiting[j]
@@ -259,6 +260,7 @@ class Scheduler:
         """Advance progress, append sampled tokens, finish requests. Returns what is new for each
         request this step (the engine's only view of the requests)."""
         outputs = EngineCoreOutputs()
+        self.kv_cache_manager.fetched(runner_out.kv_fetched, runner_out.kv_fetch_failed)
         if self.encoder is not None:
             self.encoder.encoded(runner_out.encoded_images)
         for request_id, num_tokens in sched_out.num_scheduled_tokens.items():

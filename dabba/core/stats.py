@@ -31,6 +31,11 @@ class SchedulerStats:
     kv_offload_memory_loaded_bytes: int = 0
     kv_offload_memory_hit_blocks: int = 0  # blocks a prompt found there, not in the pool (and loaded)
     kv_offload_memory_missed_blocks: int = 0  # prompt blocks found neither in the pool nor there
+    kv_offload_disk_bytes: int = 0  # the disk tier's (as the memory tier's: the pool's bytes per block)
+    kv_offload_disk_stored_bytes: int = 0
+    kv_offload_disk_loaded_bytes: int = 0
+    kv_offload_disk_hit_blocks: int = 0  # read back into memory for a prompt
+    kv_offload_disk_failed_blocks: int = 0  # files that failed their checks (deleted; recomputed)
 
     @classmethod
     def combine(cls, parts: list["SchedulerStats"]) -> "SchedulerStats":

@@ -10,9 +10,8 @@ from typing import Iterable
 
 from dabba.core.encoder_cache import EncoderCache
 from dabba.core.encoder_scheduling import EncoderScheduler
-from dabba.config import EngineConfig
 from dabba.core.kv_cache_manager import KVCacheManager, PrefixCacheView
-from dabba.core.kv_offload import HostTierIndex
+from dabba.core.kv_offload import DiskTierIndex, HostTierIndex
 from dabba.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from dabba.core.request import RequestStatus
 from dabba.core.scheduler import Scheduler
@@ -23,6 +22,7 @@ from dabba.executor.selector import make_executor
 from dabba.executor.uniproc import UniProcExecutor
 from dabba.models.resolved_config import ResolvedConfig
 from dabba.structured_output.manager import StructuredOutputManager
+from dabba.worker.kv_offload import disk_tier_dir, list_blocks
 from dabba.worker.model_runner import ModelRunner
 
 
@@ -58,7 +58,7 @@ class EngineCore:
         self.cache_layout = self.executor.initialize_kv_cache(cc, sc.max_num_seqs, sc.max_num_batched_tokens)
         self.kv_cache_manager = KVCacheManager(self.cache_layout.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                                self.cache_layout.groups, sc.max_num_batched_tokens,
-                                               _host_tier(config, self.cache_layout.bytes_per_block))
+                                               _host_tier(resolved, self.cache_layout.bytes_per_block))
         self.structured_output = StructuredOutputManager(tokenizer, resolved.arch.vocab_size, eos_token_ids)
         self.scheduler = Scheduler(sc, self.kv_cache_manager, resolved.max_model_len, self.structured_output,
                                    self.executor.row_blocks(), _encoder_scheduler(resolved),
@@ -137,14 +137,26 @@ class EngineCore:
         return not self.has_unfinished_requests() and self.kv_cache_manager.reset_prefix_cache()
 
 
-def _host_tier(config: EngineConfig, bytes_per_block: int) -> HostTierIndex | None:
-    """The host-memory tier under the pool, --kv-offload-memory of it (core/kv_offload.py)."""
-    memory = config.cache_config.kv_offload_memory
-    if memory is None:
+def _host_tier(resolved: ResolvedConfig, bytes_per_block: int) -> HostTierIndex | None:
+    """The host-memory tier under the pool, --kv-offload-memory of it, and under it the disk tier
+    where --kv-offload-dir names one (core/kv_offload.py), filled from what earlier runs of the
+    same model left there."""
+    config = resolved.config
+    cc = config.cache_config
+    if cc.kv_offload_memory is None:
         return None
     spec = config.scheduler_config.speculative_config
     if spec is not None and spec.method == "draft_model":
         raise ValueError("kv_offload_memory: a draft model's KV is not offloaded yet; use ngram drafts or no tier")
-    if memory < bytes_per_block:
-        raise ValueError(f"kv_offload_memory={memory} bytes is less than one KV block ({bytes_per_block} bytes)")
-    return HostTierIndex(memory // bytes_per_block, bytes_per_block)
+    if cc.kv_offload_memory < bytes_per_block:
+        raise ValueError(f"kv_offload_memory={cc.kv_offload_memory} bytes is less than one KV block "
+                         f"({bytes_per_block} bytes)")
+    disk = None
+    if cc.kv_offload_dir is not None:
+        if config.parallel_config.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_dir: the disk tier does not take tensor-parallel ranks yet")
+        if cc.kv_offload_disk_size < bytes_per_block:
+            raise ValueError(f"kv_offload_disk_size={cc.kv_offload_disk_size} bytes is less than one KV block "
+                             f"({bytes_per_block} bytes)")
+        disk = DiskTierIndex(cc.kv_offload_disk_size // bytes_per_block, list_blocks(disk_tier_dir(resolved)))
+    return HostTierIndex(cc.kv_offload_memory // bytes_per_block, bytes_per_block, disk)

@@ -34,7 +34,7 @@ from dabba.models.resolved_config import ResolvedConfig
 from dabba.models.sizes import weights_bytes
 from dabba.ops import native
 from dabba.worker.image_inputs import EncoderWork, ImageEmbeddings
-from dabba.worker.kv_offload import HostKVTier
+from dabba.worker.kv_offload import DiskStore, HostKVTier, disk_tier_dir
 from dabba.worker.layer_loop import run_layers, select_layer_loop
 from dabba.worker.lora_manager import LoRAManager
 from dabba.worker.memory import (check_fits, default_kv_cache_memory, keep_freed_host_memory, kv_bytes_for_sequences,
@@ -110,6 +110,9 @@ class ModelRunner:
                     else "in Python", self.layer_loop_reason)
         self.sampler = Sampler(device, mc.seed)
         self.host_tier = HostKVTier()  # holds blocks only where the engine offloads (kv_offload_memory)
+        if resolved.config.cache_config.kv_offload_dir is not None:
+            directory = disk_tier_dir(resolved)
+            self.host_tier.disk = DiskStore(directory, directory.name)
         self.proposer = make_proposer(resolved, self.backend, self.kv_quant, self.sampler.generator)
         self.requests = RequestStates()
         images = arch.images
@@ -179,9 +182,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.requests.update(sched)
-        if sched.kv_transfers is not None:  # the host tier's copies, before the forward writes any block
+        # the disk tier's reads that ended (an empty step waits a little for one: a prompt waits for them)
+        fetched = self.host_tier.drain(0.02 if sched.is_empty else 0.0)
+        if sched.kv_transfers is not None:  # the tiers' copies, before the forward writes any block
             self.host_tier.apply(sched.kv_transfers, self.kv_caches)
+        output = self._execute(sched)
+        output.kv_fetched, output.kv_fetch_failed = fetched
+        return output
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.requests.update(sched)
         encoding = self.images.update(sched) if self.images is not None else None
         if sched.is_empty:
             return self._encoder_output(ModelRunnerOutput(), encoding)
