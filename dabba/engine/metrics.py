@@ -22,6 +22,7 @@ GAUGES = {
     "spec_mean_accepted_length": ("dabba:spec_decode_mean_accepted_length",
                                   "Tokens a speculative step gives a request: accepted drafts + 1"),
     "kv_offload_memory_bytes": ("dabba:kv_offload_memory_bytes", "Bytes of KV blocks the host-memory tier holds"),
+    "kv_offload_disk_bytes": ("dabba:kv_offload_disk_bytes", "Bytes of KV blocks the disk tier holds"),
 }
 COUNTERS = {
     "num_preemptions": ("dabba:num_preemptions", "Requests preempted (KV blocks ran out)"),
@@ -38,6 +39,11 @@ COUNTERS = {
                                      "Prompt blocks missed by the pool and found in the host-memory tier"),
     "kv_offload_memory_missed_blocks": ("dabba:kv_offload_memory_missed_blocks",
                                         "Prompt blocks found neither in the pool nor in the host-memory tier"),
+    "kv_offload_disk_stored_bytes": ("dabba:kv_offload_disk_stored_bytes", "Bytes of KV blocks written to the disk tier"),
+    "kv_offload_disk_loaded_bytes": ("dabba:kv_offload_disk_loaded_bytes", "Bytes of KV blocks read from the disk tier"),
+    "kv_offload_disk_hit_blocks": ("dabba:kv_offload_disk_hit_blocks", "Prompt blocks read back from the disk tier"),
+    "kv_offload_disk_failed_blocks": ("dabba:kv_offload_disk_failed_blocks",
+                                      "Disk tier files that failed their checks (deleted; their blocks recomputed)"),
 }
 HISTOGRAMS = {
     "time_to_first_token": ("dabba:time_to_first_token_seconds", "Arrival to first output token"),
@@ -108,9 +114,11 @@ class EngineMetrics:
         self.kv_cache_slot_utilization.set(stats.kv_slot_utilization)
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
         self.kv_offload_memory_bytes.set(stats.kv_offload_memory_bytes)
+        self.kv_offload_disk_bytes.set(stats.kv_offload_disk_bytes)
         for name in ("num_preemptions", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
-                     "kv_offload_memory_stored_bytes", "kv_offload_memory_loaded_bytes", "kv_offload_memory_hit_blocks",
-                     "kv_offload_memory_missed_blocks"):
+                     *(f"kv_offload_{tier}_{what}" for tier in ("memory", "disk")
+                       for what in ("stored_bytes", "loaded_bytes", "hit_blocks")),
+                     "kv_offload_memory_missed_blocks", "kv_offload_disk_failed_blocks"):
             total = getattr(stats, name)  # a counter advances by what the total grew since last time
             getattr(self, name).inc(total - self._seen.get(name, 0))
             self._seen[name] = total
