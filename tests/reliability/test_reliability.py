@@ -75,7 +75,7 @@ def test_disconnect_storm(target) -> None:
 
 
 def test_fuzz(target) -> None:
-    config = FuzzConfig(cases=560, seed=3)  # at least 20 cases for each of 10 POST operations, in both modes
+    config = FuzzConfig(cases=620, seed=3)  # at least 20 cases for each of 10 POST operations, in both modes
     result = run_fuzz(target, config)
     assert result.failures == []
     assert result.server_errors == 0
