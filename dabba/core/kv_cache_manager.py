@@ -117,11 +117,7 @@ class KVCacheManager:
 
     def take_transfers(self) -> KVTransfers | None:
         """What the worker copies between the pool and the tier before this step's forward."""
-        if self.tier is None:
-            return None
-        if self.tier.disk is not None:  # last step's new blocks, those the pool still holds, to disk
-            self.tier.persist(lambda block_id, key: self.pool.cached.get(key) is self.pool.blocks[block_id])
-        return self.tier.take()
+        return self.tier.take() if self.tier is not None else None
 
     @property
     def usage(self) -> float:

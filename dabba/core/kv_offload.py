@@ -12,15 +12,15 @@ block), and each step's KVTransfers tell the worker what to copy before its forw
            step's forward writes the block again
     writes keys just stored that the disk tier takes as well (written off the engine thread), so
            that what memory holds outlives the process
-    persists (pool block, key): a block computed in the step before, written to disk from the
-           pool (the disk tier takes every full prefix block once: a restart finds them)
+    persists (pool block, key): a block this step computes, written to disk from the pool after
+           the step's forward (the disk tier takes every full prefix block once: a restart finds them)
     loads  (key, pool block): a memory-tier hit copied into a fresh block, which the step then
            treats as computed (its tokens count as cached)
     fetches keys read from disk into memory (off the engine thread; the worker reports each one
            back, read or failed, in a later step's ModelRunnerOutput), and deletes: files the disk
            tier lets go
 
-in that order. A key loaded this step is never dropped in it (pinned), and a key the tier already
+in that order, persists after the forward. A key loaded this step is never dropped in it (pinned), and a key the tier already
 holds is not stored again, only made most recently used. A prompt whose next blocks sit on disk
 waits (fetching()) while others' steps run; a block that fails its read is recomputed.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Hashable
 
 
 FETCH_HOLD_STEPS = 256  # steps a block fetched for a waiting prompt is kept from the LRU's victims
@@ -121,8 +121,7 @@ class HostTierIndex:
         self._fetched: dict[Hashable, int] = {}
         self.disk = disk
         self.pending = KVTransfers(deletes=list(disk.evicted_at_start) if disk else [])
-        self._published: list[tuple[int, Hashable]] = []  # blocks cached in this step's schedule: persisted next step
-        self._published_before: list[tuple[int, Hashable]] = []
+        self._published: list[tuple[int, Hashable]] = []  # blocks this step computes: to disk after its forward
         self.stats = TierStats()
 
     def __contains__(self, key: Hashable) -> bool:
@@ -210,17 +209,10 @@ class HostTierIndex:
             self._fetched[key] = 0
 
     def published(self, block_id: int, key: Hashable) -> None:
-        """The pool cached ``key`` in ``block_id``, computed by the end of this step: the disk
-        tier takes it once that step has run."""
+        """The pool cached ``key`` in ``block_id``, computed by the end of this step (or before):
+        the disk tier takes it after the step's forward."""
         if self.disk is not None:
             self._published.append((block_id, key))
-
-    def persist(self, still_cached: Callable[[int, Hashable], bool]) -> None:
-        """Write the blocks published a step ago that the pool still holds and the disk does not."""
-        for block_id, key in self._published_before:
-            if key not in self.disk and still_cached(block_id, key):
-                self.pending.persists.append((block_id, key))
-                self.pending.deletes.extend(self.disk.add(key))
 
     def load(self, key: Hashable, block_id: int) -> None:
         """Copy ``key`` into fresh pool block ``block_id`` this step (it stays here too)."""
@@ -232,8 +224,12 @@ class HostTierIndex:
 
     def take(self) -> KVTransfers | None:
         """This step's transfers (None if none), for the SchedulerOutput."""
+        for block_id, key in self._published:  # to disk once this step has computed them
+            if key not in self.disk:
+                self.pending.persists.append((block_id, key))
+                self.pending.deletes.extend(self.disk.add(key))
+        self._published = []
         transfers, self.pending = self.pending, KVTransfers()
-        self._published_before, self._published = self._published, []
         self._pinned.clear()
         for key in list(self._fetched):  # a prompt aborted while it waited: its blocks go back to the LRU
             self._fetched[key] += 1

@@ -58,8 +58,8 @@ class HostKVTier:
         return read, failed
 
     def apply(self, transfers: KVTransfers, kv_caches: list[Any]) -> None:
-        """Spills, drops, stores, writes, persists, loads, then the disk's deletes and fetches (the
-        order the core planned them in)."""
+        """Before the forward: spills, drops, stores, writes, loads, then the disk's deletes and
+        fetches (the order the core planned them in); persist() after it."""
         for key in transfers.spills:
             self.disk.write(key, self.blocks.pop(key))
         for key in transfers.drops:
@@ -72,11 +72,6 @@ class HostKVTier:
                 self.blocks[key] = [g[i].clone() for g in gathered]
         for key in transfers.writes:
             self.disk.write(key, self.blocks[key])
-        if transfers.persists:
-            ids = torch.tensor([block_id for block_id, _ in transfers.persists], device=parts[0].device)
-            gathered = [p.index_select(BLOCK_DIM, ids).movedim(BLOCK_DIM, 0) for p in parts]
-            for i, (_, key) in enumerate(transfers.persists):
-                self.disk.write(key, [g[i] for g in gathered])
         if transfers.loads:
             ids = torch.tensor([block_id for _, block_id in transfers.loads], device=parts[0].device)
             stored = [self.blocks[key] for key, _ in transfers.loads]
@@ -86,6 +81,15 @@ class HostKVTier:
             self.disk.delete(key)
         for key in transfers.fetches:
             self.disk.read(key, [(p.dtype, p.shape[:BLOCK_DIM] + p.shape[BLOCK_DIM + 1:]) for p in parts])
+
+    def persist(self, transfers: KVTransfers, kv_caches: list[Any]) -> None:
+        """After the forward: the blocks it computed that the disk tier takes, copied out and written."""
+        if transfers.persists:
+            parts = _parts(kv_caches)
+            ids = torch.tensor([block_id for block_id, _ in transfers.persists], device=parts[0].device)
+            gathered = [p.index_select(BLOCK_DIM, ids).movedim(BLOCK_DIM, 0) for p in parts]
+            for i, (_, key) in enumerate(transfers.persists):
+                self.disk.write(key, [g[i] for g in gathered])
 
     @property
     def bytes_held(self) -> int:

@@ -187,6 +187,8 @@ class ModelRunner:
         if sched.kv_transfers is not None:  # the tiers' copies, before the forward writes any block
             self.host_tier.apply(sched.kv_transfers, self.kv_caches)
         output = self._execute(sched)
+        if sched.kv_transfers is not None:  # the blocks the forward computed, to the disk tier
+            self.host_tier.persist(sched.kv_transfers, self.kv_caches)
         output.kv_fetched, output.kv_fetch_failed = fetched
         return output
 
