@@ -75,7 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dabba.engine.data_parallel import build_replicas
     from dabba.engine.llm_engine import LLMEngine
     from dabba.entrypoints.openai.adapters import parse_lora_modules
-    from dabba.entrypoints.openai.api_server import serve
+    from dabba.entrypoints.openai.run_server import serve
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
@@ -97,7 +97,8 @@ def serve_models(args: argparse.Namespace) -> int:
     from dabba.engine.model_footprint import plan_footprint
     from dabba.engine.model_router import ModelRouter
     from dabba.entrypoints.models_file import parse_model_flags, read_models_file
-    from dabba.entrypoints.openai.api_server import build_router_app, run_app
+    from dabba.entrypoints.openai.api_server import build_router_app
+    from dabba.entrypoints.openai.run_server import run_app
     from dabba.entrypoints.openai.model_servings import ServingOptions
     from dabba.worker.memory import available_cpu_memory
 

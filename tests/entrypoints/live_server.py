@@ -13,7 +13,8 @@ from dabba.config import EngineConfig, ServerConfig
 from dabba.engine.clients import make_engine_client
 from dabba.engine.data_parallel import build_replicas
 from dabba.engine.llm_engine import LLMEngine
-from dabba.entrypoints.openai.api_server import build_app, uvicorn_config
+from dabba.entrypoints.openai.api_server import build_app
+from dabba.entrypoints.openai.run_server import uvicorn_config
 
 
 def free_port() -> int:

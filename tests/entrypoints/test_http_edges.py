@@ -22,7 +22,8 @@ import uvicorn
 from dabba.config import DEMO_MODEL, EngineConfig, ServerConfig
 from dabba.engine.clients import make_engine_client
 from dabba.engine.llm_engine import LLMEngine
-from dabba.entrypoints.openai.api_server import build_app, uvicorn_config
+from dabba.entrypoints.openai.api_server import build_app
+from dabba.entrypoints.openai.run_server import uvicorn_config
 from dabba.entrypoints.openai.http_protocol import raise_open_file_limit
 
 API_KEY = "sk-edges"

@@ -5,8 +5,8 @@ up the process's descriptors; and what uvicorn answers before the app sees a req
 text, where every other error of the server is OpenAI's JSON shape.
 
 uvicorn hands a protocol its settings only through uvicorn.Config, so ``protocol_class`` binds
-the ServerConfig into a subclass, and serve() passes that class as Config(http=...): the choice
-never depends on which HTTP parsers are installed.
+the ServerConfig into a subclass, and run_server.uvicorn_config passes that class as
+Config(http=...): the choice never depends on which HTTP parsers are installed.
 """
 from __future__ import annotations
 
