@@ -88,6 +88,15 @@ class ModelRouter:
         self._load_lock: asyncio.Lock | None = None  # made on the event loop, at the first load
         self._draining = False
 
+    def plan(self) -> None:
+        """Plan every model's footprint now (a ValueError naming the model), so that a model
+        that cannot be planned fails the server's start, not its first request."""
+        for entry in self.entries.values():
+            try:
+                entry.footprint, entry.config = plan_footprint(entry.spec.config)
+            except ValueError as e:
+                raise ValueError(f"model {entry.name}: {e}") from None
+
     # ---- leases ----------------------------------------------------------------------
     def entry(self, name: str | None) -> ModelEntry:
         entry = self.entries.get(name) if name is not None else None

@@ -94,7 +94,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def serve_models(args: argparse.Namespace) -> int:
     """`dabba serve --model NAME=PATH ...` or `--models-file FILE`: several models, each loaded on first use."""
-    from dabba.engine.model_footprint import plan_footprint
     from dabba.engine.model_router import ModelRouter
     from dabba.entrypoints.models_file import parse_model_flags, read_models_file
     from dabba.entrypoints.openai.api_server import build_router_app
@@ -121,11 +120,7 @@ def serve_models(args: argparse.Namespace) -> int:
         raise ValueError(f"model names must differ, got {names}")
     budget = router_config.models_memory or int(available_cpu_memory() * 0.9)
     router = ModelRouter([m.spec for m in served], budget, router_config.max_waiting_per_model)
-    for entry in router.entries.values():  # a model that cannot be planned fails now, not at its first request
-        try:
-            entry.footprint, entry.config = plan_footprint(entry.spec.config)
-        except ValueError as e:
-            raise ValueError(f"model {entry.name}: {e}") from None
+    router.plan()
     app = build_router_app(router, {m.spec.name: m.options for m in served}, args.api_key, server_config,
                            {m.spec.name: m.lora_modules for m in served})
     return run_app(app, router, args.host, args.port, server_config, f"{len(served)} models ({', '.join(names)})")

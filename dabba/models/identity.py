@@ -7,6 +7,7 @@ values everywhere), config.json and the tokenizer's files whole, and the options
 KV (dtype, KV dtype, block size, quantization, tensor-parallel size)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -17,10 +18,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def model_key(resolved: ResolvedConfig) -> str:
+    config = resolved.config
+    cc = config.cache_config
+    return _model_key(resolved.model_dir, resolved.tokenizer_dir, config.model_config.gguf_file,
+                      repr((str(resolved.dtype), cc.kv_cache_dtype, cc.block_size, resolved.quant_config,
+                            config.parallel_config.tensor_parallel_size)))
+
+
+@functools.lru_cache(maxsize=8)
+def _model_key(model_dir: str, tokenizer_dir: str, gguf: str | None, layout: str) -> str:
+    """Once per process for each model: the engine and its worker both ask."""
     h = hashlib.sha256(b"dabba-model-key-1")
-    model_dir, config = Path(resolved.model_dir), resolved.config
-    gguf = config.model_config.gguf_file
-    weights = [model_dir / gguf] if gguf else sorted(model_dir.glob("*.safetensors"))
+    directory = Path(model_dir)
+    weights = [directory / gguf] if gguf else sorted(directory.glob("*.safetensors"))
     for path in weights:
         size = path.stat().st_size
         h.update(f"{path.name}:{size}".encode())
@@ -28,10 +38,8 @@ def model_key(resolved: ResolvedConfig) -> str:
             for i in range(PIECES):
                 f.seek(i * max(size - PIECE, 0) // max(PIECES - 1, 1))
                 h.update(f.read(PIECE))
-    for path in [model_dir / "config.json", *(Path(resolved.tokenizer_dir) / n for n in TOKENIZER_FILES)]:
+    for path in [directory / "config.json", *(Path(tokenizer_dir) / n for n in TOKENIZER_FILES)]:
         if path.is_file():
             h.update(path.name.encode() + b"\0" + path.read_bytes())
-    cc = config.cache_config
-    h.update(repr((str(resolved.dtype), cc.kv_cache_dtype, cc.block_size, resolved.quant_config,
-                   config.parallel_config.tensor_parallel_size)).encode())
+    h.update(layout.encode())
     return h.hexdigest()[:32]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -26,21 +25,6 @@ from dabba.layers.linear import Linear
 from dabba.quantization.config import QuantConfig
 
 PIECE = 16 * 2**20
-
-
-@dataclass
-class LoadTime:
-    seconds: float
-    fixed_seconds: float
-    checkpoint_bytes: int
-    read_bytes_per_s: float
-    weights_bytes: int  # the checkpoint's, as the processing reads them
-    process_bytes_per_s: float
-    kv_cache_bytes: int
-    zero_bytes_per_s: float
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def checkpoint_files(model_dir: Path, gguf_file: str | None = None) -> list[Path]:
@@ -102,8 +86,8 @@ def fixed_seconds(tokenizer_dir: str) -> float:
 
 def predict_load_time(model_dir: str, tokenizer_dir: str, arch: ArchConfig, dtype: torch.dtype,
                       quant_config: QuantConfig | None, kv_cache_bytes: int, gguf_file: str | None = None,
-                      rates: dict | None = None) -> LoadTime:
-    """``rates``, if given, caches the measurements shared between rows of one plan."""
+                      rates: dict | None = None) -> float:
+    """Seconds; ``rates``, if given, caches the measurements shared between rows of one plan."""
     rates = {} if rates is None else rates
     files = checkpoint_files(Path(model_dir), gguf_file)
     checkpoint_bytes = sum(os.path.getsize(f) for f in files)
@@ -112,7 +96,5 @@ def predict_load_time(model_dir: str, tokenizer_dir: str, arch: ArchConfig, dtyp
     key = ("process", quant_config.method if quant_config else None)
     if key not in rates:
         rates[key] = process_rate(arch, dtype, quant_config)
-    seconds = (rates["fixed"] + checkpoint_bytes / rates["read"] + checkpoint_bytes / rates[key]
-               + kv_cache_bytes / rates["zero"])
-    return LoadTime(seconds, rates["fixed"], checkpoint_bytes, rates["read"], checkpoint_bytes, rates[key],
-                    kv_cache_bytes, rates["zero"])
+    return (rates["fixed"] + checkpoint_bytes / rates["read"] + checkpoint_bytes / rates[key]
+            + kv_cache_bytes / rates["zero"])

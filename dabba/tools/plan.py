@@ -168,7 +168,7 @@ def plan(model: str | Path, kv_cache_memory: int | None = 4 * 2**30, max_model_l
                 result.load_rates = result.load_rates or {}
                 row.load_seconds = predict_load_time(
                     resolved.model_dir, resolved.tokenizer_dir, arch, torch_dtype, qc, num_blocks * per_block,
-                    resolved.config.model_config.gguf_file, result.load_rates).seconds
+                    resolved.config.model_config.gguf_file, result.load_rates)
             result.rows.append(row)
     if result.load_rates:  # JSON-friendly: the processing rates by method
         result.load_rates = {k if isinstance(k, str) else f"process_{k[1] or 'none'}": v

@@ -39,6 +39,12 @@ def _parts(kv_caches: list[Any]) -> list[torch.Tensor]:
     return [part for cache in kv_caches for part in (cache if isinstance(cache, (tuple, list)) else (cache,))]
 
 
+def _gather(parts: list[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
+    """Copies of the blocks of each part, block first: [n, 2, heads, ...]."""
+    ids = torch.tensor(block_ids, device=parts[0].device)
+    return [p.index_select(BLOCK_DIM, ids).movedim(BLOCK_DIM, 0) for p in parts]
+
+
 class HostKVTier:
     def __init__(self) -> None:
         self.blocks: dict[Hashable, list[torch.Tensor]] = {}  # key -> one slice per layer and part
@@ -66,8 +72,7 @@ class HostKVTier:
             del self.blocks[key]
         parts = _parts(kv_caches)
         if transfers.stores:
-            ids = torch.tensor([block_id for block_id, _ in transfers.stores], device=parts[0].device)
-            gathered = [p.index_select(BLOCK_DIM, ids).movedim(BLOCK_DIM, 0) for p in parts]  # [n, 2, heads, ...]
+            gathered = _gather(parts, [block_id for block_id, _ in transfers.stores])
             for i, (_, key) in enumerate(transfers.stores):
                 self.blocks[key] = [g[i].clone() for g in gathered]
         for key in transfers.writes:
@@ -85,15 +90,9 @@ class HostKVTier:
     def persist(self, transfers: KVTransfers, kv_caches: list[Any]) -> None:
         """After the forward: the blocks it computed that the disk tier takes, copied out and written."""
         if transfers.persists:
-            parts = _parts(kv_caches)
-            ids = torch.tensor([block_id for block_id, _ in transfers.persists], device=parts[0].device)
-            gathered = [p.index_select(BLOCK_DIM, ids).movedim(BLOCK_DIM, 0) for p in parts]
+            gathered = _gather(_parts(kv_caches), [block_id for block_id, _ in transfers.persists])
             for i, (_, key) in enumerate(transfers.persists):
                 self.disk.write(key, [g[i] for g in gathered])
-
-    @property
-    def bytes_held(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self.blocks.values() for t in ts)
 
 
 def disk_tier_dir(resolved: Any) -> Path:
@@ -139,7 +138,6 @@ class DiskStore:
         directory.mkdir(parents=True, exist_ok=True)
         self._ops: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
-        self.bytes_written = self.bytes_read = 0
         self.pending_reads = 0  # asked for and not yet taken by completed() (the engine thread's count)
         threading.Thread(target=self._run, name="dabba-kv-disk", daemon=True).start()
 
@@ -202,7 +200,6 @@ class DiskStore:
         with open(tmp, "wb") as f:
             f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
         os.replace(tmp, path)
-        self.bytes_written += len(payload)
 
     def _read(self, key: Hashable, expected: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor] | None:
         path = self.path(key)
@@ -216,7 +213,6 @@ class DiskStore:
             path.unlink(missing_ok=True)
             return None
         os.utime(path)  # recently used, for the next start's order
-        self.bytes_read += len(data)
         return tensors
 
     def _parse(self, data: bytes, key: Hashable, expected: list[tuple[torch.dtype, tuple[int, ...]]]
